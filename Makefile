@@ -1,0 +1,31 @@
+# Two commands set everything up: `make train` and `make test`. Both create
+# .venv on first use and reinstall the project when its metadata changes.
+PYTHON ?= python3
+VENV ?= .venv
+ARGS ?=
+PYTEST_ARGS ?=
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dasktrain-installed
+
+# Honoured by pip's isolated build environments too, which is what chainer's
+# sdist needs (its setup.py imports pkg_resources).
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: train test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/dasktrain train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,37 @@
+"""dasktrain: train Chainer models on several GPUs and machines, with Dask.
+
+Data flows one way through the package::
+
+    data -> augment -> parallel -> training -> cluster -> cli
+
+Heavy modules (chainer, dask.distributed) load on first use, so ``import
+dasktrain`` and ``dasktrain --help`` stay fast.
+"""
+from dasktrain import _compat  # noqa: F401  (must precede any chainer import)
+
+__version__ = '0.1.0'
+
+# public name -> module that defines it
+_EXPORTS = {
+    'CIFAR10': 'dasktrain.data',
+    'DataError': 'dasktrain.data',
+    'download_cifar10': 'dasktrain.data',
+    'load_cifar10': 'dasktrain.data',
+}
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,32 @@
+import pytest
+
+import dasktrain  # noqa: F401  (restores numpy.sctypes before chainer)
+from dasktrain.data import extract_archive
+from cifar_fixture import ArchiveServer, make_batches, write_archive
+
+
+@pytest.fixture(scope='session')
+def cifar_batches():
+    """Arrays of the small CIFAR-format fixture: 5 x 20 train, 20 test."""
+    return make_batches()
+
+
+@pytest.fixture(scope='session')
+def cifar_archive(tmp_path_factory, cifar_batches):
+    """(path, md5) of the fixture archive, written once per session."""
+    path = tmp_path_factory.mktemp('mirror') / 'cifar-10-python.tar.gz'
+    return path, write_archive(path, cifar_batches)
+
+
+@pytest.fixture
+def archive_server(cifar_archive):
+    """A real HTTP server on 127.0.0.1 serving the fixture archive."""
+    with ArchiveServer(cifar_archive[0].parent) as server:
+        yield server
+
+
+@pytest.fixture
+def cifar_dir(tmp_path, cifar_archive):
+    """A data dir holding the extracted fixture, ready for load_cifar10."""
+    extract_archive(cifar_archive[0], tmp_path)
+    return tmp_path

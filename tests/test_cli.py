@@ -1,0 +1,63 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dasktrain.cli import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_download_command(tmp_path, archive_server, cifar_archive, capsys):
+    code = main(['download', '--data-dir', str(tmp_path), '--url',
+                 archive_server.url(), '--md5', cifar_archive[1]])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert '100 training and 20 test images' in out
+    assert (tmp_path / 'cifar-10-batches-py' / 'test_batch').is_file()
+
+
+def test_user_error_is_one_line(tmp_path, capsys):
+    code = main(['download', '--data-dir', str(tmp_path), '--url',
+                 'http://127.0.0.1:9/cifar-10-python.tar.gz'])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1
+    assert err.startswith('dasktrain download: error: cannot download')
+    assert 'Traceback' not in err
+
+
+def test_usage_error_prints_one_line_and_the_subcommand_help(capsys):
+    assert main(['download', '--no-such-flag']) == 2
+    err = capsys.readouterr().err
+    first, rest = err.split('\n', 1)
+    assert first == ('dasktrain download: error: unrecognized arguments: '
+                     '--no-such-flag')
+    assert 'usage: dasktrain download' in rest
+
+
+@pytest.mark.parametrize('name', sorted(COMMANDS))
+def test_every_subcommand_has_help(name, capsys):
+    assert main([name, '--help']) == 0
+    assert f'usage: dasktrain {name}' in capsys.readouterr().out
+
+
+def test_installed_entry_point():
+    exe = Path(sys.executable).with_name('dasktrain')
+    out = subprocess.run([str(exe), '--help'], capture_output=True,
+                         text=True, check=True).stdout
+    for name in COMMANDS:
+        assert name in out
+
+
+@pytest.mark.skipif(not (ROOT / '.venv' / 'bin' / 'dasktrain').exists()
+                    or shutil.which('make') is None,
+                    reason='make test creates .venv; not run through make')
+def test_make_train_passes_args():
+    env = {k: v for k, v in os.environ.items() if not k.startswith('MAKE')}
+    out = subprocess.run(['make', '-s', 'train', 'ARGS=--help'], cwd=ROOT,
+                         capture_output=True, text=True, env=env, check=True)
+    assert 'usage: dasktrain train' in out.stdout
