@@ -30,3 +30,19 @@ def cifar_dir(tmp_path, cifar_archive):
     """A data dir holding the extracted fixture, ready for load_cifar10."""
     extract_archive(cifar_archive[0], tmp_path)
     return tmp_path
+
+
+@pytest.fixture(scope='session')
+def local_cluster():
+    """A real 2-process dask.distributed cluster on 127.0.0.1."""
+    from distributed import LocalCluster
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      host='127.0.0.1', dashboard_address=None) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def dask_client(local_cluster):
+    from distributed import Client
+    with Client(local_cluster) as client:
+        yield client

@@ -1,0 +1,370 @@
+"""Dask-parallel CIFAR augmentation that never makes training wait.
+
+Each image's random crop offset, flip and cutout position come from a hash
+of (seed, epoch, global image index), never from the chunk or worker that
+happens to process it, so an epoch is bit-identical under any chunking,
+scheduler or number of workers. The operations work on a whole chunk at
+once: one slice copy per distinct (offset, flip) pair, not one per image.
+"""
+import concurrent.futures
+import threading
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+
+# Per-channel statistics of the 50,000 CIFAR-10 training images, in uint8
+# units, so normalisation is one multiply-add from the raw pixels.
+CIFAR10_MEAN = (125.307, 122.950, 113.865)
+CIFAR10_STD = (62.993, 62.089, 66.705)
+
+# Test-time views: (dy, dx, flip); shifts are in pixels and stay inside the
+# padding, so every view is a real crop of the padded image.
+_TTA_VIEWS = ((0, 0, False), (0, 0, True), (-2, -2, False), (2, 2, False),
+              (-2, 2, False), (2, -2, False), (-2, -2, True), (2, 2, True),
+              (-2, 2, True), (2, -2, True))
+MAX_TTA_VIEWS = len(_TTA_VIEWS)
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x):
+    """SplitMix64 finaliser: a bijective, well-mixed 64-bit hash (uint64)."""
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over='ignore'):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def image_hashes(seed, epoch, indices):
+    """One 64-bit random word per global image index, for (seed, epoch)."""
+    key = _mix(_mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF)) ^
+               np.uint64(epoch & 0xFFFFFFFFFFFFFFFF))
+    with np.errstate(over='ignore'):
+        return _mix(key + np.asarray(indices, np.uint64) *
+                    np.uint64(0x9E3779B97F4A7C15))
+
+
+def _as_images(x, name='x'):
+    """Validate uint8 (N, 3, H, W) images; return them as a dask array."""
+    if not isinstance(x, da.Array):
+        x = np.asarray(x)
+    if x.dtype != np.uint8:
+        raise ValueError(f'{name} must be uint8 images, got dtype {x.dtype}')
+    if x.ndim != 4 or x.shape[1] != 3:
+        raise ValueError(f'{name} must have shape (N, 3, H, W), got '
+                         f'{tuple(x.shape)}')
+    if not isinstance(x, da.Array):
+        x = da.from_array(x, chunks=(max(len(x), 1), -1, -1, -1))
+    return x
+
+
+def _check_pad(pad, padding):
+    if not isinstance(pad, (int, np.integer)) or pad < 0:
+        raise ValueError(f'pad must be an int >= 0, got {pad!r}')
+    if padding not in ('reflect', 'zero'):
+        raise ValueError(f"padding must be 'reflect' or 'zero', got "
+                         f'{padding!r}')
+
+
+def _transform(block, dy, dx, flip, pad, padding, cut_y=None, cut_x=None,
+               cutout=0, mean=CIFAR10_MEAN, std=CIFAR10_STD):
+    """Crop (offsets dy, dx into the padded image), flip, cutout, normalise.
+
+    ``dy``, ``dx`` (ints in 0..2*pad) and ``flip`` (bools) are per image.
+    Returns float32 of the block's shape.
+    """
+    n, c, h, w = block.shape
+    if not pad:
+        padded = block
+    elif padding == 'zero':  # calloc'd zeros + one copy: twice np.pad's speed
+        padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), block.dtype)
+        padded[:, :, pad:pad + h, pad:pad + w] = block
+    else:
+        padded = np.pad(block, ((0, 0), (0, 0), (pad, pad), (pad, pad)),
+                        mode='reflect')
+    cropped = np.empty_like(block)
+    # Group images by (dy, dx, flip): at most (2*pad+1)**2 * 2 slice copies.
+    code = (dy.astype(np.int64) * (2 * pad + 1) + dx) * 2 + flip
+    order = np.argsort(code, kind='stable')
+    bounds = np.flatnonzero(np.diff(code[order])) + 1
+    for group in np.split(order, bounds):
+        if not len(group):
+            continue
+        i = group[0]
+        view = padded[:, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w]
+        if flip[i]:
+            view = view[..., ::-1]
+        cropped[group] = view[group] if len(group) < n else view
+    scale = (1.0 / np.asarray(std, np.float32)).reshape(1, c, 1, 1)
+    shift = (-np.asarray(mean, np.float32) * scale.ravel()).reshape(1, c, 1, 1)
+    out = np.multiply(cropped, scale, dtype=np.float32)
+    out += shift
+    if cutout:
+        half = cutout // 2
+        rows = np.arange(h)[None, :] - cut_y[:, None]
+        cols = np.arange(w)[None, :] - cut_x[:, None]
+        inside_r = (rows >= -half) & (rows < cutout - half)
+        inside_c = (cols >= -half) & (cols < cutout - half)
+        # After normalisation 0 is the dataset mean: cutout removes signal.
+        out *= ~(inside_r[:, None, :, None] & inside_c[:, None, None, :])
+    return out
+
+
+def augment_block(block, seed, epoch, start, pad=4, padding='zero',
+                  flip=True, cutout=0, mean=CIFAR10_MEAN, std=CIFAR10_STD):
+    """Augment one chunk whose first image has global index ``start``."""
+    n, _, h, w = block.shape
+    hashes = image_hashes(seed, epoch, np.arange(start, start + n))
+    span = np.uint64(2 * pad + 1)
+    dy = (hashes % span).astype(np.intp)
+    dx = ((hashes >> np.uint64(8)) % span).astype(np.intp)
+    flips = ((hashes >> np.uint64(16)) & np.uint64(1)).astype(bool) & flip
+    cut_y = ((hashes >> np.uint64(24)) % np.uint64(h)).astype(np.intp)
+    cut_x = ((hashes >> np.uint64(40)) % np.uint64(w)).astype(np.intp)
+    return _transform(block, dy, dx, flips, pad, padding, cut_y, cut_x,
+                      cutout, mean, std)
+
+
+def _block_with_location(block, block_info=None, **kwargs):
+    start = block_info[0]['array-location'][0][0]
+    return augment_block(block, start=start, **kwargs)
+
+
+def augment(x, seed, epoch, *, pad=4, padding='zero', flip=True,
+            cutout=0, mean=CIFAR10_MEAN, std=CIFAR10_STD):
+    """Lazily augment uint8 images: crop after padding, flip, cutout, normalise.
+
+    One task per chunk of ``x``; the result computes on whatever scheduler
+    is in effect (the threaded one by default, a ``distributed.Client``
+    when one is active).
+
+    Parameters
+    ----------
+    x : dask.array.Array or numpy.ndarray
+        uint8 images of shape (N, 3, H, W).
+    seed, epoch : int
+        Together with each image's index, fix all of its randomness.
+    pad : int, default 4
+        Pixels of padding before the random crop back to (H, W); 0 disables
+        cropping.
+    padding : {'zero', 'reflect'}, default 'zero'
+        Zero padding as in He et al. (2016); 'reflect' mirrors the border.
+    flip : bool, default True
+        Random horizontal flip with probability 1/2.
+    cutout : int, default 0
+        Side of the square set to the mean at a random centre (0: none).
+    mean, std : sequence of 3 floats
+        Per-channel statistics in uint8 units; default CIFAR-10's.
+
+    Returns
+    -------
+    dask.array.Array
+        float32 of shape (N, 3, H, W), chunked like ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da
+    >>> x = da.zeros((8, 3, 32, 32), dtype=np.uint8, chunks=4)
+    >>> augment(x, seed=0, epoch=0).compute().shape
+    (8, 3, 32, 32)
+    """
+    x = _as_images(x)
+    _check_pad(pad, padding)
+    if not isinstance(cutout, (int, np.integer)) or cutout < 0:
+        raise ValueError(f'cutout must be an int >= 0, got {cutout!r}')
+    if x.chunks[1:] != tuple((s,) for s in x.shape[1:]):
+        x = x.rechunk({1: -1, 2: -1, 3: -1})
+    options = dict(seed=int(seed), epoch=int(epoch), pad=int(pad),
+                   padding=padding, flip=bool(flip), cutout=int(cutout),
+                   mean=tuple(mean), std=tuple(std))
+    name = 'augment-' + dask.base.tokenize(x.name, options)
+    return x.map_blocks(_block_with_location, dtype=np.float32, name=name,
+                        **options)
+
+
+def normalize(x, mean=CIFAR10_MEAN, std=CIFAR10_STD):
+    """Only the normalisation: uint8 (N, 3, H, W) to float32, lazily."""
+    return tta_views(x, 1, mean=mean, std=std)[0]
+
+
+def _view_block(block, dy, dx, flip, pad, mean, std):
+    n = len(block)
+    full = np.full(n, 1, np.intp)
+    return _transform(block, full * (pad + dy), full * (pad + dx),
+                      np.full(n, flip), pad, 'reflect', mean=mean, std=std)
+
+
+def tta_views(x, k, *, mean=CIFAR10_MEAN, std=CIFAR10_STD):
+    """``k`` deterministic views of ``x`` for test-time augmentation.
+
+    View 0 is the image itself, view 1 its mirror image, then crops shifted
+    by 2 pixels in each diagonal direction, unflipped and flipped. Average a
+    model's predicted probabilities over the views.
+
+    Returns
+    -------
+    list of dask.array.Array
+        ``k`` float32 arrays shaped like ``x``.
+    """
+    if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TTA_VIEWS:
+        raise ValueError(f'k must be an int in 1..{MAX_TTA_VIEWS}, got {k!r}')
+    x = _as_images(x)
+    pad = 2
+    views = []
+    for dy, dx, flip in _TTA_VIEWS[:k]:
+        options = dict(dy=dy, dx=dx, flip=flip, pad=pad, mean=tuple(mean),
+                       std=tuple(std))
+        name = 'tta-' + dask.base.tokenize(x.name, options)
+        views.append(x.map_blocks(_view_block, dtype=np.float32, name=name,
+                                  **options))
+    return views
+
+
+def epoch_permutation(n, seed, epoch):
+    """The order of the ``n`` training images in ``epoch`` (seeded)."""
+    return np.random.default_rng([seed, epoch, 0x5eed]).permutation(n)
+
+
+def minibatch_indices(n, batch_size, seed, epoch, shuffle=True,
+                      drop_last=False):
+    """Index arrays of one epoch's minibatches; each index exactly once."""
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f'batch_size must be an int >= 1, got '
+                         f'{batch_size!r}')
+    order = epoch_permutation(n, seed, epoch) if shuffle else np.arange(n)
+    stop = n - n % batch_size if drop_last else n
+    return [order[i:i + batch_size] for i in range(0, stop, batch_size)]
+
+
+class EpochLoader:
+    """Augmented minibatches, epoch after epoch, prefetching the next epoch.
+
+    While the caller trains on epoch ``e``, epoch ``e + 1`` is already being
+    augmented in the background (as dask futures on a distributed client,
+    else by a background thread driving the threaded scheduler). The time
+    the caller spends blocked waiting for an epoch's data is recorded in
+    :attr:`wait_times`.
+
+    Parameters
+    ----------
+    images : dask.array.Array
+        uint8 (N, 3, H, W) training images.
+    labels : array-like
+        int labels, length N.
+    batch_size : int
+        Images per minibatch (all replicas together).
+    seed : int, default 0
+        Fixes the permutations and the augmentation.
+    augment_options : dict or None, default {}
+        Keyword arguments of :func:`augment`; ``None`` means no augmentation
+        (normalisation only).
+    drop_last : bool, default False
+        Drop the last minibatch when it is short.
+    client : distributed.Client, optional
+        Compute on this client; default: the active one if any, else threads.
+    prefetch : bool, default True
+        Compute the next epoch while the current one is consumed.
+    epochs : int, optional
+        Number of epochs the caller will take; no epoch past it is
+        prefetched.
+
+    Examples
+    --------
+    >>> loader = EpochLoader(cifar.train_images, cifar.train_labels, 128)  # doctest: +SKIP
+    >>> for x, t in loader.epoch(0):  # doctest: +SKIP
+    ...     model.step(x, t)
+    """
+
+    def __init__(self, images, labels, batch_size, seed=0,
+                 augment_options=None, drop_last=False, client=None,
+                 prefetch=True, shuffle=True, epochs=None):
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f'batch_size must be an int >= 1, got '
+                             f'{batch_size!r}')
+        images = _as_images(images, 'images')
+        self.labels = np.asarray(labels, dtype=np.int32)
+        if self.labels.shape != (len(images),):
+            raise ValueError(f'labels must have shape ({len(images)},), got '
+                             f'{self.labels.shape}')
+        self.images = images
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.augment_options = augment_options
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.client = client
+        self.prefetch = prefetch
+        self.epochs = epochs
+        self.wait_times = {}
+        self._pending = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix='dasktrain-prefetch')
+
+    def __len__(self):
+        n = len(self.labels)
+        return n // self.batch_size if self.drop_last else \
+            -(-n // self.batch_size)
+
+    def epoch_array(self, epoch):
+        """The lazy float32 array of ``epoch``'s inputs, in dataset order."""
+        if self.augment_options is None:
+            return normalize(self.images)
+        return augment(self.images, self.seed, epoch, **self.augment_options)
+
+    def _client(self):
+        if self.client is not None:
+            return self.client
+        try:
+            from distributed import default_client
+            return default_client()
+        except (ImportError, ValueError):
+            return None
+
+    def _start(self, epoch):
+        with self._lock:
+            if epoch in self._pending:
+                return
+            array = self.epoch_array(epoch)
+            client = self._client()
+            if client is not None:
+                self._pending[epoch] = client.compute(array)
+            else:
+                self._pending[epoch] = self._pool.submit(
+                    array.compute, scheduler='threads')
+
+    def _take(self, epoch):
+        self._start(epoch)
+        with self._lock:
+            future = self._pending.pop(epoch)
+        began = time.perf_counter()
+        data = future.result()
+        self.wait_times[epoch] = time.perf_counter() - began
+        return data
+
+    def epoch(self, epoch):
+        """Yield (x float32, t int32) minibatches of ``epoch``."""
+        data = self._take(epoch)
+        if self.prefetch and (self.epochs is None or epoch + 1 < self.epochs):
+            self._start(epoch + 1)
+        for index in minibatch_indices(len(self.labels), self.batch_size,
+                                       self.seed, epoch, self.shuffle,
+                                       self.drop_last):
+            yield data[index], self.labels[index]
+
+    def close(self):
+        """Drop prefetched epochs and stop the background thread."""
+        with self._lock:
+            for future in self._pending.values():
+                future.cancel()
+            self._pending.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
