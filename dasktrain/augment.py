@@ -4,7 +4,7 @@ Each image's random crop offset, flip and cutout position come from a hash
 of (seed, epoch, global image index), never from the chunk or worker that
 happens to process it, so an epoch is bit-identical under any chunking,
 scheduler or number of workers. The operations work on a whole chunk at
-once: one slice copy per distinct (offset, flip) pair, not one per image.
+once: one gather picks every image's crop, with no per-image Python loop.
 """
 import concurrent.futures
 import threading
@@ -26,7 +26,9 @@ _TTA_VIEWS = ((0, 0, False), (0, 0, True), (-2, -2, False), (2, 2, False),
               (-2, 2, True), (2, -2, True))
 MAX_TTA_VIEWS = len(_TTA_VIEWS)
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+# Images per task for in-memory inputs: 20 tasks for CIFAR-10's 50,000 keep
+# every core busy to the end, and 2,500 images amortise a task's overhead.
+DEFAULT_CHUNK = 2500
 
 
 def _mix(x):
@@ -57,7 +59,7 @@ def _as_images(x, name='x'):
         raise ValueError(f'{name} must have shape (N, 3, H, W), got '
                          f'{tuple(x.shape)}')
     if not isinstance(x, da.Array):
-        x = da.from_array(x, chunks=(max(len(x), 1), -1, -1, -1))
+        x = da.from_array(x, chunks=(DEFAULT_CHUNK, -1, -1, -1))
     return x
 
 
@@ -69,6 +71,14 @@ def _check_pad(pad, padding):
                          f'{padding!r}')
 
 
+# Images per sub-block: small enough that the padded copy, the crop and the
+# float32 output of a sub-block stay in a core's L2 cache. The whole chunk at
+# once is memory-bound and two cores then share one memory bus (measured on a
+# 2-core EPYC: 115k images/s and no gain from a second thread, against 190k
+# and 1.5-1.8x with 128-256 image sub-blocks).
+_SUB_BLOCK = 192
+
+
 def _transform(block, dy, dx, flip, pad, padding, cut_y=None, cut_x=None,
                cutout=0, mean=CIFAR10_MEAN, std=CIFAR10_STD):
     """Crop (offsets dy, dx into the padded image), flip, cutout, normalise.
@@ -77,39 +87,39 @@ def _transform(block, dy, dx, flip, pad, padding, cut_y=None, cut_x=None,
     Returns float32 of the block's shape.
     """
     n, c, h, w = block.shape
-    if not pad:
-        padded = block
-    elif padding == 'zero':  # calloc'd zeros + one copy: twice np.pad's speed
-        padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), block.dtype)
-        padded[:, :, pad:pad + h, pad:pad + w] = block
-    else:
-        padded = np.pad(block, ((0, 0), (0, 0), (pad, pad), (pad, pad)),
-                        mode='reflect')
-    cropped = np.empty_like(block)
-    # Group images by (dy, dx, flip): at most (2*pad+1)**2 * 2 slice copies.
-    code = (dy.astype(np.int64) * (2 * pad + 1) + dx) * 2 + flip
-    order = np.argsort(code, kind='stable')
-    bounds = np.flatnonzero(np.diff(code[order])) + 1
-    for group in np.split(order, bounds):
-        if not len(group):
-            continue
-        i = group[0]
-        view = padded[:, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w]
-        if flip[i]:
-            view = view[..., ::-1]
-        cropped[group] = view[group] if len(group) < n else view
     scale = (1.0 / np.asarray(std, np.float32)).reshape(1, c, 1, 1)
     shift = (-np.asarray(mean, np.float32) * scale.ravel()).reshape(1, c, 1, 1)
-    out = np.multiply(cropped, scale, dtype=np.float32)
-    out += shift
-    if cutout:
-        half = cutout // 2
-        rows = np.arange(h)[None, :] - cut_y[:, None]
-        cols = np.arange(w)[None, :] - cut_x[:, None]
-        inside_r = (rows >= -half) & (rows < cutout - half)
-        inside_c = (cols >= -half) & (cols < cutout - half)
-        # After normalisation 0 is the dataset mean: cutout removes signal.
-        out *= ~(inside_r[:, None, :, None] & inside_c[:, None, None, :])
+    out = np.empty(block.shape, np.float32)
+    padded = np.zeros((min(n, _SUB_BLOCK), c, h + 2 * pad, w + 2 * pad),
+                      np.uint8)
+    for lo in range(0, n, _SUB_BLOCK):
+        hi = min(lo + _SUB_BLOCK, n)
+        m, part = hi - lo, padded[:hi - lo]
+        if padding == 'reflect' and pad:
+            part[...] = np.pad(block[lo:hi], ((0, 0), (0, 0), (pad, pad),
+                                              (pad, pad)), mode='reflect')
+        else:  # the border stays zero from the allocation
+            part[:, :, pad:pad + h, pad:pad + w] = block[lo:hi]
+        # All (2*pad+1)**2 crops of every image as a view; one gather picks
+        # each image's own crop.
+        windows = np.lib.stride_tricks.sliding_window_view(
+            part, (h, w), axis=(2, 3))
+        crop = windows[np.arange(m), :, dy[lo:hi], dx[lo:hi]]
+        flipped = flip[lo:hi]
+        if flipped.any():
+            crop[flipped] = crop[flipped][..., ::-1]
+        o = out[lo:hi]
+        np.multiply(crop, scale, out=o, dtype=np.float32)
+        o += shift
+        if cutout:
+            half = cutout // 2
+            rows = np.arange(h)[None, :] - cut_y[lo:hi, None]
+            cols = np.arange(w)[None, :] - cut_x[lo:hi, None]
+            inside_r = (rows >= -half) & (rows < cutout - half)
+            inside_c = (cols >= -half) & (cols < cutout - half)
+            # After normalisation 0 is the dataset mean: cutout removes
+            # the signal without adding a colour.
+            o *= ~(inside_r[:, None, :, None] & inside_c[:, None, None, :])
     return out
 
 
@@ -300,6 +310,7 @@ class EpochLoader:
         self.epochs = epochs
         self.wait_times = {}
         self._pending = {}
+        self._buffers = [None, None]
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix='dasktrain-prefetch')
@@ -334,7 +345,17 @@ class EpochLoader:
                 self._pending[epoch] = client.compute(array)
             else:
                 self._pending[epoch] = self._pool.submit(
-                    array.compute, scheduler='threads')
+                    self._store, array, epoch % 2)
+
+    def _store(self, array, slot):
+        # Two buffers, reused in turn: epoch e + 2 is written only after
+        # epoch e was consumed (batches are copies), and reuse spares the
+        # page faults of a fresh 600 MB array and dask's final concatenate.
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.shape != array.shape:
+            buffer = self._buffers[slot] = np.empty(array.shape, array.dtype)
+        da.store(array, buffer, lock=False, scheduler='threads')
+        return buffer
 
     def _take(self, epoch):
         self._start(epoch)

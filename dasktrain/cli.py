@@ -83,6 +83,47 @@ class Train(Command):
         return 0
 
 
+@command
+class Bench(Command):
+    name = 'bench'
+    help = 'measure throughput on this machine; prints a Markdown table'
+
+    def add_arguments(self, parser):
+        which = parser.add_subparsers(dest='bench', metavar='BENCHMARK',
+                                      required=True, parser_class=_Parser)
+        p = which.add_parser('augment', help='augmentation throughput and '
+                             'the trainer\'s data wait')
+        p.add_argument('--images', type=int, default=50000,
+                       help='images per epoch (default: %(default)s)')
+        p.add_argument('--chunk', type=int, default=2500,
+                       help='images per Dask task (default: %(default)s)')
+        p.add_argument('--repeats', type=int, default=3,
+                       help='timed runs, best reported (default: '
+                            '%(default)s)')
+        p.add_argument('--cores', type=int, default=None,
+                       help='workers (default: all cores)')
+        p.add_argument('--padding', choices=('zero', 'reflect'),
+                       default='zero')
+        p.add_argument('--trainer-rate', type=float, default=3846.0,
+                       help='images/s of the simulated trainer (default: '
+                            'the seed post\'s 4-GPU run, %(default)s)')
+        p.set_defaults(command_parser=p)
+
+    def run(self, args):
+        from dasktrain import bench
+        for name in ('images', 'chunk', 'repeats'):
+            if getattr(args, name) < 1:
+                args.command_parser.error(f'--{name} must be >= 1, got '
+                                          f'{getattr(args, name)}')
+        rows = bench.bench_augment(
+            n_images=args.images, chunk=args.chunk, repeats=args.repeats,
+            cores=args.cores, padding=args.padding,
+            trainer_rate=args.trainer_rate)
+        print(bench.table(rows, f'dasktrain bench augment '
+                                f'(padding={args.padding})'))
+        return 0
+
+
 def build_parser():
     parser = _Parser(prog='dasktrain', description=(
         'Train Chainer models on several GPUs and machines, with Dask.'))

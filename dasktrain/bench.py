@@ -1,0 +1,150 @@
+"""Benchmarks behind ``dasktrain bench`` and the scripts in ``bench/``.
+
+Each benchmark returns rows of (measure, value, unit) and the CLI prints
+them as a Markdown table headed by the machine they ran on, ready for the
+README.
+"""
+import os
+import platform
+import time
+
+import numpy as np
+
+
+def machine():
+    """One line naming this machine: CPU, cores, memory, Python, NumPy."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    cpu = line.split(':', 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+        memory = f', {memory / 2**30:.0f} GiB'
+    except (ValueError, OSError, AttributeError):
+        memory = ''
+    return (f'{cpu}, {os.cpu_count()} cores{memory}, Python '
+            f'{platform.python_version()}, NumPy {np.__version__}')
+
+
+def table(rows, title):
+    """Markdown table of (measure, value, unit) rows under a title line."""
+    lines = [f'{title}', '', f'Machine: {machine()}', '',
+             '| measure | value | unit |', '|---|---:|---|']
+    for measure, value, unit in rows:
+        text = f'{value:,.3f}' if isinstance(value, float) and value < 10 \
+            else f'{value:,.0f}' if isinstance(value, (int, float)) else value
+        lines.append(f'| {measure} | {text} | {unit} |')
+    return '\n'.join(lines)
+
+
+def _best(fn, repeats):
+    fn()  # warm-up: page faults, imports, thread pools
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def bench_augment(n_images=50000, chunk=2500, repeats=3, cores=None,
+                  padding='zero', trainer_rate=3846.0, epochs=3):
+    """Throughput of crop+flip+normalise: one core, Dask on all cores.
+
+    Parameters
+    ----------
+    n_images : int, default 50000
+        Images per epoch (CIFAR-10's training set).
+    chunk : int, default 2500
+        Images per chunk (dasktrain.augment.DEFAULT_CHUNK).
+    repeats : int, default 3
+        Timed repetitions; the best is reported.
+    cores : int, optional
+        Workers for the parallel runs; default all cores.
+    padding : {'zero', 'reflect'}, default 'zero'
+    trainer_rate : float, default 3846.0
+        Images/s of the simulated trainer consuming the prefetched epochs
+        (default: the seed post's 4-GPU run, 50,000 images in 13 s).
+    epochs : int, default 3
+        Epochs the simulated trainer consumes.
+    """
+    import dask.array as da
+    from distributed import Client, LocalCluster, wait
+
+    from dasktrain.augment import EpochLoader, augment, augment_block
+    cores = cores or os.cpu_count()
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (n_images, 3, 32, 32), dtype=np.uint8)
+    rows = []
+
+    one = _best(lambda: augment_block(x[:10000], 0, 0, 0, padding=padding),
+                repeats)
+    rate_one = 10000 / one
+    rows.append(('one chunk of 10,000, one core', rate_one, 'images/s'))
+
+    # As EpochLoader does: chunks stored into a reused buffer.
+    arr = augment(da.from_array(x, chunks=chunk), 0, 0, padding=padding)
+    out = np.empty(arr.shape, np.float32)
+
+    def store(workers):
+        return lambda: da.store(arr, out, lock=False, scheduler='threads',
+                                num_workers=workers)
+    serial = _best(store(1), repeats)
+    threads = _best(store(cores), repeats)
+    rows += [('Dask threads, 1 worker', n_images / serial, 'images/s'),
+             (f'Dask threads, {cores} workers', n_images / threads,
+              'images/s'),
+             ('parallel efficiency vs one chunk on one core',
+              f'{100 * n_images / threads / (cores * rate_one):.0f} %', ''),
+             ('parallel efficiency vs Dask with 1 worker',
+              f'{100 * serial / threads / cores:.0f} %', ''),
+             (f'full epoch of {n_images} images ({cores} threads)', threads,
+              's')]
+
+    with LocalCluster(n_workers=cores, threads_per_worker=1, processes=True,
+                      host='127.0.0.1', dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        source = client.scatter(x, broadcast=True)
+        inputs = da.from_delayed(source, x.shape, dtype=x.dtype) \
+            .rechunk((chunk, -1, -1, -1)).persist()
+        wait(inputs)
+
+        runs = iter(range(repeats + 1))
+
+        def on_workers():
+            # A new epoch each run: the same keys would be found in memory.
+            out = client.persist(augment(inputs, 0, next(runs),
+                                         padding=padding))
+            wait(out)
+            client.cancel(out)
+        processes = _best(on_workers, repeats)
+    rows += [(f'Dask processes, {cores} workers (result kept on workers)',
+              n_images / processes, 'images/s'),
+             ('parallel efficiency (processes)',
+              f'{100 * n_images / processes / (cores * rate_one):.0f} %', '')]
+
+    batch = 400
+    labels = np.zeros(n_images, np.int32)
+    with EpochLoader(da.from_array(x, chunks=chunk), labels, batch,
+                     augment_options={'padding': padding},
+                     epochs=epochs) as loader:
+        epoch_times = []
+        for epoch in range(epochs):
+            began = time.perf_counter()
+            for _ in loader.epoch(epoch):
+                time.sleep(batch / trainer_rate)
+            epoch_times.append(time.perf_counter() - began)
+        waits = [loader.wait_times[e] for e in range(1, epochs)]
+    share = 100 * max(w / t for w, t in zip(waits, epoch_times[1:]))
+    rows += [(f'data wait, first epoch (nothing to prefetch yet)',
+              loader.wait_times[0], 's'),
+             (f'data wait, later epochs (worst of {epochs - 1})', max(waits),
+              's'),
+             (f'data wait share of an epoch at {trainer_rate:.0f} images/s',
+              f'{share:.2f} %', '')]
+    return rows
