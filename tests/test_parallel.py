@@ -1,0 +1,214 @@
+import chainer
+import chainer.links as L
+import numpy as np
+import pytest
+
+from dasktrain.models import get_model
+from dasktrain.parallel import DeviceError, GPUDistributedGradient
+
+
+def batch(n, seed=0):
+    rng = np.random.RandomState(seed)
+    return (rng.randn(n, 3, 32, 32).astype(np.float32),
+            rng.randint(0, 10, n).astype(np.int32))
+
+
+def params(link):
+    return {name: p.array.copy() for name, p in sorted(link.namedparams())}
+
+
+def persistents(link):
+    return {f'{path}/{name}': np.array(getattr(sub, name), copy=True)
+            for path, sub in sorted(link.namedlinks())
+            for name in sorted(sub._persistent)}
+
+
+def fresh(name='tiny', seed=0):
+    np.random.seed(seed)  # chainer draws initial weights from numpy
+    return get_model(name)
+
+
+def make_optimizer(kind):
+    return {'sgd': lambda: chainer.optimizers.SGD(lr=0.1),
+            'momentum': lambda: chainer.optimizers.MomentumSGD(lr=0.05),
+            'adam': lambda: chainer.optimizers.Adam(alpha=0.01)}[kind]()
+
+
+def single_device_run(kind, batches):
+    model = fresh()
+    optimizer = make_optimizer(kind)
+    optimizer.setup(model)
+    for x, t in batches:
+        optimizer.update(model, x, t)
+    return params(model)
+
+
+@pytest.mark.parametrize('kind', ['sgd', 'momentum', 'adam'])
+@pytest.mark.parametrize('n_replicas,batch_size', [(2, 12), (3, 12), (3, 10)])
+def test_dg_equals_one_device_on_the_whole_batch(kind, n_replicas,
+                                                 batch_size):
+    batches = [batch(batch_size, seed) for seed in range(4)]
+    model = GPUDistributedGradient(fresh(), ['@numpy'] * n_replicas)
+    model.setup(make_optimizer(kind))
+    for x, t in batches:
+        model.step(x, t)
+    expected = single_device_run(kind, batches)
+    # Only float32 summation order differs; Adam divides by sqrt(v) and so
+    # magnifies it for the rare near-zero gradient.
+    atol = 1e-5 if kind == 'adam' else 2e-6
+    for name, value in params(model.master).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5,
+                                   atol=atol, err_msg=name)
+    # and the replicas follow the master exactly
+    for replica in model.replicas[1:]:
+        for name, value in params(replica).items():
+            assert np.array_equal(value, params(model.master)[name])
+
+
+def test_seed_protocol_equals_step():
+    x, t = batch(8)
+    a = GPUDistributedGradient(fresh(), ['@numpy', '@numpy'])
+    optimizer = chainer.optimizers.Adam()
+    a.setup(optimizer)
+    xs, ts = a.split(x, t)
+    with a as m:
+        m(xs, ts)
+    optimizer.update()
+    a.syncparams()
+    b = GPUDistributedGradient(fresh(), ['@numpy', '@numpy'])
+    b.setup(chainer.optimizers.Adam())
+    b.step(x, t)
+    for name, value in params(a.master).items():
+        assert np.array_equal(value, params(b.master)[name])
+
+
+def test_ipm_mixing_every_iteration_with_sgd_equals_dg():
+    batches = [batch(12, seed) for seed in range(4)]
+    dg = GPUDistributedGradient(fresh(), ['@numpy'] * 3)
+    dg.setup(chainer.optimizers.SGD(lr=0.1))
+    ipm = GPUDistributedGradient(fresh(), ['@numpy'] * 3, mode='ipm',
+                                 mix_every=1)
+    ipm.setup(chainer.optimizers.SGD(lr=0.1))
+    for x, t in batches:
+        dg.step(x, t)
+        ipm.step(x, t)
+    for name, value in params(ipm.master).items():
+        np.testing.assert_allclose(value, params(dg.master)[name],
+                                   rtol=1e-5, atol=2e-6, err_msg=name)
+
+
+def test_a_mix_is_exactly_the_arithmetic_mean():
+    model = GPUDistributedGradient(fresh('resnet20'), ['@numpy'] * 3,
+                                   mode='ipm')
+    model.setup(chainer.optimizers.MomentumSGD(lr=0.05))
+    for seed in range(2):
+        model.step(*batch(6, seed))
+    before = [dict(params(r), **persistents(r)) for r in model.replicas]
+    assert not np.array_equal(before[0]['/predictor/fc/W'],
+                              before[1]['/predictor/fc/W'])
+    model.mix()
+    squared = 0.0
+    for name in before[0]:
+        stack = np.stack([b[name] for b in before]).astype(np.float64)
+        if stack.dtype.kind != 'f' or name.endswith('/N'):
+            continue
+        mean = stack.mean(axis=0).astype(before[0][name].dtype)
+        for replica in model.replicas:
+            got = dict(params(replica), **persistents(replica))[name]
+            assert np.array_equal(got, mean), name
+        if name in params(model.master):
+            squared += ((stack - stack.mean(axis=0)) ** 2).sum()
+    assert model.drift == pytest.approx((squared / 3) ** 0.5, rel=1e-6)
+
+
+def test_after_syncparams_replicas_equal_the_master_bit_for_bit():
+    model = GPUDistributedGradient(fresh('resnet20'), ['@numpy'] * 2)
+    model.setup(chainer.optimizers.MomentumSGD(lr=0.05))
+    model.step(*batch(6))
+    master = dict(params(model.master), **persistents(model.master))
+    replica = dict(params(model.replicas[1]),
+                   **persistents(model.replicas[1]))
+    assert master.keys() == replica.keys()
+    assert any('avg_mean' in k for k in master)
+    for name in master:
+        assert np.array_equal(master[name], replica[name]), name
+
+
+def test_one_shot_mixing_only_at_the_end():
+    model = GPUDistributedGradient(fresh(), ['@numpy'] * 2, mode='ipm')
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    for seed in range(3):
+        model.step(*batch(8, seed))
+    model.end_epoch()
+    a, b = params(model.replicas[0]), params(model.replicas[1])
+    assert not np.array_equal(a['/predictor/fc/W'], b['/predictor/fc/W'])
+    snapshot = model.averaged()
+    # the snapshot is the mean; the replicas are untouched by it
+    assert np.array_equal(params(model.replicas[0])['/predictor/fc/W'],
+                          a['/predictor/fc/W'])
+    model.finalize()
+    for name, value in params(snapshot).items():
+        assert np.array_equal(value, params(model.master)[name])
+        assert np.array_equal(value, params(model.replicas[1])[name])
+
+
+def test_mix_every_epoch_and_every_k():
+    per_epoch = GPUDistributedGradient(fresh(), ['@numpy'] * 2, mode='ipm',
+                                       mix_every='epoch')
+    per_epoch.setup(chainer.optimizers.SGD(lr=0.1))
+    every2 = GPUDistributedGradient(fresh(), ['@numpy'] * 2, mode='ipm',
+                                    mix_every=2)
+    every2.setup(chainer.optimizers.SGD(lr=0.1))
+    for model in (per_epoch, every2):
+        model.step(*batch(8, 0))
+    assert every2.drift is None and per_epoch.drift is None
+    every2.step(*batch(8, 1))
+    assert every2.drift > 0
+    per_epoch.end_epoch()
+    assert per_epoch.drift > 0
+
+
+def test_optimizer_state_stays_per_replica_unless_mixed():
+    for mix_state in (False, True):
+        model = GPUDistributedGradient(fresh(), ['@numpy'] * 2, mode='ipm',
+                                       mix_every=1,
+                                       mix_optimizer_state=mix_state)
+        model.setup(chainer.optimizers.Adam(alpha=0.01))
+        model.step(*batch(8))
+        states = [dict(r.predictor.fc.W.update_rule.state)
+                  for r in model.replicas]
+        same = np.array_equal(states[0]['m'], states[1]['m'])
+        assert same == mix_state
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(mode='sync'), "mode must be 'dg' or 'ipm', got 'sync'"),
+    (dict(mix_every=5), "mix_every applies to mode='ipm' only"),
+    (dict(mode='ipm', mix_every=0), "mix_every must be an int >= 1"),
+    (dict(devices=[]), 'devices must name at least one device'),
+])
+def test_bad_arguments(kwargs, message):
+    kwargs.setdefault('devices', ['@numpy'])
+    with pytest.raises(ValueError, match=message):
+        GPUDistributedGradient(fresh(), **kwargs)
+
+
+def test_missing_gpu_lists_what_is_available():
+    with pytest.raises(DeviceError, match=r"device 0 is not available "
+                                          r"\(.*\); available: @numpy"):
+        GPUDistributedGradient(fresh(), [0])
+
+
+def test_setup_refuses_an_optimizer_already_in_use():
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(fresh())
+    model = GPUDistributedGradient(fresh(), ['@numpy'])
+    with pytest.raises(ValueError, match='already set up'):
+        model.setup(optimizer)
+
+
+def test_exceptions_in_the_with_block_propagate():
+    model = GPUDistributedGradient(fresh(), ['@numpy'])
+    with pytest.raises(ZeroDivisionError):
+        with model:
+            1 / 0
