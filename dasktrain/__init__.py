@@ -17,6 +17,12 @@ _EXPORTS = {
     'DataError': 'dasktrain.data',
     'download_cifar10': 'dasktrain.data',
     'load_cifar10': 'dasktrain.data',
+    'augment': 'dasktrain.augment',
+    'EpochLoader': 'dasktrain.augment',
+    'GPUDistributedGradient': 'dasktrain.parallel',
+    'get_model': 'dasktrain.models',
+    'TrainConfig': 'dasktrain.config',
+    'train': 'dasktrain.training',
 }
 
 

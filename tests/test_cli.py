@@ -20,9 +20,9 @@ def test_download_command(tmp_path, archive_server, cifar_archive, capsys):
     assert (tmp_path / 'cifar-10-batches-py' / 'test_batch').is_file()
 
 
-def test_user_error_is_one_line(tmp_path, capsys):
+def test_user_error_is_one_line(tmp_path, archive_server, capsys):
     code = main(['download', '--data-dir', str(tmp_path), '--url',
-                 'http://127.0.0.1:9/cifar-10-python.tar.gz'])
+                 archive_server.url('missing.tar.gz')])
     assert code == 1
     err = capsys.readouterr().err
     assert err.count('\n') == 1

@@ -1,0 +1,132 @@
+"""TrainConfig: every setting of a training run, in one frozen dataclass.
+
+It flows unchanged from the CLI (each ``--flag`` is one field) through job
+submission to the workers, and is written to ``OUT/args``.
+"""
+import dataclasses
+import json
+from typing import Optional, Tuple, Union
+
+from dasktrain.errors import UserError
+
+MODELS = ('cifar10', 'resnet20', 'resnet32', 'resnet56', 'tiny')
+OPTIMIZERS = ('adam', 'momentum-sgd')
+
+
+class ConfigError(UserError, ValueError):
+    """A setting with a value it cannot take."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: str = 'cifar10'          # the seed post's network; see models.py
+    mode: str = 'dg'                # 'dg': mean gradient; 'ipm': mix params
+    mix_every: Union[int, str, None] = None  # ipm: iterations, 'epoch', or
+    #                                 None = one-shot (mix only at the end)
+    mix_optimizer_state: bool = False  # ipm: average Adam moments too
+    devices: Optional[Tuple[str, ...]] = None  # None: every GPU, else 1 CPU
+    batch_size: int = 100           # per replica, as in the seed post
+    epochs: int = 20                # the seed post's run length
+    optimizer: str = 'adam'
+    lr: Optional[float] = None      # None: 1e-3 for Adam (alpha), 0.05 for
+    #                                 momentum SGD (momentum 0.9)
+    weight_decay: float = 0.0       # L2 factor; 5e-4 suits ResNets
+    seed: int = 0                   # fixes init, order, augmentation, dropout
+    out: str = 'results'            # log, args, checkpoint, models
+    data_dir: str = 'data'          # CIFAR-10 cache
+    url: Optional[str] = None       # archive mirror (else $DASKTRAIN_CIFAR10_URL)
+    md5: Optional[str] = None       # the mirror archive's MD5
+    augment: bool = True            # crop 4px + flip; False: normalise only
+    train_size: Optional[int] = None  # first N training images (quick runs)
+    test_size: Optional[int] = None   # first N test images (quick runs)
+    tta: int = 1                    # test-time views averaged (1: none)
+    early_stop_patience: Optional[int] = None  # epochs without improvement
+    early_stop_monitor: str = 'validation/main/loss'
+    resume: bool = False            # continue from OUT/checkpoint.npz
+    progress: bool = True           # progress bar on a terminal
+
+    def __post_init__(self):
+        def fail(field, expected):
+            value = getattr(self, field)
+            raise ConfigError(f'{field} must be {expected}, got {value!r}')
+
+        def positive(field, allow_none=False):
+            value = getattr(self, field)
+            if allow_none and value is None:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or \
+                    value < 1:
+                fail(field, 'an int >= 1' + (' or None' if allow_none
+                                              else ''))
+
+        if self.model not in MODELS:
+            fail('model', f'one of {", ".join(MODELS)}')
+        if self.mode not in ('dg', 'ipm'):
+            fail('mode', "'dg' or 'ipm'")
+        if self.mix_every is not None:
+            if self.mode != 'ipm':
+                raise ConfigError(f'mix_every applies to mode ipm only, got '
+                                  f'mix_every={self.mix_every!r} with mode '
+                                  f'{self.mode!r}')
+            if self.mix_every != 'epoch':
+                positive('mix_every')
+        if self.devices is not None:
+            if not isinstance(self.devices, tuple) or not self.devices:
+                fail('devices', 'a non-empty tuple of device specifiers')
+        for field in ('batch_size', 'epochs'):
+            positive(field)
+        for field in ('train_size', 'test_size', 'early_stop_patience'):
+            positive(field, allow_none=True)
+        if self.optimizer not in OPTIMIZERS:
+            fail('optimizer', f'one of {", ".join(OPTIMIZERS)}')
+        if self.lr is not None and not self.lr > 0:
+            fail('lr', 'a number > 0')
+        if not self.weight_decay >= 0:
+            fail('weight_decay', 'a number >= 0')
+        from dasktrain.augment import MAX_TTA_VIEWS
+        if not isinstance(self.tta, int) or not 1 <= self.tta <= \
+                MAX_TTA_VIEWS:
+            fail('tta', f'an int in 1..{MAX_TTA_VIEWS}')
+
+    @property
+    def learning_rate(self):
+        """``lr``, or the optimizer's default."""
+        if self.lr is not None:
+            return self.lr
+        return 1e-3 if self.optimizer == 'adam' else 0.05
+
+    def to_json(self):
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text):
+        data = json.loads(text)
+        if data.get('devices') is not None:
+            data['devices'] = tuple(data['devices'])
+        return cls(**data)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+def parse_devices(text):
+    """``'0,1,2'``, ``'cpu'`` or ``'cpu:N'`` to a tuple of device specifiers.
+
+    >>> parse_devices('0,2')
+    ('@cupy:0', '@cupy:2')
+    >>> parse_devices('cpu:2')
+    ('@numpy', '@numpy')
+    """
+    text = text.strip()
+    if text == 'cpu':
+        return ('@numpy',)
+    if text.startswith('cpu:'):
+        count = text[4:]
+        if not count.isdigit() or int(count) < 1:
+            raise ConfigError(f"devices: 'cpu:N' needs N >= 1, got {text!r}")
+        return ('@numpy',) * int(count)
+    parts = [p.strip() for p in text.split(',')]
+    if not all(p.isdigit() for p in parts):
+        raise ConfigError(f"devices must be GPU ids like '0,1', 'cpu' or "
+                          f"'cpu:N', got {text!r}")
+    return tuple(f'@cupy:{int(p)}' for p in parts)

@@ -1,0 +1,332 @@
+"""The training loop behind ``dasktrain train`` and ``dasktrain.train``.
+
+Every epoch: train on freshly augmented data (prefetched while the previous
+epoch trained), evaluate, append a row to ``OUT/log`` (Chainer LogReport
+JSON, readable by ChainerUI), write a checkpoint atomically. All randomness
+is a function of (seed, epoch), so ``--resume`` ends exactly where an
+uninterrupted run would.
+"""
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import chainer
+import chainer.functions as F
+import numpy as np
+from chainer.serializers import DictionarySerializer, NpzDeserializer
+from tqdm.auto import tqdm
+
+from dasktrain.augment import DEFAULT_CHUNK, EpochLoader, tta_views
+from dasktrain.config import TrainConfig
+from dasktrain.data import load_cifar10
+from dasktrain.errors import UserError
+from dasktrain.models import get_model
+from dasktrain.parallel import GPUDistributedGradient, available_devices
+
+CHECKPOINT = 'checkpoint.npz'
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+class TrainingDiverged(UserError):
+    """The loss stopped being finite."""
+
+
+def default_devices():
+    """Every GPU this process sees, else one CPU replica."""
+    gpus = [d for d in available_devices() if d.startswith('@cupy')]
+    return tuple(gpus) or ('@numpy',)
+
+
+def make_optimizer(config):
+    if config.optimizer == 'adam':
+        return chainer.optimizers.Adam(alpha=config.learning_rate)
+    return chainer.optimizers.MomentumSGD(lr=config.learning_rate,
+                                          momentum=0.9)
+
+
+def seed_everything(seed, epoch, devices=()):
+    """Seed the global RNGs that Chainer draws from (dropout, init) from
+    (seed, epoch): a resumed run re-derives them instead of storing them."""
+    state = np.random.SeedSequence([seed, epoch]).generate_state(1)[0]
+    np.random.seed(int(state))
+    for i, device in enumerate(devices):
+        if device.xp is not np:
+            with chainer.using_device(device):
+                device.xp.random.seed(int(state) + i)
+
+
+class EarlyStopping:
+    """Chainer's EarlyStoppingTrigger rule: stop once ``monitor`` has not
+    improved for ``patience`` checks (max for accuracies, else min)."""
+
+    def __init__(self, monitor, patience, best=None, count=0):
+        self.monitor, self.patience = monitor, patience
+        self.maximize = 'accuracy' in monitor
+        self.best = best if best is not None else \
+            (-math.inf if self.maximize else math.inf)
+        self.count = count
+
+    def improved(self, value):
+        return value > self.best if self.maximize else value < self.best
+
+    def update(self, row):
+        """Record an epoch's row; True when training should stop."""
+        if self.monitor not in row:
+            raise UserError(f'early_stop_monitor {self.monitor!r} is not in '
+                            f'the log; choose one of {", ".join(row)}')
+        value = row[self.monitor]
+        if self.improved(value):
+            self.best, self.count = value, 0
+        else:
+            self.count += 1
+        return self.patience is not None and self.count >= self.patience
+
+    def state(self):
+        return {'best': self.best, 'count': self.count}
+
+
+# ------------------------------------------------------------------ files
+
+def atomic_write(path, write):
+    """Call ``write(file)`` on a temp file beside ``path``, then rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', dir=path.parent)
+    try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide results
+        with os.fdopen(fd, 'wb') as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json(path, obj):
+    atomic_write(path, lambda f: f.write(
+        json.dumps(obj, indent=4).encode() + b'\n'))
+
+
+# Models and checkpoints are stored uncompressed: float weights hardly
+# compress, and zlib would cost seconds per epoch for the seed's network
+# (5.5M parameters, three copies with Adam's moments).
+
+def save_model(path, link):
+    atomic_write(path, lambda f: chainer.serializers.save_npz(
+        f, link, compression=False))
+
+
+def save_checkpoint(path, model, state):
+    """Every replica and optimizer plus the loop's state, in one npz."""
+    serializer = DictionarySerializer()
+    model.serialize(serializer['model'])
+    serializer.target['state'] = np.array(json.dumps(state))
+    atomic_write(path, lambda f: np.savez(f, **serializer.target))
+
+
+def load_checkpoint(path, model):
+    with np.load(path) as npz:
+        model.serialize(NpzDeserializer(npz, path='model/'))
+        return json.loads(str(npz['state']))
+
+
+# ------------------------------------------------------------- evaluation
+
+def evaluate(chain, views, labels, device, batch_size):
+    """Mean loss and accuracy of ``chain`` on the test set; with several
+    views, softmax probabilities are averaged over them first."""
+    probs = 0
+    for view in views:
+        parts = []
+        for i in range(0, len(labels), batch_size):
+            x = device.send(view[i:i + batch_size])
+            with chainer.using_config('train', False), \
+                    chainer.no_backprop_mode(), chainer.using_device(device):
+                parts.append(chainer.backends.cuda.to_cpu(
+                    F.softmax(chain.predictor(x)).array))
+        probs = probs + np.concatenate(parts)
+    probs = probs / len(views)
+    picked = probs[np.arange(len(labels)), labels]
+    loss = float(-np.log(np.maximum(picked, 1e-12)).mean())
+    return loss, float((probs.argmax(axis=1) == labels).mean())
+
+
+# ------------------------------------------------------------------ loop
+
+class _Progress:
+    """A tqdm bar on a terminal, a plain line per epoch elsewhere."""
+
+    def __init__(self, enabled, total_epochs):
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.total_epochs = total_epochs
+        self.bar = None
+
+    def start(self, epoch, iterations):
+        if self.tty:
+            self.bar = tqdm(total=iterations, leave=False, unit='it',
+                            desc=f'epoch {epoch + 1}/{self.total_epochs}')
+
+    def step(self, loss, accuracy):
+        if self.bar is not None:
+            self.bar.update()
+            self.bar.set_postfix(loss=f'{loss:.4f}', acc=f'{accuracy:.4f}')
+
+    def end(self, row):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.enabled:
+            tqdm.write(
+                f"epoch {row['epoch']:>3}/{self.total_epochs}  "
+                f"loss {row['main/loss']:.4f}  acc {row['main/accuracy']:.4f}"
+                f"  val/loss {row['validation/main/loss']:.4f}  val/acc "
+                f"{row['validation/main/accuracy']:.4f}  "
+                f"{row['images_per_sec']:,.0f} img/s  "
+                f"{row['elapsed_time']:.1f}s", file=sys.stdout)
+
+
+def _prepare_out(config):
+    out = Path(config.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f'cannot create --out {out} ({e.strerror})') from None
+    if (out / CHECKPOINT).exists() and not config.resume:
+        raise UserError(f'{out} already holds a run ({CHECKPOINT}); pass '
+                        '--resume to continue it, or choose another --out')
+    return out
+
+
+def train(config=None, callbacks=(), **overrides):
+    """Train a model on CIFAR-10 as ``config`` says; return the summary.
+
+    Parameters
+    ----------
+    config : TrainConfig, optional
+        Default: ``TrainConfig()``; keyword ``overrides`` replace fields.
+    callbacks : sequence of callables, default ()
+        Each is called as ``callback(row)`` after an epoch's log row and
+        checkpoint are written (e.g. to plot live in a notebook).
+
+    Returns
+    -------
+    dict
+        ``log`` (all rows), ``final`` (the last row), ``out``, ``devices``
+        and ``stopped_early``.
+
+    Examples
+    --------
+    >>> summary = train(TrainConfig(model='resnet20', epochs=5))  # doctest: +SKIP
+    >>> summary['final']['validation/main/accuracy']  # doctest: +SKIP
+    """
+    config = (config or TrainConfig()).replace(**overrides) if overrides \
+        else (config or TrainConfig())
+    out = _prepare_out(config)
+    devices = config.devices or default_devices()
+    cifar = load_cifar10(config.data_dir, url=config.url, md5=config.md5)
+    n_train = min(config.train_size or len(cifar.train_labels),
+                  len(cifar.train_labels))
+    n_test = min(config.test_size or len(cifar.test_labels),
+                 len(cifar.test_labels))
+    train_images = cifar.train_images[:n_train].rechunk(
+        (DEFAULT_CHUNK, -1, -1, -1)).persist(scheduler='threads')
+    train_labels = cifar.train_labels[:n_train].compute()
+    test_labels = cifar.test_labels[:n_test].compute()
+    views = [v.compute(scheduler='threads') for v in
+             tta_views(cifar.test_images[:n_test], config.tta)]
+
+    np.random.seed(config.seed)  # the initial weights
+    model = GPUDistributedGradient(
+        get_model(config.model), devices, mode=config.mode,
+        mix_every=config.mix_every,
+        mix_optimizer_state=config.mix_optimizer_state)
+    model.setup(make_optimizer(config))
+    if config.weight_decay:
+        model.add_hook(chainer.optimizer_hooks.WeightDecay(
+            config.weight_decay))
+    state = {'epoch': 0, 'log': [], 'elapsed': 0.0,
+             'early_stop': {'best': None, 'count': 0}}
+    if config.resume and (out / CHECKPOINT).exists():
+        state = load_checkpoint(out / CHECKPOINT, model)
+    write_json(out / 'args', json.loads(config.to_json()))
+    stopper = EarlyStopping(config.early_stop_monitor,
+                            config.early_stop_patience,
+                            **state['early_stop'])
+    progress = _Progress(config.progress, config.epochs)
+    loader = EpochLoader(train_images, train_labels,
+                         config.batch_size * len(model), seed=config.seed,
+                         augment_options={} if config.augment else None,
+                         epochs=config.epochs)
+    stopped = state['early_stop']['count'] >= (config.early_stop_patience
+                                                 or math.inf)
+    started = time.perf_counter() - state['elapsed']
+    eval_batch = max(100, config.batch_size)
+    with loader:
+        for epoch in range(state['epoch'],
+                           state['epoch'] if stopped else config.epochs):
+            seed_everything(config.seed, epoch, model.devices)
+            comm_before, began = model.comm_time, time.perf_counter()
+            total = loss_sum = acc_sum = 0.0
+            progress.start(epoch, len(loader))
+            for x, t in loader.epoch(epoch):
+                loss, accuracy = model.step(x, t)
+                if not math.isfinite(loss):
+                    last = (f'{out / CHECKPOINT} from epoch {state["epoch"]} '
+                            'is kept' if state['epoch'] else
+                            'no checkpoint was written yet')
+                    raise TrainingDiverged(
+                        f'loss became {loss} at epoch {epoch + 1}, iteration '
+                        f'{model.iteration}; stopped ({last}). Lower --lr '
+                        f'(now {config.learning_rate:g})')
+                total += len(t)
+                loss_sum += loss * len(t)
+                acc_sum += accuracy * len(t)
+                progress.step(loss, accuracy)
+            train_time = time.perf_counter() - began
+            model.end_epoch()
+            evaluated = model.averaged()
+            val_loss, val_acc = evaluate(evaluated, views, test_labels,
+                                         model.devices[0], eval_batch)
+            row = {
+                'epoch': epoch + 1,
+                'iteration': model.iteration,
+                'main/loss': loss_sum / total,
+                'main/accuracy': acc_sum / total,
+                'validation/main/loss': val_loss,
+                'validation/main/accuracy': val_acc,
+                'elapsed_time': time.perf_counter() - started,
+                'images_per_sec': total / train_time,
+                'data_wait_time': loader.wait_times.get(epoch, 0.0),
+                'comm_time': model.comm_time - comm_before,
+                'lr': config.learning_rate,
+            }
+            if model.drift is not None:
+                row['drift'] = model.drift
+            stopped = stopper.update(row)
+            if stopper.count == 0:  # improved on the monitored value
+                save_model(out / 'model_best.npz', evaluated)
+            state.update(epoch=epoch + 1, elapsed=row['elapsed_time'],
+                         early_stop=stopper.state())
+            state['log'].append(row)
+            write_json(out / 'log', state['log'])
+            save_checkpoint(out / CHECKPOINT, model, state)
+            progress.end(row)
+            for callback in callbacks:
+                callback(row)
+            if stopped:
+                break
+    model.finalize()
+    save_model(out / 'model_final.npz', model.master)
+    if model.mode == 'ipm':  # the checkpoint holds the final mix too
+        save_checkpoint(out / CHECKPOINT, model, state)
+    return {'log': state['log'], 'final': state['log'][-1] if state['log']
+            else None, 'out': str(out),
+            'devices': [str(d) for d in model.devices],
+            'stopped_early': stopped}

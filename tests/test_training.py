@@ -1,0 +1,193 @@
+import json
+import math
+import subprocess
+import sys
+
+import chainer
+import numpy as np
+import pytest
+
+from cifar_fixture import make_batches, write_archive
+from dasktrain.cli import COMMANDS, build_parser, main
+from dasktrain.config import ConfigError, TrainConfig, parse_devices
+from dasktrain.data import extract_archive
+from dasktrain.training import TrainingDiverged, train
+
+TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
+             'comm_time'}
+LOG_KEYS = {'epoch', 'iteration', 'main/loss', 'main/accuracy',
+            'validation/main/loss', 'validation/main/accuracy',
+            'elapsed_time', 'images_per_sec', 'data_wait_time', 'lr'}
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp('cifar')
+    write_archive(root / 'a.tar.gz', make_batches(n_train=(100,) * 5,
+                                                  n_test=100, seed=3))
+    extract_archive(root / 'a.tar.gz', root)
+    return root
+
+
+def config(data_dir, out, **kw):
+    base = dict(model='tiny', epochs=2, batch_size=25, devices=('@numpy',),
+                data_dir=str(data_dir), out=str(out), progress=False,
+                lr=0.01)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def final_params(out):
+    with np.load(out / 'model_final.npz') as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+def test_a_short_run_learns_and_writes_chainer_logs(data_dir, tmp_path):
+    summary = train(config(data_dir, tmp_path / 'r', epochs=3,
+                           devices=('@numpy', '@numpy'), tta=2))
+    log = json.loads((tmp_path / 'r' / 'log').read_text())
+    assert [row['epoch'] for row in log] == [1, 2, 3]
+    assert LOG_KEYS <= set(log[0])
+    assert log[-1]['iteration'] == 3 * 10  # 500 images / (2 x 25)
+    assert log[-1]['validation/main/accuracy'] > 0.6  # chance is 0.1
+    assert log[-1]['main/loss'] < log[0]['main/loss']
+    assert all(row['images_per_sec'] > 0 for row in log)
+    args = json.loads((tmp_path / 'r' / 'args').read_text())
+    assert args['devices'] == ['@numpy', '@numpy'] and args['tta'] == 2
+    assert TrainConfig.from_json(json.dumps(args)) == config(
+        data_dir, tmp_path / 'r', epochs=3, devices=('@numpy', '@numpy'),
+        tta=2)
+    for name in ('model_final.npz', 'model_best.npz', 'checkpoint.npz'):
+        assert (tmp_path / 'r' / name).is_file()
+    assert summary['final'] == log[-1]
+    leftovers = [p.name for p in (tmp_path / 'r').iterdir()
+                 if p.name.startswith('.')]
+    assert leftovers == []
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_after(epoch):
+    def callback(row):
+        if row['epoch'] == epoch:
+            raise Crash
+    return callback
+
+
+@pytest.mark.parametrize('kw', [
+    dict(model='cifar10', mode='dg', train_size=50, test_size=20),  # dropout
+    dict(mode='ipm', devices=('@numpy', '@numpy')),                 # one-shot
+    dict(mode='ipm', devices=('@numpy', '@numpy'), mix_every=3,
+         optimizer='momentum-sgd', weight_decay=5e-4),
+])
+def test_resume_ends_exactly_where_an_uninterrupted_run_ends(data_dir,
+                                                             tmp_path, kw):
+    kw = dict(epochs=3, **kw)
+    whole = train(config(data_dir, tmp_path / 'whole', **kw))
+    with pytest.raises(Crash):
+        train(config(data_dir, tmp_path / 'cut', **kw),
+              callbacks=[crash_after(2)])
+    assert not (tmp_path / 'cut' / 'model_final.npz').exists()
+    resumed = train(config(data_dir, tmp_path / 'cut', resume=True, **kw))
+    for a, b in zip(whole['log'], resumed['log'], strict=True):
+        for key in set(a) - TIME_KEYS:
+            assert a[key] == b[key], key
+    ours, theirs = final_params(tmp_path / 'whole'), \
+        final_params(tmp_path / 'cut')
+    for name in ours:
+        assert np.array_equal(ours[name], theirs[name]), name
+
+
+def test_early_stopping(data_dir, tmp_path):
+    # A learning rate far below float32 resolution leaves the weights as
+    # they are, so the validation loss never improves after epoch 1.
+    summary = train(config(data_dir, tmp_path / 'r', epochs=10, lr=1e-12,
+                           early_stop_patience=2))
+    assert summary['stopped_early']
+    assert [row['epoch'] for row in summary['log']] == [1, 2, 3]
+    # Resuming a run that stopped early does not train further.
+    again = train(config(data_dir, tmp_path / 'r', epochs=10, lr=1e-12,
+                         early_stop_patience=2, resume=True))
+    assert len(again['log']) == 3
+
+
+def test_early_stopping_on_an_unknown_key(data_dir, tmp_path):
+    with pytest.raises(Exception, match="early_stop_monitor 'nope' is not "
+                                        "in the log"):
+        train(config(data_dir, tmp_path / 'r', early_stop_patience=1,
+                     early_stop_monitor='nope'))
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir,
+                                                           tmp_path):
+    out = tmp_path / 'r'
+    train(config(data_dir, out, epochs=1))
+    before = (out / 'checkpoint.npz').read_bytes()
+    with pytest.raises(TrainingDiverged, match=r'loss became (nan|inf) at '
+                                               r'epoch 2.*from epoch 1 is '
+                                               r'kept.*--lr'):
+        train(config(data_dir, out, epochs=3, resume=True,
+                     optimizer='momentum-sgd', lr=1e6))
+    assert (out / 'checkpoint.npz').read_bytes() == before
+    assert len(json.loads((out / 'log').read_text())) == 1
+
+
+def test_an_existing_run_needs_resume(data_dir, tmp_path):
+    train(config(data_dir, tmp_path / 'r', epochs=1))
+    with pytest.raises(Exception, match='already holds a run.*--resume'):
+        train(config(data_dir, tmp_path / 'r', epochs=1))
+
+
+def test_flags_map_one_to_one_onto_config_fields():
+    import dataclasses
+    parser = build_parser()
+    train_parser = parser._subparsers._group_actions[0].choices['train']
+    dests = {a.dest for a in train_parser._actions if a.dest != 'help'}
+    assert dests == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--batch-size', '0'], 'batch_size must be an int >= 1, got 0'),
+    (['--mix-every', '5'], 'mix_every applies to mode ipm only'),
+    (['--mode', 'ipm', '--mix-every', 'often'],
+     "expected an int or 'epoch', got 'often'"),
+    (['--devices', 'gpu0'], "devices must be GPU ids like '0,1'"),
+    (['--tta', '11'], 'tta must be an int in 1..10, got 11'),
+    (['--lr', '-1'], 'lr must be a number > 0, got -1.0'),
+    (['--model', 'vgg'], "invalid choice: 'vgg'"),
+])
+def test_bad_option_values_are_usage_errors(argv, message, capsys):
+    assert main(['train', *argv]) == 2
+    err = capsys.readouterr().err
+    first, rest = err.split('\n', 1)
+    assert first.startswith('dasktrain train: error: ') and message in first
+    assert 'usage: dasktrain train' in rest
+
+
+def test_missing_gpu_is_one_clear_line(data_dir, tmp_path, capsys):
+    code = main(['train', '--devices', '0,1', '--data-dir', str(data_dir),
+                 '--out', str(tmp_path / 'r')])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1
+    assert 'available: @numpy' in err
+
+
+def test_parse_devices():
+    assert parse_devices('cpu') == ('@numpy',)
+    assert parse_devices('cpu:3') == ('@numpy',) * 3
+    assert parse_devices('0, 2') == ('@cupy:0', '@cupy:2')
+    with pytest.raises(ConfigError):
+        parse_devices('cpu:0')
+
+
+def test_train_command_end_to_end(data_dir, tmp_path):
+    out = subprocess.run(
+        [sys.executable, '-m', 'dasktrain.cli', 'train', '--model', 'tiny',
+         '--epochs', '1', '--devices', 'cpu', '--data-dir', str(data_dir),
+         '--out', str(tmp_path / 'r'), '--lr', '0.01'],
+        capture_output=True, text=True, check=True)
+    assert 'epoch   1/1' in out.stdout and 'done: epoch 1' in out.stdout
+    assert 'Traceback' not in out.stderr
