@@ -23,6 +23,8 @@ _EXPORTS = {
     'get_model': 'dasktrain.models',
     'TrainConfig': 'dasktrain.config',
     'train': 'dasktrain.training',
+    'submit': 'dasktrain.jobs',
+    'Job': 'dasktrain.jobs',
 }
 
 

@@ -4,6 +4,7 @@ Each benchmark returns rows of (measure, value, unit) and the CLI prints
 them as a Markdown table headed by the machine they ran on, ready for the
 README.
 """
+import math
 import os
 import platform
 import time
@@ -147,4 +148,143 @@ def bench_augment(n_images=50000, chunk=2500, repeats=3, cores=None,
               's'),
              (f'data wait share of an epoch at {trainer_rate:.0f} images/s',
               f'{share:.2f} %', '')]
+    return rows
+
+
+def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
+                repeats=3, epoch_images=2000):
+    """Images/s of a plain Chainer loop vs GPUDistributedGradient.
+
+    Parameters
+    ----------
+    model : str, default 'cifar10'
+        A name from dasktrain.models.
+    devices : sequence of str, optional
+        Devices for the N-replica runs; default: every GPU, else 2 CPU
+        replicas.
+    batch_size : int, default 100
+        Images per replica per step (the seed post's).
+    iterations : int, default 10
+        Timed steps per measurement (after one warm-up step).
+    repeats : int, default 3
+        Measurements; the best is reported.
+    epoch_images : int, default 2000
+        Images per epoch of the data-wait measurement (real trainer, real
+        loader, random pixels).
+    """
+    import chainer
+
+    from dasktrain import _compat  # noqa: F401
+    from dasktrain.augment import EpochLoader
+    from dasktrain.models import get_model
+    from dasktrain.parallel import GPUDistributedGradient
+    from dasktrain.training import default_devices
+
+    devices = tuple(devices or ((default_devices() * 2)[:2]
+                                if default_devices() == ('@numpy',)
+                                else default_devices()))
+    first = chainer.get_device(devices[0])
+    rng = np.random.default_rng(0)
+
+    def data(n):
+        return (rng.standard_normal((n, 3, 32, 32), dtype=np.float32),
+                rng.integers(0, 10, n).astype(np.int32))
+
+    def sync():
+        for d in devices:
+            if d.startswith('@cupy'):
+                import cupy
+                with cupy.cuda.Device(int(d.split(':')[1])):
+                    cupy.cuda.Stream.null.synchronize()
+
+    def timed(step):
+        began = time.perf_counter()
+        for _ in range(iterations):
+            step()
+        sync()
+        return time.perf_counter() - began
+
+    def models(n):
+        np.random.seed(0)
+        if n == 0:  # the plain Chainer loop
+            link = get_model(model)
+            link.to_device(first)
+            optimizer = chainer.optimizers.Adam()
+            optimizer.setup(link)
+            x, t = (first.send(a) for a in data(batch_size))
+            return lambda: optimizer.update(link, x, t)
+        wrapped = GPUDistributedGradient(get_model(model), devices[:n])
+        wrapped.setup(chainer.optimizers.Adam())
+        x, t = data(batch_size * n)
+        return lambda: wrapped.step(x, t)
+
+    # Interleaved repeats, best of each: machine noise hits all alike.
+    counts = sorted({0, 1, len(devices)})
+    steps = {n: models(n) for n in counts}
+    best = {n: math.inf for n in counts}
+    for n in counts:
+        steps[n]()  # warm-up
+    for _ in range(repeats):
+        for n in counts:
+            best[n] = min(best[n], timed(steps[n]))
+    rates = {n: batch_size * max(n, 1) * iterations / best[n]
+             for n in counts}
+    rows = [(f'plain Chainer loop, {devices[0]}', rates[0], 'images/s')]
+    for n in counts[1:]:
+        rows.append((f'GPUDistributedGradient, {n} replica(s) on '
+                     f'{", ".join(devices[:n])}', rates[n], 'images/s'))
+        if n == 1:
+            rows.append(('wrapper overhead vs plain loop',
+                         f'{100 * (rates[0] / rates[1] - 1):.1f} %', ''))
+    wrapped = GPUDistributedGradient(get_model(model), devices)
+    wrapped.setup(chainer.optimizers.Adam())
+    n = len(devices)
+    if n > 1:
+        rows.append((f'scaling efficiency, {n} replicas',
+                     f'{100 * rates[n] / (n * rates[1]):.0f} %', ''))
+        # One step taken apart: compute, gradient merge, parameter sync.
+        xs, ts = wrapped.split(*data(batch_size * n))
+        parts = {'compute (forward + backward)': 0.0,
+                 'gradient merge (addgrads)': 0.0,
+                 'optimizer update': 0.0, 'parameter sync': 0.0}
+        for _ in range(iterations):
+            marks = [time.perf_counter()]
+            wrapped.cleargrads()
+            wrapped(xs, ts)
+            wrapped.backward()
+            sync()
+            marks.append(time.perf_counter())
+            wrapped.syncgrads()
+            sync()
+            marks.append(time.perf_counter())
+            wrapped.optimizer.update()
+            sync()
+            marks.append(time.perf_counter())
+            wrapped.syncparams()
+            sync()
+            marks.append(time.perf_counter())
+            for key, a, b in zip(parts, marks, marks[1:]):
+                parts[key] += (b - a) / iterations
+        rows += [(f'step split: {key}', 1000 * value, 'ms')
+                 for key, value in parts.items()]
+
+    np.random.seed(0)
+    trainer = GPUDistributedGradient(get_model(model), devices)
+    trainer.setup(chainer.optimizers.Adam())
+    images = rng.integers(0, 256, (epoch_images, 3, 32, 32), dtype=np.uint8)
+    labels = rng.integers(0, 10, epoch_images)
+    with EpochLoader(images, labels, batch_size * len(devices),
+                     augment_options={}, epochs=3) as loader:
+        times = []
+        for epoch in range(3):
+            began = time.perf_counter()
+            for xb, tb in loader.epoch(epoch):
+                trainer.step(xb, tb)
+            times.append(time.perf_counter() - began)
+        waits = [loader.wait_times[e] for e in (1, 2)]
+    rows += [('trainer data wait, first epoch', loader.wait_times[0], 's'),
+             ('trainer data wait, later epochs (worst)', max(waits), 's'),
+             ('data wait share of a later epoch',
+              f'{100 * max(w / s for w, s in zip(waits, times[1:])):.2f} %',
+              '')]
     return rows

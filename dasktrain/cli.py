@@ -172,6 +172,225 @@ class Train(Command):
         return 0
 
 
+def _add_tls_arguments(parser):
+    parser.add_argument('--tls-ca-file', metavar='PEM',
+                        help='CA certificate; with --tls-cert and --tls-key '
+                             'every connection uses TLS')
+    parser.add_argument('--tls-cert', metavar='PEM')
+    parser.add_argument('--tls-key', metavar='PEM')
+
+
+@command
+class Cluster(Command):
+    name = 'cluster'
+    help = 'start, inspect or stop a Dask cluster on this machine'
+
+    def add_arguments(self, parser):
+        actions = parser.add_subparsers(dest='action', metavar='ACTION',
+                                        required=True, parser_class=_Parser)
+        p = actions.add_parser('start', help='start a scheduler and a worker '
+                               'owning this machine\'s GPUs, in the '
+                               'background')
+        p.add_argument('--host', default='127.0.0.1',
+                       help='interface to bind (default: %(default)s)')
+        p.add_argument('--port', type=int, default=8786,
+                       help='scheduler port, 0 for any (default: '
+                            '%(default)s)')
+        p.add_argument('--dashboard-port', type=int, default=8787,
+                       help='dashboard port, 0 for any (default: '
+                            '%(default)s)')
+        p.add_argument('--gpus', type=int, default=None,
+                       help='GPUs the worker advertises (default: all '
+                            'found)')
+        p.add_argument('--cpu-slots', type=int, default=1,
+                       help='jobs at once on a worker without GPUs '
+                            '(default: %(default)s)')
+        _add_tls_arguments(p)
+        p.set_defaults(command_parser=p)
+        actions.add_parser('status', help='the scheduler, dashboard and '
+                           'workers').set_defaults(command_parser=parser)
+        actions.add_parser('stop', help='shut the cluster down') \
+            .set_defaults(command_parser=parser)
+
+    def run(self, args):
+        from dasktrain import cluster
+        if args.action == 'start':
+            state = cluster.start_cluster(
+                host=args.host, port=args.port,
+                dashboard_port=args.dashboard_port, gpus=args.gpus,
+                cpu_slots=args.cpu_slots, tls_ca_file=args.tls_ca_file,
+                tls_cert=args.tls_cert, tls_key=args.tls_key)
+            print(f"scheduler: {state['scheduler']}\n"
+                  f"dashboard: {state['dashboard']}\n"
+                  f"worker resources: {state['resources']}\n"
+                  f'recorded in {cluster.state_path()}')
+        elif args.action == 'status':
+            status = cluster.cluster_status()
+            print(f"scheduler: {status['scheduler']}\n"
+                  f"dashboard: {status['dashboard']}")
+            for address, worker in status['workers'].items():
+                resources = ', '.join(f'{k}={v:g}' for k, v in
+                                      worker['resources'].items())
+                print(f"worker {address} ({worker['name']}): "
+                      f"{resources or 'no resources'}, "
+                      f"{worker['threads']} threads")
+        else:
+            state = cluster.stop_cluster()
+            print(f"stopped the cluster at {state['scheduler']}")
+        return 0
+
+
+def _add_jobs_dir(parser):
+    parser.add_argument('--jobs-dir', default=None, metavar='DIR',
+                        help='job folders, on storage every worker sees '
+                             '(default: $DASKTRAIN_JOBS_DIR, else '
+                             '~/.dasktrain/jobs)')
+
+
+@command
+class Submit(Command):
+    name = 'submit'
+    help = ('queue a training job on the cluster: dasktrain submit [options]'
+            ' -- <dasktrain train options>')
+
+    def add_arguments(self, parser):
+        parser.add_argument('--scheduler', default=None, metavar='ADDR',
+                            help='default: the cluster `dasktrain cluster '
+                                 'start` recorded')
+        parser.add_argument('--gpus', type=int, default=1,
+                            help='GPUs the job reserves (default: '
+                                 '%(default)s)')
+        parser.add_argument('--name', default=None,
+                            help='a label for `dasktrain jobs`')
+        _add_jobs_dir(parser)
+        parser.add_argument('train_args', nargs=argparse.REMAINDER,
+                            help='options of `dasktrain train`, after --')
+
+    def run(self, args):
+        from dasktrain.jobs import submit
+        train_args = args.train_args
+        if train_args[:1] == ['--']:
+            train_args = train_args[1:]
+        if args.gpus < 0:
+            args.command_parser.error(f'--gpus must be >= 0, got {args.gpus}')
+        train_parser = _Parser(prog='dasktrain submit -- ')
+        add_train_arguments(train_parser)
+        train_parser.set_defaults(command_parser=train_parser)
+        config = config_from_args(train_parser.parse_args(train_args))
+        job = submit(config, gpus=args.gpus, name=args.name,
+                     scheduler=args.scheduler, path=args.jobs_dir)
+        print(job.id)
+        return 0
+
+
+def _when(seconds):
+    import time
+    return time.strftime('%m-%d %H:%M:%S', time.localtime(seconds)) \
+        if seconds else '-'
+
+
+@command
+class Jobs(Command):
+    name = 'jobs'
+    help = 'list every job with its state, GPUs, progress and times'
+
+    def add_arguments(self, parser):
+        _add_jobs_dir(parser)
+
+    def run(self, args):
+        from dasktrain.jobs import list_jobs
+        rows = [('ID', 'STATE', 'GPUS', 'PROGRESS', 'ACCURACY', 'SUBMITTED',
+                 'STARTED', 'ENDED')]
+        for job in list_jobs(args.jobs_dir):
+            s = job.status()
+            accuracy = f"{s['accuracy']:.4f}" if s['accuracy'] is not None \
+                else '-'
+            gpus = ','.join(s['gpus']) if s['gpus'] else \
+                str(job.spec()['gpus'])
+            rows.append((job.id, s['state'], gpus,
+                         f"{s['epoch']}/{s['epochs']}", accuracy,
+                         _when(job.spec()['submitted']), _when(s['started']),
+                         _when(s['ended'])))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            print('  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        return 0
+
+
+class _JobCommand(Command):
+    def add_arguments(self, parser):
+        parser.add_argument('id', help='a job id from `dasktrain jobs`')
+        _add_jobs_dir(parser)
+
+    def job(self, args):
+        from dasktrain.jobs import Job
+        return Job.find(args.id, args.jobs_dir)
+
+
+@command
+class Logs(_JobCommand):
+    name = 'logs'
+    help = "print a job's output (its traceback, if it failed)"
+
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        parser.add_argument('--follow', '-f', action='store_true',
+                            help='keep printing until the job ends')
+
+    def run(self, args):
+        import time
+        from dasktrain.jobs import DONE
+        job = self.job(args)
+        shown = 0
+        while True:
+            done = job.status()['state'] in DONE
+            text = job.logs()
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+            if done or not args.follow:
+                return 0
+            time.sleep(0.5)
+
+
+@command
+class Cancel(_JobCommand):
+    name = 'cancel'
+    help = 'cancel a queued or running job'
+
+    def run(self, args):
+        job = self.job(args)
+        job.cancel()
+        print(f"{job.id}: {job.status()['state']}")
+        return 0
+
+
+@command
+class Result(_JobCommand):
+    name = 'result'
+    help = "a finished job's final metrics and where its outputs are"
+
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        parser.add_argument('--wait', action='store_true',
+                            help='wait for the job to end')
+
+    def run(self, args):
+        from dasktrain.jobs import DONE, JobError
+        job = self.job(args)
+        status = job.status()
+        if status['state'] not in DONE and not args.wait:
+            raise JobError(f"job {job.id} is {status['state']} (epoch "
+                           f"{status['epoch']}/{status['epochs']}); pass "
+                           '--wait to wait for it')
+        summary = job.result()
+        for key, value in summary['final'].items():
+            print(f'{key}: {value:.6g}' if isinstance(value, float)
+                  else f'{key}: {value}')
+        print(f"outputs: {summary['out']}")
+        return 0
+
+
 @command
 class Bench(Command):
     name = 'bench'
@@ -196,20 +415,50 @@ class Bench(Command):
         p.add_argument('--trainer-rate', type=float, default=3846.0,
                        help='images/s of the simulated trainer (default: '
                             'the seed post\'s 4-GPU run, %(default)s)')
-        p.set_defaults(command_parser=p)
+        p.set_defaults(command_parser=p, positive=('images', 'chunk',
+                                                   'repeats'))
+        p = which.add_parser('train', help='plain Chainer vs the wrapper, '
+                             'N-replica scaling, step split, data wait')
+        p.add_argument('--model', default='cifar10',
+                       help='network (default: %(default)s)')
+        p.add_argument('--devices', type=_devices, default=None,
+                       metavar='LIST', help="'0,1', 'cpu:N' (default: all "
+                       'GPUs, else 2 CPU replicas)')
+        p.add_argument('--batch-size', type=int, default=100,
+                       help='per replica (default: %(default)s)')
+        p.add_argument('--iterations', type=int, default=10,
+                       help='timed steps per measurement (default: '
+                            '%(default)s)')
+        p.add_argument('--repeats', type=int, default=3,
+                       help='measurements, best reported (default: '
+                            '%(default)s)')
+        p.add_argument('--epoch-images', type=int, default=2000,
+                       help='images per epoch of the data-wait run '
+                            '(default: %(default)s)')
+        p.set_defaults(command_parser=p, positive=(
+            'batch_size', 'iterations', 'repeats', 'epoch_images'))
 
     def run(self, args):
         from dasktrain import bench
-        for name in ('images', 'chunk', 'repeats'):
+        for name in args.positive:
             if getattr(args, name) < 1:
-                args.command_parser.error(f'--{name} must be >= 1, got '
-                                          f'{getattr(args, name)}')
-        rows = bench.bench_augment(
-            n_images=args.images, chunk=args.chunk, repeats=args.repeats,
-            cores=args.cores, padding=args.padding,
-            trainer_rate=args.trainer_rate)
-        print(bench.table(rows, f'dasktrain bench augment '
-                                f'(padding={args.padding})'))
+                args.command_parser.error(
+                    f'--{name.replace("_", "-")} must be >= 1, got '
+                    f'{getattr(args, name)}')
+        if args.bench == 'augment':
+            rows = bench.bench_augment(
+                n_images=args.images, chunk=args.chunk,
+                repeats=args.repeats, cores=args.cores,
+                padding=args.padding, trainer_rate=args.trainer_rate)
+            title = f'dasktrain bench augment (padding={args.padding})'
+        else:
+            rows = bench.bench_train(
+                model=args.model, devices=args.devices,
+                batch_size=args.batch_size, iterations=args.iterations,
+                repeats=args.repeats, epoch_images=args.epoch_images)
+            title = (f'dasktrain bench train (model={args.model}, batch '
+                     f'{args.batch_size} per replica)')
+        print(bench.table(rows, title))
         return 0
 
 

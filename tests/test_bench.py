@@ -13,3 +13,22 @@ def test_bench_augment_prints_a_table_of_real_measurements(capsys):
              re.findall(r'\| ([\d,.]+) \| images/s \|', out)]
     assert len(rates) == 4 and all(r > 0 for r in rates)
     assert re.search(r'parallel efficiency vs Dask with 1 worker \| \d+ %', out)
+
+
+def test_bench_train_compares_plain_chainer_and_the_wrapper(capsys):
+    assert main(['bench', 'train', '--model', 'tiny', '--devices', 'cpu:2',
+                 '--batch-size', '8', '--iterations', '2', '--repeats', '1',
+                 '--epoch-images', '64']) == 0
+    out = capsys.readouterr().out
+    rates = [float(v.replace(',', '')) for v in
+             re.findall(r'\| ([\d,.]+) \| images/s \|', out)]
+    assert len(rates) == 3 and all(r > 0 for r in rates)
+    for row in ('wrapper overhead vs plain loop', 'scaling efficiency, 2',
+                'step split: gradient merge', 'data wait share'):
+        assert row in out
+
+
+def test_bench_usage_errors(capsys):
+    assert main(['bench', 'train', '--iterations', '0']) == 2
+    assert capsys.readouterr().err.startswith(
+        'dasktrain bench train: error: --iterations must be >= 1, got 0')

@@ -1,0 +1,343 @@
+"""Training jobs on a dask.distributed cluster, queued by GPUs.
+
+``submit`` writes the job's folder (under the jobs dir, which must be on
+storage every worker sees, as a lab NAS is) and hands one task to the
+scheduler with ``resources={'GPU': K}``: Dask itself holds it until a worker
+has K free GPUs. The task picks K GPU ids no other job on that worker holds
+and runs ``dasktrain train`` in a child process with
+``CUDA_VISIBLE_DEVICES`` set to them, always with ``--resume``: a job that
+Dask reruns after its worker died continues from its last checkpoint.
+
+A job folder holds ``job.json`` (the TrainConfig and request),
+``status.json`` (state, times, GPUs, attempts), ``output.log`` (what the
+training printed, across attempts) and ``out/`` (its log, checkpoint and
+models).
+"""
+import ctypes
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+from dasktrain.cluster import connect, home, read_state
+from dasktrain.config import TrainConfig
+from dasktrain.errors import UserError
+
+KEY_PREFIX = 'dasktrain-job-'
+JOBS_ENV = 'DASKTRAIN_JOBS_DIR'
+DONE = ('finished', 'failed', 'cancelled')
+
+
+class JobError(UserError):
+    pass
+
+
+def jobs_dir(path=None):
+    """``path``, else ``$DASKTRAIN_JOBS_DIR``, else ``$DASKTRAIN_HOME/jobs``."""
+    return Path(path or os.environ.get(JOBS_ENV) or home() / 'jobs')
+
+
+def _write_json(path, obj):
+    tmp = path.with_name(f'.{path.name}.{os.getpid()}.'
+                         f'{threading.get_ident()}')
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def _update_status(folder, **changes):
+    path = folder / 'status.json'
+    status = json.loads(path.read_text())
+    status.update(changes)
+    _write_json(path, status)
+    return status
+
+
+@dataclasses.dataclass
+class Job:
+    """A submitted job; everything about it is read from its folder.
+
+    Examples
+    --------
+    >>> job = dasktrain.submit(TrainConfig(epochs=5), gpus=2)  # doctest: +SKIP
+    >>> job.status()['state']  # doctest: +SKIP
+    'queued'
+    >>> job.result()['final']['validation/main/accuracy']  # doctest: +SKIP
+    """
+    id: str
+    folder: Path
+
+    @classmethod
+    def find(cls, job_id, path=None):
+        folder = jobs_dir(path) / job_id
+        if not (folder / 'job.json').is_file():
+            raise JobError(f'no job {job_id!r} in {jobs_dir(path)}; '
+                           '`dasktrain jobs` lists them')
+        return cls(job_id, folder)
+
+    @property
+    def key(self):
+        return KEY_PREFIX + self.id
+
+    def spec(self):
+        return json.loads((self.folder / 'job.json').read_text())
+
+    def log_rows(self):
+        try:
+            return json.loads((self.folder / 'out' / 'log').read_text())
+        except (OSError, ValueError):
+            return []
+
+    def status(self):
+        """State, GPUs, times, attempts, and progress from the job's log."""
+        status = json.loads((self.folder / 'status.json').read_text())
+        rows = self.log_rows()
+        status['epoch'] = rows[-1]['epoch'] if rows else 0
+        status['epochs'] = self.spec()['config']['epochs']
+        status['accuracy'] = (rows[-1]['validation/main/accuracy']
+                              if rows else None)
+        return status
+
+    def logs(self):
+        try:
+            return (self.folder / 'output.log').read_text()
+        except OSError:
+            return ''
+
+    def cancel(self, client=None):
+        """Cancel: dropped from the queue, or its training stopped."""
+        if self.status()['state'] in DONE:
+            return
+        (self.folder / 'cancel').touch()
+        if self.status()['state'] == 'queued':
+            _update_status(self.folder, state='cancelled', ended=time.time())
+        try:
+            from distributed import Future
+            owned = client is None
+            client = client or connect(self.spec().get('scheduler'))
+            try:
+                client.cancel([Future(self.key, client)], force=True)
+            finally:
+                if owned:
+                    client.close()
+        except UserError:
+            pass  # scheduler gone: the flag file stops it on its next run
+
+    def result(self, timeout=None, poll=0.5):
+        """Wait until the job ends; its summary, or JobError if it failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if status['state'] in DONE:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f'job {self.id} still {status["state"]}')
+            time.sleep(poll)
+        if status['state'] != 'finished':
+            raise JobError(f"job {self.id} {status['state']}: "
+                           f"{status.get('error') or ''}".rstrip(': '))
+        rows = self.log_rows()
+        return {'id': self.id, 'final': rows[-1] if rows else None,
+                'log': rows, 'out': str(self.folder / 'out'),
+                'gpus': status.get('gpus')}
+
+
+def list_jobs(path=None):
+    """Every job in the jobs dir, oldest first."""
+    root = jobs_dir(path)
+    if not root.is_dir():
+        return []
+    jobs = [Job(p.name, p) for p in root.iterdir()
+            if (p / 'status.json').is_file()]
+    return sorted(jobs, key=lambda j: j.spec()['submitted'])
+
+
+def _slug(text):
+    return re.sub(r'[^A-Za-z0-9_.-]+', '-', text).strip('-')[:40] or 'job'
+
+
+def submit(config, gpus=1, name=None, client=None, scheduler=None,
+           path=None):
+    """Queue a training job; returns at once with its :class:`Job`.
+
+    Parameters
+    ----------
+    config : TrainConfig
+        The run; ``out`` is replaced by the job's own folder.
+    gpus : int, default 1
+        GPUs the job reserves (0: one ``CPU`` slot). If ``config.devices``
+        names devices itself (e.g. ``('@numpy',)``), those are used.
+    name : str, optional
+        A label for listings; default the model's name.
+    client : distributed.Client, optional
+        Default: connect to ``scheduler`` or the recorded cluster.
+    path : str, optional
+        Jobs dir; must be on storage every worker sees.
+    """
+    if not isinstance(gpus, int) or gpus < 0:
+        raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
+    owned = client is None
+    client = client or connect(scheduler)
+    try:
+        resource = 'GPU' if gpus else 'CPU'
+        need = max(gpus, 1)
+        workers = client.scheduler_info()['workers']
+        have = {addr: w.get('resources', {}).get(resource, 0)
+                for addr, w in workers.items()}
+        if not have or max(have.values()) < need:
+            largest = max(have.values(), default=0)
+            raise JobError(f'no worker has {need} {resource} (largest: '
+                           f'{largest:g} among {len(have)} workers); ask '
+                           'for fewer, or add a worker with '
+                           f'`dask worker ADDRESS --resources {resource}='
+                           f'{need}`')
+        job_id = (f'{_slug(name or config.model)}-'
+                  f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
+        folder = jobs_dir(path).resolve() / job_id
+        folder.mkdir(parents=True)
+        config = config.replace(out=str(folder / 'out'), resume=True,
+                                progress=True)
+        _write_json(folder / 'job.json', {
+            'id': job_id, 'name': name or config.model, 'gpus': gpus,
+            'config': json.loads(config.to_json()),
+            'scheduler': client.scheduler.address,
+            'submitted': time.time()})
+        _write_json(folder / 'status.json', {
+            'state': 'queued', 'attempts': 0, 'gpus': None, 'worker': None,
+            'started': None, 'ended': None, 'error': None})
+        from distributed import fire_and_forget
+        future = client.submit(run_job, str(folder), key=KEY_PREFIX + job_id,
+                               resources={resource: need}, pure=False)
+        fire_and_forget(future)  # runs on after this client goes away
+        return Job(job_id, folder)
+    finally:
+        if owned:
+            client.close()
+
+
+def scheduler_states(keys, client):
+    """What the scheduler knows of each job key ('no-worker', ...)."""
+    def states(dask_scheduler, keys):
+        return {k: dask_scheduler.tasks[k].state for k in keys
+                if k in dask_scheduler.tasks}
+    return client.run_on_scheduler(states, keys=list(keys))
+
+
+# ----------------------------------------------------------- on a worker
+
+class _GpuPool:
+    """GPU ids of this worker process, handed to one job at a time each."""
+    lock = threading.Lock()
+    used = set()
+
+    @classmethod
+    def acquire(cls, count):
+        from distributed import get_worker
+        total = int(get_worker().state.total_resources.get('GPU', 0))
+        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+        ids = visible.split(',')[:total] if visible else \
+            [str(i) for i in range(total)]
+        with cls.lock:
+            free = [i for i in ids if i not in cls.used][:count]
+            if len(free) < count:  # the scheduler's accounting forbids it
+                raise RuntimeError(f'{count} GPUs asked, free: {free}')
+            cls.used.update(free)
+        return free
+
+    @classmethod
+    def release(cls, ids):
+        with cls.lock:
+            cls.used.difference_update(ids)
+
+
+def _die_with_parent():
+    # The training must not outlive a killed worker: its rerun elsewhere
+    # would share the output folder with a ghost.
+    libc = ctypes.CDLL('libc.so.6', use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run_job(folder):
+    """The task body: run one attempt of the job in a child process."""
+    from distributed import get_worker
+    folder = Path(folder)
+    spec = json.loads((folder / 'job.json').read_text())
+    status = json.loads((folder / 'status.json').read_text())
+    if (folder / 'cancel').exists() or status['state'] in DONE:
+        return status['state']
+    rows = Job(spec['id'], folder).log_rows()
+    gpus = _GpuPool.acquire(spec['gpus']) if spec['gpus'] else []
+    attempt = status['attempts'] + 1
+    worker = get_worker().address
+    _update_status(folder, state='running', attempts=attempt, gpus=gpus,
+                   worker=worker, started=status['started'] or time.time())
+    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    if gpus:
+        env['CUDA_VISIBLE_DEVICES'] = ','.join(gpus)
+    try:
+        with open(folder / 'output.log', 'ab') as log:
+            log.write(f'=== attempt {attempt} on {worker}, GPUs '
+                      f'{",".join(gpus) or "none"}, '
+                      f'{"resuming after epoch %d" % rows[-1]["epoch"] if rows else "starting"}'
+                      f' ===\n'.encode())
+            log.flush()
+            child = subprocess.Popen(
+                [sys.executable, '-m', 'dasktrain.jobs', str(folder)],
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            while child.poll() is None:
+                if (folder / 'cancel').exists():
+                    child.terminate()
+                    try:
+                        child.wait(10)
+                    except subprocess.TimeoutExpired:
+                        child.kill()
+                time.sleep(0.2)
+    finally:
+        _GpuPool.release(gpus)
+    if (folder / 'cancel').exists():
+        state, error = 'cancelled', None
+    elif child.returncode == 0:
+        state, error = 'finished', None
+    else:
+        state = 'failed'
+        lines = (folder / 'output.log').read_text().strip().splitlines()
+        error = lines[-1] if lines else f'exit code {child.returncode}'
+    _update_status(folder, state=state, error=error, ended=time.time())
+    return state
+
+
+def _child(folder):
+    """The child process: train the job's config; one line for a user's
+    mistake, the whole traceback for anything else."""
+    spec = json.loads((Path(folder) / 'job.json').read_text())
+    config = TrainConfig.from_json(json.dumps(spec['config']))
+    if spec['gpus'] and config.devices is None:
+        # CUDA_VISIBLE_DEVICES renumbers the job's GPUs from 0.
+        config = config.replace(devices=tuple(
+            f'@cupy:{i}' for i in range(spec['gpus'])))
+    from dasktrain.training import train
+    try:
+        summary = train(config)
+    except UserError as e:
+        print(f'error: {e}', flush=True)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+    final = summary['final']
+    if final:
+        print(f"done: epoch {final['epoch']}, test accuracy "
+              f"{final['validation/main/accuracy']:.4f}", flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(_child(sys.argv[1]))
