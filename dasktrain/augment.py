@@ -331,9 +331,10 @@ class EpochLoader:
             return self.client
         try:
             from distributed import default_client
-            return default_client()
+            client = default_client()
         except (ImportError, ValueError):
             return None
+        return client if client.status == 'running' else None
 
     def _start(self, epoch):
         with self._lock:

@@ -300,17 +300,18 @@ def run_job(folder):
                     except subprocess.TimeoutExpired:
                         child.kill()
                 time.sleep(0.2)
+        if (folder / 'cancel').exists():
+            state, error = 'cancelled', None
+        elif child.returncode == 0:
+            state, error = 'finished', None
+        else:
+            state = 'failed'
+            lines = (folder / 'output.log').read_text().strip().splitlines()
+            error = lines[-1] if lines else f'exit code {child.returncode}'
+        # Recorded before the GPUs are free: the next job starts after it.
+        _update_status(folder, state=state, error=error, ended=time.time())
     finally:
         _GpuPool.release(gpus)
-    if (folder / 'cancel').exists():
-        state, error = 'cancelled', None
-    elif child.returncode == 0:
-        state, error = 'finished', None
-    else:
-        state = 'failed'
-        lines = (folder / 'output.log').read_text().strip().splitlines()
-        error = lines[-1] if lines else f'exit code {child.returncode}'
-    _update_status(folder, state=state, error=error, ended=time.time())
     return state
 
 

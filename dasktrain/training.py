@@ -237,8 +237,8 @@ def train(config=None, callbacks=(), **overrides):
                  len(cifar.test_labels))
     train_images = cifar.train_images[:n_train].rechunk(
         (DEFAULT_CHUNK, -1, -1, -1)).persist(scheduler='threads')
-    train_labels = cifar.train_labels[:n_train].compute()
-    test_labels = cifar.test_labels[:n_test].compute()
+    train_labels = cifar.train_labels[:n_train].compute(scheduler='threads')
+    test_labels = cifar.test_labels[:n_test].compute(scheduler='threads')
     views = [v.compute(scheduler='threads') for v in
              tta_views(cifar.test_images[:n_test], config.tta)]
 

@@ -1,0 +1,260 @@
+"""Real `dask scheduler` / `dask worker` processes on 127.0.0.1; CPU
+workers labelled with fake GPU resources, jobs that train on the CPU."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from distributed import Client
+
+from cifar_fixture import make_batches, write_archive
+from dasktrain.cli import main
+from dasktrain.config import TrainConfig
+from dasktrain.data import extract_archive
+from dasktrain.errors import UserError
+from dasktrain.jobs import Job, JobError, submit
+from dasktrain.training import train
+
+TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
+             'comm_time'}
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp('cifar')
+    write_archive(root / 'a.tar.gz', make_batches(n_train=(200,) * 5,
+                                                  n_test=100, seed=5))
+    extract_archive(root / 'a.tar.gz', root)
+    return root
+
+
+def wait_until(predicate, timeout=120, what='condition'):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f'timed out waiting for {what}')
+
+
+class Processes:
+    """Scheduler and workers started by a test, killed at its end."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.procs = []
+        info = tmp_path / 'scheduler.json'
+        self.spawn('scheduler', '--host', '127.0.0.1', '--port', '0',
+                   '--dashboard-address', '127.0.0.1:0',
+                   '--scheduler-file', str(info))
+        wait_until(info.exists, 60, 'the scheduler')
+        wait_until(lambda: json.loads(info.read_text() or '{}'), 10,
+                   'the scheduler file')
+        self.address = json.loads(info.read_text())['address']
+
+    def spawn(self, *args):
+        proc = subprocess.Popen([sys.executable, '-m', 'dask', *args],
+                                stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, gpus=2):
+        return self.spawn('worker', self.address, '--no-nanny', '--nthreads',
+                          str(gpus), '--resources', f'GPU={gpus}', '--host',
+                          '127.0.0.1', '--local-directory',
+                          str(self.tmp_path / 'space'))
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    procs = Processes(tmp_path)
+    yield procs
+    procs.close()
+
+
+def job_config(data_dir, **kw):
+    base = dict(model='tiny', epochs=2, batch_size=50, devices=('@numpy',),
+                data_dir=str(data_dir), lr=0.01, train_size=400,
+                test_size=100)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_cluster_commands_start_status_and_stop(tmp_path, monkeypatch,
+                                                capsys):
+    monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
+    assert main(['cluster', 'start', '--port', '0', '--dashboard-port', '0',
+                 '--gpus', '2']) == 0
+    state = json.loads((tmp_path / 'home' / 'cluster.json').read_text())
+    try:
+        out = capsys.readouterr().out
+        assert state['scheduler'].startswith('tcp://127.0.0.1:')
+        assert f"scheduler: {state['scheduler']}" in out
+        assert 'dashboard: http://127.0.0.1:' in out
+        assert main(['cluster', 'status']) == 0
+        assert 'GPU=2, 2 threads' in capsys.readouterr().out
+        assert main(['cluster', 'start', '--port', '0']) == 1
+        assert 'already running' in capsys.readouterr().err
+    finally:
+        assert main(['cluster', 'stop']) == 0
+    assert not (tmp_path / 'home' / 'cluster.json').exists()
+    for pid in state['pids']:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert main(['cluster', 'status']) == 1
+    assert 'no cluster is recorded' in capsys.readouterr().err
+
+
+def test_three_one_gpu_jobs_share_a_two_gpu_worker(cluster, data_dir,
+                                                   tmp_path):
+    cluster.worker(gpus=2)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        jobs = [submit(job_config(data_dir, epochs=3), gpus=1,
+                       name=f'j{i}', client=client, path=tmp_path / 'jobs')
+                for i in range(3)]
+    # the submitting client is gone; the jobs go on
+    results = [job.result(timeout=180) for job in jobs]
+    assert all(r['final']['epoch'] == 3 for r in results)
+    spans = [(s['started'], s['ended'], s['gpus'][0])
+             for s in (job.status() for job in jobs)]
+    for start, _, _ in spans:  # who runs at each moment a job starts
+        running = [g for s, e, g in spans if s <= start < e]
+        assert len(running) <= 2
+        assert len(set(running)) == len(running)  # never the same GPU
+    assert {g for _, _, g in spans} == {'0', '1'}
+
+
+def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
+        cluster, data_dir, tmp_path):
+    config = job_config(data_dir, epochs=6, train_size=1000)
+    worker = cluster.worker(gpus=1)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        job = submit(config, gpus=1, client=client, path=tmp_path / 'jobs')
+    wait_until(lambda: len(job.log_rows()) >= 1, 120, 'the first epoch')
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait()
+    done_before = len(job.log_rows())
+    assert done_before < 6, 'the job ended before the worker was killed'
+    cluster.worker(gpus=1)
+    result = job.result(timeout=180)
+    epochs = [row['epoch'] for row in result['log']]
+    assert epochs == [1, 2, 3, 4, 5, 6]
+    status = job.status()
+    assert status['attempts'] == 2 and status['state'] == 'finished'
+    text = job.logs()
+    assert '=== attempt 2 on' in text
+    resumed = int(text.split('resuming after epoch ')[1].split()[0])
+    assert resumed >= done_before
+    # It ends exactly where an uninterrupted run ends.
+    reference = train(config.replace(out=str(tmp_path / 'ref'),
+                                     progress=False))
+    for ours, theirs in zip(result['log'], reference['log'], strict=True):
+        for key in set(ours) - TIME_KEYS:
+            assert ours[key] == theirs[key], key
+
+
+def test_cancel_a_queued_and_a_running_job(cluster, data_dir, tmp_path,
+                                           capsys):
+    cluster.worker(gpus=1)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        running = submit(job_config(data_dir, epochs=50, train_size=1000),
+                         gpus=1, client=client, path=tmp_path / 'jobs')
+        queued = submit(job_config(data_dir), gpus=1, client=client,
+                        path=tmp_path / 'jobs')
+    wait_until(lambda: running.status()['state'] == 'running', 60, 'start')
+    assert queued.status()['state'] == 'queued'
+    args = ['--jobs-dir', str(tmp_path / 'jobs')]
+    assert main(['cancel', queued.id, *args]) == 0
+    assert queued.status()['state'] == 'cancelled'
+    wait_until(lambda: len(running.log_rows()) >= 1, 120, 'an epoch')
+    assert main(['cancel', running.id, *args]) == 0
+    wait_until(lambda: running.status()['state'] == 'cancelled', 60,
+               'the cancel')
+    assert running.status()['epoch'] < 50
+    time.sleep(1)
+    assert queued.status()['state'] == 'cancelled'
+    assert not (queued.folder / 'out' / 'log').exists()
+    with pytest.raises(JobError, match='cancelled'):
+        running.result(timeout=1)
+
+
+def test_a_failing_job_is_marked_failed_and_others_finish(
+        cluster, data_dir, tmp_path, capsys):
+    broken = tmp_path / 'broken'
+    (broken / 'cifar-10-batches-py').mkdir(parents=True)
+    cluster.worker(gpus=2)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        bad = submit(job_config(broken), gpus=1, client=client,
+                     path=tmp_path / 'jobs')
+        good = submit(job_config(data_dir), gpus=1, client=client,
+                      path=tmp_path / 'jobs')
+    assert good.result(timeout=120)['final']['epoch'] == 2
+    with pytest.raises(JobError, match='failed: error: missing batch file'):
+        bad.result(timeout=60)
+    assert bad.status()['attempts'] == 1  # a failure is not retried
+    assert main(['logs', bad.id, '--jobs-dir', str(tmp_path / 'jobs')]) == 0
+    assert 'missing batch file' in capsys.readouterr().out
+    assert main(['jobs', '--jobs-dir', str(tmp_path / 'jobs')]) == 0
+    listing = capsys.readouterr().out
+    assert f'{bad.id}' in listing and 'failed' in listing
+    assert 'finished' in listing and '2/2' in listing
+    assert main(['result', good.id, '--jobs-dir',
+                 str(tmp_path / 'jobs')]) == 0
+    assert 'validation/main/accuracy: ' in capsys.readouterr().out
+
+
+def test_submit_time_errors(cluster, data_dir, tmp_path, monkeypatch,
+                            capsys):
+    cluster.worker(gpus=2)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        with pytest.raises(JobError, match='no worker has 3 GPU'):
+            submit(job_config(data_dir), gpus=3, client=client,
+                   path=tmp_path / 'jobs')
+    began = time.monotonic()
+    assert main(['submit', '--scheduler', 'tcp://127.0.0.1:9', '--', '--model',
+                 'tiny']) == 1
+    assert 'cannot reach the scheduler at tcp://127.0.0.1:9' in \
+        capsys.readouterr().err
+    assert time.monotonic() - began < 30
+    monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'nohome'))
+    assert main(['submit', '--', '--model', 'tiny']) == 1
+    assert 'no cluster is recorded' in capsys.readouterr().err
+    assert main(['submit', '--scheduler', cluster.address, '--',
+                 '--batch-size', '0']) == 2
+    assert 'batch_size must be an int >= 1' in capsys.readouterr().err
+    assert not (tmp_path / 'jobs').exists() or \
+        not any((tmp_path / 'jobs').iterdir())
+
+
+def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
+                                             capsys):
+    cluster.worker(gpus=1)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+    assert main(['submit', '--scheduler', cluster.address, '--gpus', '1',
+                 '--name', 'sweep', '--jobs-dir', str(tmp_path / 'jobs'),
+                 '--', '--model', 'tiny', '--epochs', '1', '--devices', 'cpu',
+                 '--data-dir', str(data_dir), '--train-size', '200']) == 0
+    job_id = capsys.readouterr().out.strip()
+    assert job_id.startswith('sweep-')
+    job = Job.find(job_id, tmp_path / 'jobs')
+    assert job.result(timeout=120)['final']['epoch'] == 1
+    assert main(['logs', job_id, '--follow', '--jobs-dir',
+                 str(tmp_path / 'jobs')]) == 0
+    assert 'done: epoch 1' in capsys.readouterr().out
