@@ -107,6 +107,15 @@ def _is_loopback(host):
         return False
 
 
+def exposure_warning(host, tls):
+    """The warning for binding ``host`` without TLS, or None."""
+    if _is_loopback(host) or tls:
+        return None
+    return (f'warning: binding to {host} without TLS: anyone who can reach '
+            'this port can run any code as you. Use --tls-* files or keep '
+            'the default 127.0.0.1')
+
+
 def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
                   gpus=None, cpu_slots=1, tls_ca_file=None, tls_cert=None,
                   tls_key=None, timeout=60):
@@ -142,10 +151,9 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
            'tls_key': tls_key} if any((tls_ca_file, tls_cert, tls_key)) \
         else None
     security = security_from(**tls) if tls else None
-    if not _is_loopback(host) and tls is None:
-        print(f'warning: binding to {host} without TLS: anyone who can '
-              'reach this port can run any code as you. Use --tls-* files '
-              'or keep the default 127.0.0.1', file=sys.stderr)
+    warning = exposure_warning(host, tls is not None)
+    if warning:
+        print(warning, file=sys.stderr)
     gpus = detect_gpus() if gpus is None else gpus
     resources = f'GPU={gpus}' if gpus else f'CPU={cpu_slots}'
     folder = home()

@@ -258,3 +258,42 @@ def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
     assert main(['logs', job_id, '--follow', '--jobs-dir',
                  str(tmp_path / 'jobs')]) == 0
     assert 'done: epoch 1' in capsys.readouterr().out
+
+
+def test_binding_beyond_loopback_without_tls_warns():
+    from dasktrain.cluster import exposure_warning
+    assert exposure_warning('127.0.0.1', tls=False) is None
+    assert exposure_warning('localhost', tls=False) is None
+    assert exposure_warning('10.0.0.5', tls=True) is None
+    assert 'without TLS' in exposure_warning('10.0.0.5', tls=False)
+    assert 'without TLS' in exposure_warning('0.0.0.0', tls=False)
+
+
+@pytest.mark.skipif(subprocess.run(['which', 'openssl'],
+                                   capture_output=True).returncode,
+                    reason='needs the openssl command to make certificates')
+def test_tls_cluster(tmp_path, monkeypatch, data_dir):
+    from dasktrain.cluster import (connect, start_cluster, stop_cluster,
+                                   cluster_status)
+    cert, key = tmp_path / 'cert.pem', tmp_path / 'key.pem'
+    subprocess.run(['openssl', 'req', '-x509', '-newkey', 'rsa:2048',
+                    '-nodes', '-keyout', str(key), '-out', str(cert),
+                    '-days', '1', '-subj', '/CN=localhost', '-addext',
+                    'subjectAltName=IP:127.0.0.1,DNS:localhost'],
+                   check=True, capture_output=True)
+    monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
+    state = start_cluster(port=0, dashboard_port=0, gpus=1,
+                          tls_ca_file=str(cert), tls_cert=str(cert),
+                          tls_key=str(key))
+    try:
+        assert state['scheduler'].startswith('tls://127.0.0.1:')
+        assert len(cluster_status()['workers']) == 1
+        # Without the certificates the scheduler cannot be reached.
+        with pytest.raises(UserError, match='cannot reach the scheduler'):
+            connect(state['scheduler'].replace('tls://', 'tcp://'),
+                    timeout=3)
+        job = submit(job_config(data_dir, epochs=1, train_size=200), gpus=1,
+                     path=tmp_path / 'jobs')
+        assert job.result(timeout=120)['final']['epoch'] == 1
+    finally:
+        stop_cluster()
