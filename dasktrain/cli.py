@@ -298,19 +298,31 @@ class Jobs(Command):
         _add_jobs_dir(parser)
 
     def run(self, args):
-        from dasktrain.jobs import list_jobs
+        from dasktrain.jobs import DONE, list_jobs, scheduler_states
+        jobs = list_jobs(args.jobs_dir)
+        live = [j for j in jobs if j.status()['state'] not in DONE]
+        known = {}
+        if live:  # what the scheduler knows, if it can be reached at once
+            try:
+                from dasktrain.cluster import connect
+                with connect(live[0].spec()['scheduler'], timeout=3) as c:
+                    known = scheduler_states([j.key for j in live], c)
+            except Exception:  # unreachable: the files alone still tell
+                known = None
         rows = [('ID', 'STATE', 'GPUS', 'PROGRESS', 'ACCURACY', 'SUBMITTED',
-                 'STARTED', 'ENDED')]
-        for job in list_jobs(args.jobs_dir):
+                 'STARTED', 'ENDED', 'SCHEDULER')]
+        for job in jobs:
             s = job.status()
             accuracy = f"{s['accuracy']:.4f}" if s['accuracy'] is not None \
                 else '-'
             gpus = ','.join(s['gpus']) if s['gpus'] else \
                 str(job.spec()['gpus'])
+            seen = '-' if s['state'] in DONE else 'unreachable' \
+                if known is None else known.get(job.key, 'unknown')
             rows.append((job.id, s['state'], gpus,
                          f"{s['epoch']}/{s['epochs']}", accuracy,
                          _when(job.spec()['submitted']), _when(s['started']),
-                         _when(s['ended'])))
+                         _when(s['ended']), seen))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             print('  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

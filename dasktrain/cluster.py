@@ -12,6 +12,7 @@ Dask runs pickled code sent by any client: whoever reaches the scheduler can
 run code as the user who started it. It binds to 127.0.0.1 unless told
 otherwise; bind elsewhere only with TLS, on a network you trust.
 """
+import contextlib
 import ipaddress
 import json
 import os
@@ -91,11 +92,32 @@ def connect(address=None, security=None, timeout=10):
             address == state['scheduler']:
         security = security_from(**state['tls'])
     try:
-        return Client(address, timeout=timeout, security=security)
+        with _restore_scheduler_on_error():
+            return Client(address, timeout=timeout, security=security)
     except (OSError, TimeoutError, ValueError) as e:
         raise ClusterError(f'cannot reach the scheduler at {address} '
                            f'({type(e).__name__}: {e}); is the cluster '
                            'running (`dasktrain cluster status`)?') from None
+
+
+@contextlib.contextmanager
+def _restore_scheduler_on_error(always=False):
+    """Put dask's default scheduler back as it was after an error (or
+    always): a Client makes itself the default when created, and one that
+    fails to connect, or is shut down, does not undo it."""
+    import dask
+    had = 'scheduler' in dask.config.config
+    before = dask.config.config.get('scheduler')
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        if failed or always:
+            if had:
+                dask.config.config['scheduler'] = before
+            else:
+                dask.config.config.pop('scheduler', None)
 
 
 def _is_loopback(host):
@@ -274,7 +296,8 @@ def stop_cluster():
     if state is None:
         raise ClusterError('no cluster is recorded; nothing to stop')
     try:
-        with connect(state['scheduler'], timeout=5) as client:
+        with _restore_scheduler_on_error(always=True), \
+                connect(state['scheduler'], timeout=5) as client:
             client.shutdown()
     except ClusterError:
         pass  # already gone; make sure of the processes below

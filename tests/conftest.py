@@ -46,3 +46,13 @@ def dask_client(local_cluster):
     from distributed import Client
     with Client(local_cluster) as client:
         yield client
+
+
+@pytest.fixture(autouse=True)
+def dask_default_scheduler_untouched():
+    """No test (nor the code under it) may leave dask pointed at a client
+    that is gone: later computes would fail far from the cause."""
+    import dask
+    before = dask.config.config.get('scheduler', '<unset>')
+    yield
+    assert dask.config.config.get('scheduler', '<unset>') == before

@@ -137,7 +137,7 @@ def test_three_one_gpu_jobs_share_a_two_gpu_worker(cluster, data_dir,
 
 
 def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
-        cluster, data_dir, tmp_path):
+        cluster, data_dir, tmp_path, capsys):
     config = job_config(data_dir, epochs=6, train_size=1000)
     worker = cluster.worker(gpus=1)
     with Client(cluster.address) as client:
@@ -148,6 +148,10 @@ def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
     worker.wait()
     done_before = len(job.log_rows())
     assert done_before < 6, 'the job ended before the worker was killed'
+    # No worker now: the file still says running, the scheduler knows why.
+    wait_until(lambda: main(['jobs', '--jobs-dir', str(tmp_path / 'jobs')])
+               == 0 and 'no-worker' in capsys.readouterr().out, 30,
+               "the scheduler's view")
     cluster.worker(gpus=1)
     result = job.result(timeout=180)
     epochs = [row['epoch'] for row in result['log']]
