@@ -12,7 +12,7 @@ STAMP := $(VENV)/.dasktrain-installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: train test install clean
+.PHONY: train test notebooks install clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Every notebook at its default (full CIFAR-10) size; executed copies and
+# their figures go to notebooks/executed/ (ignored by git).
+notebooks: $(STAMP)
+	$(BIN)/python -m dasktrain.nbrun --out notebooks/executed notebooks/*.ipynb
 
 clean:
 	rm -rf $(VENV) build *.egg-info

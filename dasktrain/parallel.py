@@ -133,6 +133,7 @@ class GPUDistributedGradient:
         self.iteration = 0
         self.comm_time = 0.0   # s merging gradients, syncing and mixing
         self.drift = None      # RMS distance of replicas from their mean
+        self.drifts = []       # ... before each mix so far
         self._losses = []
         self._sizes = []
 
@@ -349,7 +350,18 @@ class GPUDistributedGradient:
                                for a in arrays)
             self._write(arrays, mean)
         self.drift = (squared / len(self)) ** 0.5
+        self.drifts.append(self.drift)
         self.comm_time += time.perf_counter() - began
+
+    def spread(self):
+        """The replicas' RMS distance from their mean now, without mixing
+        (0 right after a mix or a sync)."""
+        device, squared = self.devices[0], 0.0
+        for arrays in self._groups(self.replicas, persistents=False):
+            mean = self._mean(arrays)
+            squared += sum(float(((device.send(a) - mean) ** 2).sum())
+                           for a in arrays)
+        return (squared / len(self)) ** 0.5
 
     def end_epoch(self):
         """Mix if ``mix_every == 'epoch'``; call at the end of each epoch."""

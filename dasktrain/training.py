@@ -273,6 +273,7 @@ def train(config=None, callbacks=(), **overrides):
                            state['epoch'] if stopped else config.epochs):
             seed_everything(config.seed, epoch, model.devices)
             comm_before, began = model.comm_time, time.perf_counter()
+            mixes_before = len(model.drifts)
             total = loss_sum = acc_sum = 0.0
             progress.start(epoch, len(loader))
             for x, t in loader.epoch(epoch):
@@ -307,8 +308,12 @@ def train(config=None, callbacks=(), **overrides):
                 'comm_time': model.comm_time - comm_before,
                 'lr': config.learning_rate,
             }
-            if model.drift is not None:
-                row['drift'] = model.drift
+            if model.mode == 'ipm' and len(model) > 1:
+                # Mean distance before this epoch's mixes; with none (one-
+                # shot, or long intervals), how far apart they are now.
+                drifts = model.drifts[mixes_before:]
+                row['drift'] = (float(np.mean(drifts)) if drifts
+                                else model.spread())
             stopped = stopper.update(row)
             if stopper.count == 0:  # improved on the monitored value
                 save_model(out / 'model_best.npz', evaluated)

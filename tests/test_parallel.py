@@ -212,3 +212,17 @@ def test_exceptions_in_the_with_block_propagate():
     with pytest.raises(ZeroDivisionError):
         with model:
             1 / 0
+
+
+def test_spread_measures_without_mixing():
+    model = GPUDistributedGradient(fresh(), ['@numpy'] * 2, mode='ipm')
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    model.step(*batch(8))
+    before = params(model.replicas[1])
+    spread = model.spread()
+    assert spread > 0
+    assert np.array_equal(params(model.replicas[1])['/predictor/fc/W'],
+                          before['/predictor/fc/W'])
+    model.mix()
+    assert model.drift == pytest.approx(spread, rel=1e-9)
+    assert model.drifts == [model.drift] and model.spread() == 0

@@ -1,0 +1,197 @@
+"""Tables and figures of training runs, for notebooks and reports.
+
+A *run* is a training log: the list of rows ``OUT/log`` holds (Chainer
+LogReport format), or the ``OUT`` folder itself. Functions take a dict
+``{label: run}`` so one call compares several runs.
+"""
+import html
+import json
+from pathlib import Path
+
+import numpy as np
+
+AXIS_LABELS = {
+    'epoch': 'epoch',
+    'elapsed_time': 'elapsed time (s)',
+    'validation/main/accuracy': 'test accuracy (fraction)',
+    'validation/main/loss': 'test loss (cross-entropy)',
+    'main/accuracy': 'training accuracy (fraction)',
+    'main/loss': 'training loss (cross-entropy)',
+    'images_per_sec': 'training throughput (images/s)',
+    'comm_time': 'communication time per epoch (s)',
+    'drift': 'replica distance from their mean (L2)',
+    'data_wait_time': 'data wait per epoch (s)',
+}
+
+
+def read_log(run):
+    """The rows of a run: a log list, an ``OUT`` folder or its log file."""
+    if isinstance(run, (list, tuple)):
+        return list(run)
+    if isinstance(run, dict) and 'log' in run:  # train()'s summary
+        return list(run['log'])
+    path = Path(run)
+    path = path / 'log' if path.is_dir() else path
+    return json.loads(path.read_text())
+
+
+class Table:
+    """Rows of values that render as HTML in Jupyter and as text elsewhere."""
+
+    def __init__(self, columns, rows):
+        self.columns = list(columns)
+        self.rows = [list(r) for r in rows]
+
+    @staticmethod
+    def _cell(value):
+        if isinstance(value, float):
+            return f'{value:,.4g}' if abs(value) < 1000 else f'{value:,.0f}'
+        return '-' if value is None else str(value)
+
+    def _repr_html_(self):
+        head = ''.join(f'<th>{html.escape(c)}</th>' for c in self.columns)
+        body = ''.join('<tr>' + ''.join(
+            f'<td>{html.escape(self._cell(v))}</td>' for v in row) + '</tr>'
+            for row in self.rows)
+        return f'<table><tr>{head}</tr>{body}</table>'
+
+    def to_markdown(self):
+        lines = ['| ' + ' | '.join(self.columns) + ' |',
+                 '|' + '---|' * len(self.columns)]
+        lines += ['| ' + ' | '.join(self._cell(v) for v in row) + ' |'
+                  for row in self.rows]
+        return '\n'.join(lines)
+
+    def __str__(self):
+        return self.to_markdown()
+
+    __repr__ = __str__
+
+
+def throughput(run, skip_first=True):
+    """Mean training images/s over a run's epochs (the first, which pays
+    for warm-up and an empty prefetch, left out when there are others)."""
+    rows = read_log(run)
+    rows = rows[1:] if skip_first and len(rows) > 1 else rows
+    return float(np.mean([r['images_per_sec'] for r in rows]))
+
+
+def summary_table(runs):
+    """One row per run: final test accuracy, throughput, times."""
+    rows = []
+    for label, run in runs.items():
+        log = read_log(run)
+        last = log[-1]
+        rows.append([label, len(log), last['validation/main/accuracy'],
+                     max(r['validation/main/accuracy'] for r in log),
+                     throughput(log), last['elapsed_time'],
+                     float(np.mean([r.get('comm_time', 0.0) for r in log]))])
+    return Table(['run', 'epochs', 'final test accuracy',
+                  'best test accuracy', 'images/s', 'total time (s)',
+                  'communication per epoch (s)'], rows)
+
+
+def scaling_table(runs_by_devices):
+    """Images/s, speed-up and scaling efficiency against the smallest run.
+
+    ``runs_by_devices`` maps a device count to a run.
+    """
+    counts = sorted(runs_by_devices)
+    rates = {n: throughput(runs_by_devices[n]) for n in counts}
+    per_device = rates[counts[0]] / counts[0]
+    return Table(['devices', 'images/s', 'speed-up', 'scaling efficiency'],
+                 [[n, rates[n], rates[n] / rates[counts[0]],
+                   rates[n] / (per_device * n)] for n in counts])
+
+
+def _axes(ax):
+    if ax is None:
+        import matplotlib.pyplot as plt
+        _, ax = plt.subplots(figsize=(6.4, 4.2))
+    return ax
+
+
+def plot_curves(runs, x='epoch', y='validation/main/accuracy', ax=None,
+                title=None):
+    """One line per run of ``y`` against ``x`` (log keys)."""
+    ax = _axes(ax)
+    for label, run in runs.items():
+        log = [r for r in read_log(run) if y in r]
+        ax.plot([r[x] for r in log], [r[y] for r in log], marker='o',
+                markersize=3, label=label)
+    if x == 'epoch':
+        from matplotlib.ticker import MaxNLocator
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(AXIS_LABELS.get(x, x))
+    ax.set_ylabel(AXIS_LABELS.get(y, y))
+    ax.set_title(title or f'{AXIS_LABELS.get(y, y)} against '
+                          f'{AXIS_LABELS.get(x, x)}')
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return ax
+
+
+def plot_scaling(runs_by_devices, ax=None, title=None):
+    """Measured throughput against device count, with the ideal line."""
+    ax = _axes(ax)
+    counts = sorted(runs_by_devices)
+    rates = [throughput(runs_by_devices[n]) for n in counts]
+    ideal = [rates[0] / counts[0] * n for n in counts]
+    ax.plot(counts, ideal, linestyle='--', color='grey',
+            label='ideal (linear in devices)')
+    ax.plot(counts, rates, marker='o', label='measured')
+    ax.set_xticks(counts)
+    ax.set_xlabel('devices (replicas)')
+    ax.set_ylabel(AXIS_LABELS['images_per_sec'])
+    ax.set_title(title or 'Training throughput against devices')
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return ax
+
+
+def plot_bars(runs, y='comm_time', ax=None, title=None):
+    """Mean of ``y`` per epoch for each run, as bars."""
+    ax = _axes(ax)
+    labels = list(runs)
+    values = [float(np.mean([r.get(y, 0.0) for r in read_log(runs[k])]))
+              for k in labels]
+    ax.bar(range(len(labels)), values, label=AXIS_LABELS.get(y, y))
+    ax.set_xticks(range(len(labels)), labels, rotation=20)
+    ax.set_xlabel('run')
+    ax.set_ylabel(AXIS_LABELS.get(y, y))
+    ax.set_title(title or f'{AXIS_LABELS.get(y, y)}, mean over epochs')
+    ax.grid(alpha=0.3, axis='y')
+    ax.legend()
+    return ax
+
+
+def jobs_table(jobs):
+    """State, GPUs, progress and accuracy of cluster jobs."""
+    rows = []
+    for job in jobs:
+        s = job.status()
+        rows.append([job.id, s['state'], ','.join(s['gpus'] or []) or '-',
+                     f"{s['epoch']}/{s['epochs']}", s['accuracy']])
+    return Table(['job', 'state', 'GPUs', 'epoch', 'test accuracy'], rows)
+
+
+def watch_jobs(jobs, interval=2.0, timeout=None):
+    """Show :func:`jobs_table`, refreshed in place, until every job ends."""
+    import time
+
+    from dasktrain.jobs import DONE
+    try:
+        from IPython.display import clear_output, display
+    except ImportError:  # plain Python: print each change
+        clear_output, display = (lambda wait=True: None), print
+    began = time.monotonic()
+    while True:
+        table = jobs_table(jobs)
+        clear_output(wait=True)
+        display(table)
+        if all(row[1] in DONE for row in table.rows):
+            return table
+        if timeout is not None and time.monotonic() - began > timeout:
+            raise TimeoutError('jobs still running after '
+                               f'{timeout:.0f} s')
+        time.sleep(interval)

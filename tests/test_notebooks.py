@@ -1,0 +1,65 @@
+"""Every notebook runs headless on the CPU with tiny parameters."""
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from cifar_fixture import make_batches, write_archive
+from dasktrain.data import extract_archive
+from dasktrain.nbrun import run_notebook
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / 'notebooks')
+                   .glob('*.ipynb'))
+import os
+OUT = os.environ.get('DASKTRAIN_NOTEBOOKS_OUT')  # keep executed copies
+TINY = dict(model='tiny', epochs=2, train_size=300, test_size=60)
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp('cifar')
+    write_archive(root / 'a.tar.gz', make_batches(n_train=(100,) * 5,
+                                                  n_test=100, seed=7))
+    extract_archive(root / 'a.tar.gz', root)
+    return str(root)
+
+
+def test_the_three_notebooks_exist():
+    assert [p.name for p in NOTEBOOKS] == [
+        '01_single_vs_multi_gpu.ipynb',
+        '02_distributed_gradient_vs_parameter_mixture.ipynb',
+        '03_cluster_jobs.ipynb']
+
+
+@pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
+def test_saved_without_outputs_and_with_parameters(path):
+    nb = nbformat.read(path, as_version=4)
+    tagged = [c for c in nb.cells if 'parameters' in
+              c.get('metadata', {}).get('tags', ())]
+    assert len(tagged) == 1
+    for cell in nb.cells:
+        if cell.cell_type == 'code':
+            assert cell.outputs == [] and cell.execution_count is None
+
+
+@pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_on_cpu_with_tiny_parameters(path, data_dir, tmp_path,
+                                                   monkeypatch):
+    monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
+    monkeypatch.setenv('MPLBACKEND', 'Agg')
+    parameters = dict(TINY, data_dir=data_dir)
+    if path.stem.startswith('03'):
+        parameters.update(jobs_dir=str(tmp_path / 'jobs'), port=0,
+                          dashboard_port=0, learning_rates=[0.01, 0.003])
+    else:
+        parameters.update(out_dir=str(tmp_path / 'runs'))
+    if path.stem.startswith('02'):
+        parameters.update(mix_every_values=[1, 3, 'epoch', None])
+    executed, figures = run_notebook(path, OUT or tmp_path / 'executed',
+                                     parameters, timeout=600)
+    nb = nbformat.read(executed, as_version=4)
+    errors = [o for c in nb.cells for o in c.get('outputs', ())
+              if o.get('output_type') == 'error']
+    assert errors == []
+    assert len(figures) == (1 if path.stem.startswith('03') else 2)
+    assert all(f.stat().st_size > 10_000 for f in figures)
