@@ -142,7 +142,7 @@ def bench_augment(n_images=50000, chunk=2500, repeats=3, cores=None,
             epoch_times.append(time.perf_counter() - began)
         waits = [loader.wait_times[e] for e in range(1, epochs)]
     share = 100 * max(w / t for w, t in zip(waits, epoch_times[1:]))
-    rows += [(f'data wait, first epoch (nothing to prefetch yet)',
+    rows += [('data wait, first epoch (nothing to prefetch yet)',
               loader.wait_times[0], 's'),
              (f'data wait, later epochs (worst of {epochs - 1})', max(waits),
               's'),
@@ -174,7 +174,6 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
     """
     import chainer
 
-    from dasktrain import _compat  # noqa: F401
     from dasktrain.augment import EpochLoader
     from dasktrain.models import get_model
     from dasktrain.parallel import GPUDistributedGradient

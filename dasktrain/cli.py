@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from dasktrain import __version__
+from dasktrain.config import add_arguments, add_data_arguments, devices_type
 from dasktrain.errors import UserError
 
 COMMANDS = {}
@@ -36,24 +37,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f'{self.prog}: error: {message}\n\n{self.format_help()}')
 
 
-def _add_data_arguments(parser):
-    parser.add_argument('--data-dir', default='data', metavar='DIR',
-                        help='CIFAR-10 cache folder (default: %(default)s)')
-    parser.add_argument('--url', default=None,
-                        help='archive URL, e.g. a lab mirror (default: '
-                             '$DASKTRAIN_CIFAR10_URL, else the official one)')
-    parser.add_argument('--md5', default=None,
-                        help="expected MD5 of the mirror's archive "
-                             '(default: the official archive\'s)')
-
-
 @command
 class Download(Command):
     name = 'download'
     help = 'download, verify and extract CIFAR-10'
 
     def add_arguments(self, parser):
-        _add_data_arguments(parser)
+        add_data_arguments(parser)
 
     def run(self, args):
         from dasktrain.data import load_cifar10
@@ -63,76 +53,6 @@ class Download(Command):
               f'{len(cifar.test_labels)} test images, '
               f'classes {", ".join(cifar.label_names)}')
         return 0
-
-
-def _mix_every(text):
-    if text == 'epoch':
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an int or 'epoch', got {text!r}") from None
-
-
-def _devices(text):
-    from dasktrain.config import ConfigError, parse_devices
-    try:
-        return parse_devices(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_train_arguments(parser):
-    """One flag per TrainConfig field; defaults come from TrainConfig."""
-    from dasktrain.config import MODELS, OPTIMIZERS, TrainConfig
-    d = TrainConfig()
-    add = parser.add_argument
-    add('--model', choices=MODELS, default=d.model,
-        help='network (default: %(default)s, the seed post\'s)')
-    add('--mode', choices=('dg', 'ipm'), default=d.mode,
-        help='dg: average gradients every step; ipm: each replica trains, '
-             'parameters are averaged every --mix-every (default: '
-             '%(default)s)')
-    add('--mix-every', type=_mix_every, default=d.mix_every, metavar='K',
-        help="ipm: iterations between mixes, or 'epoch' (default: mix only "
-             'at the end)')
-    add('--mix-optimizer-state', action='store_true',
-        help='ipm: average optimizer state (Adam moments) too')
-    add('--devices', type=_devices, default=d.devices, metavar='LIST',
-        help="GPU ids '0,1,2,3', 'cpu' or 'cpu:N' replicas (default: all "
-             'GPUs, else one CPU replica)')
-    add('--batch-size', type=int, default=d.batch_size, metavar='N',
-        help='images per replica per step (default: %(default)s)')
-    add('--epochs', type=int, default=d.epochs, metavar='N',
-        help='(default: %(default)s)')
-    add('--optimizer', choices=OPTIMIZERS, default=d.optimizer,
-        help='(default: %(default)s)')
-    add('--lr', type=float, default=d.lr,
-        help='learning rate (default: 1e-3 for adam, 0.05 for momentum-sgd)')
-    add('--weight-decay', type=float, default=d.weight_decay, metavar='W',
-        help='L2 weight decay (default: %(default)s)')
-    add('--seed', type=int, default=d.seed, help='(default: %(default)s)')
-    add('--out', default=d.out, metavar='DIR',
-        help='log, args, checkpoint and models (default: %(default)s)')
-    _add_data_arguments(parser)
-    add('--no-augment', dest='augment', action='store_false',
-        help='no crop/flip augmentation, normalisation only')
-    add('--train-size', type=int, default=d.train_size, metavar='N',
-        help='train on the first N images only (quick runs)')
-    add('--test-size', type=int, default=d.test_size, metavar='N',
-        help='evaluate on the first N test images only')
-    add('--tta', type=int, default=d.tta, metavar='K',
-        help='test-time augmentation views (default: %(default)s = none)')
-    add('--early-stop-patience', type=int, default=d.early_stop_patience,
-        metavar='P', help='stop after P epochs without improvement')
-    add('--early-stop-monitor', default=d.early_stop_monitor, metavar='KEY',
-        help='log key watched for early stopping and the best model '
-             '(default: %(default)s)')
-    add('--resume', action='store_true',
-        help='continue the run in --out from its last checkpoint')
-    add('--no-progress', dest='progress', action='store_false',
-        help='print nothing while training')
 
 
 def config_from_args(args):
@@ -154,7 +74,7 @@ class Train(Command):
             'downloading the data if needed')
 
     def add_arguments(self, parser):
-        add_train_arguments(parser)
+        add_arguments(parser)
 
     def run(self, args):
         from dasktrain.training import train
@@ -274,7 +194,7 @@ class Submit(Command):
         if args.gpus < 0:
             args.command_parser.error(f'--gpus must be >= 0, got {args.gpus}')
         train_parser = _Parser(prog='dasktrain submit -- ')
-        add_train_arguments(train_parser)
+        add_arguments(train_parser)
         train_parser.set_defaults(command_parser=train_parser)
         config = config_from_args(train_parser.parse_args(train_args))
         job = submit(config, gpus=args.gpus, name=args.name,
@@ -433,7 +353,7 @@ class Bench(Command):
                              'N-replica scaling, step split, data wait')
         p.add_argument('--model', default='cifar10',
                        help='network (default: %(default)s)')
-        p.add_argument('--devices', type=_devices, default=None,
+        p.add_argument('--devices', type=devices_type, default=None,
                        metavar='LIST', help="'0,1', 'cpu:N' (default: all "
                        'GPUs, else 2 CPU replicas)')
         p.add_argument('--batch-size', type=int, default=100,

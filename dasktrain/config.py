@@ -3,6 +3,7 @@
 It flows unchanged from the CLI (each ``--flag`` is one field) through job
 submission to the workers, and is written to ``OUT/args``.
 """
+import argparse
 import dataclasses
 import json
 from typing import Optional, Tuple, Union
@@ -130,3 +131,84 @@ def parse_devices(text):
         raise ConfigError(f"devices must be GPU ids like '0,1', 'cpu' or "
                           f"'cpu:N', got {text!r}")
     return tuple(f'@cupy:{int(p)}' for p in parts)
+
+
+# ------------------------------------------------------------ CLI flags
+
+def add_data_arguments(parser):
+    parser.add_argument('--data-dir', default='data', metavar='DIR',
+                        help='CIFAR-10 cache folder (default: %(default)s)')
+    parser.add_argument('--url', default=None,
+                        help='archive URL, e.g. a lab mirror (default: '
+                             '$DASKTRAIN_CIFAR10_URL, else the official one)')
+    parser.add_argument('--md5', default=None,
+                        help="expected MD5 of the mirror's archive "
+                             '(default: the official archive\'s)')
+
+
+def _mix_every_type(text):
+    if text == 'epoch':
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an int or 'epoch', got {text!r}") from None
+
+
+def devices_type(text):
+    try:
+        return parse_devices(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(parser):
+    """One flag per TrainConfig field; defaults come from TrainConfig."""
+    d = TrainConfig()
+    add = parser.add_argument
+    add('--model', choices=MODELS, default=d.model,
+        help='network (default: %(default)s, the seed post\'s)')
+    add('--mode', choices=('dg', 'ipm'), default=d.mode,
+        help='dg: average gradients every step; ipm: each replica trains, '
+             'parameters are averaged every --mix-every (default: '
+             '%(default)s)')
+    add('--mix-every', type=_mix_every_type, default=d.mix_every, metavar='K',
+        help="ipm: iterations between mixes, or 'epoch' (default: mix only "
+             'at the end)')
+    add('--mix-optimizer-state', action='store_true',
+        help='ipm: average optimizer state (Adam moments) too')
+    add('--devices', type=devices_type, default=d.devices, metavar='LIST',
+        help="GPU ids '0,1,2,3', 'cpu' or 'cpu:N' replicas (default: all "
+             'GPUs, else one CPU replica)')
+    add('--batch-size', type=int, default=d.batch_size, metavar='N',
+        help='images per replica per step (default: %(default)s)')
+    add('--epochs', type=int, default=d.epochs, metavar='N',
+        help='(default: %(default)s)')
+    add('--optimizer', choices=OPTIMIZERS, default=d.optimizer,
+        help='(default: %(default)s)')
+    add('--lr', type=float, default=d.lr,
+        help='learning rate (default: 1e-3 for adam, 0.05 for momentum-sgd)')
+    add('--weight-decay', type=float, default=d.weight_decay, metavar='W',
+        help='L2 weight decay (default: %(default)s)')
+    add('--seed', type=int, default=d.seed, help='(default: %(default)s)')
+    add('--out', default=d.out, metavar='DIR',
+        help='log, args, checkpoint and models (default: %(default)s)')
+    add_data_arguments(parser)
+    add('--no-augment', dest='augment', action='store_false',
+        help='no crop/flip augmentation, normalisation only')
+    add('--train-size', type=int, default=d.train_size, metavar='N',
+        help='train on the first N images only (quick runs)')
+    add('--test-size', type=int, default=d.test_size, metavar='N',
+        help='evaluate on the first N test images only')
+    add('--tta', type=int, default=d.tta, metavar='K',
+        help='test-time augmentation views (default: %(default)s = none)')
+    add('--early-stop-patience', type=int, default=d.early_stop_patience,
+        metavar='P', help='stop after P epochs without improvement')
+    add('--early-stop-monitor', default=d.early_stop_monitor, metavar='KEY',
+        help='log key watched for early stopping and the best model '
+             '(default: %(default)s)')
+    add('--resume', action='store_true',
+        help='continue the run in --out from its last checkpoint')
+    add('--no-progress', dest='progress', action='store_false',
+        help='print nothing while training')

@@ -3,3 +3,7 @@
 
 class UserError(Exception):
     """A mistake the user can fix; the message says what was wrong and how."""
+
+
+class DataError(UserError):
+    """A problem with the data a user can fix; the message says how."""

@@ -27,7 +27,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-from dasktrain.cluster import connect, home, read_state
+from dasktrain.cluster import connect, home
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
 

@@ -25,6 +25,19 @@ def archive_server(cifar_archive):
         yield server
 
 
+@pytest.fixture(scope='session')
+def make_cifar_dir(tmp_path_factory):
+    """make(per_batch, n_test, seed): a data dir with an extracted archive
+    of 5 training batches of ``per_batch`` images and ``n_test`` tests."""
+    def make(per_batch, n_test, seed):
+        root = tmp_path_factory.mktemp('cifar')
+        write_archive(root / 'a.tar.gz', make_batches(
+            n_train=(per_batch,) * 5, n_test=n_test, seed=seed))
+        extract_archive(root / 'a.tar.gz', root)
+        return root
+    return make
+
+
 @pytest.fixture
 def cifar_dir(tmp_path, cifar_archive):
     """A data dir holding the extracted fixture, ready for load_cifar10."""

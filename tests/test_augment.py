@@ -1,12 +1,11 @@
 import time
 
-import dask
 import dask.array as da
 import numpy as np
 import pytest
 
 from dasktrain.augment import (CIFAR10_MEAN, CIFAR10_STD, MAX_TTA_VIEWS,
-                               EpochLoader, augment, augment_block,
+                               EpochLoader, augment,
                                image_hashes, minibatch_indices, normalize,
                                tta_views)
 

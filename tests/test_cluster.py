@@ -10,10 +10,8 @@ import time
 import pytest
 from distributed import Client
 
-from cifar_fixture import make_batches, write_archive
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
-from dasktrain.data import extract_archive
 from dasktrain.errors import UserError
 from dasktrain.jobs import Job, JobError, submit
 from dasktrain.training import train
@@ -23,12 +21,8 @@ TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
 
 
 @pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp('cifar')
-    write_archive(root / 'a.tar.gz', make_batches(n_train=(200,) * 5,
-                                                  n_test=100, seed=5))
-    extract_archive(root / 'a.tar.gz', root)
-    return root
+def data_dir(make_cifar_dir):
+    return make_cifar_dir(200, 100, 5)
 
 
 def wait_until(predicate, timeout=120, what='condition'):

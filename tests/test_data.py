@@ -6,7 +6,7 @@ import dask
 import numpy as np
 import pytest
 
-from cifar_fixture import (ArchiveServer, batch_file, make_batches,
+from cifar_fixture import (batch_file, make_batches,
                            py2_pickle, write_archive)
 from dasktrain.data import (ARCHIVE_NAME, BATCHES_DIR, CIFAR10_MD5, DataError,
                             download_cifar10, extract_archive, load_cifar10)

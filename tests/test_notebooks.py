@@ -4,8 +4,6 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from cifar_fixture import make_batches, write_archive
-from dasktrain.data import extract_archive
 from dasktrain.nbrun import run_notebook
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / 'notebooks')
@@ -16,12 +14,8 @@ TINY = dict(model='tiny', epochs=2, train_size=300, test_size=60)
 
 
 @pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp('cifar')
-    write_archive(root / 'a.tar.gz', make_batches(n_train=(100,) * 5,
-                                                  n_test=100, seed=7))
-    extract_archive(root / 'a.tar.gz', root)
-    return str(root)
+def data_dir(make_cifar_dir):
+    return str(make_cifar_dir(100, 100, 7))
 
 
 def test_the_three_notebooks_exist():

@@ -1,5 +1,4 @@
 import chainer
-import chainer.links as L
 import numpy as np
 import pytest
 

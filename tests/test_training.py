@@ -1,16 +1,12 @@
 import json
-import math
 import subprocess
 import sys
 
-import chainer
 import numpy as np
 import pytest
 
-from cifar_fixture import make_batches, write_archive
-from dasktrain.cli import COMMANDS, build_parser, main
+from dasktrain.cli import build_parser, main
 from dasktrain.config import ConfigError, TrainConfig, parse_devices
-from dasktrain.data import extract_archive
 from dasktrain.training import TrainingDiverged, train
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
@@ -21,12 +17,8 @@ LOG_KEYS = {'epoch', 'iteration', 'main/loss', 'main/accuracy',
 
 
 @pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp('cifar')
-    write_archive(root / 'a.tar.gz', make_batches(n_train=(100,) * 5,
-                                                  n_test=100, seed=3))
-    extract_archive(root / 'a.tar.gz', root)
-    return root
+def data_dir(make_cifar_dir):
+    return make_cifar_dir(100, 100, 3)
 
 
 def config(data_dir, out, **kw):

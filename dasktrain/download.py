@@ -1,0 +1,257 @@
+"""Fetch and unpack the CIFAR-10 archive: resumable, verified, safe.
+
+The archive is streamed to a ``.part`` file (resumed with an HTTP Range
+request after a break), its MD5 checked, and only then renamed into place;
+members are checked before extraction into a temporary folder that is
+renamed into place when complete.
+"""
+import hashlib
+import os
+import shutil
+import tarfile
+import tempfile
+import time
+import zlib
+from pathlib import Path, PurePosixPath
+
+import requests
+from requests.adapters import HTTPAdapter
+from tqdm.auto import tqdm
+from urllib3.util.retry import Retry
+
+from dasktrain.errors import DataError
+
+CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
+CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
+URL_ENV = 'DASKTRAIN_CIFAR10_URL'
+ARCHIVE_NAME = 'cifar-10-python.tar.gz'
+BATCHES_DIR = 'cifar-10-batches-py'
+
+_MIRROR_HINT = (f'pass --url (or set {URL_ENV}) to a mirror, or put '
+                f'{ARCHIVE_NAME} or {BATCHES_DIR}/ into the data dir')
+_CHUNK = 1 << 16
+
+
+def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
+                     backoff=0.5, timeout=30.0, progress=True):
+    """Make sure ``data_dir`` holds extracted CIFAR-10 and return its folder.
+
+    An extracted ``cifar-10-batches-py/`` or a ``cifar-10-python.tar.gz``
+    already in ``data_dir`` is used without any network. Otherwise the
+    archive is streamed to a ``.part`` file (resumed with an HTTP Range
+    request when one is left from an interrupted run), verified and only
+    then renamed into place.
+
+    Parameters
+    ----------
+    data_dir : str or Path, default 'data'
+        Cache folder; created if missing.
+    url : str, optional
+        Where to fetch the archive. Default: ``$DASKTRAIN_CIFAR10_URL``, else
+        the official Toronto URL.
+    md5 : str, optional
+        Expected MD5 of the archive, for a mirror serving another file.
+        Default: the official archive's ``c58f30108f718f92721af3b95e74349a``.
+    retries : int, default 5
+        Attempts for connection failures, 5xx answers and broken streams.
+    backoff : float, default 0.5
+        Seconds of the first back-off; each retry doubles it.
+    timeout : float, default 30.0
+        Seconds to wait for the server to connect or send more bytes.
+    progress : bool, default True
+        Show a tqdm progress bar.
+
+    Returns
+    -------
+    Path
+        ``data_dir / 'cifar-10-batches-py'``.
+
+    Examples
+    --------
+    >>> download_cifar10('data', url='http://mirror.lab/cifar-10-python.tar.gz')  # doctest: +SKIP
+    PosixPath('data/cifar-10-batches-py')
+    """
+    if retries < 0:
+        raise ValueError(f'retries must be >= 0, got {retries!r}')
+    data_dir = Path(data_dir)
+    _make_dir(data_dir)
+    batches = data_dir / BATCHES_DIR
+    if batches.is_dir():
+        return batches
+    md5 = (md5 or CIFAR10_MD5).lower()
+    archive = data_dir / ARCHIVE_NAME
+    if archive.exists():
+        got = _md5sum(archive)
+        if got != md5:
+            raise DataError(
+                f'{archive}: MD5 {got} does not match the expected {md5}; '
+                'delete the file to download it again, or pass --md5 if it '
+                'comes from a mirror with another archive')
+    else:
+        url = url or os.environ.get(URL_ENV) or CIFAR10_URL
+        _fetch(url, archive, md5, retries=retries, backoff=backoff,
+               timeout=timeout, progress=progress)
+    extract_archive(archive, data_dir)
+    return batches
+
+
+def _make_dir(path):
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix='.probe-')
+        probe.close()
+    except OSError as e:
+        raise DataError(f'data dir {path} is not writable ({e.strerror}); '
+                        'pass --data-dir with a folder you can write to') from None
+
+
+def _md5sum(path):
+    digest = hashlib.md5()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _session(retries, backoff):
+    # urllib3 retries connection failures and 5xx answers before any byte of
+    # the body arrives; _fetch itself resumes streams that break later.
+    retry = Retry(total=retries, connect=retries, read=retries,
+                  status=retries, backoff_factor=backoff,
+                  status_forcelist=(429, 500, 502, 503, 504),
+                  allowed_methods=frozenset({'GET'}), raise_on_status=True)
+    session = requests.Session()
+    session.mount('http://', HTTPAdapter(max_retries=retry))
+    session.mount('https://', HTTPAdapter(max_retries=retry))
+    return session
+
+
+class _BrokenStream(Exception):
+    pass
+
+
+def _fetch(url, dest, md5, *, retries, backoff, timeout, progress):
+    part = dest.with_name(dest.name + '.part')
+    with _session(retries, backoff) as session:
+        for attempt in range(retries + 1):
+            try:
+                _stream_once(session, url, part, timeout, progress)
+                break
+            except _BrokenStream as e:
+                failure = e
+            if attempt < retries:
+                time.sleep(backoff * 2 ** attempt)
+        else:
+            raise DataError(f'download of {url} kept breaking off '
+                            f'({failure}); {_MIRROR_HINT}')
+    got = _md5sum(part)
+    if got != md5:
+        part.unlink()
+        raise DataError(f'{url}: MD5 {got} does not match the expected {md5}; '
+                        'the file was removed. Pass --md5 if the mirror '
+                        'serves another archive on purpose')
+    os.replace(part, dest)
+
+
+def _stream_once(session, url, part, timeout, progress):
+    """Append the rest of ``url`` to ``part``; raise _BrokenStream to retry."""
+    offset = part.stat().st_size if part.exists() else 0
+    headers = {'Range': f'bytes={offset}-'} if offset else {}
+    try:
+        response = session.get(url, stream=True, timeout=timeout,
+                               headers=headers)
+    except requests.RequestException as e:
+        raise DataError(f'cannot download {url} ({_reason(e)}); '
+                        f'{_MIRROR_HINT}') from None
+    with response:
+        if response.status_code == 416:  # the .part is not a prefix we know
+            part.unlink()
+            raise _BrokenStream('server refused to resume; starting over')
+        if response.status_code >= 400:
+            raise DataError(f'cannot download {url} (HTTP '
+                            f'{response.status_code} {response.reason}); '
+                            f'{_MIRROR_HINT}')
+        resumed = (offset and response.status_code == 206 and
+                   response.headers.get('Content-Range', '')
+                   .startswith(f'bytes {offset}-'))
+        if not resumed:
+            offset = 0
+        length = response.headers.get('Content-Length')
+        total = offset + int(length) if length and length.isdigit() else None
+        written = offset
+        # Keep the bytes of a body cut short (urllib3 would drop them with an
+        # IncompleteRead); the length check below catches the short read.
+        response.raw.enforce_content_length = False
+        with open(part, 'ab' if resumed else 'wb') as f, \
+                tqdm(total=total, initial=offset, unit='B', unit_scale=True,
+                     desc=ARCHIVE_NAME, disable=not progress) as bar:
+            try:
+                for block in response.iter_content(_CHUNK):
+                    f.write(block)
+                    written += len(block)
+                    bar.update(len(block))
+            except requests.RequestException as e:
+                raise _BrokenStream(_reason(e)) from None
+        if total is not None and written != total:
+            raise _BrokenStream(f'got {written} of {total} bytes')
+
+
+def _reason(error):
+    """The innermost message of a requests/urllib3 error, on one line."""
+    while error.__context__ is not None and not str(error):
+        error = error.__context__
+    text = str(error.args[0] if error.args else error)
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# --------------------------------------------------------------------------
+# extraction
+
+def _refusal(member):
+    """Why ``member`` may not be extracted, or None."""
+    path = PurePosixPath(member.name)
+    if member.name.startswith(('/', '\\')) or path.is_absolute():
+        return 'absolute path'
+    if '..' in path.parts:
+        return 'path leaves the target folder'
+    if member.issym() or member.islnk():
+        return 'links are not allowed'
+    if not (member.isfile() or member.isdir()):
+        return 'only regular files and folders are allowed'
+    return None
+
+
+def extract_archive(archive, data_dir):
+    """Extract ``cifar-10-batches-py/`` from ``archive`` into ``data_dir``.
+
+    Every member is checked first: absolute paths, ``..``, links and device
+    files are refused. Extraction goes to a temporary folder that is renamed
+    into place only when complete.
+    """
+    archive, data_dir = Path(archive), Path(data_dir)
+    target = data_dir / BATCHES_DIR
+    scratch = Path(tempfile.mkdtemp(prefix='.extract-', dir=data_dir))
+    try:
+        try:
+            with tarfile.open(archive, 'r:*') as tar:
+                members = tar.getmembers()
+                for member in members:
+                    reason = _refusal(member)
+                    if reason:
+                        raise DataError(
+                            f'{archive}: refusing member {member.name!r} '
+                            f'({reason}); this is not a CIFAR-10 archive')
+                if hasattr(tarfile, 'data_filter'):
+                    tar.extractall(scratch, members, filter='data')
+                else:  # Python < 3.10.12: the checks above stand in
+                    tar.extractall(scratch, members)
+        except (tarfile.TarError, EOFError, zlib.error) as e:
+            raise DataError(f'{archive} is corrupt or truncated ({e}); '
+                            'delete it and download again') from None
+        if not (scratch / BATCHES_DIR).is_dir():
+            raise DataError(f'{archive} has no {BATCHES_DIR}/ folder; '
+                            'this is not the CIFAR-10 python archive')
+        os.replace(scratch / BATCHES_DIR, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
