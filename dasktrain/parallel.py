@@ -300,7 +300,9 @@ class GPUDistributedGradient:
         """For each averaged value, its array in every replica, in one fixed
         order (parameters first). Python scalars, such as BatchNorm's batch
         count, and uninitialised parameters are left out."""
-        named = [sorted(r.namedparams()) for r in replicas]
+        # Skipped when only persistents are wanted: dg syncs them every step.
+        named = [sorted(r.namedparams()) for r in replicas] \
+            if params or states else []
         groups = []
         if params:
             groups += [[p.array for _, p in ps] for ps in zip(*named)]
