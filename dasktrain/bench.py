@@ -179,9 +179,9 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
     from dasktrain.parallel import GPUDistributedGradient
     from dasktrain.training import default_devices
 
-    devices = tuple(devices or ((default_devices() * 2)[:2]
-                                if default_devices() == ('@numpy',)
-                                else default_devices()))
+    found = default_devices()
+    devices = tuple(devices or (('@numpy',) * 2 if found == ('@numpy',)
+                                else found))
     first = chainer.get_device(devices[0])
     rng = np.random.default_rng(0)
 

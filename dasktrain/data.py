@@ -181,7 +181,7 @@ def _lazy_split(batches_dir, names):
     images, labels = [], []
     for name in names:
         path = batches_dir / name
-        meta_images, meta_labels = _batch_arrays(path, skip_pixels=True)
+        _, meta_labels = _batch_arrays(path, skip_pixels=True)
         count = len(meta_labels)
         token = dask.base.tokenize(str(path.resolve()), path.stat().st_mtime_ns)
         task = dask.delayed(_load_images, pure=True)(

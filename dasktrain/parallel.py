@@ -327,6 +327,12 @@ class GPUDistributedGradient:
         acc /= len(arrays)
         return acc
 
+    def _squared_distance(self, arrays, mean):
+        """Sum over replicas of the squared L2 distance from ``mean``."""
+        device = self.devices[0]
+        return sum(float(((device.send(a) - mean) ** 2).sum())
+                   for a in arrays)
+
     def _write(self, arrays, mean):
         for a, device in zip(arrays, self.devices):
             a[...] = device.send(mean.astype(a.dtype, copy=False))
@@ -344,12 +350,11 @@ class GPUDistributedGradient:
         n_params = sum(1 for _, p in self.master.namedparams()
                        if p.array is not None)
         groups = self._groups(self.replicas, states=self.mix_optimizer_state)
-        device, squared = self.devices[0], 0.0
+        squared = 0.0
         for i, arrays in enumerate(groups):
             mean = self._mean(arrays)
             if i < n_params:
-                squared += sum(float(((device.send(a) - mean) ** 2).sum())
-                               for a in arrays)
+                squared += self._squared_distance(arrays, mean)
             self._write(arrays, mean)
         self.drift = (squared / len(self)) ** 0.5
         self.drifts.append(self.drift)
@@ -358,11 +363,9 @@ class GPUDistributedGradient:
     def spread(self):
         """The replicas' RMS distance from their mean now, without mixing
         (0 right after a mix or a sync)."""
-        device, squared = self.devices[0], 0.0
-        for arrays in self._groups(self.replicas, persistents=False):
-            mean = self._mean(arrays)
-            squared += sum(float(((device.send(a) - mean) ** 2).sum())
-                           for a in arrays)
+        squared = sum(self._squared_distance(arrays, self._mean(arrays))
+                      for arrays in self._groups(self.replicas,
+                                                 persistents=False))
         return (squared / len(self)) ** 0.5
 
     def end_epoch(self):

@@ -226,8 +226,7 @@ def train(config=None, callbacks=(), **overrides):
     >>> summary = train(TrainConfig(model='resnet20', epochs=5))  # doctest: +SKIP
     >>> summary['final']['validation/main/accuracy']  # doctest: +SKIP
     """
-    config = (config or TrainConfig()).replace(**overrides) if overrides \
-        else (config or TrainConfig())
+    config = (config or TrainConfig()).replace(**overrides)
     out = _prepare_out(config)
     devices = config.devices or default_devices()
     cifar = load_cifar10(config.data_dir, url=config.url, md5=config.md5)
