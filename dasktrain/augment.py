@@ -138,13 +138,13 @@ def augment_block(block, seed, epoch, start, pad=4, padding='zero',
                       cutout, mean, std)
 
 
-def _block_with_location(block, block_info=None, **kwargs):
-    start = block_info[0]['array-location'][0][0]
+def _block_with_location(block, block_info=None, offset=0, **kwargs):
+    start = offset + block_info[0]['array-location'][0][0]
     return augment_block(block, start=start, **kwargs)
 
 
 def augment(x, seed, epoch, *, pad=4, padding='zero', flip=True,
-            cutout=0, mean=CIFAR10_MEAN, std=CIFAR10_STD):
+            cutout=0, mean=CIFAR10_MEAN, std=CIFAR10_STD, offset=0):
     """Lazily augment uint8 images: crop after padding, flip, cutout, normalise.
 
     One task per chunk of ``x``; the result computes on whatever scheduler
@@ -168,6 +168,9 @@ def augment(x, seed, epoch, *, pad=4, padding='zero', flip=True,
         Side of the square set to the mean at a random centre (0: none).
     mean, std : sequence of 3 floats
         Per-channel statistics in uint8 units; default CIFAR-10's.
+    offset : int, default 0
+        Index of ``x[0]`` in the whole dataset, when ``x`` is one shard of
+        it: an image is augmented the same wherever it is computed.
 
     Returns
     -------
@@ -189,7 +192,7 @@ def augment(x, seed, epoch, *, pad=4, padding='zero', flip=True,
         x = x.rechunk({1: -1, 2: -1, 3: -1})
     options = dict(seed=int(seed), epoch=int(epoch), pad=int(pad),
                    padding=padding, flip=bool(flip), cutout=int(cutout),
-                   mean=tuple(mean), std=tuple(std))
+                   mean=tuple(mean), std=tuple(std), offset=int(offset))
     name = 'augment-' + dask.base.tokenize(x.name, options)
     return x.map_blocks(_block_with_location, dtype=np.float32, name=name,
                         **options)
@@ -238,15 +241,53 @@ def epoch_permutation(n, seed, epoch):
     return np.random.default_rng([seed, epoch, 0x5eed]).permutation(n)
 
 
-def minibatch_indices(n, batch_size, seed, epoch, shuffle=True,
-                      drop_last=False):
-    """Index arrays of one epoch's minibatches; each index exactly once."""
+def shard_bounds(n, parts):
+    """(start, stop) of each part's contiguous shard of ``n`` images; sizes
+    differ by at most one, larger first (as ``numpy.array_split``)."""
+    edges = np.cumsum([0] + [len(a) for a in np.array_split(np.empty(n),
+                                                              parts)])
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def shard_batches(n, batch_size, seed, epoch, parts=1, shuffle=True,
+                  drop_last=False):
+    """One epoch's minibatches as index arrays, one per part per step.
+
+    Part ``p`` (a replica) owns the ``p``-th contiguous shard of the ``n``
+    images and visits it in the order of the epoch's global permutation,
+    ``batch_size // parts`` images a step; so every image is used exactly
+    once per epoch, and a worker that holds some parts needs only their
+    shards. With ``parts=1`` this is plain shuffled minibatching.
+
+    Returns
+    -------
+    list of list of numpy.ndarray
+        ``steps x parts`` index arrays (the last step's may be shorter,
+        even empty, for some parts).
+    """
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f'batch_size must be an int >= 1, got '
                          f'{batch_size!r}')
+    if not isinstance(parts, (int, np.integer)) or not 1 <= parts <= \
+            max(1, min(n, batch_size)) or batch_size % parts:
+        raise ValueError(f'parts must be an int >= 1 that divides batch_size'
+                         f' ({batch_size}) and is at most the number of '
+                         f'images ({n}), got {parts!r}')
     order = epoch_permutation(n, seed, epoch) if shuffle else np.arange(n)
-    stop = n - n % batch_size if drop_last else n
-    return [order[i:i + batch_size] for i in range(0, stop, batch_size)]
+    per = batch_size // parts
+    shards = [order[(order >= lo) & (order < hi)] if parts > 1 else order
+              for lo, hi in shard_bounds(n, parts)]
+    sizes = [len(s) for s in shards]
+    steps = min(sizes) // per if drop_last else -(-max(sizes) // per)
+    return [[s[i * per:(i + 1) * per] for s in shards] for i in range(steps)]
+
+
+def minibatch_indices(n, batch_size, seed, epoch, shuffle=True,
+                      drop_last=False, parts=1):
+    """Index arrays of one epoch's minibatches; each index exactly once
+    (each step's parts concatenated; see :func:`shard_batches`)."""
+    return [np.concatenate(step) for step in shard_batches(
+        n, batch_size, seed, epoch, parts, shuffle, drop_last)]
 
 
 class EpochLoader:
@@ -273,13 +314,24 @@ class EpochLoader:
         (normalisation only).
     drop_last : bool, default False
         Drop the last minibatch when it is short.
-    client : distributed.Client, optional
-        Compute on this client; default: the active one if any, else threads.
+    client : distributed.Client or False, optional
+        Compute on this client; default: the active one if any, else
+        threads; False: always threads (e.g. inside a Dask worker).
     prefetch : bool, default True
         Compute the next epoch while the current one is consumed.
     epochs : int, optional
         Number of epochs the caller will take; no epoch past it is
         prefetched.
+    parts : int, default 1
+        Replicas in the whole job; each owns a contiguous shard of the
+        images (see :func:`shard_batches`) and ``batch_size // parts`` of
+        every minibatch.
+    own : range, optional
+        The parts this loader serves (default: all). Only their shards are
+        read and augmented; minibatches hold their parts, concatenated.
+    cache : bool, default False
+        Read the (own shards of the) images into memory once, now, rather
+        than from ``images``' source every epoch.
 
     Examples
     --------
@@ -290,7 +342,8 @@ class EpochLoader:
 
     def __init__(self, images, labels, batch_size, seed=0,
                  augment_options=None, drop_last=False, client=None,
-                 prefetch=True, shuffle=True, epochs=None):
+                 prefetch=True, shuffle=True, epochs=None, parts=1,
+                 own=None, cache=False):
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f'batch_size must be an int >= 1, got '
                              f'{batch_size!r}')
@@ -299,7 +352,21 @@ class EpochLoader:
         if self.labels.shape != (len(images),):
             raise ValueError(f'labels must have shape ({len(images)},), got '
                              f'{self.labels.shape}')
-        self.images = images
+        self.parts = parts
+        self.own = range(parts) if own is None else own
+        shard_batches(len(self.labels), batch_size, 0, 0, parts)  # validate
+        if not (isinstance(self.own, range) and self.own.step == 1 and
+                0 <= self.own.start < self.own.stop <= parts):
+            raise ValueError(f'own must be a range of parts within '
+                             f'range({parts}), got {own!r}')
+        bounds = shard_bounds(len(self.labels), parts)
+        self.start = bounds[self.own.start][0]
+        self.stop = bounds[self.own.stop - 1][1]
+        self.images = images[self.start:self.stop] \
+            if (self.start, self.stop) != (0, len(images)) else images
+        if cache:
+            self.images = self.images.rechunk(
+                (DEFAULT_CHUNK, -1, -1, -1)).persist(scheduler='threads')
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.augment_options = augment_options
@@ -316,17 +383,22 @@ class EpochLoader:
             1, thread_name_prefix='dasktrain-prefetch')
 
     def __len__(self):
-        n = len(self.labels)
-        return n // self.batch_size if self.drop_last else \
-            -(-n // self.batch_size)
+        sizes = [b - a for a, b in shard_bounds(len(self.labels),
+                                                 self.parts)]
+        per = self.batch_size // self.parts
+        return min(sizes) // per if self.drop_last else -(-max(sizes) // per)
 
     def epoch_array(self, epoch):
-        """The lazy float32 array of ``epoch``'s inputs, in dataset order."""
+        """The lazy float32 array of ``epoch``'s inputs for this loader's
+        shards (images ``start:stop``), in dataset order."""
         if self.augment_options is None:
             return normalize(self.images)
-        return augment(self.images, self.seed, epoch, **self.augment_options)
+        return augment(self.images, self.seed, epoch, offset=self.start,
+                       **self.augment_options)
 
     def _client(self):
+        if self.client is False:
+            return None
         if self.client is not None:
             return self.client
         try:
@@ -372,10 +444,17 @@ class EpochLoader:
         data = self._take(epoch)
         if self.prefetch and (self.epochs is None or epoch + 1 < self.epochs):
             self._start(epoch + 1)
-        for index in minibatch_indices(len(self.labels), self.batch_size,
-                                       self.seed, epoch, self.shuffle,
-                                       self.drop_last):
-            yield data[index], self.labels[index]
+        for step in shard_batches(len(self.labels), self.batch_size,
+                                  self.seed, epoch, self.parts, self.shuffle,
+                                  self.drop_last):
+            index = np.concatenate(step[self.own.start:self.own.stop])
+            yield data[index - self.start], self.labels[index]
+
+    def step_totals(self, epoch):
+        """Images per step in the whole job (all parts), for ``epoch``."""
+        return [sum(map(len, step)) for step in shard_batches(
+            len(self.labels), self.batch_size, self.seed, epoch, self.parts,
+            self.shuffle, self.drop_last)]
 
     def close(self):
         """Drop prefetched epochs and stop the background thread."""

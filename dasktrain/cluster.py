@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def connect(address=None, security=None, timeout=10):
             address == state['scheduler']:
         security = security_from(**state['tls'])
     try:
-        with _restore_scheduler_on_error():
+        with restore_default_scheduler():
             return Client(address, timeout=timeout, security=security)
     except (OSError, TimeoutError, ValueError) as e:
         raise ClusterError(f'cannot reach the scheduler at {address} '
@@ -101,7 +102,7 @@ def connect(address=None, security=None, timeout=10):
 
 
 @contextlib.contextmanager
-def _restore_scheduler_on_error(always=False):
+def restore_default_scheduler(always=False):
     """Put dask's default scheduler back as it was after an error (or
     always): a Client makes itself the default when created, and one that
     fails to connect, or is shut down, does not undo it."""
@@ -118,6 +119,31 @@ def _restore_scheduler_on_error(always=False):
                 dask.config.config['scheduler'] = before
             else:
                 dask.config.config.pop('scheduler', None)
+
+
+class GpuPool:
+    """GPU ids of this worker process, handed to one job at a time each."""
+    lock = threading.Lock()  # jobs and ranks run in worker threads
+    used = set()
+
+    @classmethod
+    def acquire(cls, count):
+        from distributed import get_worker
+        total = int(get_worker().state.total_resources.get('GPU', 0))
+        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+        ids = visible.split(',')[:total] if visible else \
+            [str(i) for i in range(total)]
+        with cls.lock:
+            free = [i for i in ids if i not in cls.used][:count]
+            if len(free) < count:  # the scheduler's accounting forbids it
+                raise RuntimeError(f'{count} GPUs asked, free: {free}')
+            cls.used.update(free)
+        return free
+
+    @classmethod
+    def release(cls, ids):
+        with cls.lock:
+            cls.used.difference_update(ids)
 
 
 def _is_loopback(host):
@@ -199,7 +225,9 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         address = info['address']
         processes.append(_spawn(dask + [
             'worker', address, '--nworkers', '1',
-            '--nthreads', str(max(gpus, cpu_slots, 1)),
+            # One thread more than slots: a scale-out job's driver holds
+            # a thread (and no GPU) while its ranks hold the slots.
+            '--nthreads', str(max(gpus, cpu_slots, 1) + 1),
             '--resources', resources, '--host', host,
             '--local-directory', str(folder / 'worker-space'),
             *tls_args], folder / 'logs' / 'worker.log'))
@@ -296,7 +324,7 @@ def stop_cluster():
     if state is None:
         raise ClusterError('no cluster is recorded; nothing to stop')
     try:
-        with _restore_scheduler_on_error(always=True), \
+        with restore_default_scheduler(always=True), \
                 connect(state['scheduler'], timeout=5) as client:
             client.shutdown()
     except ClusterError:

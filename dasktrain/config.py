@@ -45,6 +45,12 @@ class TrainConfig:
     early_stop_monitor: str = 'validation/main/loss'
     resume: bool = False            # continue from OUT/checkpoint.npz
     progress: bool = True           # progress bar on a terminal
+    # Scale-out (scaleout.py): one job as replica groups on Dask workers.
+    workers: Optional[int] = None   # groups, one per worker; None: here
+    scheduler: Optional[str] = None  # None: the `cluster start` cluster
+    on_worker_loss: str = 'continue'  # or 'wait' for a replacement worker
+    collective_timeout: float = 300.0  # s a rank waits for the others: a
+    #                                 hung peer fails the job, not hangs it
 
     def __post_init__(self):
         def fail(field, expected):
@@ -84,6 +90,15 @@ class TrainConfig:
             fail('lr', 'a number > 0')
         if not self.weight_decay >= 0:
             fail('weight_decay', 'a number >= 0')
+        positive('workers', allow_none=True)
+        if self.scheduler is not None and self.workers is None:
+            raise ConfigError(f'scheduler applies with workers only, got '
+                              f'scheduler={self.scheduler!r} and workers=None')
+        if self.on_worker_loss not in ('continue', 'wait'):
+            fail('on_worker_loss', "'continue' or 'wait'")
+        if not (isinstance(self.collective_timeout, (int, float)) and
+                self.collective_timeout > 0):
+            fail('collective_timeout', 'a number of seconds > 0')
         from dasktrain.augment import MAX_TTA_VIEWS
         if not isinstance(self.tta, int) or not 1 <= self.tta <= \
                 MAX_TTA_VIEWS:
@@ -212,3 +227,24 @@ def add_arguments(parser):
         help='continue the run in --out from its last checkpoint')
     add('--no-progress', dest='progress', action='store_false',
         help='print nothing while training')
+    group = parser.add_argument_group(
+        'across Dask workers', 'one job as N replica groups, one per worker '
+        '(each on its own --devices); --out and --data-dir must be paths '
+        'every worker sees')
+    group.add_argument(
+        '--workers', type=int, default=d.workers, metavar='N',
+        help='replica groups, one per Dask worker (default: this process)')
+    group.add_argument(
+        '--scheduler', default=d.scheduler, metavar='ADDR',
+        help='Dask scheduler address (default: the cluster of `dasktrain '
+             'cluster start`)')
+    group.add_argument(
+        '--on-worker-loss', choices=('continue', 'wait'),
+        default=d.on_worker_loss,
+        help='when a worker dies: go on from the last checkpoint with the '
+             'workers left, or wait for a replacement (default: '
+             '%(default)s)')
+    group.add_argument(
+        '--collective-timeout', type=float, default=d.collective_timeout,
+        metavar='S', help='seconds a worker waits for the others before '
+                          'the job fails (default: %(default)s)')

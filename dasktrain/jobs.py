@@ -27,7 +27,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-from dasktrain.cluster import connect, home
+from dasktrain.cluster import GpuPool, connect, home
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
 
@@ -232,31 +232,6 @@ def scheduler_states(keys, client):
 
 # ----------------------------------------------------------- on a worker
 
-class _GpuPool:
-    """GPU ids of this worker process, handed to one job at a time each."""
-    lock = threading.Lock()
-    used = set()
-
-    @classmethod
-    def acquire(cls, count):
-        from distributed import get_worker
-        total = int(get_worker().state.total_resources.get('GPU', 0))
-        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
-        ids = visible.split(',')[:total] if visible else \
-            [str(i) for i in range(total)]
-        with cls.lock:
-            free = [i for i in ids if i not in cls.used][:count]
-            if len(free) < count:  # the scheduler's accounting forbids it
-                raise RuntimeError(f'{count} GPUs asked, free: {free}')
-            cls.used.update(free)
-        return free
-
-    @classmethod
-    def release(cls, ids):
-        with cls.lock:
-            cls.used.difference_update(ids)
-
-
 def _die_with_parent():
     # The training must not outlive a killed worker: its rerun elsewhere
     # would share the output folder with a ghost.
@@ -273,7 +248,7 @@ def run_job(folder):
     if (folder / 'cancel').exists() or status['state'] in DONE:
         return status['state']
     rows = Job(spec['id'], folder).log_rows()
-    gpus = _GpuPool.acquire(spec['gpus']) if spec['gpus'] else []
+    gpus = GpuPool.acquire(spec['gpus']) if spec['gpus'] else []
     attempt = status['attempts'] + 1
     worker = get_worker().address
     _update_status(folder, state='running', attempts=attempt, gpus=gpus,
@@ -311,7 +286,7 @@ def run_job(folder):
         # Recorded before the GPUs are free: the next job starts after it.
         _update_status(folder, state=state, error=error, ended=time.time())
     finally:
-        _GpuPool.release(gpus)
+        GpuPool.release(gpus)
     return state
 
 

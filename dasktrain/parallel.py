@@ -11,6 +11,7 @@ import time
 import chainer
 import numpy as np
 
+from dasktrain.collective import Solo
 from dasktrain.errors import UserError
 
 MODES = ('dg', 'ipm')
@@ -94,6 +95,11 @@ class GPUDistributedGradient:
         None for one-shot mixing (only :meth:`finalize` mixes).
     mix_optimizer_state : bool, default False
         ipm only: average optimizer state (e.g. Adam's moments) too.
+    comm : dasktrain.collective.DaskComm or NcclComm, optional
+        Make this one replica group of a job across processes: dg sums the
+        masters' gradients over ``comm`` every step, ipm averages over all
+        groups' replicas; the results are those of one process holding all
+        the replicas. Default: this process is the whole job.
 
     Examples
     --------
@@ -110,7 +116,7 @@ class GPUDistributedGradient:
     """
 
     def __init__(self, chain, devices, mode='dg', mix_every=None,
-                 mix_optimizer_state=False):
+                 mix_optimizer_state=False, comm=None):
         if mode not in MODES:
             raise ValueError(f"mode must be 'dg' or 'ipm', got {mode!r}")
         if mix_every is not None and mode != 'ipm':
@@ -129,6 +135,11 @@ class GPUDistributedGradient:
         self.replicas = [chain] + copies
         for replica, device in zip(self.replicas, self.devices):
             replica.to_device(device)
+        self.comm = comm or Solo()
+        counts = self.comm.allgather(len(self.replicas))
+        self.offset = sum(counts[:self.comm.rank])  # global replica index
+        self.total_replicas = sum(counts)
+        self._states = [None] * len(self.replicas)  # per-replica np RNG
         self.optimizers = []
         self.iteration = 0
         self.comm_time = 0.0   # s merging gradients, syncing and mixing
@@ -136,6 +147,7 @@ class GPUDistributedGradient:
         self.drifts = []       # ... before each mix so far
         self._losses = []
         self._sizes = []
+        self._total = 0
 
     def __len__(self):
         return len(self.replicas)
@@ -172,6 +184,19 @@ class GPUDistributedGradient:
         for i, optimizer in enumerate(self.optimizers):
             optimizer.add_hook(hook if i == 0 else copy.deepcopy(hook), name)
 
+    def seed(self, seed, epoch):
+        """Seed each replica's random numbers (dropout) from (``seed``,
+        ``epoch``, its global index): the same draws wherever it runs."""
+        for i, device in enumerate(self.devices):
+            state = np.random.SeedSequence(
+                [seed, epoch, self.offset + i]).generate_state(1)[0]
+            if device.xp is np:
+                self._states[i] = np.random.RandomState(
+                    int(state)).get_state()
+            else:
+                with chainer.using_device(device):
+                    device.xp.random.seed(int(state))
+
     # ------------------------------------------------- the seed's protocol
 
     def cleargrads(self):
@@ -180,26 +205,39 @@ class GPUDistributedGradient:
 
     zerograds = cleargrads  # the seed's name
 
-    def __call__(self, *args):
+    def __call__(self, *args, total=None):
         """Forward every replica on its part: ``m(xs, ts)`` with one array
-        per replica in each argument. Returns the master's loss."""
+        per replica in each argument. Returns the master's loss. ``total``:
+        images in the whole job's step (default: these parts')."""
         parts = list(zip(*args))
         if len(parts) != len(self):
             raise ValueError(f'expected one part per replica ({len(self)}), '
                              f'got {len(parts)}')
         self._sizes = [len(part[0]) for part in parts]
+        self._total = sum(self._sizes) if total is None else total
         self._losses = []
-        for replica, device, part, size in zip(self.replicas, self.devices,
-                                               parts, self._sizes):
+        for i, (replica, device, part, size) in enumerate(zip(
+                self.replicas, self.devices, parts, self._sizes)):
             with chainer.using_device(device):
-                self._losses.append(replica(*part) if size else None)
+                if not size:
+                    self._losses.append(None)
+                elif self._states[i] is None:
+                    self._losses.append(replica(*part))
+                else:  # this replica's own stream of dropout masks
+                    outer = np.random.get_state()
+                    np.random.set_state(self._states[i])
+                    try:
+                        self._losses.append(replica(*part))
+                    finally:
+                        self._states[i] = np.random.get_state()
+                        np.random.set_state(outer)
         return self._losses[0]
 
     def backward(self):
         """Back-propagate every replica's loss. In dg mode each loss is
         weighted by its share of the batch, so the merged gradient is the
         gradient of the mean loss over the whole batch."""
-        total = sum(self._sizes)
+        total = self._total
         for device, loss, size in zip(self.devices, self._losses,
                                       self._sizes):
             if loss is None:
@@ -228,10 +266,20 @@ class GPUDistributedGradient:
                 self.syncgrads()
         return False  # exceptions propagate
 
+    def _allreduce_grads(self):
+        """Sum the masters' gradients over the job's processes."""
+        began = time.perf_counter()
+        params = [p for _, p in sorted(self.master.namedparams())]
+        for p in params:
+            if p.grad is None:  # a group whose parts were empty this step
+                p.grad = p.xp.zeros_like(p.array)
+        self.comm.allreduce([p.grad for p in params])
+        self.comm_time += time.perf_counter() - began
+
     def syncparams(self):
         """Copy the master's parameters to every replica; persistent values
         (BatchNorm statistics) are averaged over replicas first."""
-        if len(self) == 1:
+        if self.total_replicas == 1:
             return
         began = time.perf_counter()
         self._average_persistents()
@@ -242,7 +290,8 @@ class GPUDistributedGradient:
     # -------------------------------------------------------- one call
 
     def split(self, x, t):
-        """Split a batch into near-equal parts, each sent to its device."""
+        """Split a batch into near-equal parts, each sent to its device
+        (the larger first, as the sharded loader hands them out)."""
         xs = np.array_split(np.asarray(x), len(self))
         ts = np.array_split(np.asarray(t), len(self))
         return ([d.send(a) for d, a in zip(self.devices, xs)],
@@ -254,6 +303,8 @@ class GPUDistributedGradient:
         if not self.optimizers:
             raise RuntimeError('call setup(optimizer) before update()')
         if self.mode == 'dg':
+            if self.comm.size > 1:
+                self._allreduce_grads()
             self.optimizer.update()
             self.syncparams()
         else:
@@ -266,27 +317,29 @@ class GPUDistributedGradient:
                 and self.iteration % self.mix_every == 0:
             self.mix()
 
-    def step(self, x, t):
-        """One training iteration on the batch ``(x, t)``.
+    def step(self, x, t, total=None):
+        """One training iteration on the batch ``(x, t)``; ``total`` is the
+        whole job's batch when this is one group of several (default:
+        ``len(x)``).
 
         Returns
         -------
         (float, float)
-            Loss and accuracy, averaged over the whole batch.
+            Loss and accuracy, averaged over this group's part of the batch.
         """
         if len(x) != len(t):
             raise ValueError(f'x and t must have the same length, got '
                              f'{len(x)} and {len(t)}')
         xs, ts = self.split(x, t)
         with self as m:
-            m(xs, ts)
+            m(xs, ts, total=total)
         self.update()
         return self.observed()
 
     def observed(self):
         """Batch-weighted mean of the replicas' last ``loss`` and
         ``accuracy`` (as ``L.Classifier`` records them)."""
-        total = sum(self._sizes)
+        total = sum(self._sizes) or 1
         loss = accuracy = 0.0
         for replica, size in zip(self.replicas, self._sizes):
             if size:
@@ -317,29 +370,40 @@ class GPUDistributedGradient:
                                for key in sorted(rules[0].state)]
         return [g for g in groups if hasattr(g[0], 'dtype')]
 
-    def _mean(self, arrays):
-        """Arithmetic mean on the master's device, summed in float64 and
-        rounded once by the caller."""
+    def _means(self, groups):
+        """Each group's arithmetic mean over all the job's replicas, on the
+        master's device: summed in float64 (here, then across processes in
+        rank order) and rounded once by the caller."""
+        if not groups:  # e.g. no BatchNorm: spare the round trip
+            return []
         device = self.devices[0]
-        acc = device.send(arrays[0]).astype(np.float64)
-        for a in arrays[1:]:
-            acc += device.send(a)
-        acc /= len(arrays)
-        return acc
+        sums = []
+        for arrays in groups:
+            acc = device.send(arrays[0]).astype(np.float64)
+            for a in arrays[1:]:
+                acc += device.send(a)
+            sums.append(acc)
+        self.comm.allreduce(sums)
+        for acc in sums:
+            acc /= self.total_replicas
+        return sums
 
-    def _squared_distance(self, arrays, mean):
-        """Sum over replicas of the squared L2 distance from ``mean``."""
+    def _squared_distance(self, groups, means):
+        """Sum over all replicas of their squared L2 distance from
+        ``means``."""
         device = self.devices[0]
-        return sum(float(((device.send(a) - mean) ** 2).sum())
-                   for a in arrays)
+        local = sum(float(((device.send(a) - mean) ** 2).sum())
+                    for arrays, mean in zip(groups, means) for a in arrays)
+        return float(self.comm.allreduce([np.array([local])])[0][0])
 
     def _write(self, arrays, mean):
         for a, device in zip(arrays, self.devices):
             a[...] = device.send(mean.astype(a.dtype, copy=False))
 
     def _average_persistents(self):
-        for arrays in self._groups(self.replicas, params=False):
-            self._write(arrays, self._mean(arrays))
+        groups = self._groups(self.replicas, params=False)
+        for arrays, mean in zip(groups, self._means(groups)):
+            self._write(arrays, mean)
 
     def mix(self):
         """Average parameters and persistents (and optimizer state if
@@ -350,23 +414,20 @@ class GPUDistributedGradient:
         n_params = sum(1 for _, p in self.master.namedparams()
                        if p.array is not None)
         groups = self._groups(self.replicas, states=self.mix_optimizer_state)
-        squared = 0.0
-        for i, arrays in enumerate(groups):
-            mean = self._mean(arrays)
-            if i < n_params:
-                squared += self._squared_distance(arrays, mean)
+        means = self._means(groups)
+        squared = self._squared_distance(groups[:n_params], means[:n_params])
+        for arrays, mean in zip(groups, means):
             self._write(arrays, mean)
-        self.drift = (squared / len(self)) ** 0.5
+        self.drift = (squared / self.total_replicas) ** 0.5
         self.drifts.append(self.drift)
         self.comm_time += time.perf_counter() - began
 
     def spread(self):
         """The replicas' RMS distance from their mean now, without mixing
         (0 right after a mix or a sync)."""
-        squared = sum(self._squared_distance(arrays, self._mean(arrays))
-                      for arrays in self._groups(self.replicas,
-                                                 persistents=False))
-        return (squared / len(self)) ** 0.5
+        groups = self._groups(self.replicas, persistents=False)
+        squared = self._squared_distance(groups, self._means(groups))
+        return (squared / self.total_replicas) ** 0.5
 
     def end_epoch(self):
         """Mix if ``mix_every == 'epoch'``; call at the end of each epoch."""
@@ -375,27 +436,67 @@ class GPUDistributedGradient:
 
     def finalize(self):
         """The final mix of ipm (a no-op in dg, where replicas agree)."""
-        if self.mode == 'ipm' and len(self) > 1:
+        if self.mode == 'ipm' and self.total_replicas > 1:
             self.mix()
 
     def averaged(self):
         """A copy of the master holding the replicas' mean parameters and
         persistents, leaving the replicas untouched: what evaluation uses
         mid-training in ipm mode. In dg mode, the master itself."""
-        if self.mode == 'dg' or len(self) == 1:
+        if self.mode == 'dg' or self.total_replicas == 1:
             return self.master
         snapshot = self.master.copy(mode='copy')
-        for (target,), arrays in zip(self._groups([snapshot]),
-                                     self._groups(self.replicas)):
-            target[...] = self._mean(arrays).astype(target.dtype)
+        groups = self._groups(self.replicas)
+        for (target,), mean in zip(self._groups([snapshot]),
+                                   self._means(groups)):
+            target[...] = mean.astype(target.dtype)
         return snapshot
 
     # -------------------------------------------------------- checkpoints
 
     def serialize(self, serializer):
-        """Every replica and optimizer, and the iteration count."""
+        """This group's replicas and optimizers, numbered by their index in
+        the whole job, and the iteration count."""
         for i, replica in enumerate(self.replicas):
-            replica.serialize(serializer[f'replica{i}'])
+            replica.serialize(serializer[f'replica{self.offset + i}'])
         for i, optimizer in enumerate(self.optimizers):
-            optimizer.serialize(serializer[f'optimizer{i}'])
+            optimizer.serialize(serializer[f'optimizer{self.offset + i}'])
         self.iteration = int(serializer('iteration', self.iteration))
+
+    def restore(self, npz, path=''):
+        """Load what :meth:`serialize` wrote, also from a job with another
+        number of replicas (after a lost worker): dg takes replica 0 (all
+        are equal); ipm takes each replica's own state when the numbers
+        match, else starts every replica from the saved replicas' mean."""
+        from chainer.serializers import NpzDeserializer
+
+        def load(target, name):
+            target.serialize(NpzDeserializer(npz, path=f'{path}{name}/'))
+        saved = len({key[len(path):].split('/')[0] for key in npz.files
+                     if key.startswith(f'{path}replica')})
+        self.iteration = int(npz[f'{path}iteration'])
+        if self.mode == 'dg':
+            load(self.master, 'replica0')
+            load(self.optimizer, 'optimizer0')
+            for replica in self.replicas[1:]:
+                replica.copyparams(self.master, copy_persistent=True)
+            return
+        if saved == self.total_replicas:
+            for i, (replica, optimizer) in enumerate(zip(self.replicas,
+                                                         self.optimizers)):
+                load(replica, f'replica{self.offset + i}')
+                load(optimizer, f'optimizer{self.offset + i}')
+            return
+        scratch = self.master.copy(mode='copy')
+        sums = None
+        for i in range(saved):
+            load(scratch, f'replica{i}')
+            arrays = [g[0].astype(np.float64) for g in
+                      self._groups([scratch])]
+            sums = arrays if sums is None else \
+                [a + b for a, b in zip(sums, arrays)]
+        for arrays, total in zip(self._groups(self.replicas), sums):
+            self._write(arrays, total / saved)
+        for i, optimizer in enumerate(self.optimizers):
+            index = self.offset + i
+            load(optimizer, f'optimizer{index if index < saved else 0}')

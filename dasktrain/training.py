@@ -17,10 +17,11 @@ from pathlib import Path
 import chainer
 import chainer.functions as F
 import numpy as np
-from chainer.serializers import DictionarySerializer, NpzDeserializer
+from chainer.serializers import DictionarySerializer
 from tqdm.auto import tqdm
 
-from dasktrain.augment import DEFAULT_CHUNK, EpochLoader, tta_views
+from dasktrain.augment import EpochLoader, shard_bounds, tta_views
+from dasktrain.collective import Solo
 from dasktrain.config import TrainConfig
 from dasktrain.data import load_cifar10
 from dasktrain.errors import UserError
@@ -123,16 +124,26 @@ def save_model(path, link):
 
 
 def save_checkpoint(path, model, state):
-    """Every replica and optimizer plus the loop's state, in one npz."""
+    """Every replica and optimizer of the job plus the loop's state, in one
+    npz written by rank 0. In a multi-process ipm job the other groups'
+    replicas are gathered to it (in dg they equal rank 0's)."""
     serializer = DictionarySerializer()
     model.serialize(serializer['model'])
-    serializer.target['state'] = np.array(json.dumps(state))
-    atomic_write(path, lambda f: np.savez(f, **serializer.target))
+    arrays = serializer.target
+    if model.comm.size > 1 and model.mode == 'ipm':
+        parts = model.comm.gather(arrays)
+        if parts is None:
+            return
+        arrays = {k: v for part in parts for k, v in part.items()}
+    elif model.comm.rank != 0:
+        return
+    arrays['state'] = np.array(json.dumps(state))
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def load_checkpoint(path, model):
     with np.load(path) as npz:
-        model.serialize(NpzDeserializer(npz, path='model/'))
+        model.restore(npz, 'model/')
         return json.loads(str(npz['state']))
 
 
@@ -192,7 +203,8 @@ class _Progress:
                 f"{row['elapsed_time']:.1f}s", file=sys.stdout)
 
 
-def _prepare_out(config):
+def prepare_out(config):
+    """Create ``config.out``; refuse to overwrite a run without --resume."""
     out = Path(config.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +217,8 @@ def _prepare_out(config):
 
 
 def train(config=None, callbacks=(), **overrides):
-    """Train a model on CIFAR-10 as ``config`` says; return the summary.
+    """Train a model on CIFAR-10 in this process, as ``config`` says; return
+    the summary. (``dasktrain.train`` also runs jobs across Dask workers.)
 
     Parameters
     ----------
@@ -227,42 +240,68 @@ def train(config=None, callbacks=(), **overrides):
     >>> summary['final']['validation/main/accuracy']  # doctest: +SKIP
     """
     config = (config or TrainConfig()).replace(**overrides)
-    out = _prepare_out(config)
-    devices = config.devices or default_devices()
+    if config.workers is not None:
+        raise UserError(f'workers={config.workers} runs across Dask workers:'
+                        ' call dasktrain.train (dasktrain.scaleout.train)')
+    prepare_out(config)
+    return run_group(config, callbacks=callbacks,
+                     progress=_Progress(config.progress, config.epochs))
+
+
+def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
+    """The training loop of one replica group on ``devices`` (default:
+    ``config.devices``, else every GPU, else one CPU replica).
+
+    With ``comm`` (see :mod:`dasktrain.collective`) the group is one rank of
+    a job across processes: it reads and augments only its replicas' shards
+    of the data and evaluates its share of the test set; metrics are summed
+    over all ranks, so every rank computes the same log row, and rank 0
+    writes the files.
+    """
+    comm = comm or Solo()
+    lead = comm.rank == 0
+    out = Path(config.out)
     cifar = load_cifar10(config.data_dir, url=config.url, md5=config.md5)
     n_train = min(config.train_size or len(cifar.train_labels),
                   len(cifar.train_labels))
     n_test = min(config.test_size or len(cifar.test_labels),
                  len(cifar.test_labels))
-    train_images = cifar.train_images[:n_train].rechunk(
-        (DEFAULT_CHUNK, -1, -1, -1)).persist(scheduler='threads')
-    train_labels = cifar.train_labels[:n_train].compute(scheduler='threads')
-    test_labels = cifar.test_labels[:n_test].compute(scheduler='threads')
-    views = [v.compute(scheduler='threads') for v in
-             tta_views(cifar.test_images[:n_test], config.tta)]
-
     np.random.seed(config.seed)  # the initial weights
     model = GPUDistributedGradient(
-        get_model(config.model), devices, mode=config.mode,
-        mix_every=config.mix_every,
-        mix_optimizer_state=config.mix_optimizer_state)
+        get_model(config.model), devices or config.devices or
+        default_devices(), mode=config.mode, mix_every=config.mix_every,
+        mix_optimizer_state=config.mix_optimizer_state, comm=comm)
     model.setup(make_optimizer(config))
     if config.weight_decay:
         model.add_hook(chainer.optimizer_hooks.WeightDecay(
             config.weight_decay))
+    replicas = model.total_replicas
+    if replicas > n_train:
+        raise UserError(f'{replicas} replicas need at least as many training '
+                        f'images, got train_size={n_train}')
+    test_lo, test_hi = shard_bounds(n_test, comm.size)[comm.rank]
+    test_labels = cifar.test_labels[test_lo:test_hi].compute(
+        scheduler='threads')
+    views = [v.compute(scheduler='threads') for v in
+             tta_views(cifar.test_images[test_lo:test_hi], config.tta)]
     state = {'epoch': 0, 'log': [], 'elapsed': 0.0,
              'early_stop': {'best': None, 'count': 0}}
     if config.resume and (out / CHECKPOINT).exists():
         state = load_checkpoint(out / CHECKPOINT, model)
-    write_json(out / 'args', json.loads(config.to_json()))
+    if lead:
+        write_json(out / 'args', json.loads(config.to_json()))
     stopper = EarlyStopping(config.early_stop_monitor,
                             config.early_stop_patience,
                             **state['early_stop'])
-    progress = _Progress(config.progress, config.epochs)
-    loader = EpochLoader(train_images, train_labels,
-                         config.batch_size * len(model), seed=config.seed,
-                         augment_options={} if config.augment else None,
-                         epochs=config.epochs)
+    progress = progress or _Progress(False, config.epochs)
+    loader = EpochLoader(
+        cifar.train_images[:n_train],
+        cifar.train_labels[:n_train].compute(scheduler='threads'),
+        config.batch_size * replicas, seed=config.seed,
+        augment_options={} if config.augment else None,
+        epochs=config.epochs, parts=replicas,
+        own=range(model.offset, model.offset + len(model)), cache=True,
+        client=False if comm.size > 1 else None)
     stopped = state['early_stop']['count'] >= (config.early_stop_patience
                                                  or math.inf)
     started = time.perf_counter() - state['elapsed']
@@ -271,12 +310,14 @@ def train(config=None, callbacks=(), **overrides):
         for epoch in range(state['epoch'],
                            state['epoch'] if stopped else config.epochs):
             seed_everything(config.seed, epoch, model.devices)
+            model.seed(config.seed, epoch)
             comm_before, began = model.comm_time, time.perf_counter()
             mixes_before = len(model.drifts)
             total = loss_sum = acc_sum = 0.0
             progress.start(epoch, len(loader))
-            for x, t in loader.epoch(epoch):
-                loss, accuracy = model.step(x, t)
+            for (x, t), step_total in zip(loader.epoch(epoch),
+                                          loader.step_totals(epoch)):
+                loss, accuracy = model.step(x, t, total=step_total)
                 if not math.isfinite(loss):
                     last = (f'{out / CHECKPOINT} from epoch {state["epoch"]} '
                             'is kept' if state['epoch'] else
@@ -294,32 +335,43 @@ def train(config=None, callbacks=(), **overrides):
             evaluated = model.averaged()
             val_loss, val_acc = evaluate(evaluated, views, test_labels,
                                          model.devices[0], eval_batch)
+            n_val = len(test_labels)
+            sums = comm.allreduce([np.array([
+                loss_sum, acc_sum, total, train_time,
+                loader.wait_times.get(epoch, 0.0),
+                model.comm_time - comm_before, val_loss * n_val,
+                val_acc * n_val, n_val,
+                time.perf_counter() - started if lead else 0.0])])[0]
             row = {
                 'epoch': epoch + 1,
                 'iteration': model.iteration,
-                'main/loss': loss_sum / total,
-                'main/accuracy': acc_sum / total,
-                'validation/main/loss': val_loss,
-                'validation/main/accuracy': val_acc,
-                'elapsed_time': time.perf_counter() - started,
-                'images_per_sec': total / train_time,
-                'data_wait_time': loader.wait_times.get(epoch, 0.0),
-                'comm_time': model.comm_time - comm_before,
+                'main/loss': sums[0] / sums[2],
+                'main/accuracy': sums[1] / sums[2],
+                'validation/main/loss': sums[6] / sums[8],
+                'validation/main/accuracy': sums[7] / sums[8],
+                'elapsed_time': sums[9],
+                # over the ranks' mean time: all train in lock step
+                'images_per_sec': sums[2] / (sums[3] / comm.size),
+                'data_wait_time': sums[4] / comm.size,
+                'comm_time': sums[5] / comm.size,
                 'lr': config.learning_rate,
             }
-            if model.mode == 'ipm' and len(model) > 1:
+            row = {k: float(v) if isinstance(v, np.floating) else v
+                   for k, v in row.items()}
+            if model.mode == 'ipm' and replicas > 1:
                 # Mean distance before this epoch's mixes; with none (one-
                 # shot, or long intervals), how far apart they are now.
                 drifts = model.drifts[mixes_before:]
                 row['drift'] = (float(np.mean(drifts)) if drifts
                                 else model.spread())
             stopped = stopper.update(row)
-            if stopper.count == 0:  # improved on the monitored value
+            if stopper.count == 0 and lead:  # improved on the monitor
                 save_model(out / 'model_best.npz', evaluated)
             state.update(epoch=epoch + 1, elapsed=row['elapsed_time'],
                          early_stop=stopper.state())
             state['log'].append(row)
-            write_json(out / 'log', state['log'])
+            if lead:
+                write_json(out / 'log', state['log'])
             save_checkpoint(out / CHECKPOINT, model, state)
             progress.end(row)
             for callback in callbacks:
@@ -327,7 +379,8 @@ def train(config=None, callbacks=(), **overrides):
             if stopped:
                 break
     model.finalize()
-    save_model(out / 'model_final.npz', model.master)
+    if lead:
+        save_model(out / 'model_final.npz', model.master)
     if model.mode == 'ipm':  # the checkpoint holds the final mix too
         save_checkpoint(out / CHECKPOINT, model, state)
     return {'log': state['log'], 'final': state['log'][-1] if state['log']

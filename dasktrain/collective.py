@@ -1,0 +1,411 @@
+"""Collectives among the processes of one training job, without MPI.
+
+Ranks find each other through Dask (each publishes its listening address
+in a ``distributed.Variable``) and then talk directly, peer to peer, over
+Dask's own comm layer (TCP or TLS, with Dask's zero-copy serialisation of
+NumPy arrays): nothing funnels through the client or the scheduler.
+
+:class:`DaskComm` sums arrays with a reduce-scatter followed by an
+all-gather over a full mesh: each rank owns 1/N of every flattened buffer,
+receives the other ranks' pieces of it, adds them in rank order (so the
+result is the same on every rank, and for two ranks bit-identical to one
+process adding the two), and sends the sum back. Per call each rank sends
+and receives 2 (N - 1) / N of the buffer, as in a ring all-reduce, in
+2 (N - 1) messages. :class:`NcclComm` does the array part with NCCL
+through CuPy on GPUs, its unique id handed out over a :class:`DaskComm`.
+
+Every wait has a deadline: a rank that died closes its connections, and a
+rank that hangs stops answering; both raise :class:`CollectiveError` on
+the others instead of blocking forever.
+"""
+import asyncio
+import threading
+import time
+
+import numpy as np
+
+from dasktrain.errors import UserError
+
+
+class CollectiveError(UserError, RuntimeError):
+    """A peer died, hung past the timeout, or fell out of step."""
+
+
+class Solo:
+    """The communicator of a job that runs in one process."""
+    rank = 0
+    size = 1
+
+    def allreduce(self, arrays):
+        return arrays
+
+    def allgather(self, obj):
+        return [obj]
+
+    def gather(self, obj):
+        return [obj]
+
+    def bcast(self, obj):
+        return obj
+
+    def close(self):
+        pass
+
+
+def _pack(arrays):
+    """One flat host buffer per dtype: {dtype: (buffer, [(array, slice)])}."""
+    groups = {}
+    for a in arrays:
+        groups.setdefault(np.dtype(a.dtype), []).append(a)
+    packed = {}
+    for dtype, members in groups.items():
+        host = [a.get() if hasattr(a, 'get') else np.asarray(a)
+                for a in members]
+        flat = np.concatenate([h.ravel() for h in host]) if host else \
+            np.empty(0, dtype)
+        packed[dtype.str] = (flat, members)
+    return packed
+
+
+def _unpack(packed, results):
+    for key, (_, members) in packed.items():
+        flat, start = results[key], 0
+        for a in members:
+            part = flat[start:start + a.size].reshape(a.shape)
+            start += a.size
+            if hasattr(a, 'set'):  # cupy
+                a.set(np.ascontiguousarray(part))
+            else:
+                a[...] = part
+
+
+class DaskComm:
+    """All-reduce, all-gather, gather and broadcast among ``size`` ranks.
+
+    Create one per rank with :meth:`rendezvous` (inside Dask tasks); the
+    same calls must then be made in the same order on every rank.
+
+    Parameters
+    ----------
+    rank, size : int
+    comms : dict
+        Rank -> open ``distributed.comm.Comm`` to every other rank.
+    loop : asyncio loop
+        The loop (on its own thread) the comms belong to.
+    timeout : float
+        Seconds any one collective may wait for a peer.
+    """
+
+    def __init__(self, rank, size, comms, loop, thread, listener, timeout):
+        self.rank, self.size = rank, size
+        self.timeout = timeout
+        self._comms, self._loop, self._thread = comms, loop, thread
+        self._listener = listener
+        self._calls = 0
+        self.bytes_sent = 0
+        self.seconds = 0.0  # wall time inside collectives
+
+    # -------------------------------------------------------- set-up
+
+    @classmethod
+    def rendezvous(cls, name, rank, size, timeout=300.0, client=None,
+                   listen_host=None, security=None):
+        """Meet the other ranks of job attempt ``name`` and connect to all.
+
+        Each rank listens on its worker's host, publishes the address as
+        Dask Variable ``{name}/rank{r}``; a rank dials every lower rank.
+        Raises CollectiveError after ``timeout`` seconds without them all.
+        """
+        from distributed import Variable, get_client, get_worker
+        from distributed.comm import connect, listen
+        from distributed.comm.addressing import get_address_host, \
+            parse_address
+        if client is None:
+            client = get_client()
+        if listen_host is None or security is None:
+            worker = get_worker()
+            scheme = parse_address(worker.address)[0]
+            listen_host = listen_host or \
+                f'{scheme}://{get_address_host(worker.address)}'
+            security = security or worker.security
+        listen_args = security.get_listen_args('worker')
+        connect_args = security.get_connection_args('worker')
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True,
+                                  name=f'dasktrain-comm-{rank}')
+        thread.start()
+        comms, arrived = {}, asyncio.Event()
+
+        async def accept(comm):
+            hello = await comm.read()
+            comms[hello['rank']] = comm
+            if len(comms) == size - 1:
+                arrived.set()
+
+        async def start():
+            listener = listen(f'{listen_host}:0', accept, **listen_args)
+            await listener.start()
+            return listener
+
+        def run(coro, limit):
+            return asyncio.run_coroutine_threadsafe(coro, loop).result(limit)
+
+        deadline = time.monotonic() + timeout
+        listener = run(start(), timeout)
+        self = cls(rank, size, comms, loop, thread, listener, timeout)
+        try:
+            Variable(f'{name}/rank{rank}', client=client).set(
+                listener.contact_address)
+            for peer in range(rank):
+                try:
+                    address = Variable(f'{name}/rank{peer}', client=client) \
+                        .get(timeout=max(0.1, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise CollectiveError(
+                        f'rank {peer} of {size} did not start within '
+                        f'{timeout:g} s (collective_timeout)') from None
+
+                async def dial(address=address, peer=peer):
+                    comm = await connect(address, **connect_args)
+                    await comm.write({'rank': rank})
+                    comms[peer] = comm
+                    if len(comms) == size - 1:
+                        arrived.set()
+                run(dial(), max(0.1, deadline - time.monotonic()))
+            if size > 1:
+                try:
+                    run(asyncio.wait_for(arrived.wait(), max(
+                        0.1, deadline - time.monotonic())), None)
+                except asyncio.TimeoutError:
+                    missing = sorted(set(range(size)) - set(comms) - {rank})
+                    raise CollectiveError(
+                        f'ranks {missing} did not connect within {timeout:g}'
+                        ' s (collective_timeout)') from None
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self):
+        async def shut():
+            for comm in self._comms.values():
+                comm.abort()
+            self._listener.stop()
+        if self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(shut(), self._loop).result(5)
+            except Exception:
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -------------------------------------------------------- transport
+
+    def _run(self, coro):
+        began = time.perf_counter()
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        finally:
+            self.seconds += time.perf_counter() - began
+
+    async def _exchange(self, outgoing, tag):
+        """Send ``outgoing[peer]`` to each listed peer and read one message
+        from each peer listed in ``outgoing`` (None: send nothing)."""
+        from distributed.comm.core import CommClosedError
+        from distributed.protocol import to_serialize
+        peers = sorted(outgoing)
+
+        async def send(peer):
+            if outgoing[peer] is not None:
+                await self._comms[peer].write(
+                    {'tag': tag, 'data': to_serialize(outgoing[peer])})
+
+        async def receive(peer):
+            msg = await self._comms[peer].read()
+            if msg.get('tag') != tag:
+                raise CollectiveError(
+                    f'rank {peer} is out of step: it sent {msg.get("tag")!r} '
+                    f'while rank {self.rank} expected {tag!r}')
+            return peer, msg['data']
+
+        tasks = {asyncio.ensure_future(receive(p)): p for p in peers}
+        sends = [asyncio.ensure_future(send(p)) for p in peers]
+        done, pending = await asyncio.wait(
+            list(tasks) + sends, timeout=self.timeout,
+            return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            error = task.exception()
+            if isinstance(error, (CommClosedError, OSError)):
+                peer = tasks.get(task) if task in tasks else \
+                    peers[sends.index(task)]
+                raise CollectiveError(
+                    f'rank {peer} closed its connection during {tag}: its '
+                    'worker died or its training failed') from None
+            if error is not None:
+                raise error
+        if pending:
+            late = sorted(tasks[t] for t in pending if t in tasks) or \
+                sorted(peers[sends.index(t)] for t in pending)
+            raise CollectiveError(
+                f'no answer from rank(s) {late} within {self.timeout:g} s '
+                f'during {tag} (collective_timeout): a worker hangs or is '
+                'unreachable')
+        return dict(task.result() for task in tasks)
+
+    def _tag(self, kind):
+        self._calls += 1
+        return f'{kind}#{self._calls}'
+
+    # -------------------------------------------------------- collectives
+
+    def allreduce(self, arrays):
+        """Sum ``arrays`` (NumPy or CuPy) over ranks, in place, and return
+        them. Each dtype is summed in its own precision, in rank order."""
+        if self.size == 1:
+            return arrays
+        packed = _pack(arrays)
+        tag = self._tag('allreduce')
+        me = self.rank
+        pieces = {k: np.array_split(flat, self.size)
+                  for k, (flat, _) in packed.items()}
+        got = self._run(self._exchange(
+            {p: {k: v[p] for k, v in pieces.items()}
+             for p in range(self.size) if p != me}, tag))
+        got[me] = {k: v[me] for k, v in pieces.items()}
+        mine = {}
+        for k in pieces:
+            acc = np.array(got[0][k], copy=True)
+            for p in range(1, self.size):
+                acc += got[p][k]
+            mine[k] = acc
+        self.bytes_sent += 2 * sum(
+            flat.nbytes for flat, _ in packed.values()) * (self.size - 1) \
+            // self.size
+        back = self._run(self._exchange(
+            {p: mine for p in range(self.size) if p != me}, tag + '/gather'))
+        back[me] = mine
+        results = {k: np.concatenate([back[p][k] for p in range(self.size)])
+                   for k in pieces}
+        _unpack(packed, results)
+        return arrays
+
+    def allgather(self, obj):
+        """Every rank's ``obj``, in rank order, on every rank."""
+        got = self._run(self._exchange(
+            {p: obj for p in range(self.size) if p != self.rank},
+            self._tag('allgather')))
+        got[self.rank] = obj
+        return [got[p] for p in range(self.size)]
+
+    def gather(self, obj):
+        """Every rank's ``obj`` in rank order on rank 0; None elsewhere."""
+        tag = self._tag('gather')
+        if self.rank == 0:
+            got = self._run(self._exchange(
+                {p: None for p in range(1, self.size)}, tag))
+            got[0] = obj
+            return [got[p] for p in range(self.size)]
+        self._run(self._send_only(0, obj, tag))
+        return None
+
+    def bcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        tag = self._tag('bcast')
+        if self.rank == 0:
+            for p in range(1, self.size):
+                self._run(self._send_only(p, obj, tag))
+            return obj
+        return self._run(self._exchange({0: None}, tag))[0]
+
+    async def _send_only(self, peer, obj, tag):
+        from distributed.comm.core import CommClosedError
+        from distributed.protocol import to_serialize
+        try:
+            await asyncio.wait_for(self._comms[peer].write(
+                {'tag': tag, 'data': to_serialize(obj)}), self.timeout)
+        except CommClosedError:
+            raise CollectiveError(f'rank {peer} closed its connection during '
+                                  f'{tag}: its worker died') from None
+        except asyncio.TimeoutError:
+            raise CollectiveError(f'rank {peer} took no data for '
+                                  f'{self.timeout:g} s during {tag} '
+                                  '(collective_timeout)') from None
+
+
+class NcclComm:
+    """Arrays on GPUs summed with NCCL; everything else over ``host``.
+
+    The NCCL unique id is made on rank 0 and handed to the others through
+    the :class:`DaskComm` ``host``. The caller's current CUDA device is the
+    one this rank's NCCL communicator uses.
+    """
+
+    def __init__(self, host):
+        from cupy.cuda import nccl
+        self.host = host
+        self.rank, self.size = host.rank, host.size
+        uid = host.bcast(nccl.get_unique_id() if host.rank == 0 else None)
+        self._nccl = nccl
+        self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self.seconds = 0.0
+
+    _TYPES = {'float16': 'NCCL_FLOAT16', 'float32': 'NCCL_FLOAT32',
+              'float64': 'NCCL_FLOAT64', 'int32': 'NCCL_INT32',
+              'int64': 'NCCL_INT64'}
+
+    def allreduce(self, arrays):
+        import cupy
+        began = time.perf_counter()
+        host = [a for a in arrays if not isinstance(a, cupy.ndarray)]
+        if host:
+            self.host.allreduce(host)
+        groups = {}
+        for a in arrays:
+            if isinstance(a, cupy.ndarray):
+                groups.setdefault(a.dtype, []).append(a)
+        stream = cupy.cuda.get_current_stream()
+        for dtype, members in groups.items():
+            flat = cupy.concatenate([a.ravel() for a in members])
+            self._comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size,
+                                 getattr(self._nccl, self._TYPES[dtype.name]),
+                                 self._nccl.NCCL_SUM, stream.ptr)
+            self._wait(stream)
+            start = 0
+            for a in members:
+                a[...] = flat[start:start + a.size].reshape(a.shape)
+                start += a.size
+        self.seconds += time.perf_counter() - began
+        return arrays
+
+    def _wait(self, stream):
+        # NCCL blocks on the GPU, not in Python: poll, and abort the
+        # communicator at the deadline so no rank waits forever.
+        deadline = time.monotonic() + self.host.timeout
+        while not stream.done:
+            if time.monotonic() > deadline:
+                self._comm.abort()
+                raise CollectiveError(
+                    f'NCCL all-reduce did not finish within '
+                    f'{self.host.timeout:g} s (collective_timeout)')
+            time.sleep(1e-4)
+
+    def allgather(self, obj):
+        return self.host.allgather(obj)
+
+    def gather(self, obj):
+        return self.host.gather(obj)
+
+    def bcast(self, obj):
+        return self.host.bcast(obj)
+
+    def close(self):
+        self._comm.destroy()
+        self.host.close()

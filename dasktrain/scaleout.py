@@ -1,0 +1,252 @@
+"""One training job across several Dask workers: one process per group.
+
+``train(config)`` with ``config.workers = N`` picks N workers of a running
+cluster and starts one long task on each: a *rank*, which runs the usual
+training loop (:func:`dasktrain.training.run_group`) on that worker's own
+devices and its replicas' shards of the data. Inside a worker the replicas
+are a :class:`~dasktrain.parallel.GPUDistributedGradient` as ever; across
+workers the ranks talk directly (:mod:`dasktrain.collective`): dg sums the
+gradients every step, ipm averages parameters at every mix. Dask starts,
+places and watches the processes; no MPI, no ``mpiexec``.
+
+This process (the driver) only relays progress (rank 0 logs Dask events)
+and reacts to failures: if a worker dies, the job goes on from its last
+checkpoint with the workers left (``on_worker_loss='continue'``) or once
+enough are back (``'wait'``); any other error ends the job with that
+error. A rank that hangs makes the others fail after
+``collective_timeout`` seconds, never wait forever.
+
+Every worker must see ``out`` and ``data_dir`` at the same paths (one
+machine, or a shared filesystem): rank 0 writes the log and checkpoint,
+and after a lost worker the new ranks resume from it.
+"""
+import os
+import sys
+import time
+import uuid
+
+from dasktrain.cluster import GpuPool, connect, restore_default_scheduler
+from dasktrain.collective import CollectiveError, DaskComm, NcclComm
+from dasktrain.config import TrainConfig
+from dasktrain.errors import UserError
+from dasktrain.training import _Progress, prepare_out, run_group
+from dasktrain.training import train as train_here
+
+POLL = 0.2  # s between looks at the ranks' futures and events
+
+
+class ScaleOutError(UserError):
+    """The cluster cannot run the job as asked."""
+
+
+class _Events:
+    """Rank 0's progress, sent to the driver as Dask events on ``topic``."""
+
+    def __init__(self, topic, every=1.0):
+        from distributed import get_worker
+        self.worker, self.topic, self.every = get_worker(), topic, every
+        self.seq, self.last = 0, 0.0
+
+    def _send(self, kind, **data):
+        self.seq += 1
+        self.worker.log_event(self.topic, dict(kind=kind, seq=self.seq,
+                                               **data))
+
+    def start(self, epoch, iterations):
+        self.done = 0
+        self._send('start', epoch=epoch, iterations=iterations)
+
+    def step(self, loss, accuracy):
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= self.every:  # spare the scheduler
+            self.last = now
+            self._send('step', done=self.done, loss=loss, accuracy=accuracy)
+
+    def end(self, row):
+        self._send('end', row=row)
+
+
+def _rank(config, name, rank, size, gpus):
+    """The task body of rank ``rank``: join the others, train, report."""
+    import chainer
+    devices = config.devices or ('@numpy',)
+    ids = GpuPool.acquire(gpus) if gpus else []
+    try:
+        if ids:  # this worker's free GPUs, as many as asked
+            devices = tuple(f'@cupy:{i}' for i in ids)
+        with DaskComm.rendezvous(name, rank, size,
+                                 config.collective_timeout) as host:
+            comm = host
+            if ids:
+                with chainer.using_device(chainer.get_device(devices[0])):
+                    comm = NcclComm(host)
+            progress = _Events(name) if rank == 0 else None
+            with chainer.using_device(chainer.get_device(devices[0])):
+                summary = run_group(config, comm=comm, devices=devices,
+                                    progress=progress)
+            return summary if rank == 0 else None
+    finally:
+        GpuPool.release(ids)
+
+
+def _gpus_per_worker(config, infos):
+    if config.devices is None:
+        return 1 if any(w.get('resources', {}).get('GPU') for w in infos)\
+            else 0
+    return sum(1 for d in config.devices if d.startswith('@cupy'))
+
+
+def _choose(client, config, gpus, wanted, minimum, patience):
+    """Addresses of up to ``wanted`` workers able to host a rank, once at
+    least ``minimum`` are; ScaleOutError after ``patience`` seconds."""
+    deadline = time.monotonic() + patience
+    announced = False
+    while True:
+        infos = client.scheduler_info(n_workers=-1)['workers']
+        able = sorted(a for a, w in infos.items()
+                      if w.get('resources', {}).get('GPU', 0) >= gpus)
+        if len(able) >= minimum:
+            return able[:wanted]
+        if time.monotonic() > deadline:
+            raise ScaleOutError(
+                f'workers={config.workers} needs {minimum} Dask workers'
+                f'{f" with {gpus} GPUs each" if gpus else ""}; the cluster '
+                f'has {len(able)} after {patience:g} s; add workers (`dask '
+                'worker ADDRESS`) or lower --workers')
+        if not announced:
+            print(f'waiting for {minimum} workers (have {len(able)})',
+                  file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(1.0)
+
+
+def _launch(client, config, name, workers, gpus):
+    infos = client.scheduler_info(n_workers=-1)['workers']
+    futures = []
+    for rank, address in enumerate(workers):
+        resources = {'GPU': gpus} if gpus else \
+            {'CPU': 1} if infos[address].get('resources', {}).get('CPU') \
+            else None
+        futures.append(client.submit(
+            _rank, config, name, rank, len(workers), gpus,
+            key=f'{name}-rank{rank}', workers=[address],
+            allow_other_workers=False, resources=resources, pure=False))
+    return futures
+
+
+def _watch(client, futures, workers, topic, progress, callbacks, seen):
+    """Relay progress until the ranks end. Returns ('done', summary) or
+    ('lost', addresses); raises the root error of a failed job."""
+    rows = []
+    failed_since = None
+    while True:
+        for _, event in client.get_events(topic):
+            if event['seq'] <= seen[0]:
+                continue
+            seen[0] = event['seq']
+            if event['kind'] == 'start':
+                progress.start(event['epoch'], event['iterations'])
+            elif event['kind'] == 'step':
+                if progress.bar is not None:
+                    progress.bar.n = event['done'] - 1
+                progress.step(event['loss'], event['accuracy'])
+            else:
+                progress.end(event['row'])
+                rows.append(event['row'])
+                for callback in callbacks:
+                    callback(event['row'])
+        states = [f.status for f in futures]
+        if all(s == 'finished' for s in states):
+            return 'done', futures[0].result()
+        alive = set(client.scheduler_info(n_workers=-1)['workers'])
+        lost = [w for w in workers if w not in alive]
+        if lost:
+            return 'lost', lost
+        if 'error' in states:
+            errors = [f.exception() for f in futures if f.status == 'error']
+            root = [e for e in errors if not isinstance(e, CollectiveError)]
+            if root:
+                raise root[0]
+            # A peer's failure shows first as a broken connection; give
+            # the scheduler a moment to notice a dead worker.
+            failed_since = failed_since or time.monotonic()
+            if time.monotonic() - failed_since > 5.0 or \
+                    all(s in ('error', 'finished') for s in states):
+                raise errors[0]
+        time.sleep(POLL)
+
+
+def train(config=None, callbacks=(), client=None, **overrides):
+    """Train as ``config`` says: in this process, or with ``workers`` set,
+    as one job across that many Dask workers.
+
+    Parameters
+    ----------
+    config : TrainConfig, optional
+        Default ``TrainConfig()``; keyword ``overrides`` replace fields.
+    callbacks : sequence of callables, default ()
+        Called as ``callback(row)`` after each epoch.
+    client : distributed.Client, optional
+        Default: connect to ``config.scheduler``, else the recorded cluster.
+
+    Returns
+    -------
+    dict
+        As :func:`dasktrain.training.train`, plus ``attempts`` and
+        ``workers`` (the workers of the last attempt).
+
+    Examples
+    --------
+    >>> train(TrainConfig(workers=2, mode='ipm', mix_every=10))  # doctest: +SKIP
+    """
+    config = (config or TrainConfig()).replace(**overrides)
+    if config.workers is None:
+        return train_here(config, callbacks)
+    # Ranks run elsewhere, in other working directories.
+    config = config.replace(out=os.path.abspath(config.out),
+                            data_dir=os.path.abspath(config.data_dir))
+    prepare_out(config)
+    from dasktrain.data import download_cifar10
+    download_cifar10(config.data_dir, url=config.url, md5=config.md5,
+                     progress=config.progress)  # once, not once per rank
+    if client is not None:
+        return _drive(client, config, callbacks)
+    with restore_default_scheduler(always=True):
+        with connect(config.scheduler) as client:
+            return _drive(client, config, callbacks)
+
+
+def _drive(client, config, callbacks):
+    from distributed import Variable
+    infos = list(client.scheduler_info(n_workers=-1)['workers'].values())
+    gpus = _gpus_per_worker(config, infos)
+    job = uuid.uuid4().hex[:8]
+    progress = _Progress(config.progress, config.epochs)
+    wanted = minimum = config.workers
+    patience, attempt = config.collective_timeout, 0
+    while True:
+        attempt += 1
+        workers = _choose(client, config, gpus, wanted, minimum, patience)
+        name = f'dasktrain-{job}-{attempt}'
+        run = config.replace(resume=config.resume or attempt > 1,
+                             progress=False)
+        futures = _launch(client, run, name, workers, gpus)
+        try:
+            outcome, value = _watch(client, futures, workers, name,
+                                    progress, callbacks, [0])
+        finally:
+            client.cancel(futures, force=True)
+            for rank in range(len(workers)):
+                Variable(f'{name}/rank{rank}', client=client).delete()
+        if outcome == 'done':
+            value.update(attempts=attempt, workers=workers)
+            return value
+        print(f'worker(s) {", ".join(value)} lost; '
+              f'{"waiting for replacements, then " if config.on_worker_loss == "wait" else ""}'
+              'resuming from the last checkpoint', file=sys.stderr,
+              flush=True)
+        if config.on_worker_loss == 'continue':
+            wanted, minimum = len(workers) - len(value), 1
+        else:
+            patience = float('inf')
