@@ -2,7 +2,8 @@
 
 Data flows one way through the package::
 
-    data -> augment -> parallel -> training -> cluster -> cli
+    data -> augment -> collective -> parallel -> training -> cluster
+         -> scaleout -> jobs -> cli
 
 Heavy modules (chainer, dask.distributed) load on first use, so ``import
 dasktrain`` and ``dasktrain --help`` stay fast.
@@ -22,7 +23,7 @@ _EXPORTS = {
     'GPUDistributedGradient': 'dasktrain.parallel',
     'get_model': 'dasktrain.models',
     'TrainConfig': 'dasktrain.config',
-    'train': 'dasktrain.training',
+    'train': 'dasktrain.scaleout',
     'submit': 'dasktrain.jobs',
     'Job': 'dasktrain.jobs',
 }

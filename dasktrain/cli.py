@@ -71,13 +71,14 @@ def config_from_args(args):
 class Train(Command):
     name = 'train'
     help = ('train a model on CIFAR-10 on every GPU found (else the CPU), '
-            'downloading the data if needed')
+            'or across --workers N Dask workers, downloading the data if '
+            'needed')
 
     def add_arguments(self, parser):
         add_arguments(parser)
 
     def run(self, args):
-        from dasktrain.training import train
+        from dasktrain.scaleout import train
         config = config_from_args(args)
         summary = train(config)
         final = summary['final']
@@ -87,9 +88,17 @@ class Train(Command):
         else:
             print(f"done: epoch {final['epoch']}, test accuracy "
                   f"{final['validation/main/accuracy']:.4f}, on "
-                  f"{', '.join(summary['devices'])}; outputs in "
+                  f"{_where(summary)}; outputs in "
                   f"{summary['out']}")
         return 0
+
+
+def _where(summary):
+    devices = ', '.join(summary['devices'])
+    if 'workers' not in summary:
+        return devices
+    return (f"{len(summary['workers'])} workers ({devices} each"
+            f"{', %d attempts' % summary['attempts'] if summary['attempts'] > 1 else ''})")
 
 
 def _add_tls_arguments(parser):
@@ -178,8 +187,9 @@ class Submit(Command):
                             help='default: the cluster `dasktrain cluster '
                                  'start` recorded')
         parser.add_argument('--gpus', type=int, default=1,
-                            help='GPUs the job reserves (default: '
-                                 '%(default)s)')
+                            help='GPUs the job reserves; with --workers in '
+                                 'the train options, GPUs per worker '
+                                 '(default: %(default)s)')
         parser.add_argument('--name', default=None,
                             help='a label for `dasktrain jobs`')
         _add_jobs_dir(parser)

@@ -220,6 +220,8 @@ class DaskComm:
         from distributed.comm.core import CommClosedError
         from distributed.protocol import to_serialize
         peers = sorted(outgoing)
+        if not peers:  # a job of one rank
+            return {}
 
         async def send(peer):
             if outgoing[peer] is not None:

@@ -173,7 +173,9 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         The run; ``out`` is replaced by the job's own folder.
     gpus : int, default 1
         GPUs the job reserves (0: one ``CPU`` slot). If ``config.devices``
-        names devices itself (e.g. ``('@numpy',)``), those are used.
+        names devices itself (e.g. ``('@numpy',)``), those are used. With
+        ``config.workers`` set, GPUs per worker: the job's driver then
+        holds no GPU and its ranks queue for theirs (see scaleout.py).
     name : str, optional
         A label for listings; default the model's name.
     client : distributed.Client, optional
@@ -191,7 +193,13 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         workers = client.scheduler_info()['workers']
         have = {addr: w.get('resources', {}).get(resource, 0)
                 for addr, w in workers.items()}
-        if not have or max(have.values()) < need:
+        if config.workers is not None:
+            able = sum(1 for n in have.values() if n >= gpus)
+            if able < config.workers:
+                raise JobError(f'workers={config.workers} needs as many '
+                               f'Dask workers with {gpus} GPUs; the cluster '
+                               f'has {able}; add workers or lower --workers')
+        elif not have or max(have.values()) < need:
             largest = max(have.values(), default=0)
             raise JobError(f'no worker has {need} {resource} (largest: '
                            f'{largest:g} among {len(have)} workers); ask '
@@ -206,6 +214,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
                                 progress=True)
         _write_json(folder / 'job.json', {
             'id': job_id, 'name': name or config.model, 'gpus': gpus,
+            'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
             'submitted': time.time()})
@@ -213,8 +222,11 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             'state': 'queued', 'attempts': 0, 'gpus': None, 'worker': None,
             'started': None, 'ended': None, 'error': None})
         from distributed import fire_and_forget
-        future = client.submit(run_job, str(folder), key=KEY_PREFIX + job_id,
-                               resources={resource: need}, pure=False)
+        # A scale-out job's driver needs a thread only: its ranks hold the
+        # GPUs (or CPU slots).
+        future = client.submit(
+            run_job, str(folder), key=KEY_PREFIX + job_id, pure=False,
+            resources=None if config.workers else {resource: need})
         fire_and_forget(future)  # runs on after this client goes away
         return Job(job_id, folder)
     finally:
@@ -248,7 +260,8 @@ def run_job(folder):
     if (folder / 'cancel').exists() or status['state'] in DONE:
         return status['state']
     rows = Job(spec['id'], folder).log_rows()
-    gpus = GpuPool.acquire(spec['gpus']) if spec['gpus'] else []
+    gpus = GpuPool.acquire(spec['gpus']) \
+        if spec['gpus'] and not spec.get('workers') else []
     attempt = status['attempts'] + 1
     worker = get_worker().address
     _update_status(folder, state='running', attempts=attempt, gpus=gpus,
@@ -296,10 +309,13 @@ def _child(folder):
     spec = json.loads((Path(folder) / 'job.json').read_text())
     config = TrainConfig.from_json(json.dumps(spec['config']))
     if spec['gpus'] and config.devices is None:
-        # CUDA_VISIBLE_DEVICES renumbers the job's GPUs from 0.
+        # CUDA_VISIBLE_DEVICES renumbers the job's GPUs from 0; across
+        # workers, each rank takes as many of its worker's free GPUs.
         config = config.replace(devices=tuple(
             f'@cupy:{i}' for i in range(spec['gpus'])))
-    from dasktrain.training import train
+    if config.workers is not None:
+        config = config.replace(scheduler=spec['scheduler'])
+    from dasktrain.scaleout import train
     try:
         summary = train(config)
     except UserError as e:

@@ -39,18 +39,27 @@ class ScaleOutError(UserError):
     """The cluster cannot run the job as asked."""
 
 
-class _Events:
-    """Rank 0's progress, sent to the driver as Dask events on ``topic``."""
+class _RankProgress:
+    """A rank's progress hooks: rank 0 relays its progress to the driver as
+    Dask events on ``topic``; every rank stops once its task is cancelled
+    (the driver gave up on it, or died): a running task's thread is not
+    stopped by Dask, and must not train on beside a rerun."""
 
-    def __init__(self, topic, every=1.0):
+    def __init__(self, topic, relay, every=1.0):
         from distributed import get_worker
-        self.worker, self.topic, self.every = get_worker(), topic, every
-        self.seq, self.last = 0, 0.0
+        from distributed.worker import thread_state
+        self.worker, self.key = get_worker(), thread_state.key
+        self.topic, self.relay, self.every = topic, relay, every
+        self.seq, self.last, self.done = 0, 0.0, 0
 
     def _send(self, kind, **data):
-        self.seq += 1
-        self.worker.log_event(self.topic, dict(kind=kind, seq=self.seq,
-                                               **data))
+        task = self.worker.state.tasks.get(self.key)
+        if task is None or task.state == 'cancelled':
+            raise RankCancelled(f'{self.key} was cancelled')
+        if self.relay:
+            self.seq += 1
+            self.worker.log_event(self.topic, dict(kind=kind, seq=self.seq,
+                                                   **data))
 
     def start(self, epoch, iterations):
         self.done = 0
@@ -67,6 +76,10 @@ class _Events:
         self._send('end', row=row)
 
 
+class RankCancelled(Exception):
+    """Raised inside a rank whose task was cancelled."""
+
+
 def _rank(config, name, rank, size, gpus):
     """The task body of rank ``rank``: join the others, train, report."""
     import chainer
@@ -81,7 +94,7 @@ def _rank(config, name, rank, size, gpus):
             if ids:
                 with chainer.using_device(chainer.get_device(devices[0])):
                     comm = NcclComm(host)
-            progress = _Events(name) if rank == 0 else None
+            progress = _RankProgress(name, relay=rank == 0)
             with chainer.using_device(chainer.get_device(devices[0])):
                 summary = run_group(config, comm=comm, devices=devices,
                                     progress=progress)
