@@ -287,3 +287,129 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
               f'{100 * max(w / s for w, s in zip(waits, times[1:])):.2f} %',
               '')]
     return rows
+
+
+def synthetic_cifar10(data_dir, n_train=50000, n_test=10000, seed=0):
+    """Write a CIFAR-10-format folder of synthetic images into ``data_dir``
+    (for benchmarks where the real archive cannot be fetched).
+
+    Each class has a random smooth colour pattern; an image is its class's
+    pattern at low contrast, shifted up to 4 pixels, under heavy noise: a
+    task a convnet learns over epochs rather than in one step.
+    """
+    import pickle
+    from pathlib import Path
+    folder = Path(data_dir) / 'cifar-10-batches-py'
+    if folder.is_dir():
+        return folder
+    rng = np.random.default_rng(seed)
+    coarse = rng.standard_normal((10, 3, 8, 8))
+    templates = coarse.repeat(4, axis=2).repeat(4, axis=3)
+
+    def images(n):
+        labels = rng.integers(0, 10, n)
+        shift = rng.integers(-4, 5, (n, 2))
+        x = np.empty((n, 3, 32, 32), np.float32)
+        for i, (label, (dy, dx)) in enumerate(zip(labels, shift)):
+            x[i] = np.roll(templates[label], (dy, dx), axis=(1, 2))
+        x = 128 + 24 * x + rng.normal(0, 48, x.shape)
+        return np.clip(x, 0, 255).astype(np.uint8).reshape(n, -1), labels
+
+    tmp = folder.with_name(folder.name + '.part')
+    tmp.mkdir(parents=True, exist_ok=True)
+    sizes = [len(a) for a in np.array_split(np.arange(n_train), 5)]
+    for name, n in [(f'data_batch_{i + 1}', k) for i, k in enumerate(sizes)
+                    ] + [('test_batch', n_test)]:
+        data, labels = images(n)
+        with open(tmp / name, 'wb') as f:
+            pickle.dump({b'data': data, b'labels': labels.tolist(),
+                         b'batch_label': b'synthetic'}, f, protocol=4)
+    with open(tmp / 'batches.meta', 'wb') as f:
+        pickle.dump({b'label_names': [b'class%d' % i for i in range(10)]},
+                    f, protocol=4)
+    tmp.rename(folder)
+    return folder
+
+
+def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
+                   mix_every=10, epochs=3, train_size=4000, test_size=2000,
+                   data_dir=None, out=None):
+    """Images/s of one job across 1, 2, ... Dask worker processes (one BLAS
+    thread each) in dg and ipm, communication per step, final accuracy,
+    and the single process using every core, on the same data and epochs.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from dasktrain.config import TrainConfig
+    from dasktrain.scaleout import train
+    scratch = Path(out or tempfile.mkdtemp(prefix='dasktrain-bench-'))
+    if data_dir is None:
+        data_dir = scratch / 'data'
+        synthetic_cifar10(data_dir, n_train=train_size, n_test=test_size)
+    base = TrainConfig(model=model, batch_size=batch_size, epochs=epochs,
+                       train_size=train_size, test_size=test_size,
+                       data_dir=str(data_dir), progress=False,
+                       collective_timeout=600)
+
+    def measure(summary, label, threads):
+        log = summary['log']
+        later = log[1:] or log  # the first epoch pays for start-up
+        rate = float(np.mean([r['images_per_sec'] for r in later]))
+        steps = [b['iteration'] - a['iteration'] for a, b in
+                 zip([{'iteration': 0}] + log, log)]
+        comm = float(np.mean([r['comm_time'] / s for r, s in
+                              zip(later, steps[-len(later):])]))
+        return dict(label=label, rate=rate, comm=comm, threads=threads,
+                    accuracy=log[-1]['validation/main/accuracy'])
+
+    runs = []
+    single = train(base.replace(out=str(scratch / 'single'),
+                                devices=('@numpy',)))
+    runs.append(measure(single, 'one process, 1 replica', 'all'))
+    most = max(workers)
+    reference = {}  # the accuracy a job across workers must match
+    for mode in ('dg', 'ipm'):
+        summary = train(base.replace(
+            out=str(scratch / f'single-{mode}'), devices=('@numpy',) * most,
+            mode=mode, mix_every=mix_every if mode == 'ipm' else None))
+        reference[mode] = summary['final']['validation/main/accuracy']
+    runs += _worker_runs(base, workers, mix_every, scratch, measure)
+    one = next(r['rate'] for r in runs if r['label'].startswith('1 worker'))
+    rows = []
+    for r in runs:
+        n = int(r['label'][0]) if r['label'][0].isdigit() else 1
+        rows.append((f"{r['label']} (BLAS threads: {r['threads']})",
+                     r['rate'], 'images/s'))
+        if r['label'][0].isdigit() and n > 1:
+            rows.append(("  speed-up vs 1 worker / vs one process",
+                         f"{r['rate'] / one:.2f}x / "
+                         f"{r['rate'] / runs[0]['rate']:.2f}x", ''))
+            rows.append(('  scaling efficiency',
+                         f"{100 * r['rate'] / (n * one):.0f} %", ''))
+        rows.append(('  communication per step', 1000 * r['comm'], 'ms'))
+        rows.append((f'  test accuracy after {epochs} epochs',
+                     f"{100 * r['accuracy']:.1f} %", ''))
+        if n == most > 1:
+            mode = 'ipm' if 'ipm' in r['label'] else 'dg'
+            rows.append((f'  vs one process with {n} replicas, {mode} '
+                         f'({100 * reference[mode]:.1f} %)',
+                         f"{100 * (r['accuracy'] - reference[mode]):+.1f} "
+                         'points', ''))
+    return rows
+
+
+def _worker_runs(base, workers, mix_every, scratch, measure):
+    from dasktrain.scaleout import local_workers, train
+    runs = []
+    for n in workers:
+        for mode in (('dg',) if n == 1 else ('dg', 'ipm')):
+            config = base.replace(
+                workers=n, mode=mode, devices=('@numpy',),
+                mix_every=mix_every if mode == 'ipm' else None,
+                out=str(scratch / f'{mode}-{n}'))
+            with local_workers(n) as client:
+                summary = train(config, client=client)
+            name = f'ipm, mix every {mix_every}' if mode == 'ipm' else 'dg'
+            runs.append(measure(summary, f'{n} worker(s), {name}', '1'))
+    return runs

@@ -379,6 +379,31 @@ class Bench(Command):
                             '(default: %(default)s)')
         p.set_defaults(command_parser=p, positive=(
             'batch_size', 'iterations', 'repeats', 'epoch_images'))
+        p = which.add_parser('scaleout', help='one job across 1, 2, ... '
+                             'Dask worker processes: dg vs ipm, '
+                             'communication, accuracy')
+        p.add_argument('--workers', type=int, default=2,
+                       help='largest number of workers (default: '
+                            '%(default)s)')
+        p.add_argument('--model', default='cifar10',
+                       help='network (default: %(default)s)')
+        p.add_argument('--batch-size', type=int, default=100,
+                       help='per worker (default: %(default)s)')
+        p.add_argument('--mix-every', type=int, default=10,
+                       help='ipm iterations between mixes (default: '
+                            '%(default)s)')
+        p.add_argument('--epochs', type=int, default=3,
+                       help='(default: %(default)s)')
+        p.add_argument('--train-size', type=int, default=4000,
+                       help='training images (default: %(default)s)')
+        p.add_argument('--test-size', type=int, default=2000,
+                       help='test images (default: %(default)s)')
+        p.add_argument('--data-dir', default=None, metavar='DIR',
+                       help='CIFAR-10 folder (default: synthetic '
+                            'CIFAR-format images in a temp folder)')
+        p.set_defaults(command_parser=p, positive=(
+            'workers', 'batch_size', 'mix_every', 'epochs', 'train_size',
+            'test_size'))
 
     def run(self, args):
         from dasktrain import bench
@@ -393,6 +418,15 @@ class Bench(Command):
                 repeats=args.repeats, cores=args.cores,
                 padding=args.padding, trainer_rate=args.trainer_rate)
             title = f'dasktrain bench augment (padding={args.padding})'
+        elif args.bench == 'scaleout':
+            rows = bench.bench_scaleout(
+                workers=range(1, args.workers + 1), model=args.model,
+                batch_size=args.batch_size, mix_every=args.mix_every,
+                epochs=args.epochs, train_size=args.train_size,
+                test_size=args.test_size, data_dir=args.data_dir)
+            title = (f'dasktrain bench scaleout (model={args.model}, batch '
+                     f'{args.batch_size} per worker, {args.epochs} epochs '
+                     f'of {args.train_size} images)')
         else:
             rows = bench.bench_train(
                 model=args.model, devices=args.devices,

@@ -186,10 +186,15 @@ class DaskComm:
             raise
         return self
 
-    def close(self):
+    def close(self, abort=True):
+        """Close the connections: at once (``abort``, so that peers fail
+        fast), or after flushing what was sent."""
         async def shut():
             for comm in self._comms.values():
-                comm.abort()
+                if abort:
+                    comm.abort()
+                else:
+                    await asyncio.wait_for(comm.close(), self.timeout)
             self._listener.stop()
         if self._loop.is_running():
             try:
@@ -202,8 +207,10 @@ class DaskComm:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, traceback):
+        if exc_type is None:
+            self.allgather(None)  # a barrier: nobody leaves a peer waiting
+        self.close(abort=exc_type is not None)
 
     # -------------------------------------------------------- transport
 
@@ -409,5 +416,5 @@ class NcclComm:
         return self.host.bcast(obj)
 
     def close(self):
+        """Free the NCCL communicator (``host`` is closed by its owner)."""
         self._comm.destroy()
-        self.host.close()

@@ -12,56 +12,9 @@ import chainer
 import numpy as np
 
 from dasktrain.collective import Solo
-from dasktrain.errors import UserError
+from dasktrain.devices import DeviceError, resolve_devices  # noqa: F401
 
 MODES = ('dg', 'ipm')
-
-
-class DeviceError(UserError, ValueError):
-    """A device that was asked for is not there."""
-
-
-def available_devices():
-    """Chainer specifiers of the devices this process can use."""
-    found = ['@numpy']
-    if chainer.backends.cuda.available:
-        import cupy
-        try:
-            count = cupy.cuda.runtime.getDeviceCount()
-        except cupy.cuda.runtime.CUDARuntimeError:
-            count = 0
-        found += [f'@cupy:{i}' for i in range(count)]
-    return found
-
-
-def resolve_devices(devices):
-    """Chainer devices for GPU ids, ``'@cupy:N'``, ``'@numpy'`` or ``'cpu'``.
-
-    An int ``n`` alone means GPUs ``0..n-1``, as in the seed post.
-    """
-    if isinstance(devices, (int, np.integer)) and not isinstance(devices,
-                                                                 bool):
-        if devices < 1:
-            raise ValueError(f'devices must be >= 1 GPUs, got {devices}')
-        devices = range(devices)
-    elif isinstance(devices, str):
-        devices = [devices]
-    devices = list(devices)
-    if not devices:
-        raise ValueError('devices must name at least one device, got []')
-    available = available_devices()
-    resolved = []
-    for d in devices:
-        spec = (f'@cupy:{d}' if isinstance(d, (int, np.integer))
-                else '@numpy' if d == 'cpu' else d)
-        if spec not in available:
-            why = ('CuPy is not installed or finds no CUDA driver'
-                   if spec.startswith('@cupy') and len(available) == 1
-                   else 'no such device')
-            raise DeviceError(f'device {d!r} is not available ({why}); '
-                              f'available: {", ".join(available)}')
-        resolved.append(chainer.get_device(spec))
-    return resolved
 
 
 def _persistents(link):
@@ -462,41 +415,3 @@ class GPUDistributedGradient:
         for i, optimizer in enumerate(self.optimizers):
             optimizer.serialize(serializer[f'optimizer{self.offset + i}'])
         self.iteration = int(serializer('iteration', self.iteration))
-
-    def restore(self, npz, path=''):
-        """Load what :meth:`serialize` wrote, also from a job with another
-        number of replicas (after a lost worker): dg takes replica 0 (all
-        are equal); ipm takes each replica's own state when the numbers
-        match, else starts every replica from the saved replicas' mean."""
-        from chainer.serializers import NpzDeserializer
-
-        def load(target, name):
-            target.serialize(NpzDeserializer(npz, path=f'{path}{name}/'))
-        saved = len({key[len(path):].split('/')[0] for key in npz.files
-                     if key.startswith(f'{path}replica')})
-        self.iteration = int(npz[f'{path}iteration'])
-        if self.mode == 'dg':
-            load(self.master, 'replica0')
-            load(self.optimizer, 'optimizer0')
-            for replica in self.replicas[1:]:
-                replica.copyparams(self.master, copy_persistent=True)
-            return
-        if saved == self.total_replicas:
-            for i, (replica, optimizer) in enumerate(zip(self.replicas,
-                                                         self.optimizers)):
-                load(replica, f'replica{self.offset + i}')
-                load(optimizer, f'optimizer{self.offset + i}')
-            return
-        scratch = self.master.copy(mode='copy')
-        sums = None
-        for i in range(saved):
-            load(scratch, f'replica{i}')
-            arrays = [g[0].astype(np.float64) for g in
-                      self._groups([scratch])]
-            sums = arrays if sums is None else \
-                [a + b for a, b in zip(sums, arrays)]
-        for arrays, total in zip(self._groups(self.replicas), sums):
-            self._write(arrays, total / saved)
-        for i, optimizer in enumerate(self.optimizers):
-            index = self.offset + i
-            load(optimizer, f'optimizer{index if index < saved else 0}')

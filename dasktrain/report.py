@@ -131,15 +131,18 @@ def plot_curves(runs, x='epoch', y='validation/main/accuracy', ax=None,
     return ax
 
 
-def plot_scaling(runs_by_devices, ax=None, title=None):
-    """Measured throughput against device count, with the ideal line."""
+def plot_scaling(runs_by_devices, ax=None, title=None, label='measured',
+                 ideal=True):
+    """Measured throughput against device count, with the ideal line (call
+    again on the same ``ax`` with another ``label`` to compare schemes)."""
     ax = _axes(ax)
     counts = sorted(runs_by_devices)
     rates = [throughput(runs_by_devices[n]) for n in counts]
-    ideal = [rates[0] / counts[0] * n for n in counts]
-    ax.plot(counts, ideal, linestyle='--', color='grey',
-            label='ideal (linear in devices)')
-    ax.plot(counts, rates, marker='o', label='measured')
+    if ideal:
+        ax.plot(counts, [rates[0] / counts[0] * n for n in counts],
+                linestyle='--', color='grey',
+                label='ideal (linear in devices)')
+    ax.plot(counts, rates, marker='o', label=label)
     ax.set_xticks(counts)
     ax.set_xlabel('devices (replicas)')
     ax.set_ylabel(AXIS_LABELS['images_per_sec'])

@@ -20,6 +20,7 @@ Every worker must see ``out`` and ``data_dir`` at the same paths (one
 machine, or a shared filesystem): rank 0 writes the log and checkpoint,
 and after a lost worker the new ranks resume from it.
 """
+import contextlib
 import os
 import sys
 import time
@@ -95,9 +96,13 @@ def _rank(config, name, rank, size, gpus):
                 with chainer.using_device(chainer.get_device(devices[0])):
                     comm = NcclComm(host)
             progress = _RankProgress(name, relay=rank == 0)
-            with chainer.using_device(chainer.get_device(devices[0])):
-                summary = run_group(config, comm=comm, devices=devices,
-                                    progress=progress)
+            try:
+                with chainer.using_device(chainer.get_device(devices[0])):
+                    summary = run_group(config, comm=comm, devices=devices,
+                                        progress=progress)
+            finally:
+                if comm is not host:
+                    comm.close()
             return summary if rank == 0 else None
     finally:
         GpuPool.release(ids)
@@ -263,3 +268,37 @@ def _drive(client, config, callbacks):
             wanted, minimum = len(workers) - len(value), 1
         else:
             patience = float('inf')
+
+
+_BLAS_THREADS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
+
+
+@contextlib.contextmanager
+def local_workers(n, blas_threads=1):
+    """A Client to ``n`` new Dask worker processes on this machine, each
+    with ``blas_threads`` BLAS threads, closed on exit: CPU scale-out
+    without a cluster (one thread each, N workers use N cores).
+
+    Examples
+    --------
+    >>> with local_workers(2) as client:  # doctest: +SKIP
+    ...     train(TrainConfig(workers=2, mode='ipm', mix_every=10),
+    ...           client=client)
+    """
+    from distributed import Client, LocalCluster
+    env = {k: str(blas_threads) for k in _BLAS_THREADS}
+    # BLAS reads these once, when it loads: set before the workers spawn.
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with restore_default_scheduler(always=True), LocalCluster(
+                n_workers=n, threads_per_worker=1, processes=True,
+                host='127.0.0.1', dashboard_address=':0', env=env) as cluster:
+            with Client(cluster, set_as_default=False) as client:
+                yield client
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -17,7 +17,7 @@ from pathlib import Path
 import chainer
 import chainer.functions as F
 import numpy as np
-from chainer.serializers import DictionarySerializer
+from chainer.serializers import DictionarySerializer, NpzDeserializer
 from tqdm.auto import tqdm
 
 from dasktrain.augment import EpochLoader, shard_bounds, tta_views
@@ -26,7 +26,8 @@ from dasktrain.config import TrainConfig
 from dasktrain.data import load_cifar10
 from dasktrain.errors import UserError
 from dasktrain.models import get_model
-from dasktrain.parallel import GPUDistributedGradient, available_devices
+from dasktrain.devices import available_devices
+from dasktrain.parallel import GPUDistributedGradient
 
 CHECKPOINT = 'checkpoint.npz'
 _UMASK = os.umask(0)
@@ -143,8 +144,45 @@ def save_checkpoint(path, model, state):
 
 def load_checkpoint(path, model):
     with np.load(path) as npz:
-        model.restore(npz, 'model/')
+        restore(model, npz, 'model/')
         return json.loads(str(npz['state']))
+
+
+def restore(model, npz, path=''):
+    """Load what ``model.serialize`` wrote into ``model`` (a
+    GPUDistributedGradient), also from a job with another number of
+    replicas (after a lost worker): dg takes replica 0 (all are equal); ipm
+    takes each replica's own state when the numbers match, else starts
+    every replica from the saved replicas' mean, a mix."""
+    def load(target, name):
+        target.serialize(NpzDeserializer(npz, path=f'{path}{name}/'))
+    saved = len({key[len(path):].split('/')[0] for key in npz.files
+                 if key.startswith(f'{path}replica')})
+    model.iteration = int(npz[f'{path}iteration'])
+    if model.mode == 'dg':
+        load(model.master, 'replica0')
+        load(model.optimizer, 'optimizer0')
+        for replica in model.replicas[1:]:
+            replica.copyparams(model.master, copy_persistent=True)
+        return
+    if saved == model.total_replicas:
+        for i, (replica, optimizer) in enumerate(zip(model.replicas,
+                                                     model.optimizers)):
+            load(replica, f'replica{model.offset + i}')
+            load(optimizer, f'optimizer{model.offset + i}')
+        return
+    scratch = model.master.copy(mode='copy')
+    sums = None
+    for i in range(saved):
+        load(scratch, f'replica{i}')
+        arrays = [g[0].astype(np.float64) for g in model._groups([scratch])]
+        sums = arrays if sums is None else \
+            [a + b for a, b in zip(sums, arrays)]
+    for arrays, total in zip(model._groups(model.replicas), sums):
+        model._write(arrays, total / saved)
+    for i, optimizer in enumerate(model.optimizers):
+        index = model.offset + i
+        load(optimizer, f'optimizer{index if index < saved else 0}')
 
 
 # ------------------------------------------------------------- evaluation
@@ -301,7 +339,8 @@ def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
         augment_options={} if config.augment else None,
         epochs=config.epochs, parts=replicas,
         own=range(model.offset, model.offset + len(model)), cache=True,
-        client=False if comm.size > 1 else None)
+        # A rank computes in its worker's thread: never on the cluster.
+        client=None if isinstance(comm, Solo) else False)
     stopped = state['early_stop']['count'] >= (config.early_stop_patience
                                                  or math.inf)
     started = time.perf_counter() - state['elapsed']

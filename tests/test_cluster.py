@@ -130,6 +130,27 @@ def test_three_one_gpu_jobs_share_a_two_gpu_worker(cluster, data_dir,
     assert {g for _, _, g in spans} == {'0', '1'}
 
 
+def test_a_submitted_job_across_two_cpu_workers(cluster, data_dir,
+                                                tmp_path):
+    for _ in range(2):  # as `cluster start` makes them: 1 slot + 1 thread
+        cluster.spawn('worker', cluster.address, '--no-nanny', '--nthreads',
+                      '2', '--resources', 'CPU=1', '--host', '127.0.0.1',
+                      '--local-directory', str(tmp_path / 'space'))
+    with Client(cluster.address) as client:
+        client.wait_for_workers(2)
+        job = submit(job_config(data_dir, workers=2, mode='ipm',
+                                mix_every=2), gpus=0, client=client,
+                     path=tmp_path / 'jobs')
+        with pytest.raises(JobError, match='workers=3 needs as many'):
+            submit(job_config(data_dir, workers=3), gpus=0, client=client,
+                   path=tmp_path / 'jobs')
+    result = job.result(timeout=180)
+    assert result['final']['epoch'] == 2
+    assert result['final']['iteration'] == 2 * 4  # 400 images / (2 x 50)
+    assert 'drift' in result['final']
+    assert 'done: epoch 2' in job.logs()
+
+
 def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
         cluster, data_dir, tmp_path, capsys):
     config = job_config(data_dir, epochs=6, train_size=1000)
