@@ -31,6 +31,10 @@ class CollectiveError(UserError, RuntimeError):
     """A peer died, hung past the timeout, or fell out of step."""
 
 
+class PeerLost(CollectiveError):
+    """A peer's connection closed."""
+
+
 class Solo:
     """The communicator of a job that runs in one process."""
     rank = 0
@@ -209,8 +213,14 @@ class DaskComm:
 
     def __exit__(self, exc_type, exc, traceback):
         if exc_type is None:
-            self.allgather(None)  # a barrier: nobody leaves a peer waiting
-        self.close(abort=exc_type is not None)
+            # Rank 0 releases the others once it has read all they sent:
+            # no rank leaves while a message of its own is unread. Rank 0
+            # may be gone before its release is read: harmless.
+            try:
+                self.bcast(None)
+            except PeerLost:
+                pass
+        self.close()
 
     # -------------------------------------------------------- transport
 
@@ -255,7 +265,7 @@ class DaskComm:
             if isinstance(error, (CommClosedError, OSError)):
                 peer = tasks.get(task) if task in tasks else \
                     peers[sends.index(task)]
-                raise CollectiveError(
+                raise PeerLost(
                     f'rank {peer} closed its connection during {tag}: its '
                     'worker died or its training failed') from None
             if error is not None:
@@ -341,8 +351,8 @@ class DaskComm:
             await asyncio.wait_for(self._comms[peer].write(
                 {'tag': tag, 'data': to_serialize(obj)}), self.timeout)
         except CommClosedError:
-            raise CollectiveError(f'rank {peer} closed its connection during '
-                                  f'{tag}: its worker died') from None
+            raise PeerLost(f'rank {peer} closed its connection during '
+                           f'{tag}: its worker died') from None
         except asyncio.TimeoutError:
             raise CollectiveError(f'rank {peer} took no data for '
                                   f'{self.timeout:g} s during {tag} '
