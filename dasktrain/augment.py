@@ -249,6 +249,22 @@ def shard_bounds(n, parts):
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
+def _shard_plan(n, batch_size, parts, drop_last):
+    """Validate; return (images per part per step, shard sizes, steps)."""
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f'batch_size must be an int >= 1, got '
+                         f'{batch_size!r}')
+    if not isinstance(parts, (int, np.integer)) or not 1 <= parts <= \
+            max(1, min(n, batch_size)) or batch_size % parts:
+        raise ValueError(f'parts must be an int >= 1 that divides batch_size'
+                         f' ({batch_size}) and is at most the number of '
+                         f'images ({n}), got {parts!r}')
+    per = batch_size // parts
+    sizes = [b - a for a, b in shard_bounds(n, parts)]
+    steps = min(sizes) // per if drop_last else -(-max(sizes) // per)
+    return per, sizes, steps
+
+
 def shard_batches(n, batch_size, seed, epoch, parts=1, shuffle=True,
                   drop_last=False):
     """One epoch's minibatches as index arrays, one per part per step.
@@ -265,20 +281,10 @@ def shard_batches(n, batch_size, seed, epoch, parts=1, shuffle=True,
         ``steps x parts`` index arrays (the last step's may be shorter,
         even empty, for some parts).
     """
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f'batch_size must be an int >= 1, got '
-                         f'{batch_size!r}')
-    if not isinstance(parts, (int, np.integer)) or not 1 <= parts <= \
-            max(1, min(n, batch_size)) or batch_size % parts:
-        raise ValueError(f'parts must be an int >= 1 that divides batch_size'
-                         f' ({batch_size}) and is at most the number of '
-                         f'images ({n}), got {parts!r}')
+    per, _, steps = _shard_plan(n, batch_size, parts, drop_last)
     order = epoch_permutation(n, seed, epoch) if shuffle else np.arange(n)
-    per = batch_size // parts
     shards = [order[(order >= lo) & (order < hi)] if parts > 1 else order
               for lo, hi in shard_bounds(n, parts)]
-    sizes = [len(s) for s in shards]
-    steps = min(sizes) // per if drop_last else -(-max(sizes) // per)
     return [[s[i * per:(i + 1) * per] for s in shards] for i in range(steps)]
 
 
@@ -354,7 +360,7 @@ class EpochLoader:
                              f'{self.labels.shape}')
         self.parts = parts
         self.own = range(parts) if own is None else own
-        shard_batches(len(self.labels), batch_size, 0, 0, parts)  # validate
+        _shard_plan(len(self.labels), batch_size, parts, drop_last)
         if not (isinstance(self.own, range) and self.own.step == 1 and
                 0 <= self.own.start < self.own.stop <= parts):
             raise ValueError(f'own must be a range of parts within '
@@ -383,10 +389,8 @@ class EpochLoader:
             1, thread_name_prefix='dasktrain-prefetch')
 
     def __len__(self):
-        sizes = [b - a for a, b in shard_bounds(len(self.labels),
-                                                 self.parts)]
-        per = self.batch_size // self.parts
-        return min(sizes) // per if self.drop_last else -(-max(sizes) // per)
+        return _shard_plan(len(self.labels), self.batch_size, self.parts,
+                           self.drop_last)[2]
 
     def epoch_array(self, epoch):
         """The lazy float32 array of ``epoch``'s inputs for this loader's
@@ -450,11 +454,13 @@ class EpochLoader:
             index = np.concatenate(step[self.own.start:self.own.stop])
             yield data[index - self.start], self.labels[index]
 
-    def step_totals(self, epoch):
-        """Images per step in the whole job (all parts), for ``epoch``."""
-        return [sum(map(len, step)) for step in shard_batches(
-            len(self.labels), self.batch_size, self.seed, epoch, self.parts,
-            self.shuffle, self.drop_last)]
+    def step_totals(self):
+        """Images per step in the whole job (all parts); the same every
+        epoch, as only the order within shards changes."""
+        per, sizes, steps = _shard_plan(len(self.labels), self.batch_size,
+                                        self.parts, self.drop_last)
+        return [sum(min(per, max(0, size - i * per)) for size in sizes)
+                for i in range(steps)]
 
     def close(self):
         """Drop prefetched epochs and stop the background thread."""

@@ -342,7 +342,7 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     from pathlib import Path
 
     from dasktrain.config import TrainConfig
-    from dasktrain.scaleout import train
+    from dasktrain.scaleout import local_workers, train
     scratch = Path(out or tempfile.mkdtemp(prefix='dasktrain-bench-'))
     if data_dir is None:
         data_dir = scratch / 'data'
@@ -352,7 +352,7 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
                        data_dir=str(data_dir), progress=False,
                        collective_timeout=600)
 
-    def measure(summary, label, threads):
+    def measure(summary, label, workers=None, mode='dg'):
         log = summary['log']
         later = log[1:] or log  # the first epoch pays for start-up
         rate = float(np.mean([r['images_per_sec'] for r in later]))
@@ -360,13 +360,12 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
                  zip([{'iteration': 0}] + log, log)]
         comm = float(np.mean([r['comm_time'] / s for r, s in
                               zip(later, steps[-len(later):])]))
-        return dict(label=label, rate=rate, comm=comm, threads=threads,
-                    accuracy=log[-1]['validation/main/accuracy'])
+        return dict(label=label, rate=rate, comm=comm, workers=workers,
+                    mode=mode, accuracy=log[-1]['validation/main/accuracy'])
 
-    runs = []
-    single = train(base.replace(out=str(scratch / 'single'),
-                                devices=('@numpy',)))
-    runs.append(measure(single, 'one process, 1 replica', 'all'))
+    runs = [measure(train(base.replace(out=str(scratch / 'single'),
+                                       devices=('@numpy',))),
+                    'one process, 1 replica (BLAS threads: all)')]
     most = max(workers)
     reference = {}  # the accuracy a job across workers must match
     for mode in ('dg', 'ipm'):
@@ -374,34 +373,6 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
             out=str(scratch / f'single-{mode}'), devices=('@numpy',) * most,
             mode=mode, mix_every=mix_every if mode == 'ipm' else None))
         reference[mode] = summary['final']['validation/main/accuracy']
-    runs += _worker_runs(base, workers, mix_every, scratch, measure)
-    one = next(r['rate'] for r in runs if r['label'].startswith('1 worker'))
-    rows = []
-    for r in runs:
-        n = int(r['label'][0]) if r['label'][0].isdigit() else 1
-        rows.append((f"{r['label']} (BLAS threads: {r['threads']})",
-                     r['rate'], 'images/s'))
-        if r['label'][0].isdigit() and n > 1:
-            rows.append(("  speed-up vs 1 worker / vs one process",
-                         f"{r['rate'] / one:.2f}x / "
-                         f"{r['rate'] / runs[0]['rate']:.2f}x", ''))
-            rows.append(('  scaling efficiency',
-                         f"{100 * r['rate'] / (n * one):.0f} %", ''))
-        rows.append(('  communication per step', 1000 * r['comm'], 'ms'))
-        rows.append((f'  test accuracy after {epochs} epochs',
-                     f"{100 * r['accuracy']:.1f} %", ''))
-        if n == most > 1:
-            mode = 'ipm' if 'ipm' in r['label'] else 'dg'
-            rows.append((f'  vs one process with {n} replicas, {mode} '
-                         f'({100 * reference[mode]:.1f} %)',
-                         f"{100 * (r['accuracy'] - reference[mode]):+.1f} "
-                         'points', ''))
-    return rows
-
-
-def _worker_runs(base, workers, mix_every, scratch, measure):
-    from dasktrain.scaleout import local_workers, train
-    runs = []
     for n in workers:
         for mode in (('dg',) if n == 1 else ('dg', 'ipm')):
             config = base.replace(
@@ -411,5 +382,26 @@ def _worker_runs(base, workers, mix_every, scratch, measure):
             with local_workers(n) as client:
                 summary = train(config, client=client)
             name = f'ipm, mix every {mix_every}' if mode == 'ipm' else 'dg'
-            runs.append(measure(summary, f'{n} worker(s), {name}', '1'))
-    return runs
+            runs.append(measure(summary, f'{n} worker(s), {name} (BLAS '
+                                'threads: 1)', n, mode))
+    one = next(r['rate'] for r in runs if r['workers'] == 1)
+    rows = []
+    for r in runs:
+        n = r['workers']
+        rows.append((r['label'], r['rate'], 'images/s'))
+        if n is not None and n > 1:
+            rows.append(("  speed-up vs 1 worker / vs one process",
+                         f"{r['rate'] / one:.2f}x / "
+                         f"{r['rate'] / runs[0]['rate']:.2f}x", ''))
+            rows.append(('  scaling efficiency',
+                         f"{100 * r['rate'] / (n * one):.0f} %", ''))
+        rows.append(('  communication per step', 1000 * r['comm'], 'ms'))
+        rows.append((f'  test accuracy after {epochs} epochs',
+                     f"{100 * r['accuracy']:.1f} %", ''))
+        if n == most > 1:
+            mode = r['mode']
+            rows.append((f'  vs one process with {n} replicas, {mode} '
+                         f'({100 * reference[mode]:.1f} %)',
+                         f"{100 * (r['accuracy'] - reference[mode]):+.1f} "
+                         'points', ''))
+    return rows

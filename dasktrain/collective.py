@@ -106,8 +106,6 @@ class DaskComm:
         self._comms, self._loop, self._thread = comms, loop, thread
         self._listener = listener
         self._calls = 0
-        self.bytes_sent = 0
-        self.seconds = 0.0  # wall time inside collectives
 
     # -------------------------------------------------------- set-up
 
@@ -190,15 +188,11 @@ class DaskComm:
             raise
         return self
 
-    def close(self, abort=True):
-        """Close the connections: at once (``abort``, so that peers fail
-        fast), or after flushing what was sent."""
+    def close(self):
+        """Drop the connections at once: peers still waiting fail fast."""
         async def shut():
             for comm in self._comms.values():
-                if abort:
-                    comm.abort()
-                else:
-                    await asyncio.wait_for(comm.close(), self.timeout)
+                comm.abort()
             self._listener.stop()
         if self._loop.is_running():
             try:
@@ -225,59 +219,50 @@ class DaskComm:
     # -------------------------------------------------------- transport
 
     def _run(self, coro):
-        began = time.perf_counter()
-        try:
-            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-        finally:
-            self.seconds += time.perf_counter() - began
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _exchange(self, outgoing, tag):
-        """Send ``outgoing[peer]`` to each listed peer and read one message
-        from each peer listed in ``outgoing`` (None: send nothing)."""
+    async def _exchange(self, tag, send=None, receive=()):
+        """Send ``send[peer]`` to each of its peers while reading one
+        message from each peer in ``receive``; returns {peer: message}."""
         from distributed.comm.core import CommClosedError
         from distributed.protocol import to_serialize
-        peers = sorted(outgoing)
-        if not peers:  # a job of one rank
-            return {}
+        send = send or {}
 
-        async def send(peer):
-            if outgoing[peer] is not None:
-                await self._comms[peer].write(
-                    {'tag': tag, 'data': to_serialize(outgoing[peer])})
+        async def write(peer):
+            await self._comms[peer].write(
+                {'tag': tag, 'data': to_serialize(send[peer])})
 
-        async def receive(peer):
+        async def read(peer):
             msg = await self._comms[peer].read()
             if msg.get('tag') != tag:
                 raise CollectiveError(
                     f'rank {peer} is out of step: it sent {msg.get("tag")!r} '
                     f'while rank {self.rank} expected {tag!r}')
-            return peer, msg['data']
+            return msg['data']
 
-        tasks = {asyncio.ensure_future(receive(p)): p for p in peers}
-        sends = [asyncio.ensure_future(send(p)) for p in peers]
+        reads = {asyncio.ensure_future(read(p)): p for p in receive}
+        tasks = {**reads, **{asyncio.ensure_future(write(p)): p
+                             for p in send}}
+        if not tasks:  # a job of one rank
+            return {}
         done, pending = await asyncio.wait(
-            list(tasks) + sends, timeout=self.timeout,
-            return_when=asyncio.FIRST_EXCEPTION)
+            tasks, timeout=self.timeout, return_when=asyncio.FIRST_EXCEPTION)
         for task in pending:
             task.cancel()
         for task in done:
             error = task.exception()
             if isinstance(error, (CommClosedError, OSError)):
-                peer = tasks.get(task) if task in tasks else \
-                    peers[sends.index(task)]
                 raise PeerLost(
-                    f'rank {peer} closed its connection during {tag}: its '
-                    'worker died or its training failed') from None
+                    f'rank {tasks[task]} closed its connection during {tag}: '
+                    'its worker died or its training failed') from None
             if error is not None:
                 raise error
         if pending:
-            late = sorted(tasks[t] for t in pending if t in tasks) or \
-                sorted(peers[sends.index(t)] for t in pending)
             raise CollectiveError(
-                f'no answer from rank(s) {late} within {self.timeout:g} s '
-                f'during {tag} (collective_timeout): a worker hangs or is '
-                'unreachable')
-        return dict(task.result() for task in tasks)
+                f'no answer from rank(s) {sorted({tasks[t] for t in pending})}'
+                f' within {self.timeout:g} s during {tag} '
+                '(collective_timeout): a worker hangs or is unreachable')
+        return {peer: task.result() for task, peer in reads.items()}
 
     def _tag(self, kind):
         self._calls += 1
@@ -292,12 +277,12 @@ class DaskComm:
             return arrays
         packed = _pack(arrays)
         tag = self._tag('allreduce')
-        me = self.rank
+        me, others = self.rank, self._others()
         pieces = {k: np.array_split(flat, self.size)
                   for k, (flat, _) in packed.items()}
         got = self._run(self._exchange(
-            {p: {k: v[p] for k, v in pieces.items()}
-             for p in range(self.size) if p != me}, tag))
+            tag, {p: {k: v[p] for k, v in pieces.items()} for p in others},
+            others))
         got[me] = {k: v[me] for k, v in pieces.items()}
         mine = {}
         for k in pieces:
@@ -305,11 +290,8 @@ class DaskComm:
             for p in range(1, self.size):
                 acc += got[p][k]
             mine[k] = acc
-        self.bytes_sent += 2 * sum(
-            flat.nbytes for flat, _ in packed.values()) * (self.size - 1) \
-            // self.size
         back = self._run(self._exchange(
-            {p: mine for p in range(self.size) if p != me}, tag + '/gather'))
+            tag + '/gather', {p: mine for p in others}, others))
         back[me] = mine
         results = {k: np.concatenate([back[p][k] for p in range(self.size)])
                    for k in pieces}
@@ -318,45 +300,32 @@ class DaskComm:
 
     def allgather(self, obj):
         """Every rank's ``obj``, in rank order, on every rank."""
-        got = self._run(self._exchange(
-            {p: obj for p in range(self.size) if p != self.rank},
-            self._tag('allgather')))
+        others = self._others()
+        got = self._run(self._exchange(self._tag('allgather'),
+                                       {p: obj for p in others}, others))
         got[self.rank] = obj
         return [got[p] for p in range(self.size)]
 
     def gather(self, obj):
         """Every rank's ``obj`` in rank order on rank 0; None elsewhere."""
         tag = self._tag('gather')
-        if self.rank == 0:
-            got = self._run(self._exchange(
-                {p: None for p in range(1, self.size)}, tag))
-            got[0] = obj
-            return [got[p] for p in range(self.size)]
-        self._run(self._send_only(0, obj, tag))
-        return None
+        if self.rank != 0:
+            self._run(self._exchange(tag, {0: obj}))
+            return None
+        got = self._run(self._exchange(tag, receive=self._others()))
+        got[0] = obj
+        return [got[p] for p in range(self.size)]
 
     def bcast(self, obj):
         """Rank 0's ``obj`` on every rank."""
         tag = self._tag('bcast')
         if self.rank == 0:
-            for p in range(1, self.size):
-                self._run(self._send_only(p, obj, tag))
+            self._run(self._exchange(tag, {p: obj for p in self._others()}))
             return obj
-        return self._run(self._exchange({0: None}, tag))[0]
+        return self._run(self._exchange(tag, receive=[0]))[0]
 
-    async def _send_only(self, peer, obj, tag):
-        from distributed.comm.core import CommClosedError
-        from distributed.protocol import to_serialize
-        try:
-            await asyncio.wait_for(self._comms[peer].write(
-                {'tag': tag, 'data': to_serialize(obj)}), self.timeout)
-        except CommClosedError:
-            raise PeerLost(f'rank {peer} closed its connection during '
-                           f'{tag}: its worker died') from None
-        except asyncio.TimeoutError:
-            raise CollectiveError(f'rank {peer} took no data for '
-                                  f'{self.timeout:g} s during {tag} '
-                                  '(collective_timeout)') from None
+    def _others(self):
+        return [p for p in range(self.size) if p != self.rank]
 
 
 class NcclComm:
@@ -374,7 +343,6 @@ class NcclComm:
         uid = host.bcast(nccl.get_unique_id() if host.rank == 0 else None)
         self._nccl = nccl
         self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
-        self.seconds = 0.0
 
     _TYPES = {'float16': 'NCCL_FLOAT16', 'float32': 'NCCL_FLOAT32',
               'float64': 'NCCL_FLOAT64', 'int32': 'NCCL_INT32',
@@ -382,7 +350,6 @@ class NcclComm:
 
     def allreduce(self, arrays):
         import cupy
-        began = time.perf_counter()
         host = [a for a in arrays if not isinstance(a, cupy.ndarray)]
         if host:
             self.host.allreduce(host)
@@ -401,7 +368,6 @@ class NcclComm:
             for a in members:
                 a[...] = flat[start:start + a.size].reshape(a.shape)
                 start += a.size
-        self.seconds += time.perf_counter() - began
         return arrays
 
     def _wait(self, stream):

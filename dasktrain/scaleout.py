@@ -153,16 +153,16 @@ def _launch(client, config, name, workers, gpus):
     return futures
 
 
-def _watch(client, futures, workers, topic, progress, callbacks, seen):
+def _watch(client, futures, workers, topic, progress, callbacks):
     """Relay progress until the ranks end. Returns ('done', summary) or
     ('lost', addresses); raises the root error of a failed job."""
-    rows = []
+    seen = 0  # the scheduler keeps every event of the topic: skip old ones
     failed_since = None
     while True:
         for _, event in client.get_events(topic):
-            if event['seq'] <= seen[0]:
+            if event['seq'] <= seen:
                 continue
-            seen[0] = event['seq']
+            seen = event['seq']
             if event['kind'] == 'start':
                 progress.start(event['epoch'], event['iterations'])
             elif event['kind'] == 'step':
@@ -171,7 +171,6 @@ def _watch(client, futures, workers, topic, progress, callbacks, seen):
                 progress.step(event['loss'], event['accuracy'])
             else:
                 progress.end(event['row'])
-                rows.append(event['row'])
                 for callback in callbacks:
                     callback(event['row'])
         states = [f.status for f in futures]
@@ -252,7 +251,7 @@ def _drive(client, config, callbacks):
         futures = _launch(client, run, name, workers, gpus)
         try:
             outcome, value = _watch(client, futures, workers, name,
-                                    progress, callbacks, [0])
+                                    progress, callbacks)
         finally:
             client.cancel(futures, force=True)
             for rank in range(len(workers)):

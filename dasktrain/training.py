@@ -51,15 +51,12 @@ def make_optimizer(config):
                                           momentum=0.9)
 
 
-def seed_everything(seed, epoch, devices=()):
-    """Seed the global RNGs that Chainer draws from (dropout, init) from
-    (seed, epoch): a resumed run re-derives them instead of storing them."""
+def seed_everything(seed, epoch):
+    """Seed NumPy's global RNG from (seed, epoch), for anything drawing from
+    it besides the replicas (whose dropout streams ``model.seed`` sets): a
+    resumed run re-derives it instead of storing it."""
     state = np.random.SeedSequence([seed, epoch]).generate_state(1)[0]
     np.random.seed(int(state))
-    for i, device in enumerate(devices):
-        if device.xp is not np:
-            with chainer.using_device(device):
-                device.xp.random.seed(int(state) + i)
 
 
 class EarlyStopping:
@@ -341,6 +338,7 @@ def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
         own=range(model.offset, model.offset + len(model)), cache=True,
         # A rank computes in its worker's thread: never on the cluster.
         client=None if isinstance(comm, Solo) else False)
+    step_totals = loader.step_totals()
     stopped = state['early_stop']['count'] >= (config.early_stop_patience
                                                  or math.inf)
     started = time.perf_counter() - state['elapsed']
@@ -348,14 +346,13 @@ def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
     with loader:
         for epoch in range(state['epoch'],
                            state['epoch'] if stopped else config.epochs):
-            seed_everything(config.seed, epoch, model.devices)
+            seed_everything(config.seed, epoch)
             model.seed(config.seed, epoch)
             comm_before, began = model.comm_time, time.perf_counter()
             mixes_before = len(model.drifts)
             total = loss_sum = acc_sum = 0.0
             progress.start(epoch, len(loader))
-            for (x, t), step_total in zip(loader.epoch(epoch),
-                                          loader.step_totals(epoch)):
+            for (x, t), step_total in zip(loader.epoch(epoch), step_totals):
                 loss, accuracy = model.step(x, t, total=step_total)
                 if not math.isfinite(loss):
                     last = (f'{out / CHECKPOINT} from epoch {state["epoch"]} '
