@@ -146,7 +146,8 @@ def plot_scaling(runs_by_devices, ax=None, title=None, label='measured',
     ax.set_xticks(counts)
     ax.set_xlabel('devices (replicas)')
     ax.set_ylabel(AXIS_LABELS['images_per_sec'])
-    ax.set_title(title or 'Training throughput against devices')
+    if title or not ax.get_title():  # a second call keeps the first's
+        ax.set_title(title or 'Training throughput against devices')
     ax.grid(alpha=0.3)
     ax.legend()
     return ax

@@ -1,4 +1,5 @@
 """Every notebook runs headless on the CPU with tiny parameters."""
+import os
 from pathlib import Path
 
 import nbformat
@@ -8,7 +9,6 @@ from dasktrain.nbrun import run_notebook
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / 'notebooks')
                    .glob('*.ipynb'))
-import os
 OUT = os.environ.get('DASKTRAIN_NOTEBOOKS_OUT')  # keep executed copies
 TINY = dict(model='tiny', epochs=2, train_size=300, test_size=60)
 

@@ -1,0 +1,85 @@
+"""Tables and figures of runs: the numbers they show and their labelling."""
+import json
+
+import matplotlib
+import pytest
+
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dasktrain import report  # noqa: E402
+
+
+def log(rates, accuracies, comm=0.0):
+    return [{'epoch': i + 1, 'elapsed_time': 10.0 * (i + 1),
+             'images_per_sec': rate, 'validation/main/accuracy': acc,
+             'comm_time': comm, 'drift': 1.0 / (i + 1)}
+            for i, (rate, acc) in enumerate(zip(rates, accuracies))]
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close('all')
+
+
+def test_read_log_takes_a_list_a_summary_a_folder_or_a_file(tmp_path):
+    rows = log([1.0], [0.5])
+    (tmp_path / 'log').write_text(json.dumps(rows))
+    for run in (rows, {'log': rows}, tmp_path, tmp_path / 'log'):
+        assert report.read_log(run) == rows
+
+
+def test_throughput_leaves_out_the_warm_up_epoch():
+    assert report.throughput(log([10.0, 100.0, 200.0], [0, 0, 0])) == 150.0
+    assert report.throughput(log([10.0], [0])) == 10.0
+    assert report.throughput(log([10.0, 30.0], [0, 0]),
+                             skip_first=False) == 20.0
+
+
+def test_scaling_table_speed_up_and_efficiency():
+    table = report.scaling_table({
+        1: log([1.0, 100.0], [0, 0]), 4: log([1.0, 300.0], [0, 0])})
+    assert table.columns == ['devices', 'images/s', 'speed-up',
+                             'scaling efficiency']
+    assert table.rows == [[1, 100.0, 1.0, 1.0], [4, 300.0, 3.0, 0.75]]
+    assert '| 4 | 300 | 3 | 0.75 |' in table.to_markdown()
+
+
+def test_summary_table_final_best_and_communication():
+    table = report.summary_table({'dg': log([5.0, 7.0, 9.0], [0.3, 0.6, 0.5],
+                                            comm=2.0)})
+    assert table.rows == [['dg', 3, 0.5, 0.6, 8.0, 30.0, 2.0]]
+    assert '<td>dg</td>' in table._repr_html_()
+
+
+def test_curves_are_titled_labelled_and_in_a_legend():
+    runs = {'one': log([1, 1], [0.2, 0.4]), 'two': log([1, 1], [0.3, 0.5])}
+    ax = report.plot_curves(runs, x='elapsed_time')
+    assert ax.get_title() == 'test accuracy (fraction) against elapsed time (s)'
+    assert (ax.get_xlabel(), ax.get_ylabel()) == (
+        'elapsed time (s)', 'test accuracy (fraction)')
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ['one', 'two']
+    assert list(ax.lines[1].get_ydata()) == [0.3, 0.5]
+
+
+def test_scaling_plot_draws_the_ideal_line_and_keeps_its_title():
+    ax = report.plot_scaling({1: log([0, 100.0], [0, 0]),
+                              2: log([0, 150.0], [0, 0])},
+                             title='Throughput (CPU)', label='one process')
+    report.plot_scaling({1: log([0, 80.0], [0, 0]), 2: log([0, 160.0], [0, 0])},
+                        ax=ax, label='workers', ideal=False)
+    ideal, measured, workers = ax.lines
+    assert list(ideal.get_ydata()) == [100.0, 200.0]
+    assert list(measured.get_ydata()) == [100.0, 150.0]
+    assert list(workers.get_ydata()) == [80.0, 160.0]
+    assert ax.get_title() == 'Throughput (CPU)'
+    assert ax.get_ylabel() == 'training throughput (images/s)'
+
+
+def test_bars_show_the_mean_per_epoch():
+    ax = report.plot_bars({'dg': log([1, 1], [0, 0], comm=3.0),
+                           'ipm': log([1, 1], [0, 0], comm=0.5)})
+    assert [p.get_height() for p in ax.patches] == [3.0, 0.5]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ['dg', 'ipm']
+    assert ax.get_ylabel() == 'communication time per epoch (s)'
