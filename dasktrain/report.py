@@ -169,6 +169,40 @@ def plot_bars(runs, y='comm_time', ax=None, title=None):
     return ax
 
 
+def plot_timeline(jobs, ax=None, title=None):
+    """When each job waited in the queue and when it ran, in seconds since
+    the first was submitted: one row per job (a job not started yet shows
+    its wait so far, one still running its run so far)."""
+    import time
+    ax = _axes(ax)
+    jobs = list(jobs)
+    specs = [job.spec() for job in jobs]
+    statuses = [job.status() for job in jobs]
+    origin = min(spec['submitted'] for spec in specs)
+    now = time.time()
+    labelled = set()
+
+    def bar(row, begin, end, label, color):
+        ax.barh(row, end - begin, left=begin - origin, color=color,
+                label=None if label in labelled else label)
+        labelled.add(label)
+
+    for row, (spec, status) in enumerate(zip(specs, statuses)):
+        bar(row, spec['submitted'], status['started'] or status['ended']
+            or now, 'queued', 'lightgrey')
+        if status['started']:
+            bar(row, status['started'], status['ended'] or now, 'running',
+                'tab:blue')
+    ax.set_yticks(range(len(jobs)), [spec['name'] for spec in specs])
+    ax.invert_yaxis()  # first submitted on top
+    ax.set_xlabel('time since the first submission (s)')
+    ax.set_ylabel('job')
+    ax.set_title(title or 'Jobs: queued and running')
+    ax.grid(alpha=0.3, axis='x')
+    ax.legend()
+    return ax
+
+
 def jobs_table(jobs):
     """State, GPUs, progress and accuracy of cluster jobs."""
     rows = []

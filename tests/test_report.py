@@ -83,3 +83,30 @@ def test_bars_show_the_mean_per_epoch():
     assert [p.get_height() for p in ax.patches] == [3.0, 0.5]
     assert [t.get_text() for t in ax.get_xticklabels()] == ['dg', 'ipm']
     assert ax.get_ylabel() == 'communication time per epoch (s)'
+
+
+def test_timeline_shows_each_job_waiting_then_running(tmp_path):
+    from dasktrain.jobs import Job
+    jobs = []
+    for name, started, ended in [('a', 100.0, 160.0), ('b', 100.0, 150.0),
+                                 ('c', 150.0, 200.0), ('d', None, 120.0)]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / 'job.json').write_text(json.dumps(
+            {'id': name, 'name': name, 'submitted': 100.0 + (name == 'c'),
+             'config': {'epochs': 1}}))
+        (folder / 'status.json').write_text(json.dumps(
+            {'state': 'cancelled' if started is None else 'finished',
+             'started': started, 'ended': ended, 'gpus': []}))
+        jobs.append(Job(name, folder))
+    ax = report.plot_timeline(jobs)
+    bars = [(round(p.get_x(), 6), round(p.get_width(), 6), p.get_facecolor())
+            for p in ax.patches]
+    grey, blue = bars[0][2], bars[1][2]
+    assert [b[:2] for b in bars] == [(0, 0), (0, 60), (0, 0), (0, 50),
+                                     (1, 49), (50, 50), (0, 20)]
+    assert [b[2] for b in bars] == [grey, blue, grey, blue, grey, blue, grey]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ['a', 'b', 'c', 'd']
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        'queued', 'running']
+    assert ax.get_xlabel() == 'time since the first submission (s)'

@@ -1,0 +1,90 @@
+"""README's notebook figures: `python bench/notebooks.py --help`.
+
+Executes the three notebooks at a size this machine finishes in about half
+an hour and copies every figure they draw into ``--figures``. Without
+``--data-dir`` the data are synthetic CIFAR-format images (class patterns
+under noise, see ``dasktrain.bench.synthetic_cifar10``), for machines that
+cannot fetch CIFAR-10; the figures are then about speed and the methods'
+behaviour, not about CIFAR-10 accuracy. `make notebooks` runs them at full
+size instead.
+"""
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dasktrain.bench import machine, synthetic_cifar10
+from dasktrain.errors import UserError
+from dasktrain.nbrun import run_notebook
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / 'notebooks'
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('only', nargs='*', metavar='NOTEBOOK',
+                        help='names of the notebooks to run, without '
+                             '.ipynb (default: all)')
+    parser.add_argument('--epochs', type=int, default=5)
+    parser.add_argument('--train-size', type=int, default=4000,
+                        help='training images (default: %(default)s)')
+    parser.add_argument('--test-size', type=int, default=1000,
+                        help='test images (default: %(default)s)')
+    parser.add_argument('--ipm-batch-size', type=int, default=50,
+                        help='per replica in notebook 02, small enough that '
+                             'mixing every 100 iterations happens within '
+                             'the run (default: %(default)s)')
+    parser.add_argument('--data-dir', help='CIFAR-10 folder (default: '
+                                           'synthetic images in --work)')
+    parser.add_argument('--work', type=Path,
+                        help='runs and executed notebooks (default: a new '
+                             'temporary folder)')
+    parser.add_argument('--figures', type=Path, default=Path('docs/figures'),
+                        help='where the PNGs go (default: %(default)s)')
+    args = parser.parse_args(argv)
+
+    work = args.work or Path(tempfile.mkdtemp(prefix='dasktrain-figures-'))
+    data_dir = args.data_dir
+    if data_dir is None:
+        data_dir = str(work / 'data')
+        synthetic_cifar10(data_dir, n_train=args.train_size,
+                          n_test=args.test_size)
+    size = dict(data_dir=data_dir, epochs=args.epochs,
+                train_size=args.train_size, test_size=args.test_size)
+    parameters = {
+        '01_single_vs_multi_gpu': dict(size, out_dir=str(work / '01')),
+        '02_distributed_gradient_vs_parameter_mixture': dict(
+            size, out_dir=str(work / '02'), batch_size=args.ipm_batch_size),
+        # Free ports: a cluster already on 8786 must not take these jobs.
+        '03_cluster_jobs': dict(size, jobs_dir=str(work / '03-jobs'),
+                                port=0, dashboard_port=0),
+    }
+    unknown = set(args.only) - set(parameters)
+    if unknown:
+        parser.error(f'no notebook named {sorted(unknown)[0]!r}; choose '
+                     f'from {", ".join(parameters)}')
+    print(f'machine: {machine()}; work folder {work}', flush=True)
+    args.figures.mkdir(parents=True, exist_ok=True)
+    for name, values in parameters.items():
+        if args.only and name not in args.only:
+            continue
+        start = time.perf_counter()
+        try:
+            _, figures = run_notebook(NOTEBOOKS / f'{name}.ipynb',
+                                      work / 'executed', values)
+        except UserError as e:
+            print(f'error: {e}', file=sys.stderr)
+            return 1
+        for figure in figures:
+            tmp = args.figures / f'.{figure.name}.tmp'
+            shutil.copyfile(figure, tmp)
+            tmp.replace(args.figures / figure.name)
+        print(f'{name}: {len(figures)} figures in '
+              f'{time.perf_counter() - start:.0f} s', flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
