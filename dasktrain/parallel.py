@@ -345,8 +345,11 @@ class GPUDistributedGradient:
         """Sum over all replicas of their squared L2 distance from
         ``means``."""
         device = self.devices[0]
-        local = sum(float(((device.send(a) - mean) ** 2).sum())
-                    for arrays, mean in zip(groups, means) for a in arrays)
+        local = 0.0
+        for arrays, mean in zip(groups, means):
+            for a in arrays:
+                d = (device.send(a) - mean).ravel()
+                local += float(d @ d)  # BLAS dot: no squared temporary
         return float(self.comm.allreduce([np.array([local])])[0][0])
 
     def _write(self, arrays, mean):
