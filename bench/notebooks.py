@@ -9,7 +9,6 @@ behaviour, not about CIFAR-10 accuracy. `make notebooks` runs them at full
 size instead.
 """
 import argparse
-import shutil
 import sys
 import tempfile
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from dasktrain.bench import machine, synthetic_cifar10
 from dasktrain.errors import UserError
+from dasktrain.files import atomic_write
 from dasktrain.nbrun import run_notebook
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / 'notebooks'
@@ -46,11 +46,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     work = args.work or Path(tempfile.mkdtemp(prefix='dasktrain-figures-'))
-    data_dir = args.data_dir
-    if data_dir is None:
-        data_dir = str(work / 'data')
-        synthetic_cifar10(data_dir, n_train=args.train_size,
-                          n_test=args.test_size)
+    data_dir = args.data_dir or str(work / 'data')
     size = dict(data_dir=data_dir, epochs=args.epochs,
                 train_size=args.train_size, test_size=args.test_size)
     parameters = {
@@ -65,6 +61,9 @@ def main(argv=None):
     if unknown:
         parser.error(f'no notebook named {sorted(unknown)[0]!r}; choose '
                      f'from {", ".join(parameters)}')
+    if args.data_dir is None:
+        synthetic_cifar10(data_dir, n_train=args.train_size,
+                          n_test=args.test_size)
     print(f'machine: {machine()}; work folder {work}', flush=True)
     args.figures.mkdir(parents=True, exist_ok=True)
     for name, values in parameters.items():
@@ -78,9 +77,8 @@ def main(argv=None):
             print(f'error: {e}', file=sys.stderr)
             return 1
         for figure in figures:
-            tmp = args.figures / f'.{figure.name}.tmp'
-            shutil.copyfile(figure, tmp)
-            tmp.replace(args.figures / figure.name)
+            png = figure.read_bytes()
+            atomic_write(args.figures / figure.name, lambda f: f.write(png))
         print(f'{name}: {len(figures)} figures in '
               f'{time.perf_counter() - start:.0f} s', flush=True)
     return 0

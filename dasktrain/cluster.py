@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from dasktrain.errors import UserError
+from dasktrain.files import write_json
 
 HOME_ENV = 'DASKTRAIN_HOME'
 
@@ -52,9 +53,7 @@ def read_state():
 def _write_state(state):
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f'.{path.name}.{os.getpid()}')
-    tmp.write_text(json.dumps(state, indent=2))
-    os.replace(tmp, path)
+    write_json(path, state, indent=2)
 
 
 def detect_gpus():

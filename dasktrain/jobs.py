@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import uuid
@@ -30,6 +29,7 @@ from pathlib import Path
 from dasktrain.cluster import GpuPool, connect, home
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
+from dasktrain.files import write_json
 
 KEY_PREFIX = 'dasktrain-job-'
 JOBS_ENV = 'DASKTRAIN_JOBS_DIR'
@@ -45,18 +45,11 @@ def jobs_dir(path=None):
     return Path(path or os.environ.get(JOBS_ENV) or home() / 'jobs')
 
 
-def _write_json(path, obj):
-    tmp = path.with_name(f'.{path.name}.{os.getpid()}.'
-                         f'{threading.get_ident()}')
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
 def _update_status(folder, **changes):
     path = folder / 'status.json'
     status = json.loads(path.read_text())
     status.update(changes)
-    _write_json(path, status)
+    write_json(path, status)
     return status
 
 
@@ -212,13 +205,13 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         folder.mkdir(parents=True)
         config = config.replace(out=str(folder / 'out'), resume=True,
                                 progress=True)
-        _write_json(folder / 'job.json', {
+        write_json(folder / 'job.json', {
             'id': job_id, 'name': name or config.model, 'gpus': gpus,
             'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
             'submitted': time.time()})
-        _write_json(folder / 'status.json', {
+        write_json(folder / 'status.json', {
             'state': 'queued', 'attempts': 0, 'gpus': None, 'worker': None,
             'started': None, 'ended': None, 'error': None})
         from distributed import fire_and_forget

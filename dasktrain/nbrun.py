@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from dasktrain.errors import UserError
+from dasktrain.files import atomic_write
 
 
 class NotebookError(UserError):
@@ -66,9 +67,7 @@ def run_notebook(path, out_dir, parameters=None, timeout=3600):
     except CellExecutionError as e:
         failure = e
     executed = out_dir / path.name
-    tmp = executed.with_name(f'.{executed.name}.tmp')
-    nbformat.write(nb, tmp)
-    tmp.replace(executed)
+    atomic_write(executed, lambda f: f.write(nbformat.writes(nb).encode()))
     if failure is not None:
         summary = f'{failure.ename}: {failure.evalue}'.strip()
         raise NotebookError(f'{path.name}: a cell failed ({summary}); '
@@ -79,7 +78,8 @@ def run_notebook(path, out_dir, parameters=None, timeout=3600):
             data = output.get('data', {})
             if 'image/png' in data:
                 figure = out_dir / f'{path.stem}-{len(figures) + 1}.png'
-                figure.write_bytes(base64.b64decode(data['image/png']))
+                png = base64.b64decode(data['image/png'])
+                atomic_write(figure, lambda f: f.write(png))
                 figures.append(figure)
     return executed, figures
 

@@ -8,9 +8,7 @@ uninterrupted run would.
 """
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,13 +23,12 @@ from dasktrain.collective import Solo
 from dasktrain.config import TrainConfig
 from dasktrain.data import load_cifar10
 from dasktrain.errors import UserError
+from dasktrain.files import atomic_write, write_json
 from dasktrain.models import get_model
 from dasktrain.devices import available_devices
 from dasktrain.parallel import GPUDistributedGradient
 
 CHECKPOINT = 'checkpoint.npz'
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 
 class TrainingDiverged(UserError):
@@ -90,27 +87,6 @@ class EarlyStopping:
 
 
 # ------------------------------------------------------------------ files
-
-def atomic_write(path, write):
-    """Call ``write(file)`` on a temp file beside ``path``, then rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide results
-        with os.fdopen(fd, 'wb') as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def write_json(path, obj):
-    atomic_write(path, lambda f: f.write(
-        json.dumps(obj, indent=4).encode() + b'\n'))
-
 
 # Models and checkpoints are stored uncompressed: float weights hardly
 # compress, and zlib would cost seconds per epoch for the seed's network

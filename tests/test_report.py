@@ -103,6 +103,7 @@ def test_timeline_shows_each_job_waiting_then_running(tmp_path):
     bars = [(round(p.get_x(), 6), round(p.get_width(), 6), p.get_facecolor())
             for p in ax.patches]
     grey, blue = bars[0][2], bars[1][2]
+    assert grey != blue
     assert [b[:2] for b in bars] == [(0, 0), (0, 60), (0, 0), (0, 50),
                                      (1, 49), (50, 50), (0, 20)]
     assert [b[2] for b in bars] == [grey, blue, grey, blue, grey, blue, grey]
