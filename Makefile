@@ -12,7 +12,7 @@ STAMP := $(VENV)/.dasktrain-installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: train test notebooks install clean
+.PHONY: train test test-gpu notebooks install clean
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The GPU suite alone (tests/gpu); each test is skipped, with its reason
+# shown, where this machine has no GPU, too few, or no NCCL. Install the
+# CuPy extra first: .venv/bin/pip install -e '.[cuda12]'
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest tests/gpu -rs $(PYTEST_ARGS)
 
 # Every notebook at its default (full CIFAR-10) size; executed copies and
 # their figures go to notebooks/executed/ (ignored by git).

@@ -175,6 +175,7 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
     import chainer
 
     from dasktrain.augment import EpochLoader
+    from dasktrain.devices import synchronize
     from dasktrain.models import get_model
     from dasktrain.parallel import GPUDistributedGradient
     from dasktrain.training import default_devices
@@ -190,11 +191,7 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
                 rng.integers(0, 10, n).astype(np.int32))
 
     def sync():
-        for d in devices:
-            if d.startswith('@cupy'):
-                import cupy
-                with cupy.cuda.Device(int(d.split(':')[1])):
-                    cupy.cuda.Stream.null.synchronize()
+        synchronize([chainer.get_device(d) for d in devices])
 
     def timed(step):
         began = time.perf_counter()
@@ -205,13 +202,17 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
 
     def models(n):
         np.random.seed(0)
-        if n == 0:  # the plain Chainer loop
-            link = get_model(model)
+        if n == 0:  # the plain Chainer loop, doing what step() does:
+            link = get_model(model)  # send the host batch, read the loss
             link.to_device(first)
             optimizer = chainer.optimizers.Adam()
             optimizer.setup(link)
-            x, t = (first.send(a) for a in data(batch_size))
-            return lambda: optimizer.update(link, x, t)
+            x, t = data(batch_size)
+
+            def plain():
+                optimizer.update(link, first.send(x), first.send(t))
+                return float(link.loss.array), float(link.accuracy.array)
+            return plain
         wrapped = GPUDistributedGradient(get_model(model), devices[:n])
         wrapped.setup(chainer.optimizers.Adam())
         x, t = data(batch_size * n)
@@ -228,7 +229,10 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
             best[n] = min(best[n], timed(steps[n]))
     rates = {n: batch_size * max(n, 1) * iterations / best[n]
              for n in counts}
-    rows = [(f'plain Chainer loop, {devices[0]}', rates[0], 'images/s')]
+    cuda = chainer.backends.cuda
+    rows = [('cuDNN', 'on' if first.xp is not np and cuda.cudnn_enabled
+             else 'off (CPU)' if first.xp is np else 'off', ''),
+            (f'plain Chainer loop, {devices[0]}', rates[0], 'images/s')]
     for n in counts[1:]:
         rows.append((f'GPUDistributedGradient, {n} replica(s) on '
                      f'{", ".join(devices[:n])}', rates[n], 'images/s'))
@@ -244,7 +248,7 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
         # One step taken apart: compute, gradient merge, parameter sync.
         xs, ts = wrapped.split(*data(batch_size * n))
         parts = {'compute (forward + backward)': 0.0,
-                 'gradient merge (addgrads)': 0.0,
+                 'gradient merge': 0.0,
                  'optimizer update': 0.0, 'parameter sync': 0.0}
         for _ in range(iterations):
             marks = [time.perf_counter()]

@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -120,31 +119,6 @@ def restore_default_scheduler(always=False):
                 dask.config.config.pop('scheduler', None)
 
 
-class GpuPool:
-    """GPU ids of this worker process, handed to one job at a time each."""
-    lock = threading.Lock()  # jobs and ranks run in worker threads
-    used = set()
-
-    @classmethod
-    def acquire(cls, count):
-        from distributed import get_worker
-        total = int(get_worker().state.total_resources.get('GPU', 0))
-        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
-        ids = visible.split(',')[:total] if visible else \
-            [str(i) for i in range(total)]
-        with cls.lock:
-            free = [i for i in ids if i not in cls.used][:count]
-            if len(free) < count:  # the scheduler's accounting forbids it
-                raise RuntimeError(f'{count} GPUs asked, free: {free}')
-            cls.used.update(free)
-        return free
-
-    @classmethod
-    def release(cls, ids):
-        with cls.lock:
-            cls.used.difference_update(ids)
-
-
 def _is_loopback(host):
     if host in ('localhost', ''):
         return host == 'localhost'
@@ -177,7 +151,8 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
     gpus : int, optional
         GPUs the worker advertises; default: the machine's count.
     cpu_slots : int, default 1
-        Jobs a GPU-less worker runs at once (advertised as ``CPU``).
+        CPU jobs (``--gpus 0``) the worker runs at once, beside its GPU
+        jobs (advertised as ``CPU``).
     tls_ca_file, tls_cert, tls_key : str, optional
         PEM files; with them every connection uses TLS (``tls://``).
     timeout : float, default 60
@@ -202,7 +177,8 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
     if warning:
         print(warning, file=sys.stderr)
     gpus = detect_gpus() if gpus is None else gpus
-    resources = f'GPU={gpus}' if gpus else f'CPU={cpu_slots}'
+    # CPU slots on every machine: a GPU server runs CPU jobs (--gpus 0) too.
+    resources = f'GPU={gpus} CPU={cpu_slots}' if gpus else f'CPU={cpu_slots}'
     folder = home()
     (folder / 'logs').mkdir(parents=True, exist_ok=True)
     scheduler_file = folder / 'scheduler.json'
@@ -226,7 +202,7 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
             'worker', address, '--nworkers', '1',
             # One thread more than slots: a scale-out job's driver holds
             # a thread (and no GPU) while its ranks hold the slots.
-            '--nthreads', str(max(gpus, cpu_slots, 1) + 1),
+            '--nthreads', str(gpus + max(cpu_slots, 1) + 1),
             '--resources', resources, '--host', host,
             '--local-directory', str(folder / 'worker-space'),
             *tls_args], folder / 'logs' / 'worker.log'))

@@ -40,7 +40,7 @@ class Solo:
     rank = 0
     size = 1
 
-    def allreduce(self, arrays):
+    def allreduce(self, arrays, check=False):
         return arrays
 
     def allgather(self, obj):
@@ -77,10 +77,38 @@ def _unpack(packed, results):
         for a in members:
             part = flat[start:start + a.size].reshape(a.shape)
             start += a.size
-            if hasattr(a, 'set'):  # cupy
-                a.set(np.ascontiguousarray(part))
+            if hasattr(a, 'set'):  # cupy: copyto also fills views
+                import cupy
+                with a.device:
+                    cupy.copyto(a, cupy.asarray(part))
             else:
                 a[...] = part
+
+
+# ncclResult_t values (nccl.h) that CuPy's NcclError carries as .status.
+NCCL_IN_PROGRESS = 7  # a non-blocking communicator is still working
+CUDA_NOT_READY = 600  # cudaErrorNotReady: a stream query while work runs
+
+
+def signature(arrays, where=False):
+    """What an all-reduce of ``arrays`` sums, for comparing ranks: each
+    array's dtype and size, and with ``where`` whether it is on a GPU
+    (NcclComm sums those apart from host arrays)."""
+    return [(np.dtype(a.dtype).str, int(a.size)) +
+            ((not isinstance(a, np.ndarray),) if where else ())
+            for a in arrays]
+
+
+def poll(check, deadline, what, abort, sleep=1e-4):
+    """Call ``check()`` until it returns True; it raises the real error of
+    a failed operation. After ``deadline`` (time.monotonic()), ``abort()``
+    and raise CollectiveError: no rank waits forever on a peer or a GPU."""
+    while not check():
+        if time.monotonic() > deadline:
+            abort()
+            raise CollectiveError(f'{what} did not finish within the '
+                                  'collective_timeout: a peer died or hangs')
+        time.sleep(sleep)
 
 
 class DaskComm:
@@ -270,19 +298,30 @@ class DaskComm:
 
     # -------------------------------------------------------- collectives
 
-    def allreduce(self, arrays):
+    def allreduce(self, arrays, check=True):
         """Sum ``arrays`` (NumPy or CuPy) over ranks, in place, and return
-        them. Each dtype is summed in its own precision, in rank order."""
+        them. Each dtype is summed in its own precision, in rank order.
+        Ranks whose arrays differ in dtype or size raise CollectiveError
+        (the comparison rides with the data; ``check`` is always on)."""
         if self.size == 1:
             return arrays
         packed = _pack(arrays)
         tag = self._tag('allreduce')
         me, others = self.rank, self._others()
+        mine = signature(arrays)
         pieces = {k: np.array_split(flat, self.size)
                   for k, (flat, _) in packed.items()}
         got = self._run(self._exchange(
-            tag, {p: {k: v[p] for k, v in pieces.items()} for p in others},
-            others))
+            tag, {p: {'sig': mine,
+                      'parts': {k: v[p] for k, v in pieces.items()}}
+                  for p in others}, others))
+        for peer, msg in list(got.items()):
+            if msg['sig'] != mine:
+                raise CollectiveError(
+                    f'rank {peer} sums {len(msg["sig"])} arrays where rank '
+                    f'{me} sums {len(mine)} (or of other sizes): the ranks '
+                    'are out of step (different models or optimizer state)')
+            got[peer] = msg['parts']
         got[me] = {k: v[me] for k, v in pieces.items()}
         mine = {}
         for k in pieces:
@@ -329,58 +368,146 @@ class DaskComm:
 
 
 class NcclComm:
-    """Arrays on GPUs summed with NCCL; everything else over ``host``.
+    """Arrays on one GPU summed with NCCL; everything else over ``host``.
 
     The NCCL unique id is made on rank 0 and handed to the others through
-    the :class:`DaskComm` ``host``. The caller's current CUDA device is the
-    one this rank's NCCL communicator uses.
-    """
+    the :class:`DaskComm` ``host``. The communicator belongs to GPU
+    ``device`` (a CUDA ordinal of this process), which every call makes
+    current, whatever the caller's current device.
 
-    def __init__(self, host):
-        from cupy.cuda import nccl
-        self.host = host
-        self.rank, self.size = host.rank, host.size
-        uid = host.bcast(nccl.get_unique_id() if host.rank == 0 else None)
-        self._nccl = nccl
-        self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+    It is created non-blocking (``NCCL_COMM_BLOCKING=0`` while it is made):
+    set-up and every call return at once, and this process polls the
+    communicator's asynchronous error (``check_async_error``, which raises
+    the real NCCL error) and the CUDA stream (whose query reports a CUDA
+    error) until the work is done; at ``host.timeout`` it aborts the
+    communicator and raises :class:`CollectiveError`. A peer that died
+    after the id went out therefore fails this rank within the timeout
+    rather than blocking it, and its GPU, in ``ncclCommInitRank`` forever.
+    """
 
     _TYPES = {'float16': 'NCCL_FLOAT16', 'float32': 'NCCL_FLOAT32',
               'float64': 'NCCL_FLOAT64', 'int32': 'NCCL_INT32',
               'int64': 'NCCL_INT64'}
 
-    def allreduce(self, arrays):
+    def __init__(self, host, device):
+        import os
+
         import cupy
-        host = [a for a in arrays if not isinstance(a, cupy.ndarray)]
+        from cupy.cuda import nccl
+        self.host, self.device = host, int(device)
+        self.rank, self.size = host.rank, host.size
+        self.timeout = host.timeout
+        self._nccl, self._cupy = nccl, cupy
+        with cupy.cuda.Device(self.device):
+            uid = host.bcast(nccl.get_unique_id() if host.rank == 0
+                             else None)
+            comm = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
+            saved = os.environ.get('NCCL_COMM_BLOCKING')
+            os.environ['NCCL_COMM_BLOCKING'] = '0'
+            try:
+                self._call(comm.__init__, self.size, uid, self.rank)
+            finally:
+                if saved is None:
+                    os.environ.pop('NCCL_COMM_BLOCKING', None)
+                else:
+                    os.environ['NCCL_COMM_BLOCKING'] = saved
+            self._comm = comm
+            poll(self._settled, time.monotonic() + self.timeout,
+                 f'NCCL set-up of rank {self.rank} of {self.size}',
+                 self._abort)
+
+    def _call(self, fn, *args):
+        """``fn(*args)``; a non-blocking 'in progress' is not an error."""
+        try:
+            fn(*args)
+        except self._nccl.NcclError as e:
+            if e.status != NCCL_IN_PROGRESS:
+                raise CollectiveError(f'NCCL failed on rank {self.rank}: '
+                                      f'{e}') from None
+
+    def _settled(self):
+        """True once the communicator has no operation in progress; raises
+        CollectiveError for an asynchronous NCCL error."""
+        try:
+            self._comm.check_async_error()
+        except self._nccl.NcclError as e:
+            if e.status == NCCL_IN_PROGRESS:
+                return False
+            self._abort()
+            raise CollectiveError(f'NCCL failed on rank {self.rank}: '
+                                  f'{e}') from None
+        return True
+
+    def _done(self, stream):
+        """True once ``stream`` finished; CUDA errors on it raise (a plain
+        ``Stream.done`` reports them as 'not done')."""
+        if not self._settled():
+            return False
+        status = self._cupy.cuda.runtime.streamQuery(stream.ptr)
+        if status == CUDA_NOT_READY:
+            return False
+        if status != 0:
+            self._abort()
+            raise CollectiveError(
+                f'CUDA error during an NCCL all-reduce on rank {self.rank}: '
+                f'{self._cupy.cuda.runtime.CUDARuntimeError(status)}')
+        return True
+
+    def _abort(self):
+        try:
+            self._comm.abort()
+        except Exception:  # already broken: nothing more to free
+            pass
+
+    def allreduce(self, arrays, check=False):
+        """Sum ``arrays`` over ranks in place: those on this GPU with
+        NCCL, the others over ``host``. With ``check``, the ranks first
+        compare what they are about to sum (needed where counts could
+        differ, e.g. optimizer state) and raise CollectiveError on a
+        mismatch rather than hang or corrupt memory."""
+        cupy = self._cupy
+        if check:
+            mine = signature(arrays, where=True)
+            for rank, theirs in enumerate(self.host.allgather(mine)):
+                if theirs != mine:
+                    raise CollectiveError(
+                        f'rank {rank} sums {len(theirs)} arrays '
+                        f'{theirs[:3]}... where rank {self.rank} sums '
+                        f'{len(mine)} {mine[:3]}...: the ranks are out of '
+                        'step (different models or optimizer state)')
+        gpu = [a for a in arrays if isinstance(a, cupy.ndarray) and
+               a.dtype.name in self._TYPES]
+        host = [a for a in arrays if not any(a is g for g in gpu)]
         if host:
             self.host.allreduce(host)
         groups = {}
-        for a in arrays:
-            if isinstance(a, cupy.ndarray):
-                groups.setdefault(a.dtype, []).append(a)
-        stream = cupy.cuda.get_current_stream()
-        for dtype, members in groups.items():
-            flat = cupy.concatenate([a.ravel() for a in members])
-            self._comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size,
-                                 getattr(self._nccl, self._TYPES[dtype.name]),
-                                 self._nccl.NCCL_SUM, stream.ptr)
-            self._wait(stream)
-            start = 0
-            for a in members:
-                a[...] = flat[start:start + a.size].reshape(a.shape)
-                start += a.size
+        for a in gpu:
+            groups.setdefault(a.dtype, []).append(a)
+        with cupy.cuda.Device(self.device):
+            stream = cupy.cuda.get_current_stream()
+            for dtype, members in groups.items():
+                # One buffer per dtype on this GPU (a copy also makes
+                # non-contiguous views and other GPUs' arrays contiguous
+                # here).
+                flat = cupy.concatenate([
+                    cupy.asarray(a.get() if a.device.id != self.device
+                                 else a).ravel() for a in members])
+                self._call(self._comm.allReduce, flat.data.ptr,
+                           flat.data.ptr, flat.size,
+                           getattr(self._nccl, self._TYPES[dtype.name]),
+                           self._nccl.NCCL_SUM, stream.ptr)
+                poll(lambda: self._done(stream),
+                     time.monotonic() + self.timeout,
+                     f'NCCL all-reduce on rank {self.rank}', self._abort)
+                start = 0
+                for a in members:
+                    part = flat[start:start + a.size].reshape(a.shape)
+                    start += a.size
+                    if a.device.id == self.device:
+                        cupy.copyto(a, part)
+                    else:
+                        a.set(part.get())
         return arrays
-
-    def _wait(self, stream):
-        # NCCL blocks on the GPU, not in Python: poll, and abort the
-        # communicator at the deadline so no rank waits forever.
-        deadline = time.monotonic() + self.host.timeout
-        while not stream.done:
-            if time.monotonic() > deadline:
-                self._comm.abort()
-                raise CollectiveError(
-                    f'NCCL all-reduce did not finish within '
-                    f'{self.host.timeout:g} s (collective_timeout)')
-            time.sleep(1e-4)
 
     def allgather(self, obj):
         return self.host.allgather(obj)
@@ -393,4 +520,5 @@ class NcclComm:
 
     def close(self):
         """Free the NCCL communicator (``host`` is closed by its owner)."""
-        self._comm.destroy()
+        with self._cupy.cuda.Device(self.device):
+            self._comm.destroy()

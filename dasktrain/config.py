@@ -33,6 +33,10 @@ class TrainConfig:
     #                                 momentum SGD (momentum 0.9)
     weight_decay: float = 0.0       # L2 factor; 5e-4 suits ResNets
     seed: int = 0                   # fixes init, order, augmentation, dropout
+    deterministic: bool = False     # GPU: deterministic cuDNN algorithms and
+    #                                 dropout masks from each replica's own
+    #                                 seeded stream (slower convolutions);
+    #                                 the CPU is deterministic either way
     out: str = 'results'            # log, args, checkpoint, models
     data_dir: str = 'data'          # CIFAR-10 cache
     url: Optional[str] = None       # archive mirror (else $DASKTRAIN_CIFAR10_URL)
@@ -207,6 +211,9 @@ def add_arguments(parser):
     add('--weight-decay', type=float, default=d.weight_decay, metavar='W',
         help='L2 weight decay (default: %(default)s)')
     add('--seed', type=int, default=d.seed, help='(default: %(default)s)')
+    add('--deterministic', action='store_true',
+        help='on GPUs: bit-identical runs and resumes for one seed '
+             '(deterministic cuDNN, seeded dropout; slower)')
     add('--out', default=d.out, metavar='DIR',
         help='log, args, checkpoint and models (default: %(default)s)')
     add_data_arguments(parser)

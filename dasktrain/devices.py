@@ -1,4 +1,13 @@
-"""Which devices this process can train on, by Chainer specifier."""
+"""Which devices this process can train on, by Chainer specifier, and the
+few CUDA calls the rest of the package makes about them (synchronise,
+free memory, say why CuPy cannot be used).
+
+Decisions about *which* GPU ids a worker, job or rank gets live in
+:mod:`dasktrain.gpus` (no CUDA needed); this module asks CuPy what is there.
+"""
+import shutil
+import subprocess
+
 import chainer
 import numpy as np
 
@@ -9,17 +18,38 @@ class DeviceError(UserError, ValueError):
     """A device that was asked for is not there."""
 
 
+def cuda_unavailable_reason():
+    """Why Chainer cannot use CuPy, in Chainer's own words, or None.
+
+    Chainer keeps the error of its ``import cupy`` (a missing libcublas, a
+    CuPy built for another CUDA, no CuPy at all) and shows it in
+    ``check_cuda_available``; that, not a guess, is what a user needs.
+    """
+    try:
+        chainer.backends.cuda.check_cuda_available()
+    except RuntimeError as e:
+        # After Chainer's fixed 'not correctly set up (see ...#installation).'
+        # comes the error itself.
+        return str(e).split('#installation).', 1)[-1].strip() or str(e)
+    return None
+
+
+def gpu_count():
+    """(number of GPUs CUDA shows this process, reason when 0 or None)."""
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        return 0, reason
+    import cupy
+    try:
+        return cupy.cuda.runtime.getDeviceCount(), None
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        return 0, f'CUDA finds no device: {e}'
+
+
 def available_devices():
     """Chainer specifiers of the devices this process can use."""
-    found = ['@numpy']
-    if chainer.backends.cuda.available:
-        import cupy
-        try:
-            count = cupy.cuda.runtime.getDeviceCount()
-        except cupy.cuda.runtime.CUDARuntimeError:
-            count = 0
-        found += [f'@cupy:{i}' for i in range(count)]
-    return found
+    count, _ = gpu_count()
+    return ['@numpy'] + [f'@cupy:{i}' for i in range(count)]
 
 
 def resolve_devices(devices):
@@ -37,16 +67,143 @@ def resolve_devices(devices):
     devices = list(devices)
     if not devices:
         raise ValueError('devices must name at least one device, got []')
-    available = available_devices()
+    count, reason = gpu_count()
+    available = ['@numpy'] + [f'@cupy:{i}' for i in range(count)]
     resolved = []
     for d in devices:
         spec = (f'@cupy:{d}' if isinstance(d, (int, np.integer))
                 else '@numpy' if d == 'cpu' else d)
         if spec not in available:
-            why = ('CuPy is not installed or finds no CUDA driver'
-                   if spec.startswith('@cupy') and len(available) == 1
-                   else 'no such device')
+            why = reason if spec.startswith('@cupy') and reason else \
+                f'this process sees {count} GPU(s)' \
+                if spec.startswith('@cupy') else 'no such device'
             raise DeviceError(f'device {d!r} is not available ({why}); '
                               f'available: {", ".join(available)}')
         resolved.append(chainer.get_device(spec))
     return resolved
+
+
+def gpus_of(devices):
+    """The distinct ``cupy.cuda.Device`` objects among Chainer devices."""
+    found = {}
+    for d in devices:
+        if d.xp is not np:
+            found.setdefault(d.device.id, d.device)
+    return list(found.values())
+
+
+def synchronize(devices):
+    """Wait until every GPU among ``devices`` has finished its queued work
+    (a no-op on the CPU): before a timer reads the clock, and before one
+    GPU's arrays are read from another."""
+    for gpu in gpus_of(devices):
+        gpu.synchronize()
+
+
+def free_gpu_memory(ids):
+    """Return CuPy's cached blocks on the GPUs ``ids`` (CUDA ordinals) to
+    the driver, so that the next job on them starts with the memory free.
+    A no-op where CuPy was never used."""
+    import gc
+    import sys
+    cupy = sys.modules.get('cupy')
+    if cupy is None or not ids:
+        return
+    gc.collect()  # Chainer's graphs hold arrays in reference cycles
+    pool, pinned = cupy.get_default_memory_pool(), \
+        cupy.get_default_pinned_memory_pool()
+    for i in ids:
+        with cupy.cuda.Device(i):
+            cupy.cuda.Device(i).synchronize()
+            pool.free_all_blocks()
+    pinned.free_all_blocks()
+
+
+def device_uuids(devices):
+    """``{'@cupy:N': 'GPU-...'}`` for the GPUs among ``devices``: which
+    physical GPU a job really used, for its log."""
+    found = {}
+    for gpu in gpus_of(devices):
+        import cupy
+        raw = cupy.cuda.runtime.getDeviceProperties(gpu.id).get('uuid')
+        if raw:
+            h = bytes(raw).hex()
+            found[f'@cupy:{gpu.id}'] = (f'GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-'
+                                        f'{h[16:20]}-{h[20:32]}')
+    return found
+
+
+def unused_gpus_message(smi_lines, visible_count, reason):
+    """One line when ``nvidia-smi -L`` lists GPUs that Chainer cannot use,
+    else None. ``smi_lines``: its output lines; ``reason``: from
+    :func:`gpu_count` (None: CuPy works, and an empty
+    ``CUDA_VISIBLE_DEVICES`` hides the GPUs on purpose, as in a CPU job).
+
+    >>> unused_gpus_message(['GPU 0: NVIDIA H100 (UUID: GPU-1)'], 0,
+    ...                     "No module named 'cupy'")
+    "nvidia-smi sees 1 GPU(s) that Chainer cannot use: No module named 'cupy'"
+    """
+    gpus = [s for s in smi_lines if s.startswith('GPU ')]
+    if not gpus or visible_count or reason is None:
+        return None
+    return (f'nvidia-smi sees {len(gpus)} GPU(s) that Chainer cannot use: '
+            f'{reason}')
+
+
+def nvidia_smi_lines():
+    """``nvidia-smi -L`` output lines, or [] without the tool or a driver."""
+    if shutil.which('nvidia-smi') is None:
+        return []
+    try:
+        out = subprocess.run(['nvidia-smi', '-L'], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return out.stdout.splitlines() if out.returncode == 0 else []
+
+
+# ------------------------------------------------- arrays across devices
+
+def common_dtype(arrays):
+    """The arrays' one dtype, or float64 where they differ (exact for
+    every float and int32 value)."""
+    kinds = {a.dtype for a in arrays}
+    return kinds.pop() if len(kinds) == 1 else np.dtype(np.float64)
+
+
+def transfer(arrays, src, dst):
+    """Copies on ``dst`` of ``arrays`` (all on ``src``), or the arrays
+    themselves when ``src`` is ``dst``.
+
+    Between devices they travel as one flat buffer (concatenated on
+    ``src``, one copy, split into views on ``dst``): one transfer, not one
+    per array. Views come in :func:`common_dtype`. Reading another GPU's
+    memory is not ordered after the work queued there, so ``src`` is
+    synchronised first; the copy itself is made with ``dst`` current
+    (CuPy's cross-device ``copy``, a memcpy that needs no peer access).
+    """
+    arrays = list(arrays)
+    if src == dst or not arrays:
+        return arrays
+    dtype = common_dtype(arrays)
+    with chainer.using_device(src):
+        flat = src.xp.concatenate([a.ravel().astype(dtype, copy=False)
+                                   for a in arrays])
+    synchronize([src])
+    with chainer.using_device(dst):
+        moved = dst.send(flat)
+    views, start = [], 0
+    for a in arrays:
+        views.append(moved[start:start + a.size].reshape(a.shape))
+        start += a.size
+    return views
+
+
+def copy_into(targets, sources, device):
+    """``targets[i][...] = sources[i]`` with ``device`` (theirs) current:
+    CuPy launches a kernel on the current device, and one reading another
+    device's memory needs peer access (a PerformanceWarning, or an error
+    without it)."""
+    with chainer.using_device(device):
+        for target, source in zip(targets, sources):
+            device.xp.copyto(target, source, casting='unsafe')

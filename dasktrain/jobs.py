@@ -26,7 +26,9 @@ import traceback
 import uuid
 from pathlib import Path
 
-from dasktrain.cluster import GpuPool, connect, home
+from dasktrain.cluster import connect, home
+from dasktrain.gpus import (VISIBLE, GpuError, GpuPool, job_environment,
+                            place_devices)
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
@@ -178,6 +180,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     """
     if not isinstance(gpus, int) or gpus < 0:
         raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
+    check_devices(config, gpus)
     owned = client is None
     client = client or connect(scheduler)
     try:
@@ -255,17 +258,18 @@ def run_job(folder):
     rows = Job(spec['id'], folder).log_rows()
     gpus = GpuPool.acquire(spec['gpus']) \
         if spec['gpus'] and not spec.get('workers') else []
+    ids = [g.id for g in gpus]  # the worker's CUDA_VISIBLE_DEVICES entries
     attempt = status['attempts'] + 1
     worker = get_worker().address
-    _update_status(folder, state='running', attempts=attempt, gpus=gpus,
+    _update_status(folder, state='running', attempts=attempt, gpus=ids,
                    worker=worker, started=status['started'] or time.time())
-    env = dict(os.environ, PYTHONUNBUFFERED='1')
-    if gpus:
-        env['CUDA_VISIBLE_DEVICES'] = ','.join(gpus)
+    # The child sees exactly its GPUs (as 0..k-1), or none at all.
+    env = job_environment(dict(os.environ, PYTHONUNBUFFERED='1'), gpus)
     try:
         with open(folder / 'output.log', 'ab') as log:
             log.write(f'=== attempt {attempt} on {worker}, GPUs '
-                      f'{",".join(gpus) or "none"}, '
+                      f'{",".join(ids) or "none"} '
+                      f'(CUDA_VISIBLE_DEVICES={env["CUDA_VISIBLE_DEVICES"]!r}), '
                       f'{"resuming after epoch %d" % rows[-1]["epoch"] if rows else "starting"}'
                       f' ===\n'.encode())
             log.flush()
@@ -296,20 +300,43 @@ def run_job(folder):
     return state
 
 
+def _log_devices(devices):
+    """What this job's process sees and which physical GPUs it trains on,
+    for its output.log."""
+    print(f'CUDA_VISIBLE_DEVICES={os.environ.get(VISIBLE)!r}', flush=True)
+    if devices:
+        from dasktrain.devices import device_uuids, resolve_devices
+        uuids = device_uuids(resolve_devices(devices))
+        print('devices: ' + ', '.join(f'{d} ({uuids.get(d, "CPU")})'
+                                      for d in devices), flush=True)
+
+
+def check_devices(config, gpus):
+    """Refuse, at submit time, a job whose own --devices name GPUs other
+    than the ones it reserves (the cluster picks which GPUs a job gets)."""
+    if config.workers is not None or config.devices is None:
+        return
+    try:
+        place_devices(config.devices, range(gpus))
+    except GpuError as e:
+        raise JobError(str(e)) from None
+
+
 def _child(folder):
     """The child process: train the job's config; one line for a user's
     mistake, the whole traceback for anything else."""
     spec = json.loads((Path(folder) / 'job.json').read_text())
     config = TrainConfig.from_json(json.dumps(spec['config']))
-    if spec['gpus'] and config.devices is None:
-        # CUDA_VISIBLE_DEVICES renumbers the job's GPUs from 0; across
-        # workers, each rank takes as many of its worker's free GPUs.
-        config = config.replace(devices=tuple(
-            f'@cupy:{i}' for i in range(spec['gpus'])))
     if config.workers is not None:
+        # Across workers each rank takes its worker's free GPUs itself.
         config = config.replace(scheduler=spec['scheduler'])
     from dasktrain.scaleout import train
     try:
+        if spec['gpus'] and config.workers is None:
+            # CUDA_VISIBLE_DEVICES shows this job its GPUs as 0..k-1.
+            config = config.replace(devices=place_devices(
+                config.devices, range(spec['gpus'])))
+        _log_devices(config.devices if spec['gpus'] else None)
         summary = train(config)
     except UserError as e:
         print(f'error: {e}', flush=True)

@@ -9,6 +9,19 @@ import chainer.functions as F
 import chainer.links as L
 
 
+def dropout(x, ratio):
+    """``F.dropout``; under ``chainer.config.cudnn_deterministic`` its mask
+    is drawn from CuPy's generator (each replica's own seeded stream, see
+    ``GPUDistributedGradient.seed``) rather than by cuDNN, whose dropout
+    state Chainer seeds from ``os.urandom`` and shares among the replicas of
+    a thread (``cuda.get_cudnn_dropout_states``): a seeded run then repeats
+    bit for bit, also after a resume."""
+    if chainer.config.cudnn_deterministic:
+        with chainer.using_config('use_cudnn', 'never'):
+            return F.dropout(x, ratio=ratio)
+    return F.dropout(x, ratio=ratio)
+
+
 class Cifar10(chainer.Chain):
     """The seed post's network (after mitmul's chainer-cifar10 ``Cifar10``).
 
@@ -31,7 +44,7 @@ class Cifar10(chainer.Chain):
         h = F.max_pooling_2d(F.relu(self.conv2(h)), 3, stride=2)
         h = F.relu(self.conv3(h))
         h = F.spatial_pyramid_pooling_2d(h, 3, pooling='max')
-        h = F.dropout(F.relu(self.fc4(h)), ratio=0.5)
+        h = dropout(F.relu(self.fc4(h)), ratio=0.5)
         return self.fc5(h)
 
 

@@ -4,15 +4,25 @@ After the seed post's ``GPUDistributedGradient`` (Chainer 1.5), grown to
 Chainer 7: the same ``with model as m: m(xs, ts)`` protocol, plus a
 one-call :meth:`GPUDistributedGradient.step`, a mean (not summed) merged
 gradient, and an iterative-parameter-mixture mode.
+
+On GPUs every operation across replicas runs with the device of the array
+it writes current, reads another GPU's arrays only after that GPU finished
+its queued work, and moves a replica's arrays as one flat buffer
+(:func:`dasktrain.devices.transfer`), as Chainer's
+MultiprocessParallelUpdater gathers gradients; nothing is computed on a GPU
+the user did not list.
 """
+import contextlib
 import copy
 import time
 
 import chainer
 import numpy as np
+from chainer.serializers import NpzDeserializer
 
 from dasktrain.collective import Solo
-from dasktrain.devices import DeviceError, resolve_devices  # noqa: F401
+from dasktrain.devices import (DeviceError, copy_into,  # noqa: F401
+                               resolve_devices, synchronize, transfer)
 
 MODES = ('dg', 'ipm')
 
@@ -49,10 +59,11 @@ class GPUDistributedGradient:
     mix_optimizer_state : bool, default False
         ipm only: average optimizer state (e.g. Adam's moments) too.
     comm : dasktrain.collective.DaskComm or NcclComm, optional
-        Make this one replica group of a job across processes: dg sums the
-        masters' gradients over ``comm`` every step, ipm averages over all
-        groups' replicas; the results are those of one process holding all
-        the replicas. Default: this process is the whole job.
+        Make this one replica group of a job across processes: every group
+        starts from rank 0's weights, dg sums the masters' gradients over
+        ``comm`` every step, ipm averages over all groups' replicas; the
+        results are those of one process holding all the replicas.
+        Default: this process is the whole job.
 
     Examples
     --------
@@ -92,7 +103,9 @@ class GPUDistributedGradient:
         counts = self.comm.allgather(len(self.replicas))
         self.offset = sum(counts[:self.comm.rank])  # global replica index
         self.total_replicas = sum(counts)
-        self._states = [None] * len(self.replicas)  # per-replica np RNG
+        if self.comm.size > 1:
+            self._start_from_rank0()
+        self._random = [None] * len(self.replicas)  # per-replica RNG
         self.optimizers = []
         self.iteration = 0
         self.comm_time = 0.0   # s merging gradients, syncing and mixing
@@ -101,6 +114,7 @@ class GPUDistributedGradient:
         self._losses = []
         self._sizes = []
         self._total = 0
+        self._metrics = [None] * len(self.replicas)  # on-device sums
 
     def __len__(self):
         return len(self.replicas)
@@ -115,6 +129,16 @@ class GPUDistributedGradient:
         return self.optimizers[0] if self.optimizers else None
 
     # ------------------------------------------------------------- set-up
+
+    def _start_from_rank0(self):
+        # Each process drew its own initial weights; summing gradients of
+        # different models would go unnoticed. Rank 0's win everywhere.
+        master = self.devices[0]
+        mine = [chainer.backends.cuda.to_cpu(a)
+                for (a,) in self._groups([self.master])]
+        start = self.comm.bcast(mine if self.comm.rank == 0 else None)
+        self._write_all(self._groups(self.replicas),
+                        [master.send(a) for a in start])
 
     def setup(self, optimizer):
         """Attach ``optimizer`` (not yet set up): dg to the master, ipm to
@@ -138,17 +162,41 @@ class GPUDistributedGradient:
             optimizer.add_hook(hook if i == 0 else copy.deepcopy(hook), name)
 
     def seed(self, seed, epoch):
-        """Seed each replica's random numbers (dropout) from (``seed``,
-        ``epoch``, its global index): the same draws wherever it runs."""
+        """Seed each replica's own random numbers (dropout) from (``seed``,
+        ``epoch``, its global index): the same draws wherever it runs, and
+        two replicas on one GPU no longer share CuPy's one generator per
+        device."""
         for i, device in enumerate(self.devices):
-            state = np.random.SeedSequence(
-                [seed, epoch, self.offset + i]).generate_state(1)[0]
+            state = int(np.random.SeedSequence(
+                [seed, epoch, self.offset + i]).generate_state(1)[0])
             if device.xp is np:
-                self._states[i] = np.random.RandomState(
-                    int(state)).get_state()
+                self._random[i] = np.random.RandomState(state).get_state()
             else:
                 with chainer.using_device(device):
-                    device.xp.random.seed(int(state))
+                    self._random[i] = device.xp.random.RandomState(state)
+
+    @contextlib.contextmanager
+    def _own_random(self, i, device):
+        """Replica ``i`` draws from its own stream inside the block."""
+        mine = self._random[i]
+        if mine is None:
+            yield
+        elif device.xp is np:
+            outer = np.random.get_state()
+            np.random.set_state(mine)
+            try:
+                yield
+            finally:
+                self._random[i] = np.random.get_state()
+                np.random.set_state(outer)
+        else:  # CuPy keeps one RandomState per device: swap ours in
+            random = device.xp.random
+            outer = random.get_random_state()
+            random.set_random_state(mine)
+            try:
+                yield
+            finally:
+                random.set_random_state(outer)
 
     # ------------------------------------------------- the seed's protocol
 
@@ -174,16 +222,9 @@ class GPUDistributedGradient:
             with chainer.using_device(device):
                 if not size:
                     self._losses.append(None)
-                elif self._states[i] is None:
+                    continue
+                with self._own_random(i, device):
                     self._losses.append(replica(*part))
-                else:  # this replica's own stream of dropout masks
-                    outer = np.random.get_state()
-                    np.random.set_state(self._states[i])
-                    try:
-                        self._losses.append(replica(*part))
-                    finally:
-                        self._states[i] = np.random.get_state()
-                        np.random.set_state(outer)
         return self._losses[0]
 
     def backward(self):
@@ -200,13 +241,43 @@ class GPUDistributedGradient:
                     loss = loss * (size / total)
                 loss.backward()
 
-    def syncgrads(self):
-        """Add every other replica's gradients into the master's."""
+    def _timed(self, work):
+        """Run ``work()`` and add its time to :attr:`comm_time`. GPUs are
+        synchronised before and after: CUDA calls return before the work
+        is done, and the backward pass is not communication."""
+        synchronize(self.devices)
         began = time.perf_counter()
-        for replica, size in zip(self.replicas[1:], self._sizes[1:]):
-            if size:
-                self.master.addgrads(replica)
+        result = work()
+        synchronize(self.devices)
         self.comm_time += time.perf_counter() - began
+        return result
+
+    def _grads(self, replica, device):
+        """The replica's gradients in a fixed order; a missing one is
+        zeros (a parameter this step did not reach)."""
+        grads = []
+        with chainer.using_device(device):
+            for _, p in sorted(replica.namedparams()):
+                if p.grad is None:
+                    p.grad = device.xp.zeros_like(p.array)
+                grads.append(p.grad)
+        return grads
+
+    def syncgrads(self):
+        """Add every other replica's gradients into the master's (one
+        buffer per replica across devices, as addgrads on one device)."""
+        def merge():
+            master, device = self.master, self.devices[0]
+            targets = self._grads(master, device)
+            for replica, d, size in zip(self.replicas[1:], self.devices[1:],
+                                        self._sizes[1:]):
+                if size:
+                    moved = transfer(self._grads(replica, d), d, device)
+                    with chainer.using_device(device):
+                        for target, g in zip(targets, moved):
+                            target += g
+        if len(self.replicas) > 1:
+            self._timed(merge)
 
     def __enter__(self):
         self.cleargrads()
@@ -221,24 +292,20 @@ class GPUDistributedGradient:
 
     def _allreduce_grads(self):
         """Sum the masters' gradients over the job's processes."""
-        began = time.perf_counter()
-        params = [p for _, p in sorted(self.master.namedparams())]
-        for p in params:
-            if p.grad is None:  # a group whose parts were empty this step
-                p.grad = p.xp.zeros_like(p.array)
-        self.comm.allreduce([p.grad for p in params])
-        self.comm_time += time.perf_counter() - began
+        grads = self._grads(self.master, self.devices[0])
+        with chainer.using_device(self.devices[0]):
+            self._timed(lambda: self.comm.allreduce(grads))
 
     def syncparams(self):
         """Copy the master's parameters to every replica; persistent values
         (BatchNorm statistics) are averaged over replicas first."""
         if self.total_replicas == 1:
             return
-        began = time.perf_counter()
-        self._average_persistents()
-        for replica in self.replicas[1:]:
-            replica.copyparams(self.master, copy_persistent=True)
-        self.comm_time += time.perf_counter() - began
+
+        def sync():
+            self._average_persistents()
+            self._copy_master(persistents=False)
+        self._timed(sync)
 
     # -------------------------------------------------------- one call
 
@@ -258,27 +325,32 @@ class GPUDistributedGradient:
         if self.mode == 'dg':
             if self.comm.size > 1:
                 self._allreduce_grads()
-            self.optimizer.update()
+            with chainer.using_device(self.devices[0]):
+                self.optimizer.update()
             self.syncparams()
         else:
-            for optimizer, size in zip(self.optimizers, self._sizes):
+            for optimizer, device, size in zip(self.optimizers, self.devices,
+                                               self._sizes):
                 if size:
-                    optimizer.update()
+                    with chainer.using_device(device):
+                        optimizer.update()
         self.iteration += 1
         if self.mode == 'ipm' and isinstance(self.mix_every, (int,
                                                               np.integer)) \
                 and self.iteration % self.mix_every == 0:
             self.mix()
 
-    def step(self, x, t, total=None):
+    def step(self, x, t, total=None, observe=True):
         """One training iteration on the batch ``(x, t)``; ``total`` is the
         whole job's batch when this is one group of several (default:
         ``len(x)``).
 
         Returns
         -------
-        (float, float)
-            Loss and accuracy, averaged over this group's part of the batch.
+        (float, float) or None
+            Loss and accuracy, averaged over this group's part of the batch;
+            None with ``observe=False``, which spares the wait for the GPUs
+            (read the sums with :meth:`take_metrics` now and then).
         """
         if len(x) != len(t):
             raise ValueError(f'x and t must have the same length, got '
@@ -287,7 +359,36 @@ class GPUDistributedGradient:
         with self as m:
             m(xs, ts, total=total)
         self.update()
-        return self.observed()
+        self._accumulate()
+        return self.observed() if observe else None
+
+    def _accumulate(self):
+        # Summed on each replica's device; read once per take_metrics().
+        for i, (replica, device, size) in enumerate(zip(
+                self.replicas, self.devices, self._sizes)):
+            if size:
+                with chainer.using_device(device):
+                    xp = device.xp
+                    values = xp.stack([replica.loss.array,
+                                       replica.accuracy.array])
+                    values = values.astype(np.float64) * size
+                    sums = self._metrics[i]
+                    self._metrics[i] = (values, size) if sums is None else \
+                        (sums[0] + values, sums[1] + size)
+
+    def take_metrics(self):
+        """(loss sum, accuracy sum, images) over the steps since the last
+        call, each loss and accuracy weighted by its images: one read per
+        replica, whatever the number of steps."""
+        loss = accuracy = images = 0.0
+        for i, sums in enumerate(self._metrics):
+            if sums is not None:
+                values = chainer.backends.cuda.to_cpu(sums[0])
+                loss += float(values[0])
+                accuracy += float(values[1])
+                images += sums[1]
+        self._metrics = [None] * len(self.replicas)
+        return loss, accuracy, images
 
     def observed(self):
         """Batch-weighted mean of the replicas' last ``loss`` and
@@ -323,66 +424,105 @@ class GPUDistributedGradient:
                                for key in sorted(rules[0].state)]
         return [g for g in groups if hasattr(g[0], 'dtype')]
 
-    def _means(self, groups):
+    def _means(self, groups, keep=False):
         """Each group's arithmetic mean over all the job's replicas, on the
         master's device: summed in float64 (here, then across processes in
-        rank order) and rounded once by the caller."""
+        rank order) and rounded once by the caller. With ``keep``, also
+        every replica's arrays as they arrived on the master's device."""
         if not groups:  # e.g. no BatchNorm: spare the round trip
-            return []
-        device = self.devices[0]
-        sums = []
-        for arrays in groups:
-            acc = device.send(arrays[0]).astype(np.float64)
-            for a in arrays[1:]:
-                acc += device.send(a)
-            sums.append(acc)
-        self.comm.allreduce(sums)
-        for acc in sums:
-            acc /= self.total_replicas
-        return sums
+            return ([], []) if keep else []
+        master = self.devices[0]
+        arrived, sums = [], None
+        for i, device in enumerate(self.devices):
+            moved = transfer([g[i] for g in groups], device, master)
+            with chainer.using_device(master):
+                if sums is None:
+                    sums = [a.astype(np.float64) for a in moved]
+                else:
+                    for acc, a in zip(sums, moved):
+                        acc += a
+            if keep:
+                arrived.append(moved)
+        with chainer.using_device(master):
+            # Optimizer state may differ between ranks: compare first.
+            self.comm.allreduce(sums, check=self.mix_optimizer_state)
+            for acc in sums:
+                acc /= self.total_replicas
+        return (sums, arrived) if keep else sums
 
-    def _squared_distance(self, groups, means):
+    def _squared_distance(self, arrived, means):
         """Sum over all replicas of their squared L2 distance from
-        ``means``."""
-        device = self.devices[0]
-        local = 0.0
-        for arrays, mean in zip(groups, means):
-            for a in arrays:
-                d = (device.send(a) - mean).ravel()
-                local += float(d @ d)  # BLAS dot: no squared temporary
-        return float(self.comm.allreduce([np.array([local])])[0][0])
+        ``means``, summed on the master's device and read once."""
+        master = self.devices[0]
+        with chainer.using_device(master):
+            local = master.xp.zeros((), np.float64)
+            for k, mean in enumerate(means):
+                for arrays in arrived:
+                    d = (arrays[k] - mean).ravel()
+                    local += d @ d  # BLAS dot: no squared temporary
+            local = chainer.backends.cuda.to_cpu(local).reshape(1)
+        return float(self.comm.allreduce([local])[0][0])
 
-    def _write(self, arrays, mean):
-        for a, device in zip(arrays, self.devices):
-            a[...] = device.send(mean.astype(a.dtype, copy=False))
+    def _broadcast(self, groups, values):
+        """Write ``values`` (on the master's device) into every replica's
+        array of each group, cast to its dtype, each on its own device."""
+        master = self.devices[0]
+        for i, device in enumerate(self.devices):
+            targets = [g[i] for g in groups]
+            sources = [v for g, v in zip(groups, values)]
+            if i == 0 and all(t is s for t, s in zip(targets, sources)):
+                continue  # the master's own arrays
+            copy_into(targets, transfer(sources, master, device), device)
+
+    def _copy_master(self, persistents=True):
+        """The master's parameters (and persistent arrays) into every other
+        replica; persistent Python values (BatchNorm's N) always."""
+        groups = self._groups(self.replicas, persistents=persistents)
+        self._broadcast(groups, [g[0] for g in groups])
+        for replica in self.replicas[1:]:
+            for (dst, name), (src, _) in zip(_persistents(replica),
+                                             _persistents(self.master)):
+                value = getattr(src, name)
+                if not hasattr(value, 'dtype'):
+                    setattr(dst, name, copy.deepcopy(value))
+
+    def _write_all(self, groups, means):
+        """Every replica's arrays of ``groups`` := ``means`` (float64 on
+        the master's device), rounded once to each array's dtype."""
+        with chainer.using_device(self.devices[0]):
+            rounded = [m.astype(g[0].dtype, copy=False)
+                       for g, m in zip(groups, means)]
+        self._broadcast(groups, rounded)
 
     def _average_persistents(self):
         groups = self._groups(self.replicas, params=False)
-        for arrays, mean in zip(groups, self._means(groups)):
-            self._write(arrays, mean)
+        self._write_all(groups, self._means(groups))
 
     def mix(self):
         """Average parameters and persistents (and optimizer state if
         ``mix_optimizer_state``) over replicas and write the mean back to
         all of them. Sets :attr:`drift`, the replicas' RMS distance from
         their mean just before the mix."""
-        began = time.perf_counter()
-        n_params = sum(1 for _, p in self.master.namedparams()
-                       if p.array is not None)
-        groups = self._groups(self.replicas, states=self.mix_optimizer_state)
-        means = self._means(groups)
-        squared = self._squared_distance(groups[:n_params], means[:n_params])
-        for arrays, mean in zip(groups, means):
-            self._write(arrays, mean)
+        def work():
+            n_params = sum(1 for _, p in self.master.namedparams()
+                           if p.array is not None)
+            groups = self._groups(self.replicas,
+                                  states=self.mix_optimizer_state)
+            means, arrived = self._means(groups, keep=True)
+            squared = self._squared_distance(
+                [a[:n_params] for a in arrived], means[:n_params])
+            self._write_all(groups, means)
+            return squared
+        squared = self._timed(work)
         self.drift = (squared / self.total_replicas) ** 0.5
         self.drifts.append(self.drift)
-        self.comm_time += time.perf_counter() - began
 
     def spread(self):
         """The replicas' RMS distance from their mean now, without mixing
         (0 right after a mix or a sync)."""
         groups = self._groups(self.replicas, persistents=False)
-        squared = self._squared_distance(groups, self._means(groups))
+        means, arrived = self._means(groups, keep=True)
+        squared = self._squared_distance(arrived, means)
         return (squared / self.total_replicas) ** 0.5
 
     def end_epoch(self):
@@ -402,11 +542,31 @@ class GPUDistributedGradient:
         if self.mode == 'dg' or self.total_replicas == 1:
             return self.master
         snapshot = self.master.copy(mode='copy')
-        groups = self._groups(self.replicas)
-        for (target,), mean in zip(self._groups([snapshot]),
-                                   self._means(groups)):
-            target[...] = mean.astype(target.dtype)
+        means = self._means(self._groups(self.replicas))
+        with chainer.using_device(self.devices[0]):
+            for (target,), mean in zip(self._groups([snapshot]), means):
+                target[...] = mean.astype(target.dtype)
         return snapshot
+
+    def evaluators(self):
+        """(link, device) to evaluate with, one per distinct device: the
+        replicas themselves in dg (equal after every sync), copies of
+        :meth:`averaged` in ipm."""
+        evaluated = self.averaged()
+        found = {}
+        for replica, device in zip(self.replicas, self.devices):
+            if str(device) in found:
+                continue
+            if evaluated is not self.master:
+                replica = evaluated
+                if device != self.devices[0]:
+                    with chainer.using_device(self.devices[0]):
+                        replica = evaluated.copy(mode='copy')
+                    synchronize(self.devices[:1])  # before another reads
+                    with chainer.using_device(device):
+                        replica.to_device(device)
+            found[str(device)] = (replica, device)
+        return list(found.values())
 
     # -------------------------------------------------------- checkpoints
 
@@ -418,3 +578,42 @@ class GPUDistributedGradient:
         for i, optimizer in enumerate(self.optimizers):
             optimizer.serialize(serializer[f'optimizer{self.offset + i}'])
         self.iteration = int(serializer('iteration', self.iteration))
+
+    def restore(self, npz, path=''):
+        """Load what :meth:`serialize` wrote, also from a job with another
+        number of replicas (after a lost worker): dg takes replica 0 (all
+        are equal); ipm takes each replica's own state when the numbers
+        match, else starts every replica from the saved replicas' mean, a
+        mix."""
+        def load(target, name):
+            target.serialize(NpzDeserializer(npz, path=f'{path}{name}/'))
+        saved = len({key[len(path):].split('/')[0] for key in npz.files
+                     if key.startswith(f'{path}replica')})
+        self.iteration = int(npz[f'{path}iteration'])
+        if self.mode == 'dg':
+            load(self.master, 'replica0')
+            load(self.optimizer, 'optimizer0')
+            self._copy_master()
+            return
+        if saved == self.total_replicas:
+            for i, (replica, optimizer) in enumerate(zip(self.replicas,
+                                                         self.optimizers)):
+                load(replica, f'replica{self.offset + i}')
+                load(optimizer, f'optimizer{self.offset + i}')
+            return
+        scratch = self.master.copy(mode='copy')
+        master = self.devices[0]
+        sums = None
+        for i in range(saved):
+            load(scratch, f'replica{i}')
+            with chainer.using_device(master):
+                arrays = [g[0].astype(np.float64)
+                          for g in self._groups([scratch])]
+            sums = arrays if sums is None else \
+                [a + b for a, b in zip(sums, arrays)]
+        with chainer.using_device(master):
+            means = [total / saved for total in sums]
+        self._write_all(self._groups(self.replicas), means)
+        for i, optimizer in enumerate(self.optimizers):
+            index = self.offset + i
+            load(optimizer, f'optimizer{index if index < saved else 0}')

@@ -26,8 +26,11 @@ import sys
 import time
 import uuid
 
-from dasktrain.cluster import GpuPool, connect, restore_default_scheduler
+from dasktrain.cluster import connect, restore_default_scheduler
 from dasktrain.collective import CollectiveError, DaskComm, NcclComm
+from dasktrain.devices import free_gpu_memory
+from dasktrain.gpus import (NCCL_MISSING, GpuPool, gpu_ids, place_devices,
+                            use_nccl)
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
 from dasktrain.training import _Progress, prepare_out, run_group
@@ -62,6 +65,10 @@ class _RankProgress:
             self.worker.log_event(self.topic, dict(kind=kind, seq=self.seq,
                                                    **data))
 
+    def warn(self, line):
+        """One line for the user, printed by the driver."""
+        self._send('warning', line=line)
+
     def start(self, epoch, iterations):
         self.done = 0
         self._send('start', epoch=epoch, iterations=iterations)
@@ -81,21 +88,32 @@ class RankCancelled(Exception):
     """Raised inside a rank whose task was cancelled."""
 
 
+def _nccl_module():
+    """CuPy's NCCL module, or None where CuPy cannot be imported."""
+    try:
+        from cupy.cuda import nccl
+    except Exception:  # no CuPy, or a broken one: the Dask path serves
+        return None
+    return nccl
+
+
 def _rank(config, name, rank, size, gpus):
     """The task body of rank ``rank``: join the others, train, report."""
     import chainer
-    devices = config.devices or ('@numpy',)
-    ids = GpuPool.acquire(gpus) if gpus else []
+    held = GpuPool.acquire(gpus) if gpus else []
+    # The worker's free GPUs by their CUDA ordinals in this process.
+    devices = place_devices(config.devices, [g.index for g in held]) \
+        if held else config.devices or ('@numpy',)
     try:
-        if ids:  # this worker's free GPUs, as many as asked
-            devices = tuple(f'@cupy:{i}' for i in ids)
         with DaskComm.rendezvous(name, rank, size,
                                  config.collective_timeout) as host:
             comm = host
-            if ids:
-                with chainer.using_device(chainer.get_device(devices[0])):
-                    comm = NcclComm(host)
             progress = _RankProgress(name, relay=rank == 0)
+            if gpu_ids(devices):
+                if use_nccl(devices, _nccl_module()):
+                    comm = NcclComm(host, gpu_ids(devices)[0])
+                else:
+                    progress.warn(NCCL_MISSING)
             try:
                 with chainer.using_device(chainer.get_device(devices[0])):
                     summary = run_group(config, comm=comm, devices=devices,
@@ -105,14 +123,15 @@ def _rank(config, name, rank, size, gpus):
                     comm.close()
             return summary if rank == 0 else None
     finally:
-        GpuPool.release(ids)
+        free_gpu_memory(gpu_ids(devices))  # before the next job gets them
+        GpuPool.release(held)
 
 
 def _gpus_per_worker(config, infos):
     if config.devices is None:
         return 1 if any(w.get('resources', {}).get('GPU') for w in infos)\
             else 0
-    return sum(1 for d in config.devices if d.startswith('@cupy'))
+    return len(gpu_ids(config.devices))
 
 
 def _choose(client, config, gpus, wanted, minimum, patience):
@@ -163,7 +182,9 @@ def _watch(client, futures, workers, topic, progress, callbacks):
             if event['seq'] <= seen:
                 continue
             seen = event['seq']
-            if event['kind'] == 'start':
+            if event['kind'] == 'warning':
+                print(event['line'], file=sys.stderr, flush=True)
+            elif event['kind'] == 'start':
                 progress.start(event['epoch'], event['iterations'])
             elif event['kind'] == 'step':
                 if progress.bar is not None:

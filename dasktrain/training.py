@@ -15,7 +15,7 @@ from pathlib import Path
 import chainer
 import chainer.functions as F
 import numpy as np
-from chainer.serializers import DictionarySerializer, NpzDeserializer
+from chainer.serializers import DictionarySerializer
 from tqdm.auto import tqdm
 
 from dasktrain.augment import EpochLoader, shard_bounds, tta_views
@@ -25,10 +25,16 @@ from dasktrain.data import load_cifar10
 from dasktrain.errors import UserError
 from dasktrain.files import atomic_write, write_json
 from dasktrain.models import get_model
-from dasktrain.devices import available_devices
+from dasktrain.devices import (available_devices, gpu_count,
+                               nvidia_smi_lines, synchronize,
+                               unused_gpus_message)
 from dasktrain.parallel import GPUDistributedGradient
 
 CHECKPOINT = 'checkpoint.npz'
+# Steps between reads of the loss to the host: each read waits for the
+# GPUs, which would otherwise run ahead of Python. A non-finite loss is
+# caught at the next read.
+READ_EVERY = 10
 
 
 class TrainingDiverged(UserError):
@@ -116,63 +122,30 @@ def save_checkpoint(path, model, state):
 
 
 def load_checkpoint(path, model):
-    with np.load(path) as npz:
-        restore(model, npz, 'model/')
+    with np.load(path, allow_pickle=False) as npz:
+        model.restore(npz, 'model/')
         return json.loads(str(npz['state']))
-
-
-def restore(model, npz, path=''):
-    """Load what ``model.serialize`` wrote into ``model`` (a
-    GPUDistributedGradient), also from a job with another number of
-    replicas (after a lost worker): dg takes replica 0 (all are equal); ipm
-    takes each replica's own state when the numbers match, else starts
-    every replica from the saved replicas' mean, a mix."""
-    def load(target, name):
-        target.serialize(NpzDeserializer(npz, path=f'{path}{name}/'))
-    saved = len({key[len(path):].split('/')[0] for key in npz.files
-                 if key.startswith(f'{path}replica')})
-    model.iteration = int(npz[f'{path}iteration'])
-    if model.mode == 'dg':
-        load(model.master, 'replica0')
-        load(model.optimizer, 'optimizer0')
-        for replica in model.replicas[1:]:
-            replica.copyparams(model.master, copy_persistent=True)
-        return
-    if saved == model.total_replicas:
-        for i, (replica, optimizer) in enumerate(zip(model.replicas,
-                                                     model.optimizers)):
-            load(replica, f'replica{model.offset + i}')
-            load(optimizer, f'optimizer{model.offset + i}')
-        return
-    scratch = model.master.copy(mode='copy')
-    sums = None
-    for i in range(saved):
-        load(scratch, f'replica{i}')
-        arrays = [g[0].astype(np.float64) for g in model._groups([scratch])]
-        sums = arrays if sums is None else \
-            [a + b for a, b in zip(sums, arrays)]
-    for arrays, total in zip(model._groups(model.replicas), sums):
-        model._write(arrays, total / saved)
-    for i, optimizer in enumerate(model.optimizers):
-        index = model.offset + i
-        load(optimizer, f'optimizer{index if index < saved else 0}')
 
 
 # ------------------------------------------------------------- evaluation
 
-def evaluate(chain, views, labels, device, batch_size):
-    """Mean loss and accuracy of ``chain`` on the test set; with several
-    views, softmax probabilities are averaged over them first."""
+def evaluate(evaluators, views, labels, batch_size):
+    """Mean loss and accuracy on the test set; with several views, softmax
+    probabilities are averaged over them first. ``evaluators``: (link,
+    device) pairs (:meth:`GPUDistributedGradient.evaluators`); batches go
+    to them in turn and are read back once all are queued, so every
+    device computes at once."""
     probs = 0
     for view in views:
         parts = []
-        for i in range(0, len(labels), batch_size):
+        for n, i in enumerate(range(0, len(labels), batch_size)):
+            chain, device = evaluators[n % len(evaluators)]
             x = device.send(view[i:i + batch_size])
             with chainer.using_config('train', False), \
                     chainer.no_backprop_mode(), chainer.using_device(device):
-                parts.append(chainer.backends.cuda.to_cpu(
-                    F.softmax(chain.predictor(x)).array))
-        probs = probs + np.concatenate(parts)
+                parts.append(F.softmax(chain.predictor(x)).array)
+        probs = probs + np.concatenate(
+            [chainer.backends.cuda.to_cpu(p) for p in parts])
     probs = probs / len(views)
     picked = probs[np.arange(len(labels)), labels]
     loss = float(-np.log(np.maximum(picked, 1e-12)).mean())
@@ -198,7 +171,9 @@ class _Progress:
     def step(self, loss, accuracy):
         if self.bar is not None:
             self.bar.update()
-            self.bar.set_postfix(loss=f'{loss:.4f}', acc=f'{accuracy:.4f}')
+            if math.isfinite(loss):  # nan until the first read of the loss
+                self.bar.set_postfix(loss=f'{loss:.4f}',
+                                     acc=f'{accuracy:.4f}')
 
     def end(self, row):
         if self.bar is not None:
@@ -212,6 +187,20 @@ class _Progress:
                 f"{row['validation/main/accuracy']:.4f}  "
                 f"{row['images_per_sec']:,.0f} img/s  "
                 f"{row['elapsed_time']:.1f}s", file=sys.stdout)
+
+
+def _say_devices(model):
+    """The devices a run trains on, first thing: a GPU server training on
+    its CPU must not go unnoticed (with nvidia-smi's GPUs and Chainer's
+    reason why it cannot use them)."""
+    print(f"devices: {', '.join(str(d) for d in model.devices)}"
+          f"{f' on each of {model.comm.size} workers' if model.comm.size > 1 else ''}",
+          file=sys.stderr, flush=True)
+    if all(d.xp is np for d in model.devices):
+        count, reason = gpu_count()
+        line = unused_gpus_message(nvidia_smi_lines(), count, reason)
+        if line:
+            print(f'warning: {line}', file=sys.stderr, flush=True)
 
 
 def prepare_out(config):
@@ -268,7 +257,17 @@ def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
     of the data and evaluates its share of the test set; metrics are summed
     over all ranks, so every rank computes the same log row, and rank 0
     writes the files.
+
+    With ``config.deterministic``, Chainer's ``cudnn_deterministic`` is on
+    (deterministic convolution algorithms) and the models draw dropout
+    masks from each replica's seeded CuPy stream instead of cuDNN's, whose
+    state is seeded from ``os.urandom`` (see :func:`dasktrain.models.dropout`).
     """
+    with chainer.using_config('cudnn_deterministic', config.deterministic):
+        return _run_group(config, comm, devices, callbacks, progress)
+
+
+def _run_group(config, comm, devices, callbacks, progress):
     comm = comm or Solo()
     lead = comm.rank == 0
     out = Path(config.out)
@@ -282,6 +281,8 @@ def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
         get_model(config.model), devices or config.devices or
         default_devices(), mode=config.mode, mix_every=config.mix_every,
         mix_optimizer_state=config.mix_optimizer_state, comm=comm)
+    if lead and getattr(progress, 'enabled', False):
+        _say_devices(model)
     model.setup(make_optimizer(config))
     if config.weight_decay:
         model.add_hook(chainer.optimizer_hooks.WeightDecay(
@@ -328,25 +329,31 @@ def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
             mixes_before = len(model.drifts)
             total = loss_sum = acc_sum = 0.0
             progress.start(epoch, len(loader))
-            for (x, t), step_total in zip(loader.epoch(epoch), step_totals):
-                loss, accuracy = model.step(x, t, total=step_total)
-                if not math.isfinite(loss):
-                    last = (f'{out / CHECKPOINT} from epoch {state["epoch"]} '
-                            'is kept' if state['epoch'] else
-                            'no checkpoint was written yet')
-                    raise TrainingDiverged(
-                        f'loss became {loss} at epoch {epoch + 1}, iteration '
-                        f'{model.iteration}; stopped ({last}). Lower --lr '
-                        f'(now {config.learning_rate:g})')
-                total += len(t)
-                loss_sum += loss * len(t)
-                acc_sum += accuracy * len(t)
+            loss = accuracy = math.nan
+            for step, ((x, t), step_total) in enumerate(
+                    zip(loader.epoch(epoch), step_totals), 1):
+                model.step(x, t, total=step_total, observe=False)
+                if step % READ_EVERY == 0 or step == len(step_totals):
+                    ls, acs, seen = model.take_metrics()
+                    loss_sum, acc_sum, total = (loss_sum + ls,
+                                                acc_sum + acs, total + seen)
+                    loss, accuracy = ls / (seen or 1), acs / (seen or 1)
+                    if not math.isfinite(ls):
+                        last = (f'{out / CHECKPOINT} from epoch '
+                                f'{state["epoch"]} is kept' if state['epoch']
+                                else 'no checkpoint was written yet')
+                        raise TrainingDiverged(
+                            f'loss became {loss} at epoch {epoch + 1}, '
+                            f'iteration {model.iteration}; stopped ({last}).'
+                            f' Lower --lr (now {config.learning_rate:g})')
                 progress.step(loss, accuracy)
+            synchronize(model.devices)  # the epoch's time, not its queuing
             train_time = time.perf_counter() - began
             model.end_epoch()
-            evaluated = model.averaged()
-            val_loss, val_acc = evaluate(evaluated, views, test_labels,
-                                         model.devices[0], eval_batch)
+            evaluators = model.evaluators()
+            evaluated = evaluators[0][0]
+            val_loss, val_acc = evaluate(evaluators, views, test_labels,
+                                         eval_batch)
             n_val = len(test_labels)
             sums = comm.allreduce([np.array([
                 loss_sum, acc_sum, total, train_time,

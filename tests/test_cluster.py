@@ -97,7 +97,8 @@ def test_cluster_commands_start_status_and_stop(tmp_path, monkeypatch,
         assert f"scheduler: {state['scheduler']}" in out
         assert 'dashboard: http://127.0.0.1:' in out
         assert main(['cluster', 'status']) == 0
-        assert 'GPU=2, 3 threads' in capsys.readouterr().out  # + a driver's
+        # GPU jobs, one CPU job beside them, and a scale-out driver's thread
+        assert 'GPU=2, CPU=1, 4 threads' in capsys.readouterr().out
         assert main(['cluster', 'start', '--port', '0']) == 1
         assert 'already running' in capsys.readouterr().err
     finally:
@@ -128,6 +129,24 @@ def test_three_one_gpu_jobs_share_a_two_gpu_worker(cluster, data_dir,
         assert len(running) <= 2
         assert len(set(running)) == len(running)  # never the same GPU
     assert {g for _, _, g in spans} == {'0', '1'}
+    for job, (_, _, gpu) in zip(jobs, spans):  # each saw its own GPU only
+        assert f"CUDA_VISIBLE_DEVICES='{gpu}'" in job.logs()
+
+
+def test_a_cpu_job_sees_no_gpu(cluster, data_dir, tmp_path):
+    # A worker that offers GPUs and CPU slots, as `cluster start` makes on
+    # a GPU server; the CPU job must not inherit the worker's GPUs.
+    cluster.spawn('worker', cluster.address, '--no-nanny', '--nthreads',
+                  '3', '--resources', 'GPU=2 CPU=1', '--host', '127.0.0.1',
+                  '--local-directory', str(tmp_path / 'space'))
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        job = submit(job_config(data_dir, epochs=1, devices=None), gpus=0,
+                     client=client, path=tmp_path / 'jobs')
+    result = job.result(timeout=180)
+    assert result['final']['epoch'] == 1
+    assert "CUDA_VISIBLE_DEVICES=''" in job.logs()
+    assert job.status()['gpus'] == []
 
 
 def test_a_submitted_job_across_two_cpu_workers(cluster, data_dir,

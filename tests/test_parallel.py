@@ -1,8 +1,11 @@
+import re
+
 import chainer
 import numpy as np
 import pytest
 
 from dasktrain.models import get_model
+from dasktrain.devices import cuda_unavailable_reason, gpu_count
 from dasktrain.parallel import DeviceError, GPUDistributedGradient
 
 
@@ -193,8 +196,19 @@ def test_bad_arguments(kwargs, message):
 
 
 def test_missing_gpu_lists_what_is_available():
-    with pytest.raises(DeviceError, match=r"device 0 is not available "
-                                          r"\(.*\); available: @numpy"):
+    missing = gpu_count()[0]  # the first id past this machine's GPUs
+    with pytest.raises(DeviceError, match=rf"device {missing} is not "
+                                          r"available \(.*\); available: "
+                                          r"@numpy"):
+        GPUDistributedGradient(fresh(), [missing])
+
+
+@pytest.mark.skipif(gpu_count()[0] > 0, reason='CuPy works here')
+def test_missing_gpu_says_why_in_chainers_words():
+    # Chainer keeps the error of its `import cupy`: that is the reason.
+    reason = cuda_unavailable_reason()
+    assert reason and 'cupy' in reason.lower()
+    with pytest.raises(DeviceError, match=re.escape(reason)):
         GPUDistributedGradient(fresh(), [0])
 
 
@@ -225,3 +239,48 @@ def test_spread_measures_without_mixing():
     model.mix()
     assert model.drift == pytest.approx(spread, rel=1e-9)
     assert model.drifts == [model.drift] and model.spread() == 0
+
+
+def test_metrics_summed_on_the_devices_equal_the_per_step_reads():
+    model = GPUDistributedGradient(fresh(), ['@numpy'] * 3)
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    loss_sum = acc_sum = 0.0
+    for seed in range(3):
+        x, t = batch(10, seed)
+        loss, accuracy = model.step(x, t)   # reads the host every step
+        loss_sum += loss * 10
+        acc_sum += accuracy * 10
+    loss, accuracy, images = model.take_metrics()  # one read per replica
+    assert images == 30
+    assert loss == pytest.approx(loss_sum, rel=1e-6)
+    assert accuracy == pytest.approx(acc_sum, rel=1e-6)
+    assert model.take_metrics() == (0.0, 0.0, 0.0)  # reset by the read
+    assert model.step(*batch(4), observe=False) is None
+
+
+def test_evaluators_one_per_device_holding_the_mean_in_ipm():
+    model = GPUDistributedGradient(fresh(), ['@numpy'] * 2, mode='ipm')
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    model.step(*batch(8))
+    (link, device), = model.evaluators()   # two replicas, one device
+    assert str(device) == '@numpy'
+    mean = {k: (a + b) / 2 for (k, a), b in zip(
+        params(model.replicas[0]).items(), params(model.replicas[1]).values())}
+    for key, value in params(link).items():
+        np.testing.assert_allclose(value, mean[key], rtol=1e-6)
+    dg = GPUDistributedGradient(fresh(), ['@numpy'] * 2)
+    assert dg.evaluators() == [(dg.master, dg.devices[0])]
+
+
+def test_replicas_draw_dropout_from_their_own_streams():
+    # Two replicas given the same part must draw different masks; the same
+    # (seed, epoch, replica) must draw the same masks again.
+    def masks():
+        model = GPUDistributedGradient(fresh('cifar10'), ['@numpy'] * 2)
+        model.seed(0, 3)
+        x, t = batch(2)
+        with chainer.using_config('train', True):
+            model([x[:1], x[:1]], [t[:1], t[:1]])
+        return [float(r.loss.array) for r in model.replicas]
+    first, again = masks(), masks()
+    assert first == again and first[0] != first[1]

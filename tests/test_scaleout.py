@@ -128,6 +128,49 @@ def test_collectives_between_worker_processes(dask_client):
     assert results[0][2] == results[1][2]
 
 
+def _start_weights(name, rank, size):
+    from dasktrain.models import get_model
+    from dasktrain.parallel import GPUDistributedGradient
+    np.random.seed(100 + rank)  # each process draws other initial weights
+    drawn = get_model('resnet20')
+    before = drawn.predictor.fc.W.array.copy()
+    with DaskComm.rendezvous(name, rank, size, timeout=30) as comm:
+        model = GPUDistributedGradient(drawn, ['@numpy'] * 2, comm=comm)
+        arrays = {n: p.array.copy() for n, p in
+                  model.replicas[1].namedparams()}
+        return before, arrays
+
+
+def test_ranks_start_from_rank_0s_weights(dask_client):
+    workers = sorted(dask_client.scheduler_info()['workers'])
+    results = dask_client.gather([
+        dask_client.submit(_start_weights, 'start-test', r, 2, workers=[w],
+                           pure=False) for r, w in enumerate(workers)])
+    (before0, mine0), (before1, mine1) = results
+    assert not np.array_equal(before0, before1)  # they did differ
+    assert set(mine0) == set(mine1)
+    for key in mine0:
+        np.testing.assert_array_equal(mine0[key], mine1[key])
+    np.testing.assert_array_equal(mine1['/predictor/fc/W'], before0)
+
+
+def _mismatched(name, rank, size):
+    with DaskComm.rendezvous(name, rank, size, timeout=30) as comm:
+        try:
+            comm.allreduce([np.zeros(3 + rank, np.float32)])
+        except CollectiveError as e:
+            return str(e)
+        return 'summed'
+
+
+def test_ranks_summing_different_arrays_fail_instead_of_mixing(dask_client):
+    workers = sorted(dask_client.scheduler_info()['workers'])
+    results = dask_client.gather([
+        dask_client.submit(_mismatched, 'mismatch-test', r, 2, workers=[w],
+                           pure=False) for r, w in enumerate(workers)])
+    assert all('out of step' in r for r in results), results
+
+
 def test_a_missing_rank_fails_the_rendezvous_after_the_timeout(dask_client):
     began = time.monotonic()
     future = dask_client.submit(

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dasktrain.cli import build_parser, main
+from dasktrain.devices import gpu_count
 from dasktrain.config import ConfigError, TrainConfig, parse_devices
 from dasktrain.training import TrainingDiverged, train
 
@@ -159,7 +160,9 @@ def test_bad_option_values_are_usage_errors(argv, message, capsys):
 
 
 def test_missing_gpu_is_one_clear_line(data_dir, tmp_path, capsys):
-    code = main(['train', '--devices', '0,1', '--data-dir', str(data_dir),
+    missing = gpu_count()[0]  # ids past this machine's GPUs
+    code = main(['train', '--devices', f'{missing},{missing + 1}',
+                 '--data-dir', str(data_dir),
                  '--out', str(tmp_path / 'r')])
     assert code == 1
     err = capsys.readouterr().err
@@ -183,3 +186,4 @@ def test_train_command_end_to_end(data_dir, tmp_path):
         capture_output=True, text=True, check=True)
     assert 'epoch   1/1' in out.stdout and 'done: epoch 1' in out.stdout
     assert 'Traceback' not in out.stderr
+    assert out.stderr.startswith('devices: @numpy\n')  # said first

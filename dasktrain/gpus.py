@@ -1,0 +1,199 @@
+"""Which GPUs a worker, a job and a rank use: the decisions, without CUDA.
+
+CUDA numbers the GPUs a process sees from 0, in the order its
+``CUDA_VISIBLE_DEVICES`` lists them; the entries themselves are physical
+ids (``2``), UUIDs (``GPU-8f6c...``) or MIG instances (``MIG-...``). Two
+numberings therefore meet whenever dasktrain hands GPUs around:
+
+* a Dask worker's :class:`GpuPool` hands out :class:`Gpu` pairs: ``index``
+  is the CUDA ordinal *in the worker's process* (what a scale-out rank,
+  which runs in that process, passes to Chainer as ``@cupy:<index>``);
+  ``id`` is the worker's ``CUDA_VISIBLE_DEVICES`` entry (what a job's
+  child process gets in *its* ``CUDA_VISIBLE_DEVICES``, where it then sees
+  the GPUs as 0..k-1);
+* a job that reserves no GPU runs with ``CUDA_VISIBLE_DEVICES=''`` and sees
+  none (:func:`job_environment`);
+* device lists a user typed (``--devices 2,3``) are renumbered onto the
+  GPUs the job or rank was given, in order, or refused
+  (:func:`place_devices`).
+
+Everything here is a pure function of the environment and counts it is
+given, so the tests check, on a machine without GPUs, what a GPU machine
+would decide. Nothing here imports CuPy.
+"""
+import collections
+import os
+import threading
+
+from dasktrain.errors import UserError
+
+VISIBLE = 'CUDA_VISIBLE_DEVICES'
+
+Gpu = collections.namedtuple('Gpu', 'index id')
+Gpu.__doc__ = """One GPU of a worker: CUDA ordinal there, and its entry."""
+
+
+class GpuError(UserError, ValueError):
+    """GPUs asked for that the job or worker cannot have."""
+
+
+def _valid_entry(entry):
+    return entry.isdigit() or entry.startswith(('GPU-', 'MIG-'))
+
+
+def visible_gpus(env=None, count=None):
+    """The ``CUDA_VISIBLE_DEVICES`` entries of this process, in CUDA order.
+
+    Parameters
+    ----------
+    env : mapping, default ``os.environ``
+    count : int, optional
+        How many GPUs the process may use (a worker's ``GPU`` resource, or
+        ``getDeviceCount()``); unset ``CUDA_VISIBLE_DEVICES`` then means
+        ``'0'..str(count - 1)``, and a longer list is cut to ``count``.
+
+    As CUDA does, an empty variable means no GPU and the list ends at the
+    first entry that is neither an id nor a ``GPU-``/``MIG-`` UUID.
+
+    >>> visible_gpus({'CUDA_VISIBLE_DEVICES': '2,3'})
+    ['2', '3']
+    >>> visible_gpus({}, count=2)
+    ['0', '1']
+    >>> visible_gpus({'CUDA_VISIBLE_DEVICES': ''}, count=4)
+    []
+    """
+    env = os.environ if env is None else env
+    value = env.get(VISIBLE)
+    if value is None:
+        entries = [str(i) for i in range(count or 0)]
+    else:
+        entries = []
+        for entry in value.split(','):
+            entry = entry.strip()
+            if not _valid_entry(entry):
+                break
+            entries.append(entry)
+    return entries if count is None else entries[:count]
+
+
+def job_environment(env, gpus):
+    """The environment of a job's child process holding ``gpus``.
+
+    ``CUDA_VISIBLE_DEVICES`` lists the GPUs' entries (the child sees them
+    as 0..k-1); a job holding none gets ``''`` and sees no GPU, never the
+    worker's whole machine.
+
+    >>> job_environment({}, [Gpu(0, '2'), Gpu(1, '3')])['CUDA_VISIBLE_DEVICES']
+    '2,3'
+    >>> job_environment({'CUDA_VISIBLE_DEVICES': '0,1'}, [])['CUDA_VISIBLE_DEVICES']
+    ''
+    """
+    env = dict(env)
+    env[VISIBLE] = ','.join(g.id for g in gpus)
+    return env
+
+
+def gpu_ids(devices):
+    """The distinct GPU ids a device tuple names, in first-use order.
+
+    >>> gpu_ids(('@cupy:3', '@cupy:1', '@cupy:3', '@numpy'))
+    [3, 1]
+    """
+    ids = []
+    for d in devices or ():
+        if str(d).startswith('@cupy:'):
+            i = int(str(d).split(':')[1])
+            if i not in ids:
+                ids.append(i)
+    return ids
+
+
+def place_devices(devices, indices, flag='--devices'):
+    """Renumber a device tuple onto the CUDA ordinals ``indices`` given.
+
+    Parameters
+    ----------
+    devices : tuple of str or None
+        What the user asked for (``TrainConfig.devices``); None: one
+        replica per given GPU (or None again when none are given, which
+        means the default, a CPU replica in a process that sees no GPU).
+    indices : sequence of int
+        The ordinals of the GPUs this process was given, in order.
+
+    The distinct GPUs ``devices`` names map, in the order they first
+    appear, onto ``indices``; repeats stay repeats (two replicas on one
+    GPU) and CPU entries stay. A list naming no GPU (``('@numpy',)``) is
+    used as given. Naming another number of GPUs than given is a GpuError:
+    a job never trains on a GPU it did not reserve.
+
+    >>> place_devices(('@cupy:2', '@cupy:3'), [0, 1])
+    ('@cupy:0', '@cupy:1')
+    >>> place_devices(('@cupy:5', '@cupy:5'), [1])
+    ('@cupy:1', '@cupy:1')
+    >>> place_devices(None, [1, 0])
+    ('@cupy:1', '@cupy:0')
+    """
+    indices = list(indices)
+    if devices is None:
+        return tuple(f'@cupy:{i}' for i in indices) or None
+    named = gpu_ids(devices)
+    if not named:
+        return devices
+    if len(named) != len(indices):
+        raise GpuError(
+            f'{flag} {",".join(str(i) for i in named)} names '
+            f'{len(named)} GPU(s) but {len(indices)} were reserved; the '
+            'cluster picks the GPUs: pass --gpus '
+            f'{len(named)}, or drop {flag} to use the reserved ones')
+    mapping = dict(zip(named, indices))
+    return tuple(f'@cupy:{mapping[int(str(d).split(":")[1])]}'
+                 if str(d).startswith('@cupy:') else d for d in devices)
+
+
+def use_nccl(devices, nccl):
+    """Whether a rank on ``devices`` sums over NCCL, given CuPy's ``nccl``
+    module (``cupy.cuda.nccl``, or None when CuPy is not importable):
+    only on GPUs, and only where the NCCL library loaded
+    (``nccl.available``; the cupy-cudaXXx wheels do not bring it)."""
+    return bool(gpu_ids(devices)) and nccl is not None and \
+        bool(getattr(nccl, 'available', False))
+
+
+NCCL_MISSING = ('warning: NCCL is not installed (cupy.cuda.nccl.available is '
+                'False): GPU ranks sum over Dask comms instead, slower; '
+                "install it with pip install 'dasktrain[cuda12]' (or "
+                "[cuda13]), which brings nvidia-nccl")
+
+
+class GpuPool:
+    """The GPUs of this Dask worker process, handed to one holder at a time.
+
+    The worker's ``GPU`` resource says how many it offers; its
+    ``CUDA_VISIBLE_DEVICES`` (if set) which ones. Dask's resource accounting
+    already guarantees no more than that many are held at once; the pool
+    picks *which*, so that no two jobs or ranks share a GPU.
+    """
+    lock = threading.Lock()  # jobs and ranks run in worker threads
+    used = set()
+
+    @classmethod
+    def acquire(cls, count, total=None, env=None):
+        """``count`` free :class:`Gpu` of this worker (``total``: its GPU
+        resource, default the running worker's)."""
+        if total is None:
+            from distributed import get_worker
+            total = int(get_worker().state.total_resources.get('GPU', 0))
+        entries = visible_gpus(env, count=total)
+        with cls.lock:
+            free = [Gpu(i, e) for i, e in enumerate(entries)
+                    if e not in cls.used][:count]
+            if len(free) < count:  # the scheduler's accounting forbids it
+                raise GpuError(f'{count} GPU(s) asked, free here: '
+                               f'{[g.id for g in free]} of {entries}')
+            cls.used.update(g.id for g in free)
+        return free
+
+    @classmethod
+    def release(cls, gpus):
+        with cls.lock:
+            cls.used.difference_update(g.id for g in gpus)

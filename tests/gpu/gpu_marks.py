@@ -1,0 +1,27 @@
+"""What the GPU suite needs, asked once: GPUs, and NCCL for two ranks."""
+import pytest
+
+from dasktrain.devices import gpu_count
+
+COUNT, REASON = gpu_count()
+
+
+def _nccl():
+    if COUNT == 0:
+        return False, f'no GPU here ({REASON})'
+    from cupy.cuda import nccl
+    return bool(nccl.available), 'cupy.cuda.nccl.available is False: ' \
+        "install NCCL (pip install 'dasktrain[cuda12]' brings nvidia-nccl)"
+
+
+NCCL, NCCL_REASON = _nccl()
+
+
+def needs(n):
+    """Skip unless this machine has ``n`` GPUs, saying why."""
+    why = f'no GPU here ({REASON})' if COUNT == 0 else \
+        f'needs {n} GPUs, this machine has {COUNT}'
+    return pytest.mark.skipif(COUNT < n, reason=why)
+
+
+needs_nccl = pytest.mark.skipif(not NCCL, reason=NCCL_REASON)

@@ -1,0 +1,216 @@
+"""GPUDistributedGradient on real GPUs: equal to the CPU and to one device,
+on the right device, deterministic when asked. Skipped without a GPU."""
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import chainer
+import numpy as np
+import pytest
+
+from dasktrain.models import get_model
+from dasktrain.parallel import GPUDistributedGradient
+from gpu_marks import COUNT, needs
+
+pytestmark = needs(1)
+
+
+def batch(n, seed=0):
+    rng = np.random.RandomState(seed)
+    return (rng.randn(n, 3, 32, 32).astype(np.float32),
+            rng.randint(0, 10, n).astype(np.int32))
+
+
+def fresh(name='tiny', seed=0):
+    np.random.seed(seed)
+    return get_model(name)
+
+
+def host(link):
+    """Parameters and persistent arrays, on the host, by name."""
+    found = {n: chainer.backends.cuda.to_cpu(p.array)
+             for n, p in link.namedparams()}
+    for path, sub in link.namedlinks():
+        for name in sub._persistent:
+            value = getattr(sub, name)
+            if hasattr(value, 'dtype'):
+                found[f'{path}/{name}'] = chainer.backends.cuda.to_cpu(value)
+    return found
+
+
+def close(a, b, rtol=1e-3, atol=1e-4):
+    assert set(a) == set(b)
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=rtol, atol=atol,
+                                   err_msg=key)
+
+
+def run(name, devices, steps=2, mode='dg', n=16, **kw):
+    model = GPUDistributedGradient(fresh(name), devices, mode=mode, **kw)
+    model.setup(chainer.optimizers.MomentumSGD(lr=0.05))
+    for s in range(steps):
+        model.step(*batch(n, s))
+    return model
+
+
+def test_discovery_matches_cuda_and_an_empty_list_hides_all():
+    import cupy
+
+    from dasktrain.devices import available_devices
+    count = cupy.cuda.runtime.getDeviceCount()
+    assert available_devices() == ['@numpy'] + [f'@cupy:{i}'
+                                                for i in range(count)]
+    out = subprocess.run(
+        [sys.executable, '-c', 'import dasktrain.devices as d; '
+         'print(d.available_devices())'],
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=''), capture_output=True,
+        text=True, check=True)
+    assert out.stdout.strip() == "['@numpy']"
+
+
+@pytest.mark.parametrize('name', ['tiny', 'resnet20'])
+def test_a_dg_step_on_gpu_equals_numpy(name):
+    close(host(run(name, ['@cupy:0']).master),
+          host(run(name, ['@numpy']).master))
+
+
+def test_two_replicas_on_one_gpu_equal_one_replica_on_the_batch():
+    two = run('resnet20', ['@cupy:0', '@cupy:0'])
+    close(host(two.master), host(run('resnet20', ['@cupy:0']).master),
+          rtol=1e-4, atol=1e-5)
+    # BatchNorm statistics are averaged, parameters copied: equal replicas
+    a, b = host(two.replicas[0]), host(two.replicas[1])
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@needs(2)
+def test_dg_on_two_gpus_equals_one_gpu_on_the_batch():
+    two = run('resnet20', [0, 1])
+    close(host(two.master), host(run('resnet20', [0]).master),
+          rtol=1e-4, atol=1e-5)
+    a, b = host(two.replicas[0]), host(two.replicas[1])
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@needs(2)
+@pytest.mark.parametrize('mode', ['dg', 'ipm'])
+@pytest.mark.parametrize('devices,current', [([1, 0], 0), ([0, 1], 1)])
+def test_no_kernel_reads_another_gpu(mode, devices, current):
+    """CuPy warns (PerformanceWarning) when a kernel on the current device
+    reads another device's array and raises without peer access: every
+    cross-replica operation must run on the device it writes."""
+    import cupy
+    extra = {'mix_every': 1} if mode == 'ipm' else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            'error', chainer.backends.cuda._PerformanceWarning)
+        with cupy.cuda.Device(current):
+            model = run('resnet20', devices, mode=mode, **extra)
+            model.syncparams() if mode == 'dg' else model.mix()
+            model.spread()
+            model.averaged()
+            model.evaluators()
+            model.take_metrics()
+    assert model.total_replicas == 2
+
+
+@needs(2)
+def test_nothing_is_allocated_on_a_gpu_outside_the_list():
+    # A fresh process: this one has used GPU 0 already.
+    script = textwrap.dedent('''
+        import cupy, chainer, numpy as np
+        import dasktrain
+        from dasktrain.models import get_model
+        from dasktrain.parallel import GPUDistributedGradient
+        for mode in ('dg', 'ipm'):
+            model = GPUDistributedGradient(get_model('resnet20'), [1, 1],
+                                           mode=mode)
+            model.setup(chainer.optimizers.Adam())
+            x = np.zeros((8, 3, 32, 32), np.float32)
+            t = np.zeros(8, np.int32)
+            model.step(x, t)
+            model.finalize()
+            model.evaluators()
+        with cupy.cuda.Device(0):
+            print(cupy.get_default_memory_pool().total_bytes())
+    ''')
+    out = subprocess.run([sys.executable, '-c', script], check=True,
+                         capture_output=True, text=True)
+    assert out.stdout.split()[-1] == '0'
+
+
+def test_evaluation_on_gpu_equals_cpu():
+    from dasktrain.training import evaluate
+    x, t = batch(64, 5)
+    results = []
+    for device in ('@numpy', '@cupy:0'):
+        model = GPUDistributedGradient(fresh('resnet20'), [device])
+        results.append(evaluate(model.evaluators(), [x], t, 16))
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-4)
+
+
+@pytest.fixture(scope='module')
+def data_dir(make_cifar_dir):
+    return make_cifar_dir(40, 40, 3)
+
+
+def train_gpu(data_dir, out, **kw):
+    from dasktrain.config import TrainConfig
+    from dasktrain.training import train
+    base = dict(model='cifar10', devices=('@cupy:0', '@cupy:0'), epochs=2,
+                batch_size=20, data_dir=str(data_dir), out=str(out),
+                progress=False, deterministic=True)
+    base.update(kw)
+    return train(TrainConfig(**base))
+
+
+def weights(path):
+    with np.load(path, allow_pickle=False) as f:
+        return {k: f[k] for k in f.files if k != 'state'}
+
+
+def test_deterministic_runs_and_resumes_are_bit_identical(data_dir,
+                                                          tmp_path):
+    train_gpu(data_dir, tmp_path / 'a')
+    train_gpu(data_dir, tmp_path / 'b')
+    train_gpu(data_dir, tmp_path / 'c', epochs=1)
+    train_gpu(data_dir, tmp_path / 'c', epochs=2, resume=True)
+    a = weights(tmp_path / 'a' / 'checkpoint.npz')
+    for other in ('b', 'c'):
+        b = weights(tmp_path / other / 'checkpoint.npz')
+        assert set(a) == set(b)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_a_gpu_checkpoint_resumes_on_another_device_and_on_the_cpu(
+        data_dir, tmp_path):
+    train_gpu(data_dir, tmp_path / 'r', epochs=1, devices=('@cupy:0',))
+    ckpt = (tmp_path / 'r' / 'checkpoint.npz').read_bytes()
+    targets = [('@numpy',)] + ([('@cupy:1',)] if COUNT > 1 else [])
+    for devices in targets:
+        out = tmp_path / devices[0].replace(':', '')
+        out.mkdir()
+        (out / 'checkpoint.npz').write_bytes(ckpt)
+        summary = train_gpu(data_dir, out, epochs=2, resume=True,
+                            devices=devices)
+        assert [r['epoch'] for r in summary['log']] == [1, 2]
+        assert np.isfinite(summary['final']['main/loss'])
+    cpu = get_model('cifar10')
+    chainer.serializers.load_npz(tmp_path / 'r' / 'model_final.npz', cpu)
+    assert np.isfinite(cpu.predictor.fc5.W.array).all()
+
+
+def test_bench_train_on_gpu_gives_finite_rows_and_says_if_cudnn_is_on():
+    from dasktrain.bench import bench_train
+    rows = bench_train(model='tiny', devices=('@cupy:0', '@cupy:0'),
+                       iterations=2, repeats=1, epoch_images=200)
+    names = [r[0] for r in rows]
+    assert names[0] == 'cuDNN' and rows[0][1] in ('on', 'off')
+    for name, value, unit in rows:
+        if isinstance(value, float):
+            assert np.isfinite(value), name

@@ -1,0 +1,154 @@
+"""NCCL between processes, scale-out and jobs on real GPUs: one Dask
+worker per GPU, as on a lab server. Skipped without 2 GPUs or NCCL."""
+import sys
+import time
+
+import cloudpickle
+import numpy as np
+import pytest
+from distributed import Client
+
+from dasktrain.collective import CollectiveError
+from gpu_marks import needs, needs_nccl
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = [needs(2)]
+
+
+def _sums(name, rank, size):
+    import cupy
+
+    from dasktrain.collective import DaskComm, NcclComm
+    with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
+        comm = NcclComm(host, 0)
+        try:
+            with cupy.cuda.Device(0):
+                arrays = [cupy.arange(6, dtype=dt).reshape(2, 3) * (rank + 1)
+                          for dt in ('float16', 'float32', 'float64',
+                                     'int32')]
+                base = cupy.arange(24, dtype='float32').reshape(4, 6) * \
+                    (rank + 1)
+                on_host = np.full(5, rank + 1.0)
+            # called with another device current: the comm enters its own
+            with cupy.cuda.Device(0):
+                comm.allreduce(arrays + [base[:, ::2], on_host], check=True)
+            return [cupy.asnumpy(a) for a in arrays + [base]] + [on_host]
+        finally:
+            comm.close()
+
+
+def _skipper(name, rank, size):
+    import cupy
+
+    from dasktrain.collective import DaskComm, NcclComm
+    with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
+        comm = NcclComm(host, 0)
+        host.timeout = 5.0  # the all-reduce's deadline
+        comm.timeout = 5.0
+        if rank == 1:
+            time.sleep(20)  # alive, connected, and never sums
+            return 'slept'
+        began = time.monotonic()
+        try:
+            with cupy.cuda.Device(0):
+                comm.allreduce([cupy.ones(1000, 'float32')])
+        except CollectiveError as e:
+            return (str(e), time.monotonic() - began)
+        return 'summed'
+
+
+def two_workers(gpu_cluster):
+    gpu_cluster.worker('0')
+    gpu_cluster.worker('1')
+    client = Client(gpu_cluster.address)
+    client.wait_for_workers(2)
+    return client, sorted(client.scheduler_info()['workers'])
+
+
+@needs_nccl
+def test_nccl_sums_every_dtype_views_and_host_arrays(gpu_cluster):
+    client, workers = two_workers(gpu_cluster)
+    with client:
+        results = client.gather([
+            client.submit(_sums, 'nccl-sums', r, 2, workers=[w], pure=False)
+            for r, w in enumerate(workers)])
+    for got in results:
+        for a, dt in zip(got[:4], ('float16', 'float32', 'float64',
+                                   'int32')):
+            np.testing.assert_array_equal(
+                a, np.arange(6, dtype=dt).reshape(2, 3) * 3)
+        base = got[4]
+        np.testing.assert_array_equal(
+            base[:, ::2], (np.arange(24, dtype='float32').reshape(4, 6)
+                           * 3)[:, ::2])
+        np.testing.assert_array_equal(got[5], np.full(5, 3.0))
+
+
+@needs_nccl
+def test_a_rank_that_skips_the_all_reduce_fails_the_other_in_time(
+        gpu_cluster):
+    client, workers = two_workers(gpu_cluster)
+    with client:
+        results = client.gather([
+            client.submit(_skipper, 'nccl-skip', r, 2, workers=[w],
+                          pure=False) for r, w in enumerate(workers)])
+    message, waited = results[0]
+    assert 'did not finish within the collective_timeout' in message
+    assert waited < 30
+
+
+@pytest.fixture(scope='module')
+def data_dir(make_cifar_dir):
+    return make_cifar_dir(40, 40, 3)
+
+
+def _pool_bytes():
+    import cupy
+    return cupy.get_default_memory_pool().total_bytes()
+
+
+@needs_nccl
+@pytest.mark.parametrize('mode,extra', [('dg', {}),
+                                        ('ipm', {'mix_every': 2})])
+def test_two_gpu_workers_equal_one_process_with_two_gpus(
+        gpu_cluster, data_dir, tmp_path, mode, extra):
+    from dasktrain.config import TrainConfig
+    from dasktrain.scaleout import train
+    from dasktrain.training import train as train_here
+    base = TrainConfig(model='resnet20', mode=mode, epochs=2, batch_size=20,
+                       data_dir=str(data_dir), progress=False,
+                       deterministic=True, **extra)
+    one = train_here(base.replace(out=str(tmp_path / 'one'),
+                                  devices=('@cupy:0', '@cupy:1')))
+    client, _ = two_workers(gpu_cluster)
+    with client:
+        two = train(base.replace(out=str(tmp_path / 'two'), workers=2,
+                                 devices=('@cupy:0',)), client=client)
+        pools = client.run(_pool_bytes)
+    for a, b in zip(one['log'], two['log'], strict=True):
+        for key in ('main/loss', 'main/accuracy',
+                    'validation/main/accuracy'):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
+    assert set(pools.values()) == {0}  # the ranks gave their memory back
+
+
+def test_jobs_see_their_own_gpu_and_a_cpu_job_none(gpu_cluster, data_dir,
+                                                   tmp_path):
+    from dasktrain.config import TrainConfig
+    from dasktrain.jobs import submit
+    gpu_cluster.worker(resources='GPU=2 CPU=1', nthreads=4)
+    config = TrainConfig(model='tiny', epochs=1, batch_size=20,
+                         data_dir=str(data_dir), train_size=200)
+    with Client(gpu_cluster.address) as client:
+        client.wait_for_workers(1)
+        jobs = [submit(config, gpus=1, client=client, path=tmp_path / 'j')
+                for _ in range(2)]
+        cpu = submit(config, gpus=0, client=client, path=tmp_path / 'j')
+    for job in jobs + [cpu]:
+        job.result(timeout=300)
+    uuids = [next(line for line in job.logs().splitlines()
+                  if line.startswith('devices: ')) for job in jobs]
+    assert all('GPU-' in u for u in uuids) and uuids[0] != uuids[1]
+    assert {tuple(j.status()['gpus']) for j in jobs} == {('0',), ('1',)}
+    assert "CUDA_VISIBLE_DEVICES=''" in cpu.logs()
+    assert cpu.result()['final']['epoch'] == 1

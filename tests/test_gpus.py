@@ -1,0 +1,146 @@
+"""The GPU path's decisions, given what a GPU machine would give them:
+CUDA_VISIBLE_DEVICES values, worker GPU counts, NCCL present or not. None
+of this needs a GPU; tests/gpu/ runs the same paths on real ones."""
+import time
+import types
+
+import numpy as np
+import pytest
+
+from dasktrain.collective import CollectiveError, poll, signature
+from dasktrain.config import TrainConfig
+from dasktrain.devices import unused_gpus_message
+from dasktrain.gpus import (NCCL_MISSING, Gpu, GpuError, GpuPool, gpu_ids,
+                            job_environment, place_devices, use_nccl,
+                            visible_gpus)
+from dasktrain.jobs import JobError, check_devices
+
+
+@pytest.mark.parametrize('value,count,expected', [
+    (None, 3, ['0', '1', '2']),                  # unset: all the driver has
+    ('2,3', None, ['2', '3']),
+    ('1,0', 2, ['1', '0']),                      # CUDA order, not sorted
+    ('', 4, []),                                 # set but empty: none
+    ('0,1,2,3', 2, ['0', '1']),                  # the worker offers 2
+    ('GPU-8f6c2a,MIG-1b2c/1/0', None, ['GPU-8f6c2a', 'MIG-1b2c/1/0']),
+    ('3, 1', None, ['3', '1']),
+    ('0,nope,1', None, ['0']),                   # CUDA stops at a bad entry
+])
+def test_visible_gpus_follow_cuda(value, count, expected):
+    env = {} if value is None else {'CUDA_VISIBLE_DEVICES': value}
+    assert visible_gpus(env, count=count) == expected
+
+
+@pytest.fixture
+def pool():
+    GpuPool.used.clear()
+    yield GpuPool
+    GpuPool.used.clear()
+
+
+def test_pool_hands_out_ordinals_with_their_entries(pool):
+    # A worker started with CUDA_VISIBLE_DEVICES=2,3: CUDA calls them 0, 1.
+    env = {'CUDA_VISIBLE_DEVICES': '2,3'}
+    first = pool.acquire(1, total=2, env=env)
+    second = pool.acquire(1, total=2, env=env)
+    assert first == [Gpu(0, '2')] and second == [Gpu(1, '3')]
+    # a rank on the second uses @cupy:1, never the invalid @cupy:3
+    assert place_devices(None, [g.index for g in second]) == ('@cupy:1',)
+    with pytest.raises(GpuError, match=r'1 GPU\(s\) asked'):
+        pool.acquire(1, total=2, env=env)
+    pool.release(first)
+    assert pool.acquire(1, total=2, env=env) == [Gpu(0, '2')]
+
+
+def test_pool_in_reversed_order_takes_no_other_rank_s_gpu(pool):
+    env = {'CUDA_VISIBLE_DEVICES': '1,0'}
+    a = pool.acquire(1, total=2, env=env)
+    b = pool.acquire(1, total=2, env=env)
+    assert a == [Gpu(0, '1')] and b == [Gpu(1, '0')]
+    assert {g.index for g in a + b} == {0, 1}  # distinct CUDA ordinals
+
+
+def test_pool_with_uuids_and_mig(pool):
+    env = {'CUDA_VISIBLE_DEVICES': 'GPU-aaa,MIG-bbb'}
+    gpus = pool.acquire(2, total=2, env=env)
+    assert gpus == [Gpu(0, 'GPU-aaa'), Gpu(1, 'MIG-bbb')]
+    child = job_environment({'PATH': '/bin'}, gpus)
+    assert child['CUDA_VISIBLE_DEVICES'] == 'GPU-aaa,MIG-bbb'
+    assert child['PATH'] == '/bin'
+
+
+def test_a_job_without_gpus_sees_none():
+    env = job_environment({'CUDA_VISIBLE_DEVICES': '0,1,2,3'}, [])
+    assert env['CUDA_VISIBLE_DEVICES'] == ''
+    assert visible_gpus(env, count=4) == []
+
+
+@pytest.mark.parametrize('devices,given,expected', [
+    (('@cupy:2', '@cupy:3'), [0, 1], ('@cupy:0', '@cupy:1')),
+    (('@cupy:3', '@cupy:2'), [0, 1], ('@cupy:0', '@cupy:1')),
+    (('@cupy:5', '@cupy:5'), [1], ('@cupy:1', '@cupy:1')),
+    (None, [1, 0], ('@cupy:1', '@cupy:0')),
+    (None, [], None),
+    (('@numpy', '@numpy'), [0], ('@numpy', '@numpy')),  # CPU: as given
+])
+def test_devices_are_renumbered_onto_the_given_gpus(devices, given,
+                                                    expected):
+    assert place_devices(devices, given) == expected
+
+
+def test_devices_naming_other_gpus_than_reserved_are_refused():
+    with pytest.raises(GpuError, match=r'--devices 2,3,4 names 3 GPU\(s\) '
+                                       r'but 2 were reserved'):
+        place_devices(('@cupy:2', '@cupy:3', '@cupy:4'), [0, 1])
+    with pytest.raises(JobError, match='names 2 GPU'):
+        check_devices(TrainConfig(devices=('@cupy:2', '@cupy:3')), 1)
+    with pytest.raises(JobError, match='but 0 were reserved'):
+        check_devices(TrainConfig(devices=('@cupy:0',)), 0)
+    check_devices(TrainConfig(devices=('@cupy:2', '@cupy:3')), 2)
+    check_devices(TrainConfig(devices=('@numpy',)), 0)
+    assert gpu_ids(('@cupy:3', '@numpy', '@cupy:3', '@cupy:0')) == [3, 0]
+
+
+def test_nccl_is_used_only_where_it_loaded():
+    loaded = types.SimpleNamespace(available=True)
+    missing = types.SimpleNamespace(available=False)  # cupy-cudaXXx alone
+    assert use_nccl(('@cupy:0',), loaded)
+    assert not use_nccl(('@cupy:0',), missing)
+    assert not use_nccl(('@cupy:0',), None)       # no CuPy at all
+    assert not use_nccl(('@numpy',), loaded)      # CPU ranks: Dask comms
+    assert 'nvidia-nccl' in NCCL_MISSING and '\n' not in NCCL_MISSING
+
+
+def test_poll_raises_and_aborts_at_the_deadline():
+    aborted = []
+    began = time.monotonic()
+    with pytest.raises(CollectiveError, match='NCCL set-up did not finish'):
+        poll(lambda: False, began + 0.2, 'NCCL set-up',
+             lambda: aborted.append(True))
+    assert aborted == [True] and time.monotonic() - began < 5
+    calls = iter([False, False, True])
+    poll(lambda: next(calls), time.monotonic() + 5, 'x', aborted.clear)
+    assert aborted == [True]
+
+    def failing():
+        raise CollectiveError('NCCL failed on rank 1: unhandled cuda error')
+    with pytest.raises(CollectiveError, match='unhandled cuda error'):
+        poll(failing, time.monotonic() + 5, 'x', lambda: None)
+
+
+def test_signature_tells_ranks_apart():
+    a = [np.zeros(3, np.float32), np.zeros((2, 2))]
+    assert signature(a) == [('<f4', 3), ('<f8', 4)]
+    assert signature(a, where=True) == [('<f4', 3, False), ('<f8', 4, False)]
+    assert signature(a) != signature(a[:1])
+
+
+def test_unused_gpus_are_explained_in_chainers_words():
+    smi = ['GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)',
+           'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)']
+    line = unused_gpus_message(smi, 0, 'libcublas.so.12: cannot open')
+    assert line == ('nvidia-smi sees 2 GPU(s) that Chainer cannot use: '
+                    'libcublas.so.12: cannot open')
+    assert unused_gpus_message(smi, 2, None) is None     # all in use
+    assert unused_gpus_message(smi, 0, None) is None     # hidden on purpose
+    assert unused_gpus_message([], 0, 'no cupy') is None  # no GPUs at all
