@@ -375,8 +375,8 @@ class NcclComm:
     ``device`` (a CUDA ordinal of this process), which every call makes
     current, whatever the caller's current device.
 
-    It is created non-blocking (``NCCL_COMM_BLOCKING=0`` while it is made):
-    set-up and every call return at once, and this process polls the
+    It is created non-blocking (``NCCL_COMM_BLOCKING=0``, set for the
+    process, and inside an NCCL group): set-up and every call return at once, and this process polls the
     communicator's asynchronous error (``check_async_error``, which raises
     the real NCCL error) and the CUDA stream (whose query reports a CUDA
     error) until the work is done; at ``host.timeout`` it aborts the
@@ -398,30 +398,48 @@ class NcclComm:
         self.rank, self.size = host.rank, host.size
         self.timeout = host.timeout
         self._nccl, self._cupy = nccl, cupy
+        # NCCL reads this once per process (its parameters are cached), so
+        # it is set for good: every dasktrain communicator is non-blocking
+        # and every call here copes with 'in progress'.
+        os.environ['NCCL_COMM_BLOCKING'] = '0'
         with cupy.cuda.Device(self.device):
             uid = host.bcast(nccl.get_unique_id() if host.rank == 0
                              else None)
             comm = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
-            saved = os.environ.get('NCCL_COMM_BLOCKING')
-            os.environ['NCCL_COMM_BLOCKING'] = '0'
+            # Inside a group, ncclCommInitRank only queues the set-up and
+            # groupEnd returns at once (outside one, CuPy 13's plain
+            # ncclCommInitRank waits for every peer, with no deadline). NCCL
+            # stores the handle before returning, so it can be aborted.
+            nccl.groupStart()
             try:
                 self._call(comm.__init__, self.size, uid, self.rank)
             finally:
-                if saved is None:
-                    os.environ.pop('NCCL_COMM_BLOCKING', None)
-                else:
-                    os.environ['NCCL_COMM_BLOCKING'] = saved
+                self._call(nccl.groupEnd)
             self._comm = comm
             poll(self._settled, time.monotonic() + self.timeout,
                  f'NCCL set-up of rank {self.rank} of {self.size}',
                  self._abort)
 
+    def _status(self, error):
+        """The ncclResult_t of an error CuPy raised: NcclError(status), or
+        KeyError(7), which CuPy's NcclError raises for the statuses its
+        message table lacks (ncclInProgress among them)."""
+        if isinstance(error, self._nccl.NcclError):
+            return error.status
+        if isinstance(error, KeyError) and len(error.args) == 1 and \
+                isinstance(error.args[0], int):
+            return error.args[0]
+        return None
+
     def _call(self, fn, *args):
         """``fn(*args)``; a non-blocking 'in progress' is not an error."""
         try:
             fn(*args)
-        except self._nccl.NcclError as e:
-            if e.status != NCCL_IN_PROGRESS:
+        except (self._nccl.NcclError, KeyError) as e:
+            status = self._status(e)
+            if status is None:
+                raise
+            if status != NCCL_IN_PROGRESS:
                 raise CollectiveError(f'NCCL failed on rank {self.rank}: '
                                       f'{e}') from None
 
@@ -430,8 +448,11 @@ class NcclComm:
         CollectiveError for an asynchronous NCCL error."""
         try:
             self._comm.check_async_error()
-        except self._nccl.NcclError as e:
-            if e.status == NCCL_IN_PROGRESS:
+        except (self._nccl.NcclError, KeyError) as e:
+            status = self._status(e)
+            if status is None:
+                raise
+            if status == NCCL_IN_PROGRESS:
                 return False
             self._abort()
             raise CollectiveError(f'NCCL failed on rank {self.rank}: '
@@ -505,8 +526,10 @@ class NcclComm:
                     start += a.size
                     if a.device.id == self.device:
                         cupy.copyto(a, part)
-                    else:
-                        a.set(part.get())
+                    else:  # via the host: also fills non-contiguous views
+                        host_part = part.get()
+                        with a.device:
+                            cupy.copyto(a, cupy.asarray(host_part))
         return arrays
 
     def allgather(self, obj):

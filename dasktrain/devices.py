@@ -119,17 +119,39 @@ def free_gpu_memory(ids):
     pinned.free_all_blocks()
 
 
+def format_uuid(raw):
+    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` for 16 raw bytes, as
+    nvidia-smi and CUDA_VISIBLE_DEVICES spell it.
+
+    >>> format_uuid(bytes(range(16)))
+    'GPU-00010203-0405-0607-0809-0a0b0c0d0e0f'
+    """
+    h = bytes(raw).hex()
+    return f'GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}'
+
+
+def _driver_uuid(ordinal):
+    """The GPU's 16 UUID bytes from the driver (cuDeviceGetUuid), which
+    numbers devices as the runtime does; CuPy's device properties pass
+    them through a C string, cut at the first zero byte."""
+    import ctypes
+    cuda = ctypes.CDLL('libcuda.so.1')
+    device = ctypes.c_int()
+    raw = ctypes.create_string_buffer(16)
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), ordinal) \
+            or cuda.cuDeviceGetUuid(raw, device):
+        return None
+    return raw.raw
+
+
 def device_uuids(devices):
     """``{'@cupy:N': 'GPU-...'}`` for the GPUs among ``devices``: which
     physical GPU a job really used, for its log."""
     found = {}
     for gpu in gpus_of(devices):
-        import cupy
-        raw = cupy.cuda.runtime.getDeviceProperties(gpu.id).get('uuid')
-        if raw:
-            h = bytes(raw).hex()
-            found[f'@cupy:{gpu.id}'] = (f'GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-'
-                                        f'{h[16:20]}-{h[20:32]}')
+        raw = _driver_uuid(gpu.id)
+        if raw is not None:
+            found[f'@cupy:{gpu.id}'] = format_uuid(raw)
     return found
 
 
@@ -192,6 +214,9 @@ def transfer(arrays, src, dst):
     synchronize([src])
     with chainer.using_device(dst):
         moved = dst.send(flat)
+    # The copy runs on dst's stream; until it is done, ``flat``'s block
+    # must not go back to src's memory pool for the next transfer to fill.
+    synchronize([dst])
     views, start = [], 0
     for a in arrays:
         views.append(moved[start:start + a.size].reshape(a.shape))

@@ -21,17 +21,11 @@ import numpy as np
 from chainer.serializers import NpzDeserializer
 
 from dasktrain.collective import Solo
-from dasktrain.devices import (DeviceError, copy_into,  # noqa: F401
-                               resolve_devices, synchronize, transfer)
+from dasktrain.devices import (DeviceError, resolve_devices,  # noqa: F401
+                               synchronize, transfer)
+from dasktrain.replicas import ReplicaArrays
 
 MODES = ('dg', 'ipm')
-
-
-def _persistents(link):
-    """(owner link, name) of every persistent value, in a fixed order."""
-    for _, sub in sorted(link.namedlinks()):
-        for name in sorted(sub._persistent):
-            yield sub, name
 
 
 class GPUDistributedGradient:
@@ -100,6 +94,7 @@ class GPUDistributedGradient:
         for replica, device in zip(self.replicas, self.devices):
             replica.to_device(device)
         self.comm = comm or Solo()
+        self.arrays = ReplicaArrays(self)
         counts = self.comm.allgather(len(self.replicas))
         self.offset = sum(counts[:self.comm.rank])  # global replica index
         self.total_replicas = sum(counts)
@@ -135,9 +130,9 @@ class GPUDistributedGradient:
         # different models would go unnoticed. Rank 0's win everywhere.
         master = self.devices[0]
         mine = [chainer.backends.cuda.to_cpu(a)
-                for (a,) in self._groups([self.master])]
+                for (a,) in self.arrays.groups([self.master])]
         start = self.comm.bcast(mine if self.comm.rank == 0 else None)
-        self._write_all(self._groups(self.replicas),
+        self.arrays.write(self.arrays.groups(self.replicas),
                         [master.send(a) for a in start])
 
     def setup(self, optimizer):
@@ -303,8 +298,8 @@ class GPUDistributedGradient:
             return
 
         def sync():
-            self._average_persistents()
-            self._copy_master(persistents=False)
+            self.arrays.average_persistents()
+            self.arrays.copy_master(persistents=False)
         self._timed(sync)
 
     # -------------------------------------------------------- one call
@@ -403,101 +398,6 @@ class GPUDistributedGradient:
 
     # -------------------------------------------------------- mixing
 
-    def _groups(self, replicas, params=True, persistents=True, states=False):
-        """For each averaged value, its array in every replica, in one fixed
-        order (parameters first). Python scalars, such as BatchNorm's batch
-        count, and uninitialised parameters are left out."""
-        # Skipped when only persistents are wanted: dg syncs them every step.
-        named = [sorted(r.namedparams()) for r in replicas] \
-            if params or states else []
-        groups = []
-        if params:
-            groups += [[p.array for _, p in ps] for ps in zip(*named)]
-        if persistents:
-            groups += [[getattr(link, name) for link, name in owners]
-                       for owners in zip(*(_persistents(r) for r in replicas))]
-        if states:
-            for ps in zip(*named):
-                rules = [p.update_rule for _, p in ps]
-                if all(rule is not None and rule.state for rule in rules):
-                    groups += [[rule.state[key] for rule in rules]
-                               for key in sorted(rules[0].state)]
-        return [g for g in groups if hasattr(g[0], 'dtype')]
-
-    def _means(self, groups, keep=False):
-        """Each group's arithmetic mean over all the job's replicas, on the
-        master's device: summed in float64 (here, then across processes in
-        rank order) and rounded once by the caller. With ``keep``, also
-        every replica's arrays as they arrived on the master's device."""
-        if not groups:  # e.g. no BatchNorm: spare the round trip
-            return ([], []) if keep else []
-        master = self.devices[0]
-        arrived, sums = [], None
-        for i, device in enumerate(self.devices):
-            moved = transfer([g[i] for g in groups], device, master)
-            with chainer.using_device(master):
-                if sums is None:
-                    sums = [a.astype(np.float64) for a in moved]
-                else:
-                    for acc, a in zip(sums, moved):
-                        acc += a
-            if keep:
-                arrived.append(moved)
-        with chainer.using_device(master):
-            # Optimizer state may differ between ranks: compare first.
-            self.comm.allreduce(sums, check=self.mix_optimizer_state)
-            for acc in sums:
-                acc /= self.total_replicas
-        return (sums, arrived) if keep else sums
-
-    def _squared_distance(self, arrived, means):
-        """Sum over all replicas of their squared L2 distance from
-        ``means``, summed on the master's device and read once."""
-        master = self.devices[0]
-        with chainer.using_device(master):
-            local = master.xp.zeros((), np.float64)
-            for k, mean in enumerate(means):
-                for arrays in arrived:
-                    d = (arrays[k] - mean).ravel()
-                    local += d @ d  # BLAS dot: no squared temporary
-            local = chainer.backends.cuda.to_cpu(local).reshape(1)
-        return float(self.comm.allreduce([local])[0][0])
-
-    def _broadcast(self, groups, values):
-        """Write ``values`` (on the master's device) into every replica's
-        array of each group, cast to its dtype, each on its own device."""
-        master = self.devices[0]
-        for i, device in enumerate(self.devices):
-            targets = [g[i] for g in groups]
-            sources = [v for g, v in zip(groups, values)]
-            if i == 0 and all(t is s for t, s in zip(targets, sources)):
-                continue  # the master's own arrays
-            copy_into(targets, transfer(sources, master, device), device)
-
-    def _copy_master(self, persistents=True):
-        """The master's parameters (and persistent arrays) into every other
-        replica; persistent Python values (BatchNorm's N) always."""
-        groups = self._groups(self.replicas, persistents=persistents)
-        self._broadcast(groups, [g[0] for g in groups])
-        for replica in self.replicas[1:]:
-            for (dst, name), (src, _) in zip(_persistents(replica),
-                                             _persistents(self.master)):
-                value = getattr(src, name)
-                if not hasattr(value, 'dtype'):
-                    setattr(dst, name, copy.deepcopy(value))
-
-    def _write_all(self, groups, means):
-        """Every replica's arrays of ``groups`` := ``means`` (float64 on
-        the master's device), rounded once to each array's dtype."""
-        with chainer.using_device(self.devices[0]):
-            rounded = [m.astype(g[0].dtype, copy=False)
-                       for g, m in zip(groups, means)]
-        self._broadcast(groups, rounded)
-
-    def _average_persistents(self):
-        groups = self._groups(self.replicas, params=False)
-        self._write_all(groups, self._means(groups))
-
     def mix(self):
         """Average parameters and persistents (and optimizer state if
         ``mix_optimizer_state``) over replicas and write the mean back to
@@ -506,12 +406,13 @@ class GPUDistributedGradient:
         def work():
             n_params = sum(1 for _, p in self.master.namedparams()
                            if p.array is not None)
-            groups = self._groups(self.replicas,
+            groups = self.arrays.groups(self.replicas,
                                   states=self.mix_optimizer_state)
-            means, arrived = self._means(groups, keep=True)
-            squared = self._squared_distance(
+            means, arrived = self.arrays.means(
+                groups, keep=True, check=self.mix_optimizer_state)
+            squared = self.arrays.squared_distance(
                 [a[:n_params] for a in arrived], means[:n_params])
-            self._write_all(groups, means)
+            self.arrays.write(groups, means)
             return squared
         squared = self._timed(work)
         self.drift = (squared / self.total_replicas) ** 0.5
@@ -520,9 +421,9 @@ class GPUDistributedGradient:
     def spread(self):
         """The replicas' RMS distance from their mean now, without mixing
         (0 right after a mix or a sync)."""
-        groups = self._groups(self.replicas, persistents=False)
-        means, arrived = self._means(groups, keep=True)
-        squared = self._squared_distance(arrived, means)
+        groups = self.arrays.groups(self.replicas, persistents=False)
+        means, arrived = self.arrays.means(groups, keep=True)
+        squared = self.arrays.squared_distance(arrived, means)
         return (squared / self.total_replicas) ** 0.5
 
     def end_epoch(self):
@@ -542,9 +443,9 @@ class GPUDistributedGradient:
         if self.mode == 'dg' or self.total_replicas == 1:
             return self.master
         snapshot = self.master.copy(mode='copy')
-        means = self._means(self._groups(self.replicas))
+        means = self.arrays.means(self.arrays.groups(self.replicas))
         with chainer.using_device(self.devices[0]):
-            for (target,), mean in zip(self._groups([snapshot]), means):
+            for (target,), mean in zip(self.arrays.groups([snapshot]), means):
                 target[...] = mean.astype(target.dtype)
         return snapshot
 
@@ -565,6 +466,7 @@ class GPUDistributedGradient:
                     synchronize(self.devices[:1])  # before another reads
                     with chainer.using_device(device):
                         replica.to_device(device)
+                    synchronize([device])  # the copies read the master's
             found[str(device)] = (replica, device)
         return list(found.values())
 
@@ -593,7 +495,7 @@ class GPUDistributedGradient:
         if self.mode == 'dg':
             load(self.master, 'replica0')
             load(self.optimizer, 'optimizer0')
-            self._copy_master()
+            self.arrays.copy_master()
             return
         if saved == self.total_replicas:
             for i, (replica, optimizer) in enumerate(zip(self.replicas,
@@ -608,12 +510,12 @@ class GPUDistributedGradient:
             load(scratch, f'replica{i}')
             with chainer.using_device(master):
                 arrays = [g[0].astype(np.float64)
-                          for g in self._groups([scratch])]
-            sums = arrays if sums is None else \
-                [a + b for a, b in zip(sums, arrays)]
+                          for g in self.arrays.groups([scratch])]
+                sums = arrays if sums is None else \
+                    [a + b for a, b in zip(sums, arrays)]
         with chainer.using_device(master):
             means = [total / saved for total in sums]
-        self._write_all(self._groups(self.replicas), means)
+        self.arrays.write(self.arrays.groups(self.replicas), means)
         for i, optimizer in enumerate(self.optimizers):
             index = self.offset + i
             load(optimizer, f'optimizer{index if index < saved else 0}')

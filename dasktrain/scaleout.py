@@ -109,11 +109,12 @@ def _rank(config, name, rank, size, gpus):
                                  config.collective_timeout) as host:
             comm = host
             progress = _RankProgress(name, relay=rank == 0)
-            if gpu_ids(devices):
-                if use_nccl(devices, _nccl_module()):
-                    comm = NcclComm(host, gpu_ids(devices)[0])
-                else:
-                    progress.warn(NCCL_MISSING)
+            # NCCL only if every rank can use it: the ranks must agree.
+            nccl = use_nccl(devices, _nccl_module())
+            if all(host.allgather(nccl)):
+                comm = NcclComm(host, gpu_ids(devices)[0])
+            elif gpu_ids(devices) and not nccl:
+                progress.warn(NCCL_MISSING)
             try:
                 with chainer.using_device(chainer.get_device(devices[0])):
                     summary = run_group(config, comm=comm, devices=devices,

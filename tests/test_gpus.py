@@ -7,9 +7,9 @@ import types
 import numpy as np
 import pytest
 
-from dasktrain.collective import CollectiveError, poll, signature
+from dasktrain.collective import CollectiveError, NcclComm, poll, signature
 from dasktrain.config import TrainConfig
-from dasktrain.devices import unused_gpus_message
+from dasktrain.devices import format_uuid, unused_gpus_message
 from dasktrain.gpus import (NCCL_MISSING, Gpu, GpuError, GpuPool, gpu_ids,
                             job_environment, place_devices, use_nccl,
                             visible_gpus)
@@ -144,3 +144,29 @@ def test_unused_gpus_are_explained_in_chainers_words():
     assert unused_gpus_message(smi, 2, None) is None     # all in use
     assert unused_gpus_message(smi, 0, None) is None     # hidden on purpose
     assert unused_gpus_message([], 0, 'no cupy') is None  # no GPUs at all
+
+
+def test_nccl_in_progress_is_waited_for_and_errors_raised():
+    class NcclError(RuntimeError):  # as cupy_backends' NcclError
+        def __init__(self, status):
+            self.status = status
+            super().__init__(f'NCCL error {status}')
+    comm = NcclComm.__new__(NcclComm)
+    comm._nccl, comm.rank = types.SimpleNamespace(NcclError=NcclError), 1
+
+    def in_progress():  # CuPy's NcclError(7) dies on its message table
+        raise KeyError(7)
+    comm._call(in_progress)  # not an error: poll until settled
+    comm._call(lambda: (_ for _ in ()).throw(NcclError(7)))
+
+    def failed():
+        raise NcclError(2)
+    with pytest.raises(CollectiveError, match='NCCL failed on rank 1'):
+        comm._call(failed)
+    with pytest.raises(KeyError):  # not NCCL's: let it through
+        comm._call(lambda: {}['missing'])
+
+
+def test_uuids_are_spelled_as_nvidia_smi_does():
+    raw = bytes.fromhex('8f6c2a1b00d44e1f9a0b00c1d2e3f405')  # zero bytes
+    assert format_uuid(raw) == 'GPU-8f6c2a1b-00d4-4e1f-9a0b-00c1d2e3f405'

@@ -29,9 +29,9 @@ def _sums(name, rank, size):
                 base = cupy.arange(24, dtype='float32').reshape(4, 6) * \
                     (rank + 1)
                 on_host = np.full(5, rank + 1.0)
-            # called with another device current: the comm enters its own
-            with cupy.cuda.Device(0):
-                comm.allreduce(arrays + [base[:, ::2], on_host], check=True)
+            # each worker sees one GPU: the mixed-device case is the
+            # 2-GPU test of test_gpu_replicas
+            comm.allreduce(arrays + [base[:, ::2], on_host], check=True)
             return [cupy.asnumpy(a) for a in arrays + [base]] + [on_host]
         finally:
             comm.close()

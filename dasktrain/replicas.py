@@ -1,0 +1,134 @@
+"""The arrays of a model's replicas, across devices and processes.
+
+:class:`ReplicaArrays` does what every cross-replica operation of
+:class:`~dasktrain.parallel.GPUDistributedGradient` needs: list each value
+(parameter, persistent such as BatchNorm's statistics, optimizer state) as
+its array in every replica, in one fixed order (a *group*); average groups
+over all of a job's replicas, summed in float64 here and then across
+processes in rank order; measure the replicas' squared distance from their
+mean; write values back into every replica.
+
+On GPUs each of these runs with the device of the array it writes current
+(CuPy launches a kernel on the current device; one reading another GPU's
+memory needs peer access), reads a GPU's arrays only after that GPU has
+finished its queued work, and moves one replica's arrays as one flat buffer
+(:func:`dasktrain.devices.transfer`): nothing lands on a GPU the user did
+not list, and a step costs one transfer per replica, not one per array.
+"""
+import copy
+
+import chainer
+import numpy as np
+
+from dasktrain.devices import copy_into, transfer
+
+
+def _persistents(link):
+    """(owner link, name) of every persistent value, in a fixed order."""
+    for _, sub in sorted(link.namedlinks()):
+        for name in sorted(sub._persistent):
+            yield sub, name
+
+
+class ReplicaArrays:
+    """The arrays of ``model``'s replicas (a GPUDistributedGradient: its
+    ``replicas``, ``devices``, ``master``, ``comm`` and ``total_replicas``
+    are read at each call)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def groups(self, replicas, params=True, persistents=True, states=False):
+        """For each averaged value, its array in every replica, in one fixed
+        order (parameters first). Python scalars, such as BatchNorm's batch
+        count, and uninitialised parameters are left out."""
+        # Skipped when only persistents are wanted: dg syncs them every step.
+        named = [sorted(r.namedparams()) for r in replicas] \
+            if params or states else []
+        groups = []
+        if params:
+            groups += [[p.array for _, p in ps] for ps in zip(*named)]
+        if persistents:
+            groups += [[getattr(link, name) for link, name in owners]
+                       for owners in zip(*(_persistents(r) for r in replicas))]
+        if states:
+            for ps in zip(*named):
+                rules = [p.update_rule for _, p in ps]
+                if all(rule is not None and rule.state for rule in rules):
+                    groups += [[rule.state[key] for rule in rules]
+                               for key in sorted(rules[0].state)]
+        return [g for g in groups if hasattr(g[0], 'dtype')]
+
+    def means(self, groups, keep=False, check=False):
+        """Each group's arithmetic mean over all the job's replicas, on the
+        master's device: summed in float64 (here, then across processes in
+        rank order) and rounded once by the caller. With ``keep``, also
+        every replica's arrays as they arrived on the master's device."""
+        if not groups:  # e.g. no BatchNorm: spare the round trip
+            return ([], []) if keep else []
+        master = self.model.devices[0]
+        arrived, sums = [], None
+        for i, device in enumerate(self.model.devices):
+            moved = transfer([g[i] for g in groups], device, master)
+            with chainer.using_device(master):
+                if sums is None:
+                    sums = [a.astype(np.float64) for a in moved]
+                else:
+                    for acc, a in zip(sums, moved):
+                        acc += a
+            if keep:
+                arrived.append(moved)
+        with chainer.using_device(master):
+            # Optimizer state may differ between ranks: ``check`` compares.
+            self.model.comm.allreduce(sums, check=check)
+            for acc in sums:
+                acc /= self.model.total_replicas
+        return (sums, arrived) if keep else sums
+
+    def squared_distance(self, arrived, means):
+        """Sum over all replicas of their squared L2 distance from
+        ``means``, summed on the master's device and read once."""
+        master = self.model.devices[0]
+        with chainer.using_device(master):
+            local = master.xp.zeros((), np.float64)
+            for k, mean in enumerate(means):
+                for arrays in arrived:
+                    d = (arrays[k] - mean).ravel()
+                    local += d @ d  # BLAS dot: no squared temporary
+            local = chainer.backends.cuda.to_cpu(local).reshape(1)
+        return float(self.model.comm.allreduce([local])[0][0])
+
+    def broadcast(self, groups, values):
+        """Write ``values`` (on the master's device) into every replica's
+        array of each group, cast to its dtype, each on its own device."""
+        master = self.model.devices[0]
+        for i, device in enumerate(self.model.devices):
+            targets = [g[i] for g in groups]
+            sources = [v for g, v in zip(groups, values)]
+            if i == 0 and all(t is s for t, s in zip(targets, sources)):
+                continue  # the master's own arrays
+            copy_into(targets, transfer(sources, master, device), device)
+
+    def copy_master(self, persistents=True):
+        """The master's parameters (and persistent arrays) into every other
+        replica; persistent Python values (BatchNorm's N) always."""
+        groups = self.groups(self.model.replicas, persistents=persistents)
+        self.broadcast(groups, [g[0] for g in groups])
+        for replica in self.model.replicas[1:]:
+            for (dst, name), (src, _) in zip(_persistents(replica),
+                                             _persistents(self.model.master)):
+                value = getattr(src, name)
+                if not hasattr(value, 'dtype'):
+                    setattr(dst, name, copy.deepcopy(value))
+
+    def write(self, groups, means):
+        """Every replica's arrays of ``groups`` := ``means`` (float64 on
+        the master's device), rounded once to each array's dtype."""
+        with chainer.using_device(self.model.devices[0]):
+            rounded = [m.astype(g[0].dtype, copy=False)
+                       for g, m in zip(groups, means)]
+        self.broadcast(groups, rounded)
+
+    def average_persistents(self):
+        groups = self.groups(self.model.replicas, params=False)
+        self.write(groups, self.means(groups))
