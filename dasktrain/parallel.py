@@ -12,18 +12,16 @@ its queued work, and moves a replica's arrays as one flat buffer
 MultiprocessParallelUpdater gathers gradients; nothing is computed on a GPU
 the user did not list.
 """
-import contextlib
 import copy
 import time
 
 import chainer
 import numpy as np
-from chainer.serializers import NpzDeserializer
 
 from dasktrain.collective import Solo
 from dasktrain.devices import (DeviceError, resolve_devices,  # noqa: F401
                                synchronize, transfer)
-from dasktrain.replicas import ReplicaArrays
+from dasktrain.replicas import ReplicaArrays, ReplicaRandom, restore
 
 MODES = ('dg', 'ipm')
 
@@ -100,7 +98,7 @@ class GPUDistributedGradient:
         self.total_replicas = sum(counts)
         if self.comm.size > 1:
             self._start_from_rank0()
-        self._random = [None] * len(self.replicas)  # per-replica RNG
+        self.random = ReplicaRandom(self.devices)
         self.optimizers = []
         self.iteration = 0
         self.comm_time = 0.0   # s merging gradients, syncing and mixing
@@ -161,37 +159,7 @@ class GPUDistributedGradient:
         ``epoch``, its global index): the same draws wherever it runs, and
         two replicas on one GPU no longer share CuPy's one generator per
         device."""
-        for i, device in enumerate(self.devices):
-            state = int(np.random.SeedSequence(
-                [seed, epoch, self.offset + i]).generate_state(1)[0])
-            if device.xp is np:
-                self._random[i] = np.random.RandomState(state).get_state()
-            else:
-                with chainer.using_device(device):
-                    self._random[i] = device.xp.random.RandomState(state)
-
-    @contextlib.contextmanager
-    def _own_random(self, i, device):
-        """Replica ``i`` draws from its own stream inside the block."""
-        mine = self._random[i]
-        if mine is None:
-            yield
-        elif device.xp is np:
-            outer = np.random.get_state()
-            np.random.set_state(mine)
-            try:
-                yield
-            finally:
-                self._random[i] = np.random.get_state()
-                np.random.set_state(outer)
-        else:  # CuPy keeps one RandomState per device: swap ours in
-            random = device.xp.random
-            outer = random.get_random_state()
-            random.set_random_state(mine)
-            try:
-                yield
-            finally:
-                random.set_random_state(outer)
+        self.random.seed(seed, epoch, self.offset)
 
     # ------------------------------------------------- the seed's protocol
 
@@ -218,7 +186,7 @@ class GPUDistributedGradient:
                 if not size:
                     self._losses.append(None)
                     continue
-                with self._own_random(i, device):
+                with self.random.drawing(i):
                     self._losses.append(replica(*part))
         return self._losses[0]
 
@@ -487,35 +455,4 @@ class GPUDistributedGradient:
         are equal); ipm takes each replica's own state when the numbers
         match, else starts every replica from the saved replicas' mean, a
         mix."""
-        def load(target, name):
-            target.serialize(NpzDeserializer(npz, path=f'{path}{name}/'))
-        saved = len({key[len(path):].split('/')[0] for key in npz.files
-                     if key.startswith(f'{path}replica')})
-        self.iteration = int(npz[f'{path}iteration'])
-        if self.mode == 'dg':
-            load(self.master, 'replica0')
-            load(self.optimizer, 'optimizer0')
-            self.arrays.copy_master()
-            return
-        if saved == self.total_replicas:
-            for i, (replica, optimizer) in enumerate(zip(self.replicas,
-                                                         self.optimizers)):
-                load(replica, f'replica{self.offset + i}')
-                load(optimizer, f'optimizer{self.offset + i}')
-            return
-        scratch = self.master.copy(mode='copy')
-        master = self.devices[0]
-        sums = None
-        for i in range(saved):
-            load(scratch, f'replica{i}')
-            with chainer.using_device(master):
-                arrays = [g[0].astype(np.float64)
-                          for g in self.arrays.groups([scratch])]
-                sums = arrays if sums is None else \
-                    [a + b for a, b in zip(sums, arrays)]
-        with chainer.using_device(master):
-            means = [total / saved for total in sums]
-        self.arrays.write(self.arrays.groups(self.replicas), means)
-        for i, optimizer in enumerate(self.optimizers):
-            index = self.offset + i
-            load(optimizer, f'optimizer{index if index < saved else 0}')
+        restore(self, npz, path)

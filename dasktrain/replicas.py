@@ -14,11 +14,17 @@ memory needs peer access), reads a GPU's arrays only after that GPU has
 finished its queued work, and moves one replica's arrays as one flat buffer
 (:func:`dasktrain.devices.transfer`): nothing lands on a GPU the user did
 not list, and a step costs one transfer per replica, not one per array.
+
+:class:`ReplicaRandom` gives each replica its own random stream, and
+:func:`restore` loads a checkpoint into the replicas, also one written with
+another number of them.
 """
+import contextlib
 import copy
 
 import chainer
 import numpy as np
+from chainer.serializers import NpzDeserializer
 
 from dasktrain.devices import copy_into, transfer
 
@@ -132,3 +138,92 @@ class ReplicaArrays:
     def average_persistents(self):
         groups = self.groups(self.model.replicas, params=False)
         self.write(groups, self.means(groups))
+
+
+class ReplicaRandom:
+    """One random stream per replica, for what a replica draws (dropout).
+
+    NumPy's and CuPy's generators are global (CuPy's, one per device): two
+    replicas in one process, or on one GPU, would otherwise share one and
+    draw differently than the same replicas spread over processes. Inside
+    :meth:`drawing` the replica's own state is swapped in.
+    """
+
+    def __init__(self, devices):
+        self.devices = devices
+        self.states = [None] * len(devices)
+
+    def seed(self, seed, epoch, offset):
+        """States from (``seed``, ``epoch``, global replica index)."""
+        for i, device in enumerate(self.devices):
+            state = int(np.random.SeedSequence(
+                [seed, epoch, offset + i]).generate_state(1)[0])
+            if device.xp is np:
+                self.states[i] = np.random.RandomState(state).get_state()
+            else:
+                with chainer.using_device(device):
+                    self.states[i] = device.xp.random.RandomState(state)
+
+    @contextlib.contextmanager
+    def drawing(self, i):
+        """Replica ``i`` draws from its own stream inside the block (with
+        its device current)."""
+        mine, device = self.states[i], self.devices[i]
+        if mine is None:
+            yield
+        elif device.xp is np:
+            outer = np.random.get_state()
+            np.random.set_state(mine)
+            try:
+                yield
+            finally:
+                self.states[i] = np.random.get_state()
+                np.random.set_state(outer)
+        else:  # CuPy keeps one RandomState per device: swap ours in
+            random = device.xp.random
+            outer = random.get_random_state()
+            random.set_random_state(mine)
+            try:
+                yield
+            finally:
+                random.set_random_state(outer)
+
+
+def restore(model, npz, path=''):
+    """Load what ``model.serialize`` wrote into ``model`` (a
+    GPUDistributedGradient), also from a job with another number of
+    replicas (after a lost worker): dg takes replica 0 (all are equal); ipm
+    takes each replica's own state when the numbers match, else starts
+    every replica from the saved replicas' mean, a mix."""
+    def load(target, name):
+        target.serialize(NpzDeserializer(npz, path=f'{path}{name}/'))
+    saved = len({key[len(path):].split('/')[0] for key in npz.files
+                 if key.startswith(f'{path}replica')})
+    model.iteration = int(npz[f'{path}iteration'])
+    if model.mode == 'dg':
+        load(model.master, 'replica0')
+        load(model.optimizer, 'optimizer0')
+        model.arrays.copy_master()
+        return
+    if saved == model.total_replicas:
+        for i, (replica, optimizer) in enumerate(zip(model.replicas,
+                                                     model.optimizers)):
+            load(replica, f'replica{model.offset + i}')
+            load(optimizer, f'optimizer{model.offset + i}')
+        return
+    scratch = model.master.copy(mode='copy')
+    master = model.devices[0]
+    sums = None
+    for i in range(saved):
+        load(scratch, f'replica{i}')
+        with chainer.using_device(master):
+            arrays = [g[0].astype(np.float64)
+                      for g in model.arrays.groups([scratch])]
+            sums = arrays if sums is None else \
+                [a + b for a, b in zip(sums, arrays)]
+    with chainer.using_device(master):
+        means = [total / saved for total in sums]
+    model.arrays.write(model.arrays.groups(model.replicas), means)
+    for i, optimizer in enumerate(model.optimizers):
+        index = model.offset + i
+        load(optimizer, f'optimizer{index if index < saved else 0}')
