@@ -375,7 +375,7 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     for mode in ('dg', 'ipm'):
         summary = train(base.replace(
             out=str(scratch / f'single-{mode}'), devices=('@numpy',) * most,
-            mode=mode, mix_every=mix_every if mode == 'ipm' else None))
+            in_process=True, mode=mode, mix_every=mix_every if mode == 'ipm' else None))
         reference[mode] = summary['final']['validation/main/accuracy']
     for n in workers:
         for mode in (('dg',) if n == 1 else ('dg', 'ipm')):

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from dasktrain.errors import UserError
+from dasktrain.shm import SharedMemoryReducer
 
 
 class CollectiveError(UserError, RuntimeError):
@@ -134,17 +135,20 @@ class DaskComm:
         self._comms, self._loop, self._thread = comms, loop, thread
         self._listener = listener
         self._calls = 0
+        self._shm = None  # a SharedMemoryReducer when all share a host
 
     # -------------------------------------------------------- set-up
 
     @classmethod
     def rendezvous(cls, name, rank, size, timeout=300.0, client=None,
-                   listen_host=None, security=None):
+                   listen_host=None, security=None, shared_memory=True):
         """Meet the other ranks of job attempt ``name`` and connect to all.
 
         Each rank listens on its worker's host, publishes the address as
         Dask Variable ``{name}/rank{r}``; a rank dials every lower rank.
         Raises CollectiveError after ``timeout`` seconds without them all.
+        With ``shared_memory`` and every rank on this machine, all-reduces
+        go through shared memory (:mod:`dasktrain.shm`).
         """
         from distributed import Variable, get_client, get_worker
         from distributed.comm import connect, listen
@@ -211,6 +215,8 @@ class DaskComm:
                     raise CollectiveError(
                         f'ranks {missing} did not connect within {timeout:g}'
                         ' s (collective_timeout)') from None
+            if shared_memory and size > 1:
+                self._shm = SharedMemoryReducer.connect(self, CollectiveError)
         except BaseException:
             self.close()
             raise
@@ -218,6 +224,8 @@ class DaskComm:
 
     def close(self):
         """Drop the connections at once: peers still waiting fail fast."""
+        if self._shm is not None:
+            self._shm.close()
         async def shut():
             for comm in self._comms.values():
                 comm.abort()
@@ -305,6 +313,8 @@ class DaskComm:
         (the comparison rides with the data; ``check`` is always on)."""
         if self.size == 1:
             return arrays
+        if self._shm is not None:
+            return self._allreduce_shared(arrays)
         packed = _pack(arrays)
         tag = self._tag('allreduce')
         me, others = self.rank, self._others()
@@ -335,6 +345,21 @@ class DaskComm:
         results = {k: np.concatenate([back[p][k] for p in range(self.size)])
                    for k in pieces}
         _unpack(packed, results)
+        return arrays
+
+    def _allreduce_shared(self, arrays):
+        groups, back = {}, []
+        for a in arrays:
+            host = a if isinstance(a, np.ndarray) else \
+                a.get() if hasattr(a, 'get') else np.asarray(a)
+            if host is not a:
+                back.append((a, host))
+            groups.setdefault(np.dtype(a.dtype).str, []).append(host)
+        self._shm.allreduce(groups, signature(arrays))
+        for a, host in back:  # CuPy arrays: their device current
+            import cupy
+            with a.device:
+                cupy.copyto(a, cupy.asarray(host))
         return arrays
 
     def allgather(self, obj):

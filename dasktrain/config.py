@@ -49,6 +49,9 @@ class TrainConfig:
     early_stop_monitor: str = 'validation/main/loss'
     resume: bool = False            # continue from OUT/checkpoint.npz
     progress: bool = True           # progress bar on a terminal
+    in_process: bool = False        # several devices: all replicas in this
+    #                                 process (the seed's design) instead of
+    #                                 one worker process per device
     # Scale-out (scaleout.py): one job as replica groups on Dask workers.
     workers: Optional[int] = None   # groups, one per worker; None: here
     scheduler: Optional[str] = None  # None: the `cluster start` cluster
@@ -234,6 +237,9 @@ def add_arguments(parser):
         help='continue the run in --out from its last checkpoint')
     add('--no-progress', dest='progress', action='store_false',
         help='print nothing while training')
+    add('--in-process', action='store_true',
+        help='several devices: every replica in this one process (the seed '
+             "post's design) rather than one worker process per device")
     group = parser.add_argument_group(
         'across Dask workers', 'one job as N replica groups, one per worker '
         '(each on its own --devices); --out and --data-dir must be paths '

@@ -253,11 +253,22 @@ class GPUDistributedGradient:
                 self.syncgrads()
         return False  # exceptions propagate
 
-    def _allreduce_grads(self):
-        """Sum the masters' gradients over the job's processes."""
+    def _allreduce_step(self):
+        """Sum the masters' gradients over the job's processes and, in the
+        same all-reduce, the replicas' BatchNorm statistics; returns the
+        statistics' (groups, means) for :meth:`_sync_replicas`."""
         grads = self._grads(self.master, self.devices[0])
+        groups = self.arrays.groups(self.replicas, params=False)
         with chainer.using_device(self.devices[0]):
-            self._timed(lambda: self.comm.allreduce(grads))
+            return groups, self._timed(
+                lambda: self.arrays.means(groups, also=grads))
+
+    def _sync_replicas(self, groups, means):
+        """Write averaged statistics and copy the master's parameters."""
+        def sync():
+            self.arrays.write(groups, means)
+            self.arrays.copy_master(persistents=False)
+        self._timed(sync)
 
     def syncparams(self):
         """Copy the master's parameters to every replica; persistent values
@@ -265,10 +276,9 @@ class GPUDistributedGradient:
         if self.total_replicas == 1:
             return
 
-        def sync():
-            self.arrays.average_persistents()
-            self.arrays.copy_master(persistents=False)
-        self._timed(sync)
+        groups = self.arrays.groups(self.replicas, params=False)
+        self._sync_replicas(groups, self._timed(
+            lambda: self.arrays.means(groups)))
 
     # -------------------------------------------------------- one call
 
@@ -286,11 +296,15 @@ class GPUDistributedGradient:
         if not self.optimizers:
             raise RuntimeError('call setup(optimizer) before update()')
         if self.mode == 'dg':
-            if self.comm.size > 1:
-                self._allreduce_grads()
-            with chainer.using_device(self.devices[0]):
-                self.optimizer.update()
-            self.syncparams()
+            if self.comm.size > 1:  # one message per step
+                groups, means = self._allreduce_step()
+                with chainer.using_device(self.devices[0]):
+                    self.optimizer.update()
+                self._sync_replicas(groups, means)
+            else:
+                with chainer.using_device(self.devices[0]):
+                    self.optimizer.update()
+                self.syncparams()
         else:
             for optimizer, device, size in zip(self.optimizers, self.devices,
                                                self._sizes):

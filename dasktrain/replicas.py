@@ -65,16 +65,18 @@ class ReplicaArrays:
                                for key in sorted(rules[0].state)]
         return [g for g in groups if hasattr(g[0], 'dtype')]
 
-    def means(self, groups, keep=False, check=False):
+    def means(self, groups, keep=False, check=False, also=()):
         """Each group's arithmetic mean over all the job's replicas, on the
         master's device: summed in float64 (here, then across processes in
         rank order) and rounded once by the caller. With ``keep``, also
-        every replica's arrays as they arrived on the master's device."""
-        if not groups:  # e.g. no BatchNorm: spare the round trip
+        every replica's arrays as they arrived on the master's device.
+        ``also``: more arrays (on the master's device) summed over the
+        processes in the same all-reduce, in place: one message, not two."""
+        if not groups and not also:  # e.g. no BatchNorm: no round trip
             return ([], []) if keep else []
         master = self.model.devices[0]
-        arrived, sums = [], None
-        for i, device in enumerate(self.model.devices):
+        arrived, sums = [], [] if not groups else None
+        for i, device in enumerate(self.model.devices if groups else ()):
             moved = transfer([g[i] for g in groups], device, master)
             with chainer.using_device(master):
                 if sums is None:
@@ -86,7 +88,7 @@ class ReplicaArrays:
                 arrived.append(moved)
         with chainer.using_device(master):
             # Optimizer state may differ between ranks: ``check`` compares.
-            self.model.comm.allreduce(sums, check=check)
+            self.model.comm.allreduce(list(also) + sums, check=check)
             for acc in sums:
                 acc /= self.model.total_replicas
         return (sums, arrived) if keep else sums
@@ -134,10 +136,6 @@ class ReplicaArrays:
             rounded = [m.astype(g[0].dtype, copy=False)
                        for g, m in zip(groups, means)]
         self.broadcast(groups, rounded)
-
-    def average_persistents(self):
-        groups = self.groups(self.model.replicas, params=False)
-        self.write(groups, self.means(groups))
 
 
 class ReplicaRandom:

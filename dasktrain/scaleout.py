@@ -28,12 +28,13 @@ import uuid
 
 from dasktrain.cluster import connect, restore_default_scheduler
 from dasktrain.collective import CollectiveError, DaskComm, NcclComm
-from dasktrain.devices import free_gpu_memory
+from dasktrain.devices import free_gpu_memory, gpu_count
 from dasktrain.gpus import (NCCL_MISSING, GpuPool, gpu_ids, place_devices,
-                            use_nccl)
+                            use_nccl, visible_gpus)
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
-from dasktrain.training import _Progress, prepare_out, run_group
+from dasktrain.training import (_Progress, default_devices, prepare_out,
+                                run_group)
 from dasktrain.training import train as train_here
 
 POLL = 0.2  # s between looks at the ranks' futures and events
@@ -241,7 +242,19 @@ def train(config=None, callbacks=(), client=None, **overrides):
     """
     config = (config or TrainConfig()).replace(**overrides)
     if config.workers is None:
-        return train_here(config, callbacks)
+        plan = None if config.in_process else \
+            per_device_plan(config.devices or default_devices())
+        if plan is None:
+            return train_here(config, callbacks)
+        workers, device = plan
+        if config.progress:
+            print(f'devices: {workers} worker processes, one per device, '
+                  f'each on {device} (--in-process: one process)',
+                  file=sys.stderr, flush=True)
+        with local_device_workers(config.devices or default_devices()) \
+                as client:
+            return train(config.replace(workers=workers, devices=(device,)),
+                         callbacks, client=client)
     # Ranks run elsewhere, in other working directories.
     config = config.replace(out=os.path.abspath(config.out),
                             data_dir=os.path.abspath(config.data_dir))
@@ -292,6 +305,57 @@ def _drive(client, config, callbacks):
 
 
 _BLAS_THREADS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
+
+
+def per_device_plan(devices):
+    """(workers, each one's device) to train ``devices`` as one process
+    per device, or None to keep them in one process: a single device, or
+    a list with a GPU named twice or CPU and GPUs mixed.
+
+    >>> per_device_plan(('@numpy', '@numpy'))
+    (2, '@numpy')
+    >>> per_device_plan(('@cupy:2', '@cupy:0'))
+    (2, '@cupy:0')
+    >>> per_device_plan(('@cupy:1', '@cupy:1')) is None
+    True
+    """
+    devices = tuple(devices)
+    if len(devices) < 2:
+        return None
+    if all(d == '@numpy' for d in devices):
+        return len(devices), '@numpy'
+    if len(gpu_ids(devices)) == len(devices):  # distinct GPUs only
+        return len(devices), '@cupy:0'  # each worker sees its GPU as 0
+    return None
+
+
+@contextlib.contextmanager
+def local_device_workers(devices, blas_threads=1):
+    """A Client to one new worker process per device of ``devices``, closed
+    on exit: for GPUs each worker sees exactly its GPU
+    (``CUDA_VISIBLE_DEVICES``, as dask-cuda's LocalCUDACluster does) and
+    offers it as ``GPU=1``; for ``'@numpy'`` replicas, CPU workers with
+    ``blas_threads`` BLAS threads each (:func:`local_workers`)."""
+    ids = gpu_ids(devices)
+    if not ids:
+        with local_workers(len(devices), blas_threads) as client:
+            yield client
+        return
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+    count, _ = gpu_count()
+    entries = visible_gpus(count=count)  # this process's ordinal -> entry
+    env = {k: str(blas_threads) for k in _BLAS_THREADS}
+    workers = {f'gpu{i}': {'cls': Nanny, 'options': {
+        'nthreads': 1, 'host': '127.0.0.1', 'resources': {'GPU': 1},
+        'dashboard_address': '127.0.0.1:0',
+        'env': dict(env, CUDA_VISIBLE_DEVICES=entries[i])}} for i in ids}
+    scheduler = {'cls': Scheduler, 'options': {
+        'host': '127.0.0.1', 'dashboard_address': '127.0.0.1:0'}}
+    with restore_default_scheduler(always=True), SpecCluster(
+            workers=workers, scheduler=scheduler) as cluster:
+        with Client(cluster, set_as_default=False) as client:
+            client.wait_for_workers(len(ids))
+            yield client
 
 
 @contextlib.contextmanager

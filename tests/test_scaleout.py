@@ -1,4 +1,5 @@
 """One job across Dask worker processes: real LocalClusters on 127.0.0.1."""
+import glob
 import json
 import os
 import signal
@@ -128,6 +129,37 @@ def test_collectives_between_worker_processes(dask_client):
     assert results[0][2] == results[1][2]
 
 
+def _both_paths(name, rank, size):
+    out = {}
+    for shared in (False, True):
+        with DaskComm.rendezvous(f'{name}-{shared}', rank, size, timeout=30,
+                                 shared_memory=shared) as comm:
+            rng = np.random.default_rng(rank)
+            a = rng.standard_normal(1001).astype(np.float32)
+            base = rng.standard_normal((6, 5))
+            i = np.arange(7, dtype=np.int32) * (rank + 1)
+            comm.allreduce([a, base[:, ::2], i])  # a non-contiguous view
+            comm.allreduce([a])  # the other result segment
+            out[shared] = (a, base, i, comm._shm is not None)
+    return out
+
+
+def test_shared_memory_sums_the_bits_tcp_sums(dask_client):
+    workers = sorted(dask_client.scheduler_info()['workers'])
+    results = dask_client.gather([
+        dask_client.submit(_both_paths, 'paths', r, 2, workers=[w],
+                           pure=False) for r, w in enumerate(workers)])
+    for rank_result in results:
+        tcp, shared = rank_result[False], rank_result[True]
+        assert not tcp[3] and shared[3]  # the second really used /dev/shm
+        for x, y in zip(tcp[:3], shared[:3]):
+            np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(results[0][True][0], results[1][True][0])
+    np.testing.assert_array_equal(results[0][True][2],
+                                  np.arange(7, dtype=np.int32) * 3)
+    assert not glob.glob('/dev/shm/dasktrain-*')
+
+
 def _start_weights(name, rank, size):
     from dasktrain.models import get_model
     from dasktrain.parallel import GPUDistributedGradient
@@ -225,6 +257,19 @@ def _pids(client):
     return client.run(os.getpid)
 
 
+def test_several_devices_train_as_one_worker_process_each(data_dir,
+                                                          tmp_path):
+    # `dasktrain train --devices cpu:2`: two single-threaded worker
+    # processes, the same results as the two replicas in one process.
+    both = dict(devices=('@numpy',) * 2, mode='ipm', mix_every=3)
+    here = train(config(data_dir, tmp_path / 'here', in_process=True, **both))
+    apart = train(config(data_dir, tmp_path / 'apart', **both))
+    assert 'workers' not in here and len(apart['workers']) == 2
+    assert_same_logs(here['log'], apart['log'])
+    args = json.loads((tmp_path / 'apart' / 'args').read_text())
+    assert args['workers'] == 2 and args['devices'] == ['@numpy']
+
+
 @pytest.mark.parametrize('policy', ['continue', 'wait'])
 def test_a_worker_killed_mid_job_and_the_job_goes_on(data_dir, tmp_path,
                                                       policy):
@@ -245,6 +290,9 @@ def test_a_worker_killed_mid_job_and_the_job_goes_on(data_dir, tmp_path,
                         callbacks=[kill_after_epoch_2], client=client)
     assert killed and summary['attempts'] == 2
     assert killed[0] not in summary['workers']
+    # the shared-memory segments were unlinked once mapped: none outlives
+    # its job, not even one of the SIGKILLed worker's
+    assert not glob.glob('/dev/shm/dasktrain-*')
     rows = log(tmp_path / 'k')
     assert [r['epoch'] for r in rows] == [1, 2, 3, 4]
     if policy == 'wait':  # the nanny's new worker replaced the dead one
