@@ -58,6 +58,10 @@ class TrainConfig:
     on_worker_loss: str = 'continue'  # or 'wait' for a replacement worker
     collective_timeout: float = 300.0  # s a rank waits for the others: a
     #                                 hung peer fails the job, not hangs it
+    comm_dtype: Optional[str] = None  # dg across processes: 'float16'
+    #                                 halves the bytes of each all-reduce
+    double_buffering: bool = False  # dg across processes: apply the last
+    #                                 step's sum while this one's travels
 
     def __post_init__(self):
         def fail(field, expected):
@@ -103,6 +107,8 @@ class TrainConfig:
                               f'scheduler={self.scheduler!r} and workers=None')
         if self.on_worker_loss not in ('continue', 'wait'):
             fail('on_worker_loss', "'continue' or 'wait'")
+        if self.comm_dtype not in (None, 'float32', 'float16'):
+            fail('comm_dtype', "None, 'float32' or 'float16'")
         if not (isinstance(self.collective_timeout, (int, float)) and
                 self.collective_timeout > 0):
             fail('collective_timeout', 'a number of seconds > 0')
@@ -257,6 +263,14 @@ def add_arguments(parser):
         help='when a worker dies: go on from the last checkpoint with the '
              'workers left, or wait for a replacement (default: '
              '%(default)s)')
+    group.add_argument(
+        '--comm-dtype', choices=('float32', 'float16'), default=d.comm_dtype,
+        help='dg: dtype the gradients travel and are summed in; float16 '
+             'halves the bytes (default: float32, exact)')
+    group.add_argument(
+        '--double-buffering', action='store_true',
+        help='dg: apply the previous step\'s summed gradient while this '
+             "step's travels (one step stale; ChainerMN's)")
     group.add_argument(
         '--collective-timeout', type=float, default=d.collective_timeout,
         metavar='S', help='seconds a worker waits for the others before '

@@ -13,6 +13,7 @@ MultiprocessParallelUpdater gathers gradients; nothing is computed on a GPU
 the user did not list.
 """
 import copy
+import threading
 import time
 
 import chainer
@@ -24,6 +25,30 @@ from dasktrain.devices import (DeviceError, resolve_devices,  # noqa: F401
 from dasktrain.replicas import ReplicaArrays, ReplicaRandom, restore
 
 MODES = ('dg', 'ipm')
+
+
+class _Inflight:
+    """``work()`` running on a thread of its own until :meth:`wait`, which
+    returns ``payload`` or raises what the work raised. One per step: the
+    thread never outlives its step."""
+
+    def __init__(self, work, payload):
+        self.payload, self.error = payload, None
+
+        def run():
+            try:
+                work()
+            except BaseException as e:  # re-raised in the caller's thread
+                self.error = e
+        self.thread = threading.Thread(target=run, daemon=True,
+                                       name='dasktrain-allreduce')
+        self.thread.start()
+
+    def wait(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.payload
 
 
 class GPUDistributedGradient:
@@ -50,6 +75,16 @@ class GPUDistributedGradient:
         None for one-shot mixing (only :meth:`finalize` mixes).
     mix_optimizer_state : bool, default False
         ipm only: average optimizer state (e.g. Adam's moments) too.
+    comm_dtype : {None, 'float16'}, default None
+        dg across processes: the gradients travel and are summed in this
+        dtype (half the bytes; ChainerMN's ``allreduce_grad_dtype``), then
+        cast back. None: as they are (float32).
+    double_buffering : bool, default False
+        dg across processes: each step applies the previous step's summed
+        gradient while this step's is summed on a communication thread
+        (ChainerMN's double buffering): updates are one step stale; the
+        first step of an epoch applies none and :meth:`end_epoch` applies
+        the last, so every epoch makes as many updates as exact dg.
     comm : dasktrain.collective.DaskComm or NcclComm, optional
         Make this one replica group of a job across processes: every group
         starts from rank 0's weights, dg sums the masters' gradients over
@@ -72,7 +107,8 @@ class GPUDistributedGradient:
     """
 
     def __init__(self, chain, devices, mode='dg', mix_every=None,
-                 mix_optimizer_state=False, comm=None):
+                 mix_optimizer_state=False, comm=None, comm_dtype=None,
+                 double_buffering=False):
         if mode not in MODES:
             raise ValueError(f"mode must be 'dg' or 'ipm', got {mode!r}")
         if mix_every is not None and mode != 'ipm':
@@ -83,8 +119,15 @@ class GPUDistributedGradient:
                  not isinstance(mix_every, bool) and mix_every >= 1)):
             raise ValueError(f"mix_every must be an int >= 1, 'epoch' or "
                              f'None, got {mix_every!r}')
+        if comm_dtype not in (None, 'float16', 'float32'):
+            raise ValueError(f"comm_dtype must be None, 'float16' or "
+                             f"'float32', got {comm_dtype!r}")
         self.devices = resolve_devices(devices)
         self.mode = mode
+        self.comm_dtype = None if comm_dtype in (None, 'float32') else \
+            np.dtype(comm_dtype)
+        self.double_buffering = bool(double_buffering)
+        self._inflight = None
         self.mix_every = mix_every
         self.mix_optimizer_state = mix_optimizer_state
         copies = [chain.copy(mode='copy') for _ in self.devices[1:]]
@@ -253,15 +296,58 @@ class GPUDistributedGradient:
                 self.syncgrads()
         return False  # exceptions propagate
 
-    def _allreduce_step(self):
-        """Sum the masters' gradients over the job's processes and, in the
-        same all-reduce, the replicas' BatchNorm statistics; returns the
-        statistics' (groups, means) for :meth:`_sync_replicas`."""
+    def _outgoing(self):
+        """This step's gradients as they travel: copies in ``comm_dtype``
+        (each already weighted by its share of the batch, about 1/N of the
+        mean gradient, so a float16 sum stays in range), or the master's
+        own arrays; and the BatchNorm statistics' groups and local sums."""
         grads = self._grads(self.master, self.devices[0])
         groups = self.arrays.groups(self.replicas, params=False)
+        sums, _ = self.arrays.local_sums(groups)
+        if self.comm_dtype is not None or self.double_buffering:
+            with chainer.using_device(self.devices[0]):
+                sent = [g.astype(self.comm_dtype or g.dtype, copy=True)
+                        for g in grads]
+        else:
+            sent = grads
+        return grads, sent, groups, sums
+
+    def _apply(self, grads, sent, groups, means):
+        """Update the master with the summed gradients ``sent`` and bring
+        every replica to its parameters and the mean statistics."""
         with chainer.using_device(self.devices[0]):
-            return groups, self._timed(
-                lambda: self.arrays.means(groups, also=grads))
+            if sent is not grads:
+                for g, summed in zip(grads, sent):
+                    self.devices[0].xp.copyto(g, summed, casting='unsafe')
+            self.optimizer.update()
+        self._sync_replicas(groups, means)
+
+    def _allreduce_step(self):
+        """dg across processes: sum the masters' gradients and, in the same
+        all-reduce, the BatchNorm statistics (one message per step); with
+        ``double_buffering``, apply the previous step's sums while this
+        step's travel on a communication thread."""
+        grads, sent, groups, sums = self._outgoing()
+        if not self.double_buffering:
+            self._timed(lambda: self.arrays.reduce(sums, also=sent))
+            self._apply(grads, sent, groups, sums)
+            return
+        synchronize(self.devices)  # the copies are made before they travel
+        previous = self._inflight
+        if previous is not None:  # one collective at a time, same order
+            self._timed(previous.wait)
+        self._inflight = _Inflight(
+            lambda: self.arrays.reduce(sums, also=sent), (sent, groups, sums))
+        if previous is not None:
+            self._apply(grads, *previous.wait())
+
+    def flush(self):
+        """Apply the gradient still travelling (double buffering): at every
+        epoch end, so that checkpoints hold no step in flight."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            payload = self._timed(inflight.wait)
+            self._apply(self._grads(self.master, self.devices[0]), *payload)
 
     def _sync_replicas(self, groups, means):
         """Write averaged statistics and copy the master's parameters."""
@@ -297,10 +383,7 @@ class GPUDistributedGradient:
             raise RuntimeError('call setup(optimizer) before update()')
         if self.mode == 'dg':
             if self.comm.size > 1:  # one message per step
-                groups, means = self._allreduce_step()
-                with chainer.using_device(self.devices[0]):
-                    self.optimizer.update()
-                self._sync_replicas(groups, means)
+                self._allreduce_step()
             else:
                 with chainer.using_device(self.devices[0]):
                     self.optimizer.update()
@@ -409,7 +492,9 @@ class GPUDistributedGradient:
         return (squared / self.total_replicas) ** 0.5
 
     def end_epoch(self):
-        """Mix if ``mix_every == 'epoch'``; call at the end of each epoch."""
+        """Mix if ``mix_every == 'epoch'``; apply a gradient in flight;
+        call at the end of each epoch."""
+        self.flush()
         if self.mode == 'ipm' and self.mix_every == 'epoch':
             self.mix()
 

@@ -65,15 +65,10 @@ class ReplicaArrays:
                                for key in sorted(rules[0].state)]
         return [g for g in groups if hasattr(g[0], 'dtype')]
 
-    def means(self, groups, keep=False, check=False, also=()):
-        """Each group's arithmetic mean over all the job's replicas, on the
-        master's device: summed in float64 (here, then across processes in
-        rank order) and rounded once by the caller. With ``keep``, also
-        every replica's arrays as they arrived on the master's device.
-        ``also``: more arrays (on the master's device) summed over the
-        processes in the same all-reduce, in place: one message, not two."""
-        if not groups and not also:  # e.g. no BatchNorm: no round trip
-            return ([], []) if keep else []
+    def local_sums(self, groups, keep=False):
+        """Each group's float64 sum over this process's replicas, on the
+        master's device (new arrays); with ``keep``, also every replica's
+        arrays as they arrived there."""
         master = self.model.devices[0]
         arrived, sums = [], [] if not groups else None
         for i, device in enumerate(self.model.devices if groups else ()):
@@ -86,11 +81,30 @@ class ReplicaArrays:
                         acc += a
             if keep:
                 arrived.append(moved)
-        with chainer.using_device(master):
+        return sums, arrived
+
+    def reduce(self, sums, check=False, also=()):
+        """Local sums to means over all the job's replicas: summed across
+        processes in rank order (with ``also``, more arrays on the
+        master's device summed in place in the same all-reduce: one
+        message, not two), then divided."""
+        with chainer.using_device(self.model.devices[0]):
             # Optimizer state may differ between ranks: ``check`` compares.
             self.model.comm.allreduce(list(also) + sums, check=check)
             for acc in sums:
                 acc /= self.model.total_replicas
+        return sums
+
+    def means(self, groups, keep=False, check=False, also=()):
+        """Each group's arithmetic mean over all the job's replicas, on the
+        master's device: summed in float64 (here, then across processes in
+        rank order) and rounded once by the caller. With ``keep``, also
+        every replica's arrays as they arrived on the master's device;
+        ``also`` as in :meth:`reduce`."""
+        if not groups and not also:  # e.g. no BatchNorm: no round trip
+            return ([], []) if keep else []
+        sums, arrived = self.local_sums(groups, keep)
+        sums = self.reduce(sums, check, also)
         return (sums, arrived) if keep else sums
 
     def squared_distance(self, arrived, means):

@@ -280,7 +280,9 @@ def _run_group(config, comm, devices, callbacks, progress):
     model = GPUDistributedGradient(
         get_model(config.model), devices or config.devices or
         default_devices(), mode=config.mode, mix_every=config.mix_every,
-        mix_optimizer_state=config.mix_optimizer_state, comm=comm)
+        mix_optimizer_state=config.mix_optimizer_state, comm=comm,
+        comm_dtype=config.comm_dtype,
+        double_buffering=config.double_buffering)
     if lead and getattr(progress, 'enabled', False):
         _say_devices(model)
     model.setup(make_optimizer(config))

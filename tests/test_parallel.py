@@ -284,3 +284,53 @@ def test_replicas_draw_dropout_from_their_own_streams():
         return [float(r.loss.array) for r in model.replicas]
     first, again = masks(), masks()
     assert first == again and first[0] != first[1]
+
+
+class Mirror:
+    """A job of two ranks whose other rank sends what this one sends."""
+    rank, size = 0, 2
+
+    def allreduce(self, arrays, check=False):
+        for a in arrays:
+            a *= 2
+        return arrays
+
+    def allgather(self, obj):
+        return [obj, obj]
+
+    def bcast(self, obj):
+        return obj
+
+
+@pytest.mark.parametrize('double_buffering', [False, True])
+def test_double_buffering_applies_the_previous_step_s_gradient(
+        double_buffering):
+    batches = [batch(6, seed) for seed in range(4)]
+    model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(),
+                                   double_buffering=double_buffering)
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    for x, t in batches:  # each rank's half: weighted 1/2, summed x2
+        model.step(x, t, total=2 * len(x))
+    model.end_epoch()
+    # the same by hand on one model: apply each gradient one step late
+    ref = fresh()
+    optimizer = chainer.optimizers.SGD(lr=0.1)
+    optimizer.setup(ref)
+    late = None
+    for x, t in batches:
+        ref.cleargrads()
+        ref(x, t).backward()
+        now = [p.grad.copy() for _, p in sorted(ref.namedparams())]
+        if late is not None or not double_buffering:
+            for (_, p), g in zip(sorted(ref.namedparams()),
+                                 late if double_buffering else now):
+                p.grad[...] = g
+            optimizer.update()
+        late = now
+    if double_buffering:  # end_epoch applies the last one
+        for (_, p), g in zip(sorted(ref.namedparams()), late):
+            p.grad[...] = g
+        optimizer.update()
+    for key, value in params(ref).items():
+        np.testing.assert_allclose(params(model.master)[key], value,
+                                   rtol=1e-6, atol=1e-7, err_msg=key)

@@ -270,6 +270,27 @@ def test_several_devices_train_as_one_worker_process_each(data_dir,
     assert args['workers'] == 2 and args['devices'] == ['@numpy']
 
 
+def test_float16_and_double_buffered_communication(data_dir, tmp_path):
+    both = dict(devices=('@numpy',) * 2, epochs=2)
+    exact = train(config(data_dir, tmp_path / 'exact', **both))['log']
+    half = train(config(data_dir, tmp_path / 'half', comm_dtype='float16',
+                        **both))['log']
+    stale = [train(config(data_dir, tmp_path / f'stale{i}',
+                          double_buffering=True, **both))['log']
+             for i in range(2)]
+    for rows in (half, stale[0]):  # as many updates as exact dg
+        assert [r['iteration'] for r in rows] == \
+            [r['iteration'] for r in exact]
+    for a, b in zip(exact, half):  # float16 sums: close to exact
+        assert b['main/loss'] == pytest.approx(a['main/loss'], rel=0.01)
+    # one step stale (the maths: test_parallel) learns, more slowly here
+    assert stale[0][1]['main/loss'] < stale[0][0]['main/loss']
+    # float16 rounds the sums; one-step-stale updates follow another path
+    assert half[-1]['main/loss'] != exact[-1]['main/loss']
+    assert stale[0][-1]['main/loss'] != exact[-1]['main/loss']
+    assert_same_logs(stale[0], stale[1])  # deterministic all the same
+
+
 @pytest.mark.parametrize('policy', ['continue', 'wait'])
 def test_a_worker_killed_mid_job_and_the_job_goes_on(data_dir, tmp_path,
                                                       policy):
