@@ -13,42 +13,17 @@ MultiprocessParallelUpdater gathers gradients; nothing is computed on a GPU
 the user did not list.
 """
 import copy
-import threading
 import time
 
 import chainer
 import numpy as np
 
-from dasktrain.collective import Solo
+from dasktrain.collective import Inflight, Solo
 from dasktrain.devices import (DeviceError, resolve_devices,  # noqa: F401
                                synchronize, transfer)
 from dasktrain.replicas import ReplicaArrays, ReplicaRandom, restore
 
 MODES = ('dg', 'ipm')
-
-
-class _Inflight:
-    """``work()`` running on a thread of its own until :meth:`wait`, which
-    returns ``payload`` or raises what the work raised. One per step: the
-    thread never outlives its step."""
-
-    def __init__(self, work, payload):
-        self.payload, self.error = payload, None
-
-        def run():
-            try:
-                work()
-            except BaseException as e:  # re-raised in the caller's thread
-                self.error = e
-        self.thread = threading.Thread(target=run, daemon=True,
-                                       name='dasktrain-allreduce')
-        self.thread.start()
-
-    def wait(self):
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.payload
 
 
 class GPUDistributedGradient:
@@ -336,7 +311,7 @@ class GPUDistributedGradient:
         previous = self._inflight
         if previous is not None:  # one collective at a time, same order
             self._timed(previous.wait)
-        self._inflight = _Inflight(
+        self._inflight = Inflight(
             lambda: self.arrays.reduce(sums, also=sent), (sent, groups, sums))
         if previous is not None:
             self._apply(grads, *previous.wait())

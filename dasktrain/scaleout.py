@@ -27,7 +27,8 @@ import time
 import uuid
 
 from dasktrain.cluster import connect, restore_default_scheduler
-from dasktrain.collective import CollectiveError, DaskComm, NcclComm
+from dasktrain.collective import CollectiveError, DaskComm
+from dasktrain.nccl import NcclComm
 from dasktrain.devices import free_gpu_memory, gpu_count
 from dasktrain.gpus import (NCCL_MISSING, GpuPool, gpu_ids, place_devices,
                             use_nccl, visible_gpus)

@@ -7,7 +7,8 @@ import types
 import numpy as np
 import pytest
 
-from dasktrain.collective import CollectiveError, NcclComm, poll, signature
+from dasktrain.collective import CollectiveError, poll, signature
+from dasktrain.nccl import NcclComm
 from dasktrain.config import TrainConfig
 from dasktrain.devices import format_uuid, unused_gpus_message
 from dasktrain.gpus import (NCCL_MISSING, Gpu, GpuError, GpuPool, gpu_ids,

@@ -18,7 +18,8 @@ pytestmark = [needs(2)]
 def _sums(name, rank, size):
     import cupy
 
-    from dasktrain.collective import DaskComm, NcclComm
+    from dasktrain.collective import DaskComm
+    from dasktrain.nccl import NcclComm
     with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
         comm = NcclComm(host, 0)
         try:
@@ -40,7 +41,8 @@ def _sums(name, rank, size):
 def _skipper(name, rank, size):
     import cupy
 
-    from dasktrain.collective import DaskComm, NcclComm
+    from dasktrain.collective import DaskComm
+    from dasktrain.nccl import NcclComm
     with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
         comm = NcclComm(host, 0)
         host.timeout = 5.0  # the all-reduce's deadline
