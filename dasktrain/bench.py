@@ -370,6 +370,12 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     runs = [measure(train(base.replace(out=str(scratch / 'single'),
                                        devices=('@numpy',))),
                     'one process, 1 replica (BLAS threads: all)')]
+    from dasktrain.training import train as plain_loop
+    with local_workers(1) as client:  # the same loop, 1 BLAS thread
+        runs.append(measure(client.submit(plain_loop, base.replace(
+            out=str(scratch / 'plain-1'), devices=('@numpy',)),
+            pure=False).result(), 'one process, 1 replica (BLAS threads: '
+            '1), no Dask job'))
     most = max(workers)
     reference = {}  # the accuracy a job across workers must match
     for mode in ('dg', 'ipm'):
@@ -388,6 +394,16 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
             name = f'ipm, mix every {mix_every}' if mode == 'ipm' else 'dg'
             runs.append(measure(summary, f'{n} worker(s), {name} (BLAS '
                                 'threads: 1)', n, mode))
+    for label, extra in (('float16 communication', {'comm_dtype': 'float16'}),
+                         ('double buffering', {'double_buffering': True})):
+        if most < 2:
+            break
+        with local_workers(most) as client:
+            summary = train(base.replace(
+                workers=most, devices=('@numpy',), out=str(scratch / label),
+                **extra), client=client)
+        runs.append(measure(summary, f'{most} worker(s), dg, {label} (BLAS '
+                            'threads: 1)', most, 'dg'))
     one = next(r['rate'] for r in runs if r['workers'] == 1)
     rows = []
     for r in runs:
@@ -400,9 +416,17 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
             rows.append(('  scaling efficiency',
                          f"{100 * r['rate'] / (n * one):.0f} %", ''))
         rows.append(('  communication per step', 1000 * r['comm'], 'ms'))
+        if n is not None:  # images per step over images per second
+            step = batch_size * n / r['rate']
+            rows.append(('  exposed communication share of a step',
+                         f"{100 * r['comm'] / step:.1f} %", ''))
+        if n == 1:
+            plain = runs[1]['rate']
+            rows.append(('  vs the plain loop with 1 BLAS thread',
+                         f"{100 * (r['rate'] / plain - 1):+.1f} %", ''))
         rows.append((f'  test accuracy after {epochs} epochs',
                      f"{100 * r['accuracy']:.1f} %", ''))
-        if n == most > 1:
+        if n == most > 1:  # exact dg or ipm, and dg's variants
             mode = r['mode']
             rows.append((f'  vs one process with {n} replicas, {mode} '
                          f'({100 * reference[mode]:.1f} %)',

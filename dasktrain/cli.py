@@ -404,6 +404,19 @@ class Bench(Command):
         p.set_defaults(command_parser=p, positive=(
             'workers', 'batch_size', 'mix_every', 'epochs', 'train_size',
             'test_size'))
+        p = which.add_parser('allreduce', help='the all-reduce between two '
+                             'processes of this machine: shared memory, TCP '
+                             "and OpenMPI's (mpi4py)")
+        p.add_argument('--mbytes', type=float, default=22.5,
+                       help='float32 buffer size (default: %(default)s, the '
+                            "seed network's gradients)")
+        p.add_argument('--iterations', type=int, default=10,
+                       help='timed all-reduces per round (default: '
+                            '%(default)s)')
+        p.add_argument('--rounds', type=int, default=3,
+                       help='rounds of the three in turns, best reported '
+                            '(default: %(default)s)')
+        p.set_defaults(command_parser=p, positive=('iterations', 'rounds'))
 
     def run(self, args):
         from dasktrain import bench
@@ -418,6 +431,13 @@ class Bench(Command):
                 repeats=args.repeats, cores=args.cores,
                 padding=args.padding, trainer_rate=args.trainer_rate)
             title = f'dasktrain bench augment (padding={args.padding})'
+        elif args.bench == 'allreduce':
+            from dasktrain.bench_allreduce import bench_allreduce
+            rows = bench_allreduce(mbytes=args.mbytes,
+                                   iterations=args.iterations,
+                                   rounds=args.rounds)
+            title = (f'dasktrain bench allreduce ({args.mbytes:g} MB of '
+                     'float32, 2 processes)')
         elif args.bench == 'scaleout':
             rows = bench.bench_scaleout(
                 workers=range(1, args.workers + 1), model=args.model,

@@ -32,3 +32,18 @@ def test_bench_usage_errors(capsys):
     assert main(['bench', 'train', '--iterations', '0']) == 2
     assert capsys.readouterr().err.startswith(
         'dasktrain bench train: error: --iterations must be >= 1, got 0')
+
+
+def test_bench_allreduce_times_shared_memory_tcp_and_says_what_of_mpi(
+        capsys):
+    assert main(['bench', 'allreduce', '--mbytes', '0.5', '--iterations',
+                 '2', '--rounds', '1']) == 0
+    out = capsys.readouterr().out
+    times = dict(re.findall(r'\| dasktrain all-reduce, ([a-z ]+) \| '
+                            r'([\d,.]+) \| ms \|', out))
+    assert set(times) == {'shared memory', 'tcp'}
+    assert all(float(v.replace(',', '')) > 0 for v in times.values())
+    # MPI: a time and the ratios, or why not (mpi4py is bench-only)
+    assert re.search(r'\| OpenMPI Allreduce \(mpi4py\) \| ([\d,.]+ \| ms|'
+                     r'(mpi4py is not installed|no mpirun|mpirun failed))',
+                     out)
