@@ -333,6 +333,25 @@ class Result(_JobCommand):
         return 0
 
 
+def _model_scaling(args):
+    from dasktrain import costmodel
+    links = dict(costmodel.LINKS)
+    if args.measure:
+        from dasktrain.bench_allreduce import bench_allreduce
+        sizes = [(mb * 1e6, bench_allreduce(mbytes=mb, iterations=5,
+                                            rounds=1)[0][1] / 1000)
+                 for mb in (1.0, args.mbytes)]
+        links['this machine, shared memory (fitted)'] = \
+            costmodel.fit_link(*sizes)
+    rows = [(f'{name}, {n} GPUs', f'{100 * plain:.0f} % / '
+             f'{100 * overlapped:.0f} %', 'no overlap / overlap')
+            for name, n, plain, overlapped in costmodel.predict(
+                args.step_ms / 1000, args.mbytes * 1e6, links=links)]
+    rows.append(('ChainerMN, published: 32 GPUs vs 8',
+                 f'{100 * costmodel.CHAINERMN_32_GPUS:.0f} %', ''))
+    return rows
+
+
 @command
 class Bench(Command):
     name = 'bench'
@@ -417,6 +436,19 @@ class Bench(Command):
                        help='rounds of the three in turns, best reported '
                             '(default: %(default)s)')
         p.set_defaults(command_parser=p, positive=('iterations', 'rounds'))
+        p = which.add_parser('model-scaling', help='predicted dg scaling '
+                             'efficiency on 2-64 GPUs over named links, with '
+                             'and without overlap (a cost model)')
+        p.add_argument('--step-ms', type=float, default=100.0,
+                       help="one GPU's compute per step in ms (default: "
+                            "%(default)s, the seed post's GPUs)")
+        p.add_argument('--mbytes', type=float, default=22.5,
+                       help='gradient bytes per step in MB (default: '
+                            "%(default)s, the seed network's)")
+        p.add_argument('--measure', action='store_true',
+                       help="also fit this machine's shared-memory all-"
+                            'reduce (2 sizes, bench allreduce) as a link')
+        p.set_defaults(command_parser=p, positive=('step_ms', 'mbytes'))
 
     def run(self, args):
         from dasktrain import bench
@@ -431,6 +463,10 @@ class Bench(Command):
                 repeats=args.repeats, cores=args.cores,
                 padding=args.padding, trainer_rate=args.trainer_rate)
             title = f'dasktrain bench augment (padding={args.padding})'
+        elif args.bench == 'model-scaling':
+            rows = _model_scaling(args)
+            title = (f'dasktrain bench model-scaling (step {args.step_ms:g} '
+                     f'ms, {args.mbytes:g} MB of gradients; a prediction)')
         elif args.bench == 'allreduce':
             from dasktrain.bench_allreduce import bench_allreduce
             rows = bench_allreduce(mbytes=args.mbytes,
