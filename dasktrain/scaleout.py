@@ -223,15 +223,15 @@ def train(config=None, callbacks=(), client=None, **overrides):
     # Ranks run elsewhere, in other working directories.
     config = config.replace(out=os.path.abspath(config.out),
                             data_dir=os.path.abspath(config.data_dir))
-    prepare_out(config)
-    from dasktrain.data import download_cifar10
-    download_cifar10(config.data_dir, url=config.url, md5=config.md5,
-                     progress=config.progress)  # once, not once per rank
-    if client is not None:
-        return _drive(client, config, callbacks)
-    with restore_default_scheduler(always=True):
-        with connect(config.scheduler) as client:
+    with prepare_out(config):  # locked here; rank 0 writes into it
+        from dasktrain.data import download_cifar10
+        download_cifar10(config.data_dir, url=config.url, md5=config.md5,
+                         progress=config.progress)  # once, not per rank
+        if client is not None:
             return _drive(client, config, callbacks)
+        with restore_default_scheduler(always=True):
+            with connect(config.scheduler) as client:
+                return _drive(client, config, callbacks)
 
 
 def _drive(client, config, callbacks):
@@ -290,9 +290,13 @@ def local_workers(n, blas_threads=1):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
+        # Every listener on 127.0.0.1 (':0' would put the dashboard on
+        # every interface); TLS with throwaway certificates, so that other
+        # users of the machine cannot run code in the workers.
         with restore_default_scheduler(always=True), LocalCluster(
                 n_workers=n, threads_per_worker=1, processes=True,
-                host='127.0.0.1', dashboard_address=':0', env=env) as cluster:
+                host='127.0.0.1', dashboard_address='127.0.0.1:0',
+                security=True, env=env) as cluster:
             with Client(cluster, set_as_default=False) as client:
                 yield client
     finally:
