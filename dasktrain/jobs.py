@@ -188,8 +188,8 @@ def list_jobs(path=None):
 
     def submitted(job):
         try:
-            return job.spec()['submitted']
-        except JobError:
+            return float(job.spec()['submitted'])
+        except (JobError, TypeError, ValueError):
             return job.folder.stat().st_mtime
     return sorted(jobs, key=submitted)
 
