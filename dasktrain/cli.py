@@ -255,7 +255,7 @@ class Jobs(Command):
         if live:  # what the scheduler knows, if it can be reached at once
             try:
                 from dasktrain.cluster import connect
-                with connect(live[0][1]['scheduler'], timeout=3) as c:
+                with connect(live[0][1].get('scheduler'), timeout=3) as c:
                     known = scheduler_states([j.key for j, _ in live], c)
             except Exception:  # unreachable: the files alone still tell
                 known = None
@@ -264,13 +264,14 @@ class Jobs(Command):
         for job, spec, s in jobs:
             accuracy = f"{s['accuracy']:.4f}" if s['accuracy'] is not None \
                 else '-'
-            gpus = ','.join(s['gpus']) if s['gpus'] else str(spec['gpus'])
+            gpus = ','.join(s['gpus']) if s.get('gpus') else \
+                str(spec.get('gpus', '-'))
             seen = '-' if s['state'] in DONE else 'unreachable' \
                 if known is None else known.get(job.key, 'unknown')
             rows.append((job.id, s['state'], gpus,
                          f"{s['epoch']}/{s['epochs']}", accuracy,
-                         _when(spec['submitted']), _when(s['started']),
-                         _when(s['ended']), seen))
+                         _when(spec['submitted']), _when(s.get('started')),
+                         _when(s.get('ended')), seen))
         rows += [(job.id, 'unreadable') + ('-',) * 7
                  for job, _ in unreadable]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -125,6 +125,15 @@ def default_security(address, state=None):
     return security_from(**files)
 
 
+def worker_info(client):
+    """``{address: info}`` of the scheduler's workers, asked now.
+
+    Not ``client.scheduler_info()['workers']``: the client's periodic
+    refresh, which asks for no workers, can overwrite that cache between
+    the fetch and the read, and a cluster then seems to have none."""
+    return client.sync(client.scheduler.identity, n_workers=-1)['workers']
+
+
 @contextlib.contextmanager
 def restore_default_scheduler(always=False):
     """Put dask's default scheduler back as it was after an error (or
@@ -279,7 +288,7 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
             *tls_args], folder / 'logs' / 'worker.log', env))
         client = connect(address, security_from(**tls) if tls else None)
         with client:
-            _wait_for(lambda: client.scheduler_info()['workers'] or None,
+            _wait_for(lambda: worker_info(client) or None,
                       timeout, 'the worker', processes)
             dashboard = client.dashboard_link
     except BaseException:
@@ -372,11 +381,10 @@ def _kill(pid, created, grace=5.0):
 def cluster_status(address=None):
     """Scheduler address, dashboard and workers with their resources."""
     with connect(address) as client:
-        info = client.scheduler_info()
         workers = {addr: {'name': w.get('name'),
                           'resources': w.get('resources', {}),
                           'threads': w.get('nthreads')}
-                   for addr, w in info['workers'].items()}
+                   for addr, w in worker_info(client).items()}
         return {'scheduler': client.scheduler.address,
                 'dashboard': client.dashboard_link, 'workers': workers}
 

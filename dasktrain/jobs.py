@@ -26,7 +26,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-from dasktrain.cluster import GpuPool, connect, home
+from dasktrain.cluster import GpuPool, connect, home, worker_info
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
@@ -53,9 +53,8 @@ def _update_status(folder, **changes):
     return status
 
 
-# What a job's files must hold to be read at all.
-_NEEDS = {'job.json': ('id', 'gpus', 'config', 'scheduler', 'submitted'),
-          'status.json': ('state', 'attempts', 'gpus', 'started', 'ended')}
+# What every reader of a job's files needs from them.
+_NEEDS = {'job.json': ('submitted', 'config'), 'status.json': ('state',)}
 
 
 def _read(folder, name):
@@ -225,7 +224,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     try:
         resource = 'GPU' if gpus else 'CPU'
         need = max(gpus, 1)
-        workers = client.scheduler_info()['workers']
+        workers = worker_info(client)
         have = {addr: w.get('resources', {}).get(resource, 0)
                 for addr, w in workers.items()}
         if config.workers is not None:

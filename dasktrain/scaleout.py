@@ -26,7 +26,8 @@ import sys
 import time
 import uuid
 
-from dasktrain.cluster import GpuPool, connect, restore_default_scheduler
+from dasktrain.cluster import (GpuPool, connect, restore_default_scheduler,
+                               worker_info)
 from dasktrain.collective import CollectiveError, DaskComm, NcclComm
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
@@ -121,7 +122,7 @@ def _choose(client, config, gpus, wanted, minimum, patience):
     deadline = time.monotonic() + patience
     announced = False
     while True:
-        infos = client.scheduler_info(n_workers=-1)['workers']
+        infos = worker_info(client)
         able = sorted(a for a, w in infos.items()
                       if w.get('resources', {}).get('GPU', 0) >= gpus)
         if len(able) >= minimum:
@@ -140,7 +141,7 @@ def _choose(client, config, gpus, wanted, minimum, patience):
 
 
 def _launch(client, config, name, workers, gpus):
-    infos = client.scheduler_info(n_workers=-1)['workers']
+    infos = worker_info(client)
     futures = []
     for rank, address in enumerate(workers):
         resources = {'GPU': gpus} if gpus else \
@@ -176,7 +177,7 @@ def _watch(client, futures, workers, topic, progress, callbacks):
         states = [f.status for f in futures]
         if all(s == 'finished' for s in states):
             return 'done', futures[0].result()
-        alive = set(client.scheduler_info(n_workers=-1)['workers'])
+        alive = set(worker_info(client))
         lost = [w for w in workers if w not in alive]
         if lost:
             return 'lost', lost
@@ -236,7 +237,7 @@ def train(config=None, callbacks=(), client=None, **overrides):
 
 def _drive(client, config, callbacks):
     from distributed import Variable
-    infos = list(client.scheduler_info(n_workers=-1)['workers'].values())
+    infos = list(worker_info(client).values())
     gpus = _gpus_per_worker(config, infos)
     job = uuid.uuid4().hex[:8]
     progress = _Progress(config.progress, config.epochs)

@@ -254,12 +254,11 @@ def test_a_failing_job_is_marked_failed_and_others_finish(
                       'cut': 'unreadable', 'blank': 'unreadable'}
     assert 'unreadable: job cut: status.json is not valid JSON' in \
         '\n'.join(lines)
-    assert 'unreadable: job blank: job.json lacks id, gpus, config, ' \
-        'scheduler, submitted' in lines
+    assert 'unreadable: job blank: job.json lacks submitted, config' in lines
     for command, job_id, reason in [
             ('result', 'cut', 'status.json is not valid JSON'),
-            ('logs', 'blank', 'job.json lacks id'),
-            ('cancel', 'blank', 'job.json lacks id')]:
+            ('logs', 'blank', 'job.json lacks submitted'),
+            ('cancel', 'blank', 'job.json lacks submitted')]:
         assert main([command, job_id, '--jobs-dir', str(jobs)]) == 1
         err = capsys.readouterr().err
         assert err.count('\n') == 1 and reason in err, err
