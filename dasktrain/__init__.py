@@ -22,6 +22,7 @@ _EXPORTS = {
     'EpochLoader': 'dasktrain.augment',
     'GPUDistributedGradient': 'dasktrain.parallel',
     'get_model': 'dasktrain.models',
+    'load_model': 'dasktrain.models',
     'TrainConfig': 'dasktrain.config',
     'train': 'dasktrain.scaleout',
     'submit': 'dasktrain.jobs',

@@ -103,10 +103,16 @@ def _where(summary):
 
 def _add_tls_arguments(parser):
     parser.add_argument('--tls-ca-file', metavar='PEM',
-                        help='CA certificate; with --tls-cert and --tls-key '
-                             'every connection uses TLS')
+                        help='your own CA certificate, with --tls-cert and '
+                             '--tls-key (default: the cluster\'s own CA and '
+                             'certificate in ~/.dasktrain/tls, made on first '
+                             'use)')
     parser.add_argument('--tls-cert', metavar='PEM')
     parser.add_argument('--tls-key', metavar='PEM')
+    parser.add_argument('--insecure', action='store_true',
+                        help='no TLS: every user who can reach the port '
+                             '(on 127.0.0.1: everyone on this machine) can '
+                             'run any code as you')
 
 
 @command
@@ -148,11 +154,14 @@ class Cluster(Command):
                 host=args.host, port=args.port,
                 dashboard_port=args.dashboard_port, gpus=args.gpus,
                 cpu_slots=args.cpu_slots, tls_ca_file=args.tls_ca_file,
-                tls_cert=args.tls_cert, tls_key=args.tls_key)
+                tls_cert=args.tls_cert, tls_key=args.tls_key,
+                insecure=args.insecure)
+            tls = ', '.join(state['tls'].values()) if state['tls'] else \
+                'none (--insecure)'
             print(f"scheduler: {state['scheduler']}\n"
                   f"dashboard: {state['dashboard']}\n"
                   f"worker resources: {state['resources']}\n"
-                  f'recorded in {cluster.state_path()}')
+                  f'TLS: {tls}\nrecorded in {cluster.state_path()}')
         elif args.action == 'status':
             status = cluster.cluster_status()
             print(f"scheduler: {status['scheduler']}\n"
@@ -165,7 +174,12 @@ class Cluster(Command):
                       f"{worker['threads']} threads")
         else:
             state = cluster.stop_cluster()
-            print(f"stopped the cluster at {state['scheduler']}")
+            if state['stale']:
+                print(f"no cluster was running at {state['scheduler']} (its "
+                      'processes are gone); removed the stale record '
+                      f'{cluster.state_path()}')
+            else:
+                print(f"stopped the cluster at {state['scheduler']}")
         return 0
 
 
@@ -228,34 +242,43 @@ class Jobs(Command):
         _add_jobs_dir(parser)
 
     def run(self, args):
-        from dasktrain.jobs import DONE, list_jobs, scheduler_states
-        jobs = list_jobs(args.jobs_dir)
-        live = [j for j in jobs if j.status()['state'] not in DONE]
+        from dasktrain.jobs import DONE, JobError, list_jobs, \
+            scheduler_states
+        jobs, unreadable = [], []
+        for job in list_jobs(args.jobs_dir):
+            try:  # one bad job folder must not hide the others
+                jobs.append((job, job.spec(), job.status()))
+            except JobError as e:
+                unreadable.append((job, str(e)))
+        live = [(j, spec) for j, spec, s in jobs if s['state'] not in DONE]
         known = {}
         if live:  # what the scheduler knows, if it can be reached at once
             try:
                 from dasktrain.cluster import connect
-                with connect(live[0].spec()['scheduler'], timeout=3) as c:
-                    known = scheduler_states([j.key for j in live], c)
+                with connect(live[0][1].get('scheduler'), timeout=3) as c:
+                    known = scheduler_states([j.key for j, _ in live], c)
             except Exception:  # unreachable: the files alone still tell
                 known = None
         rows = [('ID', 'STATE', 'GPUS', 'PROGRESS', 'ACCURACY', 'SUBMITTED',
                  'STARTED', 'ENDED', 'SCHEDULER')]
-        for job in jobs:
-            s = job.status()
+        for job, spec, s in jobs:
             accuracy = f"{s['accuracy']:.4f}" if s['accuracy'] is not None \
                 else '-'
-            gpus = ','.join(s['gpus']) if s['gpus'] else \
-                str(job.spec()['gpus'])
+            gpus = ','.join(s['gpus']) if s.get('gpus') else \
+                str(spec.get('gpus', '-'))
             seen = '-' if s['state'] in DONE else 'unreachable' \
                 if known is None else known.get(job.key, 'unknown')
             rows.append((job.id, s['state'], gpus,
                          f"{s['epoch']}/{s['epochs']}", accuracy,
-                         _when(job.spec()['submitted']), _when(s['started']),
-                         _when(s['ended']), seen))
+                         _when(spec['submitted']), _when(s.get('started')),
+                         _when(s.get('ended')), seen))
+        rows += [(job.id, 'unreadable') + ('-',) * 7
+                 for job, _ in unreadable]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             print('  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        for _, reason in unreadable:
+            print(f'unreadable: {reason}')
         return 0
 
 

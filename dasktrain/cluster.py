@@ -6,11 +6,15 @@ advertises them as the resource ``GPU=n`` (on a machine without GPUs, ``CPU``
 slots), so jobs that ask for K GPUs wait until a worker has K free. The
 addresses are recorded in ``$DASKTRAIN_HOME/cluster.json`` (default
 ``~/.dasktrain``) for later commands. Another machine joins with the
-standard ``dask worker ADDRESS --resources GPU=n``.
+standard ``dask worker ADDRESS --resources GPU=n`` and the TLS files.
 
 Dask runs pickled code sent by any client: whoever reaches the scheduler can
-run code as the user who started it. It binds to 127.0.0.1 unless told
-otherwise; bind elsewhere only with TLS, on a network you trust.
+run code as the user who started it, and on a shared server every user
+reaches 127.0.0.1. So the cluster requires TLS with certificates of its own
+private CA (:mod:`dasktrain.tls`, files only the owner can read) at both
+ends of every connection, and every dasktrain client uses them;
+``insecure=True`` drops that, loudly. Every listener (scheduler, worker,
+nanny, both dashboards) binds the host given, 127.0.0.1 by default.
 """
 import contextlib
 import ipaddress
@@ -22,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from dasktrain import tls as _tls
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
 
@@ -39,6 +44,11 @@ def home():
 
 def state_path():
     return home() / 'cluster.json'
+
+
+def tls_dir():
+    """Where the cluster's CA and certificates live: ``home() / 'tls'``."""
+    return home() / 'tls'
 
 
 def read_state():
@@ -87,9 +97,8 @@ def connect(address=None, security=None, timeout=10):
                                '`dasktrain cluster start` or pass '
                                '--scheduler ADDRESS')
         address = state['scheduler']
-    if security is None and state and state.get('tls') and \
-            address == state['scheduler']:
-        security = security_from(**state['tls'])
+    if security is None:
+        security = default_security(address, state)
     try:
         with restore_default_scheduler():
             return Client(address, timeout=timeout, security=security)
@@ -97,6 +106,31 @@ def connect(address=None, security=None, timeout=10):
         raise ClusterError(f'cannot reach the scheduler at {address} '
                            f'({type(e).__name__}: {e}); is the cluster '
                            'running (`dasktrain cluster status`)?') from None
+
+
+def default_security(address, state=None):
+    """The TLS files a dasktrain client uses for ``address`` unasked: the
+    recorded cluster's, else those in :func:`tls_dir` (where a machine that
+    joined keeps its copies); None for a ``tcp://`` address."""
+    if not str(address).startswith('tls://'):
+        return None
+    state = state or read_state()
+    files = (state or {}).get('tls') or _tls.files(tls_dir())
+    if not files:
+        raise ClusterError(f'{address} needs TLS certificates and none are '
+                           f'recorded or in {tls_dir()}; copy ca.pem, '
+                           'node.pem and node-key.pem there from the '
+                           "cluster's machine")
+    return security_from(**files)
+
+
+def worker_info(client):
+    """``{address: info}`` of the scheduler's workers, asked now.
+
+    Not ``client.scheduler_info()['workers']``: the client's periodic
+    refresh, which asks for no workers, can overwrite that cache between
+    the fetch and the read, and a cluster then seems to have none."""
+    return client.sync(client.scheduler.identity, n_workers=-1)['workers']
 
 
 @contextlib.contextmanager
@@ -129,23 +163,29 @@ def _is_loopback(host):
 
 
 def exposure_warning(host, tls):
-    """The warning for binding ``host`` without TLS, or None."""
-    if _is_loopback(host) or tls:
+    """The warning for a cluster on ``host`` without TLS, or None."""
+    if tls:
         return None
-    return (f'warning: binding to {host} without TLS: anyone who can reach '
-            'this port can run any code as you. Use --tls-* files or keep '
-            'the default 127.0.0.1')
+    if _is_loopback(host):
+        return ('warning: --insecure: no TLS; every user of this machine '
+                'can connect to the cluster and run any code as you')
+    return (f'warning: --insecure: binding to {host} without TLS; anyone '
+            'who can reach this port can run any code as you')
+
+
+def _with_port(host, port):
+    return f'[{host}]:{port}' if ':' in host else f'{host}:{port}'
 
 
 def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
                   gpus=None, cpu_slots=1, tls_ca_file=None, tls_cert=None,
-                  tls_key=None, timeout=60):
+                  tls_key=None, insecure=False, timeout=60):
     """Start a scheduler and a worker in the background; record them.
 
     Parameters
     ----------
     host : str, default '127.0.0.1'
-        Interface to bind. Anything but loopback without TLS warns.
+        Interface every listener binds.
     port, dashboard_port : int, default 8786, 8787
         0 picks free ports.
     gpus : int, optional
@@ -154,25 +194,36 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         CPU jobs (``--gpus 0``) the worker runs at once, beside its GPU
         jobs (advertised as ``CPU``).
     tls_ca_file, tls_cert, tls_key : str, optional
-        PEM files; with them every connection uses TLS (``tls://``).
+        PEM files of your own; default: the cluster's own CA and node
+        certificate in :func:`tls_dir`, made on first use.
+    insecure : bool, default False
+        No TLS (``tcp://``): anyone who reaches the port runs code as you.
     timeout : float, default 60
         Seconds to wait for the processes to come up.
 
     Returns
     -------
     dict
-        What was recorded: scheduler and dashboard addresses, pids,
-        resources.
+        What was recorded: scheduler and dashboard addresses, pids and
+        their start times, resources, TLS files.
     """
+    given = any((tls_ca_file, tls_cert, tls_key))
+    if insecure and given:
+        raise ClusterError('--insecure and --tls-* contradict each other; '
+                           'pass one or the other')
     state = read_state()
-    if state is not None and _alive(state):
+    if state is not None and _running(state):
         raise ClusterError(f"a cluster is already running at "
                            f"{state['scheduler']}; stop it with `dasktrain "
                            "cluster stop` first")
-    tls = {'tls_ca_file': tls_ca_file, 'tls_cert': tls_cert,
-           'tls_key': tls_key} if any((tls_ca_file, tls_cert, tls_key)) \
-        else None
-    security = security_from(**tls) if tls else None
+    if insecure:
+        tls = None
+    elif given:
+        security_from(tls_ca_file, tls_cert, tls_key)  # all three or none
+        tls = {'tls_ca_file': tls_ca_file, 'tls_cert': tls_cert,
+               'tls_key': tls_key}
+    else:
+        tls = _tls.ensure_certificates(tls_dir(), host)
     warning = exposure_warning(host, tls is not None)
     if warning:
         print(warning, file=sys.stderr)
@@ -183,17 +234,19 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
     (folder / 'logs').mkdir(parents=True, exist_ok=True)
     scheduler_file = folder / 'scheduler.json'
     scheduler_file.unlink(missing_ok=True)
-    tls_args = []
+    tls_args, env = [], None
     if tls:
-        tls_args = ['--tls-ca-file', tls_ca_file, '--tls-cert', tls_cert,
-                    '--tls-key', tls_key]
+        tls_args = ['--tls-ca-file', tls['tls_ca_file'], '--tls-cert',
+                    tls['tls_cert'], '--tls-key', tls['tls_key']]
+        # Nothing in these processes may fall back to plain TCP.
+        env = dict(os.environ, DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION='1')
     dask = [sys.executable, '-m', 'dask']
     processes = [_spawn(dask + [
         'scheduler', '--host', host, '--port', str(port),
-        '--dashboard-address', f'{host}:{dashboard_port}',
+        '--dashboard-address', _with_port(host, dashboard_port),
         '--scheduler-file', str(scheduler_file),
         *(['--protocol', 'tls'] if tls else []), *tls_args],
-        folder / 'logs' / 'scheduler.log')]
+        folder / 'logs' / 'scheduler.log', env)]
     try:
         info = _wait_for(lambda: json.loads(scheduler_file.read_text()),
                          timeout, 'the scheduler', processes)
@@ -204,30 +257,41 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
             # a thread (and no GPU) while its ranks hold the slots.
             '--nthreads', str(gpus + max(cpu_slots, 1) + 1),
             '--resources', resources, '--host', host,
+            # Its HTTP server (/health, /metrics) would bind every
+            # interface otherwise.
+            '--dashboard-address', _with_port(host, 0),
             '--local-directory', str(folder / 'worker-space'),
-            *tls_args], folder / 'logs' / 'worker.log'))
-        client = connect(address, security)
+            *tls_args], folder / 'logs' / 'worker.log', env))
+        client = connect(address, security_from(**tls) if tls else None)
         with client:
-            _wait_for(lambda: client.scheduler_info()['workers'] or None,
+            _wait_for(lambda: worker_info(client) or None,
                       timeout, 'the worker', processes)
             dashboard = client.dashboard_link
     except BaseException:
         for process in processes:
-            _kill(process.pid)
+            _kill(process.pid, process.created)
         raise
     state = {'scheduler': address, 'dashboard': dashboard,
-             'pids': [p.pid for p in processes], 'resources': resources,
-             'host': host, 'tls': tls, 'started': time.time()}
+             'pids': [p.pid for p in processes],
+             'created': [p.created for p in processes],
+             'resources': resources, 'host': host, 'tls': tls,
+             'started': time.time()}
     _write_state(state)
     return state
 
 
-def _spawn(argv, log_path):
+def _spawn(argv, log_path, env=None):
+    import psutil
     log = open(log_path, 'ab')
     # A session of its own: the cluster outlives the command that started
     # it, and a Ctrl-C there does not reach it.
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env=env,
+                               start_new_session=True)
+    # With the pid, what tells this process from a later one that the
+    # system gives the same pid.
+    process.created = psutil.Process(process.pid).create_time()
+    return process
 
 
 def _wait_for(probe, timeout, what, processes):
@@ -249,62 +313,78 @@ def _wait_for(probe, timeout, what, processes):
                        f"see the logs in {home() / 'logs'}")
 
 
-def _alive(state):
-    return any(_pid_alive(pid) for pid in state.get('pids', ()))
-
-
-def _pid_alive(pid):
+def _is(pid, created):
+    """Whether ``pid`` is still the process that started at ``created``
+    (and has not exited)."""
+    import psutil
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        process = psutil.Process(pid)
+        return abs(process.create_time() - created) < 0.01 and \
+            process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    except PermissionError:
-        return True
-    return True
 
 
-def _kill(pid, grace=5.0):
-    """SIGTERM a process group, SIGKILL it if it lingers."""
+def _running(state):
+    """The recorded (pid, start time) pairs that are still those
+    processes; a state without start times matches none."""
+    return [(pid, created) for pid, created in
+            zip(state.get('pids', ()), state.get('created', ()))
+            if _is(pid, created)]
+
+
+def _kill(pid, created, grace=5.0):
+    """SIGTERM a process group, SIGKILL it if it lingers; only while its
+    leader is the process recorded."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not _is(pid, created):
+            return
         try:
             os.killpg(pid, sig)
         except (ProcessLookupError, PermissionError):
             return
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            if not _pid_alive(pid):
-                return
-            try:
+            try:  # reap it if it is our child
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
+            if not _is(pid, created):
+                return
             time.sleep(0.1)
 
 
 def cluster_status(address=None):
     """Scheduler address, dashboard and workers with their resources."""
     with connect(address) as client:
-        info = client.scheduler_info()
         workers = {addr: {'name': w.get('name'),
                           'resources': w.get('resources', {}),
                           'threads': w.get('nthreads')}
-                   for addr, w in info['workers'].items()}
+                   for addr, w in worker_info(client).items()}
         return {'scheduler': client.scheduler.address,
                 'dashboard': client.dashboard_link, 'workers': workers}
 
 
 def stop_cluster():
-    """Shut down the recorded cluster and forget it."""
+    """Shut down the recorded cluster and forget it.
+
+    Only processes that are still the ones recorded (same pid, same start
+    time) are signalled. Returns the recorded state with ``stale`` True
+    when none of them was running any more (the record is removed all
+    the same).
+    """
     state = read_state()
     if state is None:
         raise ClusterError('no cluster is recorded; nothing to stop')
-    try:
-        with restore_default_scheduler(always=True), \
-                connect(state['scheduler'], timeout=5) as client:
-            client.shutdown()
-    except ClusterError:
-        pass  # already gone; make sure of the processes below
-    for pid in state.get('pids', ()):
-        _kill(pid)
+    running = _running(state)
+    if running:
+        try:
+            with restore_default_scheduler(always=True), \
+                    connect(state['scheduler'], timeout=5) as client:
+                client.shutdown()
+        except ClusterError:
+            pass  # not answering; the signals below end it
+        for pid, created in running:
+            _kill(pid, created)
     state_path().unlink(missing_ok=True)
-    return state
+    return dict(state, stale=not running)

@@ -6,12 +6,20 @@ submission to the workers, and is written to ``OUT/args``.
 import argparse
 import dataclasses
 import json
+import math
+import numbers
 from typing import Optional, Tuple, Union
 
 from dasktrain.errors import UserError
 
 MODELS = ('cifar10', 'resnet20', 'resnet32', 'resnet56', 'tiny')
 OPTIMIZERS = ('adam', 'momentum-sgd')
+# The keys of a log row (training.py writes them), which
+# early_stop_monitor may name; ipm runs with several replicas add 'drift'.
+LOG_KEYS = ('epoch', 'iteration', 'main/loss', 'main/accuracy',
+            'validation/main/loss', 'validation/main/accuracy',
+            'elapsed_time', 'images_per_sec', 'data_wait_time', 'comm_time',
+            'lr')
 
 
 class ConfigError(UserError, ValueError):
@@ -97,10 +105,14 @@ class TrainConfig:
             positive(field, allow_none=True)
         if self.optimizer not in OPTIMIZERS:
             fail('optimizer', f'one of {", ".join(OPTIMIZERS)}')
-        if self.lr is not None and not self.lr > 0:
-            fail('lr', 'a number > 0')
-        if not self.weight_decay >= 0:
-            fail('weight_decay', 'a number >= 0')
+        if self.lr is not None and not (_finite(self.lr) and self.lr > 0):
+            fail('lr', 'a finite number > 0')
+        if not (_finite(self.weight_decay) and self.weight_decay >= 0):
+            fail('weight_decay', 'a finite number >= 0')
+        monitors = LOG_KEYS + (('drift',) if self.mode == 'ipm' else ())
+        if self.early_stop_monitor not in monitors:
+            fail('early_stop_monitor', f'a key of the log: one of '
+                                       f'{", ".join(monitors)}')
         positive('workers', allow_none=True)
         if self.scheduler is not None and self.workers is None:
             raise ConfigError(f'scheduler applies with workers only, got '
@@ -136,6 +148,11 @@ class TrainConfig:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+
+def _finite(value):
+    return isinstance(value, numbers.Real) and \
+        not isinstance(value, bool) and math.isfinite(value)
 
 
 def parse_devices(text):

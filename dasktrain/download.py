@@ -78,8 +78,15 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
     batches = data_dir / BATCHES_DIR
     if batches.is_dir():
         return batches
-    md5 = (md5 or CIFAR10_MD5).lower()
     archive = data_dir / ARCHIVE_NAME
+    # Something else in the place of either: say so, before any download.
+    if batches.exists() or batches.is_symlink():  # and not a folder
+        raise DataError(f'{batches} is not a folder; move it away, or put '
+                        'the extracted CIFAR-10 folder there')
+    if (archive.exists() or archive.is_symlink()) and not archive.is_file():
+        raise DataError(f'{archive} is not a file; move it away, or put the '
+                        'CIFAR-10 archive there')
+    md5 = (md5 or CIFAR10_MD5).lower()
     if archive.exists():
         got = _md5sum(archive)
         if got != md5:
@@ -246,8 +253,15 @@ def extract_archive(archive, data_dir):
                 else:  # Python < 3.10.12: the checks above stand in
                     tar.extractall(scratch, members)
         except (tarfile.TarError, EOFError, zlib.error) as e:
-            raise DataError(f'{archive} is corrupt or truncated ({e}); '
-                            'delete it and download again') from None
+            # tarfile lists every compression it tried, a line each: the
+            # gzip one tells.
+            lines = [line.strip('- ') for line in str(e).splitlines()]
+            reason = next((line for line in lines if 'method gz' in line),
+                          lines[0] if lines else type(e).__name__)
+            size = archive.stat().st_size
+            raise DataError(f'{archive} ({size} bytes) is corrupt or '
+                            f'truncated ({reason}); delete it and download '
+                            'again') from None
         if not (scratch / BATCHES_DIR).is_dir():
             raise DataError(f'{archive} has no {BATCHES_DIR}/ folder; '
                             'this is not the CIFAR-10 python archive')

@@ -10,12 +10,14 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def atomic_write(path, write):
-    """Call ``write(file)`` on a temp file beside ``path``, then rename."""
+def atomic_write(path, write, mode=None):
+    """Call ``write(file)`` on a temp file beside ``path``, then rename;
+    the file gets ``mode`` (default: what ``open`` would give)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide results
+        # mkstemp's 0600 would hide results; secrets ask for it.
+        os.chmod(tmp, 0o666 & ~_UMASK if mode is None else mode)
         with os.fdopen(fd, 'wb') as f:
             write(f)
             f.flush()

@@ -26,7 +26,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-from dasktrain.cluster import connect, home
+from dasktrain.cluster import connect, home, worker_info
 from dasktrain.gpus import (VISIBLE, GpuError, GpuPool, job_environment,
                             place_devices)
 from dasktrain.config import TrainConfig
@@ -55,6 +55,33 @@ def _update_status(folder, **changes):
     return status
 
 
+# What every reader of a job's files needs from them.
+_NEEDS = {'job.json': ('submitted', 'config'), 'status.json': ('state',)}
+
+
+def _read(folder, name):
+    """A job file as a dict; JobError saying what is wrong with it (a
+    truncated file, an empty one, ``{}``) in one line."""
+    path = folder / name
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise JobError(f'job {folder.name}: cannot read {name} '
+                       f'({e.strerror})') from None
+    except ValueError as e:
+        raise JobError(f'job {folder.name}: {name} is not valid JSON '
+                       f'({e})') from None
+    missing = [k for k in _NEEDS[name]
+               if not isinstance(data, dict) or k not in data]
+    if not missing and name == 'job.json' and not (
+            isinstance(data['config'], dict) and 'epochs' in data['config']):
+        missing = ['config.epochs']
+    if missing:
+        raise JobError(f'job {folder.name}: {name} lacks '
+                       f'{", ".join(missing)}')
+    return data
+
+
 @dataclasses.dataclass
 class Job:
     """A submitted job; everything about it is read from its folder.
@@ -72,7 +99,8 @@ class Job:
     @classmethod
     def find(cls, job_id, path=None):
         folder = jobs_dir(path) / job_id
-        if not (folder / 'job.json').is_file():
+        if not ((folder / 'job.json').exists() or
+                (folder / 'status.json').exists()):
             raise JobError(f'no job {job_id!r} in {jobs_dir(path)}; '
                            '`dasktrain jobs` lists them')
         return cls(job_id, folder)
@@ -82,21 +110,27 @@ class Job:
         return KEY_PREFIX + self.id
 
     def spec(self):
-        return json.loads((self.folder / 'job.json').read_text())
+        """``job.json``; JobError if it cannot be read."""
+        return _read(self.folder, 'job.json')
 
     def log_rows(self):
+        """The rows of ``out/log`` (none while it is missing or damaged)."""
         try:
-            return json.loads((self.folder / 'out' / 'log').read_text())
+            rows = json.loads((self.folder / 'out' / 'log').read_text())
         except (OSError, ValueError):
             return []
+        ok = isinstance(rows, list) and all(
+            isinstance(r, dict) and 'epoch' in r for r in rows)
+        return rows if ok else []
 
     def status(self):
-        """State, GPUs, times, attempts, and progress from the job's log."""
-        status = json.loads((self.folder / 'status.json').read_text())
+        """State, GPUs, times, attempts, and progress from the job's log;
+        JobError if its files cannot be read."""
+        status = _read(self.folder, 'status.json')
         rows = self.log_rows()
         status['epoch'] = rows[-1]['epoch'] if rows else 0
         status['epochs'] = self.spec()['config']['epochs']
-        status['accuracy'] = (rows[-1]['validation/main/accuracy']
+        status['accuracy'] = (rows[-1].get('validation/main/accuracy')
                               if rows else None)
         return status
 
@@ -145,13 +179,20 @@ class Job:
 
 
 def list_jobs(path=None):
-    """Every job in the jobs dir, oldest first."""
+    """Every job in the jobs dir, oldest first (by submission, else by its
+    folder's time when ``job.json`` cannot be read)."""
     root = jobs_dir(path)
     if not root.is_dir():
         return []
     jobs = [Job(p.name, p) for p in root.iterdir()
-            if (p / 'status.json').is_file()]
-    return sorted(jobs, key=lambda j: j.spec()['submitted'])
+            if (p / 'status.json').exists() or (p / 'job.json').exists()]
+
+    def submitted(job):
+        try:
+            return float(job.spec()['submitted'])
+        except (JobError, TypeError, ValueError):
+            return job.folder.stat().st_mtime
+    return sorted(jobs, key=submitted)
 
 
 def _slug(text):
@@ -186,7 +227,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     try:
         resource = 'GPU' if gpus else 'CPU'
         need = max(gpus, 1)
-        workers = client.scheduler_info()['workers']
+        workers = worker_info(client)
         have = {addr: w.get('resources', {}).get(resource, 0)
                 for addr, w in workers.items()}
         if config.workers is not None:

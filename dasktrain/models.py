@@ -1,12 +1,23 @@
-"""CIFAR-10 models, by name.
+"""CIFAR-10 models, by name, and their weight files.
 
 ``get_model(name)`` returns the network wrapped in
 ``chainer.links.Classifier``, which reports ``main/loss`` and
-``main/accuracy`` as Chainer's own training loop does.
+``main/accuracy`` as Chainer's own training loop does. ``load_model`` reads
+a saved ``model_*.npz`` into one. A weight file is something others can hand
+you, and NumPy's pickles run code when loaded: :func:`read_npz` opens it
+with ``allow_pickle=False`` (unlike ``chainer.serializers.load_npz``), and
+turns a file that is damaged or of another model into one line.
 """
+import contextlib
+import zipfile
+import zlib
+
 import chainer
 import chainer.functions as F
 import chainer.links as L
+import numpy as np
+
+from dasktrain.errors import UserError
 
 
 def dropout(x, ratio):
@@ -144,3 +155,71 @@ def get_model(name, n_classes=10):
         raise ValueError(f'model must be one of {", ".join(MODELS)}, got '
                          f'{name!r}')
     return L.Classifier(MODELS[name](n_classes))
+
+
+def load_model(path, model='cifar10'):
+    """The network saved in ``path`` (``OUT/model_final.npz`` or
+    ``model_best.npz``), in a fresh ``get_model(model)``; never unpickles.
+
+    Examples
+    --------
+    >>> chain = load_model('results/model_best.npz', 'resnet20')  # doctest: +SKIP
+    >>> chain.predictor(x)  # doctest: +SKIP
+    """
+    chain = get_model(model)
+    with read_npz(path, f'--model {model}') as npz:
+        chainer.serializers.NpzDeserializer(npz).load(chain)
+    return chain
+
+
+class _Entries:
+    """An npz file's entries as a deserializer reads them; remembers the
+    last one asked for, to name it when its value does not fit."""
+
+    def __init__(self, npz, path, what):
+        self.npz, self.path, self.what = npz, path, what
+        self.files = npz.files
+        self.last = None
+
+    def __contains__(self, key):
+        return key in self.npz
+
+    def __getitem__(self, key):
+        self.last = key
+        if key not in self.npz:
+            raise UserError(f'{self.path} does not match {self.what}: it has '
+                            f'no {key!r} (it holds {len(self.files)} '
+                            'other arrays); the file is left as it is')
+        try:
+            return self.npz[key]
+        except ValueError as e:
+            if 'allow_pickle' not in str(e):
+                raise
+            raise UserError(f'{self.path}: {key!r} holds pickled Python '
+                            'objects, which can run code when loaded; '
+                            'refused (dasktrain never writes any)') from None
+
+
+@contextlib.contextmanager
+def read_npz(path, what):
+    """Open ``path`` with ``allow_pickle=False`` for the block; any error
+    reading it there becomes one UserError naming the file, the entry, and
+    ``what`` it was read for."""
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise UserError(f'{path} not found') from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise UserError(f'{path} is not a readable .npz file '
+                        f'({type(e).__name__}: {e}); the file is left as it '
+                        'is') from None
+    entries = _Entries(npz, path, what)
+    try:
+        with npz:
+            yield entries
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise UserError(f'{path} is damaged ({type(e).__name__}: {e}); the '
+                        'file is left as it is') from None
+    except (ValueError, TypeError) as e:  # a shape, a dtype, a pickle
+        raise UserError(f'{path} does not match {what}: {entries.last!r}: '
+                        f'{e}; the file is left as it is') from None

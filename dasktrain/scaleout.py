@@ -26,12 +26,13 @@ import sys
 import time
 import uuid
 
-from dasktrain.cluster import connect, restore_default_scheduler
+from dasktrain.cluster import (connect, restore_default_scheduler,
+                               worker_info)
 from dasktrain.collective import CollectiveError, DaskComm
-from dasktrain.nccl import NcclComm
 from dasktrain.devices import free_gpu_memory, gpu_count
 from dasktrain.gpus import (NCCL_MISSING, GpuPool, gpu_ids, place_devices,
                             use_nccl, visible_gpus)
+from dasktrain.nccl import NcclComm
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
 from dasktrain.training import (_Progress, default_devices, prepare_out,
@@ -143,7 +144,7 @@ def _choose(client, config, gpus, wanted, minimum, patience):
     deadline = time.monotonic() + patience
     announced = False
     while True:
-        infos = client.scheduler_info(n_workers=-1)['workers']
+        infos = worker_info(client)
         able = sorted(a for a, w in infos.items()
                       if w.get('resources', {}).get('GPU', 0) >= gpus)
         if len(able) >= minimum:
@@ -162,7 +163,7 @@ def _choose(client, config, gpus, wanted, minimum, patience):
 
 
 def _launch(client, config, name, workers, gpus):
-    infos = client.scheduler_info(n_workers=-1)['workers']
+    infos = worker_info(client)
     futures = []
     for rank, address in enumerate(workers):
         resources = {'GPU': gpus} if gpus else \
@@ -200,7 +201,7 @@ def _watch(client, futures, workers, topic, progress, callbacks):
         states = [f.status for f in futures]
         if all(s == 'finished' for s in states):
             return 'done', futures[0].result()
-        alive = set(client.scheduler_info(n_workers=-1)['workers'])
+        alive = set(worker_info(client))
         lost = [w for w in workers if w not in alive]
         if lost:
             return 'lost', lost
@@ -259,20 +260,20 @@ def train(config=None, callbacks=(), client=None, **overrides):
     # Ranks run elsewhere, in other working directories.
     config = config.replace(out=os.path.abspath(config.out),
                             data_dir=os.path.abspath(config.data_dir))
-    prepare_out(config)
-    from dasktrain.data import download_cifar10
-    download_cifar10(config.data_dir, url=config.url, md5=config.md5,
-                     progress=config.progress)  # once, not once per rank
-    if client is not None:
-        return _drive(client, config, callbacks)
-    with restore_default_scheduler(always=True):
-        with connect(config.scheduler) as client:
+    with prepare_out(config):  # locked here; rank 0 writes into it
+        from dasktrain.data import download_cifar10
+        download_cifar10(config.data_dir, url=config.url, md5=config.md5,
+                         progress=config.progress)  # once, not per rank
+        if client is not None:
             return _drive(client, config, callbacks)
+        with restore_default_scheduler(always=True):
+            with connect(config.scheduler) as client:
+                return _drive(client, config, callbacks)
 
 
 def _drive(client, config, callbacks):
     from distributed import Variable
-    infos = list(client.scheduler_info(n_workers=-1)['workers'].values())
+    infos = list(worker_info(client).values())
     gpus = _gpus_per_worker(config, infos)
     job = uuid.uuid4().hex[:8]
     progress = _Progress(config.progress, config.epochs)
@@ -343,18 +344,24 @@ def local_device_workers(devices, blas_threads=1):
             yield client
         return
     from distributed import Client, Nanny, Scheduler, SpecCluster
+    from distributed.security import Security
     count, _ = gpu_count()
     entries = visible_gpus(count=count)  # this process's ordinal -> entry
     env = {k: str(blas_threads) for k in _BLAS_THREADS}
-    workers = {f'gpu{i}': {'cls': Nanny, 'options': {
-        'nthreads': 1, 'host': '127.0.0.1', 'resources': {'GPU': 1},
-        'dashboard_address': '127.0.0.1:0',
-        'env': dict(env, CUDA_VISIBLE_DEVICES=entries[i])}} for i in ids}
-    scheduler = {'cls': Scheduler, 'options': {
-        'host': '127.0.0.1', 'dashboard_address': '127.0.0.1:0'}}
+    # As local_workers: 127.0.0.1 only, TLS with throwaway certificates.
+    security = Security.temporary()
+    common = {'host': '127.0.0.1', 'protocol': 'tls', 'security': security}
+    workers = {f'gpu{i}': {'cls': Nanny, 'options': dict(
+        common, nthreads=1, resources={'GPU': 1},
+        dashboard_address='127.0.0.1:0',
+        env=dict(env, CUDA_VISIBLE_DEVICES=entries[i]))} for i in ids}
+    scheduler = {'cls': Scheduler, 'options': dict(
+        common, dashboard_address='127.0.0.1:0')}
     with restore_default_scheduler(always=True), SpecCluster(
-            workers=workers, scheduler=scheduler) as cluster:
-        with Client(cluster, set_as_default=False) as client:
+            workers=workers, scheduler=scheduler,
+            security=security) as cluster:
+        with Client(cluster, security=security,
+                    set_as_default=False) as client:
             client.wait_for_workers(len(ids))
             yield client
 
@@ -377,9 +384,13 @@ def local_workers(n, blas_threads=1):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
+        # Every listener on 127.0.0.1 (':0' would put the dashboard on
+        # every interface); TLS with throwaway certificates, so that other
+        # users of the machine cannot run code in the workers.
         with restore_default_scheduler(always=True), LocalCluster(
                 n_workers=n, threads_per_worker=1, processes=True,
-                host='127.0.0.1', dashboard_address=':0', env=env) as cluster:
+                host='127.0.0.1', dashboard_address='127.0.0.1:0',
+                security=True, env=env) as cluster:
             with Client(cluster, set_as_default=False) as client:
                 yield client
     finally:

@@ -6,6 +6,7 @@ JSON, readable by ChainerUI), write a checkpoint atomically. All randomness
 is a function of (seed, epoch), so ``--resume`` ends exactly where an
 uninterrupted run would.
 """
+import contextlib
 import json
 import math
 import sys
@@ -24,10 +25,11 @@ from dasktrain.config import TrainConfig
 from dasktrain.data import load_cifar10
 from dasktrain.errors import UserError
 from dasktrain.files import atomic_write, write_json
-from dasktrain.models import get_model
+from dasktrain.models import get_model, read_npz
 from dasktrain.devices import (available_devices, gpu_count,
                                nvidia_smi_lines, synchronize,
                                unused_gpus_message)
+from dasktrain.outdir import claim, record_args
 from dasktrain.parallel import GPUDistributedGradient
 
 CHECKPOINT = 'checkpoint.npz'
@@ -121,8 +123,10 @@ def save_checkpoint(path, model, state):
     atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
-def load_checkpoint(path, model):
-    with np.load(path, allow_pickle=False) as npz:
+def load_checkpoint(path, model, what='this run'):
+    """Restore ``model`` from the checkpoint ``path``; its loop state. A
+    file that is not a checkpoint of this run is one UserError, and kept."""
+    with read_npz(path, what) as npz:
         model.restore(npz, 'model/')
         return json.loads(str(npz['state']))
 
@@ -203,17 +207,19 @@ def _say_devices(model):
             print(f'warning: {line}', file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
 def prepare_out(config):
-    """Create ``config.out``; refuse to overwrite a run without --resume."""
-    out = Path(config.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f'cannot create --out {out} ({e.strerror})') from None
-    if (out / CHECKPOINT).exists() and not config.resume:
-        raise UserError(f'{out} already holds a run ({CHECKPOINT}); pass '
-                        '--resume to continue it, or choose another --out')
-    return out
+    """Hold ``config.out`` for the run (see :func:`dasktrain.outdir.claim`):
+    created, writable, locked; removed again if this run created it and
+    fails before its first checkpoint. Refuses to overwrite a run without
+    --resume."""
+    with claim(config.out, keep=lambda out: (out / CHECKPOINT).exists()) \
+            as out:
+        if (out / CHECKPOINT).exists() and not config.resume:
+            raise UserError(f'{out} already holds a run ({CHECKPOINT}); pass'
+                            ' --resume to continue it, or choose another '
+                            '--out')
+        yield out
 
 
 def train(config=None, callbacks=(), **overrides):
@@ -243,9 +249,9 @@ def train(config=None, callbacks=(), **overrides):
     if config.workers is not None:
         raise UserError(f'workers={config.workers} runs across Dask workers:'
                         ' call dasktrain.train (dasktrain.scaleout.train)')
-    prepare_out(config)
-    return run_group(config, callbacks=callbacks,
-                     progress=_Progress(config.progress, config.epochs))
+    with prepare_out(config):
+        return run_group(config, callbacks=callbacks,
+                         progress=_Progress(config.progress, config.epochs))
 
 
 def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
@@ -293,6 +299,11 @@ def _run_group(config, comm, devices, callbacks, progress):
     if replicas > n_train:
         raise UserError(f'{replicas} replicas need at least as many training '
                         f'images, got train_size={n_train}')
+    if config.early_stop_monitor == 'drift' and \
+            not (model.mode == 'ipm' and replicas > 1):
+        raise UserError('--early-stop-monitor drift needs --mode ipm with '
+                        f'several replicas; this run has {replicas} in '
+                        f'mode {model.mode}')
     test_lo, test_hi = shard_bounds(n_test, comm.size)[comm.rank]
     test_labels = cifar.test_labels[test_lo:test_hi].compute(
         scheduler='threads')
@@ -300,10 +311,13 @@ def _run_group(config, comm, devices, callbacks, progress):
              tta_views(cifar.test_images[test_lo:test_hi], config.tta)]
     state = {'epoch': 0, 'log': [], 'elapsed': 0.0,
              'early_stop': {'best': None, 'count': 0}}
-    if config.resume and (out / CHECKPOINT).exists():
-        state = load_checkpoint(out / CHECKPOINT, model)
+    resumed = config.resume and (out / CHECKPOINT).exists()
+    if resumed:
+        state = load_checkpoint(out / CHECKPOINT, model,
+                                f'this run (--model {config.model})')
     if lead:
-        write_json(out / 'args', json.loads(config.to_json()))
+        record_args(out, json.loads(config.to_json()),
+                    state['epoch'] if resumed else None)
     stopper = EarlyStopping(config.early_stop_monitor,
                             config.early_stop_patience,
                             **state['early_stop'])

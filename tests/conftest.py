@@ -69,3 +69,29 @@ def dask_default_scheduler_untouched():
     before = dask.config.config.get('scheduler', '<unset>')
     yield
     assert dask.config.config.get('scheduler', '<unset>') == before
+
+
+@pytest.fixture
+def listening():
+    """listening(pids): {(pid, ip, port)} of the sockets that the
+    processes ``pids`` and all their descendants listen on (psutil)."""
+    import psutil
+
+    def listening(pids):
+        found = set()
+        for pid in pids:
+            try:
+                root = psutil.Process(pid)
+                family = [root] + root.children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            for process in family:
+                try:
+                    connections = process.net_connections('inet')
+                except psutil.NoSuchProcess:
+                    continue
+                found |= {(process.pid, c.laddr.ip, c.laddr.port)
+                          for c in connections
+                          if c.status == psutil.CONN_LISTEN}
+        return found
+    return listening

@@ -2,7 +2,11 @@
 workers labelled with fake GPU resources, jobs that train on the CPU."""
 import json
 import os
+import shutil
 import signal
+import socket
+import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -93,7 +97,7 @@ def test_cluster_commands_start_status_and_stop(tmp_path, monkeypatch,
     state = json.loads((tmp_path / 'home' / 'cluster.json').read_text())
     try:
         out = capsys.readouterr().out
-        assert state['scheduler'].startswith('tcp://127.0.0.1:')
+        assert state['scheduler'].startswith('tls://127.0.0.1:')
         assert f"scheduler: {state['scheduler']}" in out
         assert 'dashboard: http://127.0.0.1:' in out
         assert main(['cluster', 'status']) == 0
@@ -254,6 +258,29 @@ def test_a_failing_job_is_marked_failed_and_others_finish(
     assert main(['result', good.id, '--jobs-dir',
                  str(tmp_path / 'jobs')]) == 0
     assert 'validation/main/accuracy: ' in capsys.readouterr().out
+    # One damaged job folder hides no other and breaks nothing.
+    jobs = tmp_path / 'jobs'
+    shutil.copytree(good.folder, jobs / 'cut')
+    text = (jobs / 'cut' / 'status.json').read_text()
+    (jobs / 'cut' / 'status.json').write_text(text[:len(text) // 2])
+    shutil.copytree(good.folder, jobs / 'blank')
+    (jobs / 'blank' / 'job.json').write_text('{}')
+    assert main(['jobs', '--jobs-dir', str(jobs)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    states = {line.split()[0]: line.split()[1] for line in lines[1:]
+              if not line.startswith('unreadable:')}
+    assert states == {bad.id: 'failed', good.id: 'finished',
+                      'cut': 'unreadable', 'blank': 'unreadable'}
+    assert 'unreadable: job cut: status.json is not valid JSON' in \
+        '\n'.join(lines)
+    assert 'unreadable: job blank: job.json lacks submitted, config' in lines
+    for command, job_id, reason in [
+            ('result', 'cut', 'status.json is not valid JSON'),
+            ('logs', 'blank', 'job.json lacks submitted'),
+            ('cancel', 'blank', 'job.json lacks submitted')]:
+        assert main([command, job_id, '--jobs-dir', str(jobs)]) == 1
+        err = capsys.readouterr().err
+        assert err.count('\n') == 1 and reason in err, err
 
 
 def test_submit_time_errors(cluster, data_dir, tmp_path, monkeypatch,
@@ -298,13 +325,128 @@ def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
     assert 'done: epoch 1' in capsys.readouterr().out
 
 
-def test_binding_beyond_loopback_without_tls_warns():
+def test_no_tls_warns_also_on_loopback():
     from dasktrain.cluster import exposure_warning
-    assert exposure_warning('127.0.0.1', tls=False) is None
-    assert exposure_warning('localhost', tls=False) is None
+    assert exposure_warning('127.0.0.1', tls=True) is None
     assert exposure_warning('10.0.0.5', tls=True) is None
+    for host in ('127.0.0.1', 'localhost'):
+        assert 'every user of this machine can connect' in \
+            exposure_warning(host, tls=False)
     assert 'without TLS' in exposure_warning('10.0.0.5', tls=False)
     assert 'without TLS' in exposure_warning('0.0.0.0', tls=False)
+
+
+def _refused_without_a_client_certificate(address):
+    """Whether the scheduler at ``address`` ends a TLS session whose client
+    presents no certificate (and checks nothing itself, as an attacker's
+    would not)."""
+    host, port = address[len('tls://'):].rsplit(':', 1)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as raw, \
+                context.wrap_socket(raw) as tls:
+            tls.sendall(b'\0' * 8)
+            return tls.recv(1) == b''  # TLS 1.3: refused after handshake
+    except (ssl.SSLError, ConnectionError):
+        return True
+
+
+def test_the_default_cluster_requires_its_certificates_and_stays_local(
+        tmp_path, monkeypatch, capsys, data_dir, listening):
+    from distributed import Security
+    home = tmp_path / 'home'
+    monkeypatch.setenv('DASKTRAIN_HOME', str(home))
+    assert main(['cluster', 'start', '--port', '0', '--dashboard-port', '0',
+                 '--gpus', '1']) == 0
+    state = json.loads((home / 'cluster.json').read_text())
+    try:
+        address = state['scheduler']
+        assert address.startswith('tls://127.0.0.1:')
+        assert 'warning' not in capsys.readouterr().err
+        # the private CA and certificate: the owner's alone
+        tls = home / 'tls'
+        assert stat.S_IMODE(tls.stat().st_mode) == 0o700
+        assert sorted(p.name for p in tls.iterdir()) == [
+            'ca-key.pem', 'ca.pem', 'node-key.pem', 'node.pem']
+        for path in tls.iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        # every listener of its processes on 127.0.0.1, none on a wildcard
+        sockets = listening(state['pids'])
+        assert len(sockets) >= 5  # scheduler, dashboard, nanny, worker, http
+        assert {ip for _, ip, _ in sockets} == {'127.0.0.1'}
+        # refused: no client certificate, a foreign CA's, plain TCP
+        assert _refused_without_a_client_certificate(address)
+        with pytest.raises(OSError, match='TLS certificate does not match'):
+            Client(address, timeout=3, security=Security.temporary())
+        with pytest.raises(OSError):
+            Client(address.replace('tls://', 'tcp://'), timeout=3)
+        # with the files: Dask's own client, and dasktrain's without a flag
+        own = Security(tls_ca_file=str(tls / 'ca.pem'),
+                       tls_client_cert=str(tls / 'node.pem'),
+                       tls_client_key=str(tls / 'node-key.pem'),
+                       require_encryption=True)
+        with Client(address, timeout=10, security=own) as client:
+            assert len(client.scheduler_info()['workers']) == 1
+        jobs = str(tmp_path / 'jobs')
+        assert main(['submit', '--gpus', '1', '--jobs-dir', jobs, '--',
+                     '--model', 'tiny', '--epochs', '1', '--devices', 'cpu',
+                     '--data-dir', str(data_dir), '--train-size', '200',
+                     '--test-size', '50']) == 0
+        job = Job.find(capsys.readouterr().out.strip(), jobs)
+        assert job.result(timeout=120)['final']['epoch'] == 1
+        assert main(['jobs', '--jobs-dir', jobs]) == 0
+        assert 'finished' in capsys.readouterr().out
+    finally:
+        assert main(['cluster', 'stop']) == 0
+    assert 'stopped the cluster' in capsys.readouterr().out
+
+
+def test_insecure_keeps_plain_tcp_and_says_so(tmp_path, monkeypatch,
+                                               capsys):
+    monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
+    assert main(['cluster', 'start', '--insecure', '--tls-cert', 'x.pem']) \
+        == 1
+    assert '--insecure and --tls-* contradict' in capsys.readouterr().err
+    assert main(['cluster', 'start', '--insecure', '--port', '0',
+                 '--dashboard-port', '0', '--gpus', '1']) == 0
+    try:
+        captured = capsys.readouterr()
+        assert 'scheduler: tcp://127.0.0.1:' in captured.out
+        assert 'TLS: none (--insecure)' in captured.out
+        assert 'warning: --insecure: no TLS; every user of this machine ' \
+            'can connect' in captured.err
+        assert not (tmp_path / 'home' / 'tls').exists()
+    finally:
+        assert main(['cluster', 'stop']) == 0
+
+
+def test_stop_never_signals_a_process_that_reuses_a_recorded_pid(
+        tmp_path, monkeypatch, capsys):
+    import psutil
+    home = tmp_path / 'home'
+    home.mkdir()
+    monkeypatch.setenv('DASKTRAIN_HOME', str(home))
+    # An unrelated process that leads its own process group, as a cluster
+    # process did; the record says the pid, but not this process' start.
+    sleeper = subprocess.Popen(['sleep', '60'], start_new_session=True)
+    try:
+        started = psutil.Process(sleeper.pid).create_time()
+        (home / 'cluster.json').write_text(json.dumps({
+            'scheduler': 'tcp://127.0.0.1:9', 'dashboard': None,
+            'pids': [sleeper.pid], 'created': [started - 3600],
+            'resources': 'CPU=1', 'host': '127.0.0.1', 'tls': None,
+            'started': started - 3600}))
+        assert main(['cluster', 'stop']) == 0
+        time.sleep(0.5)
+        assert sleeper.poll() is None  # it survives
+        out = capsys.readouterr().out
+        assert 'no cluster was running at tcp://127.0.0.1:9 (its processes ' \
+            'are gone); removed the stale record' in out
+        assert not (home / 'cluster.json').exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 @pytest.mark.skipif(subprocess.run(['which', 'openssl'],

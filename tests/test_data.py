@@ -8,6 +8,7 @@ import pytest
 
 from cifar_fixture import (batch_file, make_batches,
                            py2_pickle, write_archive)
+from dasktrain.cli import main
 from dasktrain.data import (ARCHIVE_NAME, BATCHES_DIR, CIFAR10_MD5, DataError,
                             download_cifar10, extract_archive, load_cifar10)
 
@@ -136,6 +137,33 @@ def test_unwritable_data_dir(tmp_path):
     blocker.write_text('not a folder')
     with pytest.raises(DataError, match='not writable.*--data-dir'):
         download_cifar10(blocker / 'data', **FAST)
+
+
+@pytest.mark.parametrize('kind', ['archive is a folder',
+                                  'batches folder is a file'])
+def test_something_else_in_the_place_of_the_data(tmp_path, archive_server,
+                                                  kind):
+    if kind == 'archive is a folder':
+        (tmp_path / ARCHIVE_NAME).mkdir()
+        message = f'{tmp_path / ARCHIVE_NAME} is not a file'
+    else:
+        (tmp_path / BATCHES_DIR).write_text('not a folder')
+        message = f'{tmp_path / BATCHES_DIR} is not a folder'
+    with pytest.raises(DataError) as caught:
+        download_cifar10(tmp_path, url=archive_server.url(), **FAST)
+    assert message in str(caught.value) and '\n' not in str(caught.value)
+    assert archive_server.requests == []  # said before any download
+
+
+def test_an_empty_archive_is_one_line(tmp_path, capsys):
+    (tmp_path / ARCHIVE_NAME).write_bytes(b'')
+    empty_md5 = 'd41d8cd98f00b204e9800998ecf8427e'
+    assert main(['download', '--data-dir', str(tmp_path), '--md5',
+                 empty_md5]) == 1
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1
+    assert f'{tmp_path / ARCHIVE_NAME} (0 bytes) is corrupt' in err
+    assert "method gz: ReadError('empty file')" in err
 
 
 # --------------------------------------------------------------- extraction

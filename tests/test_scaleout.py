@@ -32,7 +32,7 @@ def data_dir(make_cifar_dir):
 def cluster(n):
     from distributed import LocalCluster
     return LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
-                        host='127.0.0.1', dashboard_address=':0',
+                        host='127.0.0.1', dashboard_address='127.0.0.1:0',
                         env={'OMP_NUM_THREADS': '1'})
 
 
@@ -360,3 +360,21 @@ def test_asking_for_more_workers_than_the_cluster_has(dask_client, data_dir,
                                             r'.*has 2'):
         train(config(data_dir, tmp_path / 'x', workers=3,
                      collective_timeout=1), client=dask_client)
+
+
+def test_local_workers_listen_on_loopback_only_and_require_tls(listening):
+    from distributed import Client
+    from dasktrain.scaleout import local_workers
+    me = os.getpid()
+    before = listening([me])
+    with local_workers(2) as client:
+        address = client.scheduler.address
+        new = listening([me]) - before
+        workers = set(client.run(os.getpid).values())
+        assert address.startswith('tls://127.0.0.1:')
+        with pytest.raises(TypeError, match='TLS expects'):
+            Client(address, timeout=3)  # no certificates, no connection
+    ports = {port for _, _, port in new}
+    assert int(address.rsplit(':', 1)[1]) in ports
+    assert workers <= {pid for pid, _, _ in new}  # each worker listens
+    assert {ip for _, ip, _ in new} == {'127.0.0.1'}

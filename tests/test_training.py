@@ -1,4 +1,6 @@
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -8,6 +10,7 @@ import pytest
 from dasktrain.cli import build_parser, main
 from dasktrain.devices import gpu_count
 from dasktrain.config import ConfigError, TrainConfig, parse_devices
+from dasktrain.errors import UserError
 from dasktrain.training import TrainingDiverged, train
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
@@ -106,11 +109,30 @@ def test_early_stopping(data_dir, tmp_path):
     assert len(again['log']) == 3
 
 
-def test_early_stopping_on_an_unknown_key(data_dir, tmp_path):
-    with pytest.raises(Exception, match="early_stop_monitor 'nope' is not "
-                                        "in the log"):
-        train(config(data_dir, tmp_path / 'r', early_stop_patience=1,
-                     early_stop_monitor='nope'))
+def test_a_monitor_no_log_row_can_have_is_refused_at_start(
+        data_dir, tmp_path, capsys):
+    args = ['--data-dir', str(data_dir), '--out', str(tmp_path / 'r'),
+            '--devices', 'cpu', '--model', 'tiny']
+    assert main(['train', *args, '--early-stop-monitor', 'nope']) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert "early_stop_monitor must be a key of the log: one of epoch, " \
+        "iteration, main/loss" in first and first.endswith("got 'nope'")
+    with pytest.raises(ConfigError, match="one of .*lr, got 'drift'"):
+        TrainConfig(early_stop_monitor='drift')  # dg has no drift
+    # ipm has it with several replicas only, known once the run starts
+    with pytest.raises(UserError, match='drift needs --mode ipm with '
+                                        'several replicas; this run has 1'):
+        train(config(data_dir, tmp_path / 'r', mode='ipm',
+                     early_stop_monitor='drift'))
+    assert not (tmp_path / 'r').exists()
+
+
+def test_every_log_key_is_a_monitor(data_dir, tmp_path):
+    from dasktrain.config import LOG_KEYS as monitors
+    summary = train(config(data_dir, tmp_path / 'r', epochs=1, mode='ipm',
+                           devices=('@numpy',) * 2, train_size=100,
+                           early_stop_monitor='drift'))
+    assert set(summary['final']) == set(monitors) | {'drift'}
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir,
@@ -148,7 +170,10 @@ def test_flags_map_one_to_one_onto_config_fields():
      "expected an int or 'epoch', got 'often'"),
     (['--devices', 'gpu0'], "devices must be GPU ids like '0,1'"),
     (['--tta', '11'], 'tta must be an int in 1..10, got 11'),
-    (['--lr', '-1'], 'lr must be a number > 0, got -1.0'),
+    (['--lr', '-1'], 'lr must be a finite number > 0, got -1.0'),
+    (['--lr', 'inf'], 'lr must be a finite number > 0, got inf'),
+    (['--lr', 'nan'], 'lr must be a finite number > 0, got nan'),
+    (['--weight-decay', 'inf'], 'weight_decay must be a finite number >= 0'),
     (['--model', 'vgg'], "invalid choice: 'vgg'"),
 ])
 def test_bad_option_values_are_usage_errors(argv, message, capsys):
@@ -187,3 +212,141 @@ def test_train_command_end_to_end(data_dir, tmp_path):
     assert 'epoch   1/1' in out.stdout and 'done: epoch 1' in out.stdout
     assert 'Traceback' not in out.stderr
     assert out.stderr.startswith('devices: @numpy\n')  # said first
+
+
+# ------------------------------------------------- output folder and resume
+
+def one_line_error(capsys):
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'Traceback' not in err, err
+    return err
+
+
+def cli_args(data_dir, out, *more):
+    return ['train', '--model', 'tiny', '--devices', 'cpu', '--batch-size',
+            '25', '--lr', '0.01', '--data-dir', str(data_dir), '--out',
+            str(out), '--no-progress', *more]
+
+
+@pytest.mark.parametrize('damage', ['truncated', 'another model',
+                                    'pickled state'])
+def test_resume_from_a_checkpoint_that_does_not_fit_is_one_line(
+        data_dir, tmp_path, capsys, damage):
+    out = tmp_path / 'r'
+    train(config(data_dir, out, epochs=1))
+    checkpoint = out / 'checkpoint.npz'
+    more = ['--epochs', '2']
+    if damage == 'truncated':
+        data = checkpoint.read_bytes()
+        checkpoint.write_bytes(data[:len(data) // 2])
+        expected = [f'{checkpoint} is not a readable .npz file '
+                    '(BadZipFile']
+    elif damage == 'another model':
+        more = ['--model', 'cifar10', '--train-size', '50', '--test-size',
+                '20']
+        # a missing array or one of another shape, whichever comes first
+        expected = [f"{checkpoint} does not match this run (--model "
+                    "cifar10): ", "'model/replica0/predictor/"]
+    else:  # a file someone handed over: its pickle would run code
+        marker = tmp_path / 'pwned'
+
+        class Evil:
+            def __reduce__(self):
+                return open, (str(marker), 'w')
+        with np.load(checkpoint) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+        arrays['state'] = np.array([Evil()], dtype=object)
+        np.savez(checkpoint, **arrays)
+        expected = [f"{checkpoint}: 'state' holds pickled Python objects"]
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(cli_args(data_dir, out, '--resume', *more)) == 1
+    err = one_line_error(capsys)
+    assert all(part in err for part in expected), err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    if damage == 'pickled state':
+        assert not marker.exists()
+
+
+def test_load_model_reads_saved_weights_and_never_unpickles(data_dir,
+                                                            tmp_path):
+    from dasktrain import load_model
+    train(config(data_dir, tmp_path / 'r', epochs=1))
+    chain = load_model(tmp_path / 'r' / 'model_final.npz', 'tiny')
+    saved = final_params(tmp_path / 'r')
+    params = {name.lstrip('/'): p.array for name, p in chain.namedparams()}
+    assert params.keys() <= saved.keys() and params
+    for name, array in params.items():
+        assert np.array_equal(array, saved[name]), name
+    with pytest.raises(UserError, match=r"does not match --model resnet20"):
+        load_model(tmp_path / 'r' / 'model_final.npz', 'resnet20')
+    marker = tmp_path / 'pwned'
+
+    class Evil:
+        def __reduce__(self):
+            return open, (str(marker), 'w')
+    np.savez(tmp_path / 'evil.npz', **dict(saved, **{
+        'predictor/fc/b': np.array([Evil()], dtype=object)}))
+    with pytest.raises(UserError, match='pickled Python objects'):
+        load_model(tmp_path / 'evil.npz', 'tiny')
+    assert not marker.exists()
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_data(
+        tmp_path, capsys):
+    assert main(cli_args(tmp_path / 'data', '/proc/self')) == 1
+    err = one_line_error(capsys)
+    assert 'error: --out /proc/self is not writable' in err
+    assert not (tmp_path / 'data').exists()  # no data loaded, no download
+
+
+def test_a_second_run_into_the_same_out_is_refused(data_dir, tmp_path):
+    out = tmp_path / 'r'
+    second = {}
+
+    def start_another(row):  # while the first run holds --out
+        second['run'] = subprocess.run(
+            [sys.executable, '-m', 'dasktrain.cli',
+             *cli_args(data_dir, out, '--resume', '--epochs', '3')],
+            capture_output=True, text=True)
+    summary = train(config(data_dir, out, epochs=2),
+                    callbacks=[start_another])
+    run = second['run']
+    assert run.returncode == 1 and run.stdout == ''
+    assert run.stderr.count('\n') == 1
+    assert (f'--out {out} is in use by another run (pid {os.getpid()} on '
+            f'{socket.gethostname()})') in run.stderr
+    # the first run was not disturbed; once it is over, --out is free
+    assert [r['epoch'] for r in summary['log']] == [1, 2]
+    again = train(config(data_dir, out, epochs=3, resume=True))
+    assert [r['epoch'] for r in again['log']] == [1, 2, 3]
+
+
+@pytest.mark.parametrize('why', ['missing GPUs', 'loss diverges'])
+def test_a_run_that_fails_before_its_first_epoch_leaves_no_folder(
+        data_dir, tmp_path, capsys, why):
+    more = ['--devices', '0,1'] if why == 'missing GPUs' else \
+        ['--optimizer', 'momentum-sgd', '--lr', '1e6']
+    out = tmp_path / 'new' / 'r'
+    assert main(cli_args(data_dir, out, *more)) == 1
+    err = capsys.readouterr().err  # NumPy may warn of the overflow first
+    assert 'Traceback' not in err
+    assert err.splitlines()[-1].startswith('dasktrain train: error: ')
+    assert list(tmp_path.iterdir()) == []
+    # a folder that was there before stays, as it was
+    (tmp_path / 'mine').mkdir()
+    assert main(cli_args(data_dir, tmp_path / 'mine', *more)) == 1
+    assert (tmp_path / 'mine').is_dir()
+
+
+def test_resume_keeps_the_original_args_and_appends_what_changed(
+        data_dir, tmp_path):
+    out = tmp_path / 'r'
+    train(config(data_dir, out, epochs=1))
+    original = json.loads((out / 'args').read_text())
+    train(config(data_dir, out, epochs=2, resume=True))
+    train(config(data_dir, out, epochs=3, lr=0.005, resume=True))
+    args = json.loads((out / 'args').read_text())
+    assert args.pop('resumed') == [
+        {'epoch': 1, 'changed': {'epochs': 2}},
+        {'epoch': 2, 'changed': {'epochs': 3, 'lr': 0.005}}]
+    assert args == original and args['epochs'] == 1

@@ -1,0 +1,133 @@
+"""A run's output folder (``--out``): checked, locked, cleaned up.
+
+:func:`claim` is the first thing a run does, before any data is loaded:
+it creates the folder, makes sure it can be written, and takes an
+exclusive lock on it for the whole run: ``fcntl.flock`` on ``OUT/run.lock``
+(which then names the holder's pid and host; the kernel drops the lock when
+the holder exits, however it exits). A second run into the same folder is
+refused with one line instead of mixing its files with the first's. A run
+that fails before it has written anything worth keeping removes the folder
+again if it created it: a failed start leaves no empty folder behind.
+:func:`record_args` writes ``OUT/args`` so that a resumed run keeps the
+settings the run started with.
+"""
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from dasktrain.errors import UserError
+from dasktrain.files import write_json
+
+LOCK = 'run.lock'
+
+
+class OutputError(UserError):
+    """``--out`` cannot be used: not writable, or in use by another run."""
+
+
+@contextlib.contextmanager
+def claim(out, keep=lambda out: True):
+    """Hold ``out`` for the block: created, writable, locked.
+
+    Parameters
+    ----------
+    out : str or Path
+        The output folder; created (with its parents) if missing.
+    keep : callable, default: always
+        ``keep(out)`` decides, when the block fails in a folder this call
+        created, whether what is in it is worth keeping; if not, the folder
+        (and the parents created for it) is removed.
+
+    Yields
+    ------
+    Path
+        ``out``.
+    """
+    out = Path(out)
+    top = out  # the highest folder this call creates, if any
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f'cannot create --out {out} ({e.strerror}); choose '
+                          'another --out') from None
+    lock = None
+    try:
+        lock = _lock(out)
+        yield out
+    except BaseException:
+        if created and not keep(out):
+            shutil.rmtree(out, ignore_errors=True)
+            for folder in [out, *out.parents]:
+                if folder == top.parent:
+                    break
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        raise
+    finally:
+        if lock is not None:
+            lock.close()  # releases the lock
+
+
+def _lock(out):
+    """The open, locked ``OUT/run.lock``; OutputError if ``out`` cannot be
+    written or another run holds it."""
+    def unwritable(e):
+        return OutputError(f'--out {out} is not writable ({e.strerror}); '
+                           'choose another --out')
+    try:
+        lock = open(os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o666), 'r+')
+    except OSError as e:
+        raise unwritable(e) from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # A file besides the lock: atomic writes create files here.
+        tempfile.TemporaryFile(dir=out).close()
+    except BlockingIOError:
+        holder = lock.read().strip() or 'a process that did not say which'
+        lock.close()
+        raise OutputError(f'--out {out} is in use by another run ({holder})'
+                          '; wait for it to end, or choose another --out') \
+            from None
+    except OSError as e:
+        lock.close()
+        raise unwritable(e) from None
+    except BaseException:
+        lock.close()
+        raise
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f'pid {os.getpid()} on {socket.gethostname()}\n')
+    lock.flush()
+    return lock
+
+
+def record_args(out, settings, resumed_at=None):
+    """Write ``OUT/args``: the run's ``settings`` (a dict, TrainConfig's
+    fields). A run resumed after epoch ``resumed_at`` keeps the settings it
+    started with instead, and appends what it changed,
+    ``{'epoch': e, 'changed': {field: new value}}``, to their list
+    ``resumed``."""
+    path = Path(out) / 'args'
+    try:
+        args = json.loads(path.read_text()) if resumed_at is not None \
+            else None
+    except (OSError, ValueError):
+        args = None
+    if isinstance(args, dict):
+        current = {k: v for k, v in args.items() if k != 'resumed'}
+        for resume in args.get('resumed', ()):
+            current.update(resume.get('changed', {}))
+        args.setdefault('resumed', []).append({
+            'epoch': resumed_at,
+            'changed': {k: v for k, v in settings.items()
+                        if k != 'resume' and current.get(k) != v}})
+        settings = args
+    write_json(path, settings)
