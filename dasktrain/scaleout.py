@@ -128,7 +128,7 @@ def _choose(client, config, gpus, wanted, minimum, patience):
             return able[:wanted]
         if time.monotonic() > deadline:
             raise ScaleOutError(
-                f'workers={config.workers} needs {minimum} Dask workers'
+                f'--workers {config.workers} needs {minimum} Dask workers'
                 f'{f" with {gpus} GPUs each" if gpus else ""}; the cluster '
                 f'has {len(able)} after {patience:g} s; add workers (`dask '
                 'worker ADDRESS`) or lower --workers')

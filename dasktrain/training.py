@@ -16,7 +16,7 @@ import chainer
 import chainer.functions as F
 import numpy as np
 from chainer.serializers import DictionarySerializer, NpzDeserializer
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain: tqdm.auto warns in a notebook without ipywidgets
 
 from dasktrain.augment import EpochLoader, shard_bounds, tta_views
 from dasktrain.collective import Solo
@@ -25,7 +25,7 @@ from dasktrain.data import load_cifar10
 from dasktrain.errors import UserError
 from dasktrain.files import atomic_write, write_json
 from dasktrain.models import get_model
-from dasktrain.devices import available_devices
+from dasktrain.devices import available_devices, resolve_devices
 from dasktrain.parallel import GPUDistributedGradient
 
 CHECKPOINT = 'checkpoint.npz'
@@ -39,6 +39,19 @@ def default_devices():
     """Every GPU this process sees, else one CPU replica."""
     gpus = [d for d in available_devices() if d.startswith('@cupy')]
     return tuple(gpus) or ('@numpy',)
+
+
+def describe_devices(devices, chosen=True):
+    """One line naming the devices a run trains on; ``chosen``: the user
+    named none (so a CPU run says no GPU was found)."""
+    devices = [str(d) for d in devices]
+    gpus = [d for d in devices if d.startswith('@cupy')]
+    if gpus:
+        return (f'training on {len(gpus)} GPU{"s" * (len(gpus) > 1)}: '
+                f'{", ".join(gpus)}')
+    n = len(devices)
+    return (f'training on the CPU, {n} replica{"s" * (n > 1)} (@numpy)'
+            f'{"; no GPU found" if not chosen else ""}')
 
 
 def make_optimizer(config):
@@ -255,7 +268,12 @@ def train(config=None, callbacks=(), **overrides):
         raise UserError(f'workers={config.workers} runs across Dask workers:'
                         ' call dasktrain.train (dasktrain.scaleout.train)')
     prepare_out(config)
-    return run_group(config, callbacks=callbacks,
+    devices = config.devices or default_devices()
+    resolve_devices(devices)  # a missing device fails before the line below
+    if config.progress:
+        print(describe_devices(devices, chosen=config.devices is not None),
+              flush=True)
+    return run_group(config, devices=devices, callbacks=callbacks,
                      progress=_Progress(config.progress, config.epochs))
 
 
@@ -289,7 +307,7 @@ def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
     replicas = model.total_replicas
     if replicas > n_train:
         raise UserError(f'{replicas} replicas need at least as many training '
-                        f'images, got train_size={n_train}')
+                        f'images, got --train-size {n_train}')
     test_lo, test_hi = shard_bounds(n_test, comm.size)[comm.rank]
     test_labels = cifar.test_labels[test_lo:test_hi].compute(
         scheduler='threads')
