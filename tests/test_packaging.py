@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -17,11 +16,16 @@ import yaml
 
 from dasktrain import cuda_extra
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the parser pip itself uses
+    from pip._vendor import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _name(requirement):
-    return re.split(r'[<>=!\[ ;]', requirement, 1)[0].lower()
+    return re.split(r'[<>=!\[ ;]', requirement, maxsplit=1)[0].lower()
 
 
 def test_environment_yml_matches_pyproject():
