@@ -30,5 +30,6 @@ def test_bench_train_compares_plain_chainer_and_the_wrapper(capsys):
 
 def test_bench_usage_errors(capsys):
     assert main(['bench', 'train', '--iterations', '0']) == 2
-    assert capsys.readouterr().err.startswith(
-        'dasktrain bench train: error: --iterations must be >= 1, got 0')
+    assert capsys.readouterr().err.splitlines()[1:] == [
+        'dasktrain bench train: error: --iterations must be >= 1, got 0',
+        'see `dasktrain bench train --help`']
