@@ -4,21 +4,40 @@ PYTHON ?= python3
 VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
+# auto: CuPy for the NVIDIA driver's CUDA version (nvidia-smi), none without
+# one; or none, 12, 13 (dasktrain/cuda_extra.py decides, tests hold it).
+CUDA ?= auto
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.dasktrain-installed
+
+comma := ,
+CUDA_EXTRA := $(shell $(PYTHON) -I dasktrain/cuda_extra.py $(CUDA) || echo FAILED)
+ifneq ($(filter-out cuda12 cuda13 none,$(CUDA_EXTRA)),)
+$(error CUDA=$(CUDA): `$(PYTHON) -I dasktrain/cuda_extra.py $(CUDA)` failed; CUDA is auto, none, 12 or 13)
+endif
+EXTRAS := test$(if $(filter none,$(CUDA_EXTRA)),,$(comma)$(CUDA_EXTRA))
+# One stamp per extra: choosing another CUDA installs again.
+STAMP := $(VENV)/.dasktrain-installed-$(CUDA_EXTRA)
+
+# ChainerUI 0.11 (the last release) in a venv of its own: it needs
+# SQLAlchemy < 1.4 and Flask < 2.3, which the main environment cannot take.
+CHAINERUI_VENV ?= .venv-chainerui
+CHAINERUI_PORT ?= 5000
+RUNS ?= results
 
 # Honoured by pip's isolated build environments too, which is what chainer's
 # sdist needs (its setup.py imports pkg_resources).
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: train test test-gpu notebooks install clean
+.PHONY: train test test-gpu notebooks install chainerui chainerui-env clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -I dasktrain/cuda_extra.py --explain $(CUDA)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	rm -f $(VENV)/.dasktrain-installed*
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -28,8 +47,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The GPU suite alone (tests/gpu); each test is skipped, with its reason
-# shown, where this machine has no GPU, too few, or no NCCL. Install the
-# CuPy extra first: .venv/bin/pip install -e '.[cuda12]'
+# shown, where this machine has no GPU, too few, or no NCCL. `make install`
+# picks the CuPy extra from the driver (CUDA=12 or CUDA=13 to choose).
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests/gpu -rs $(PYTEST_ARGS)
 
@@ -38,5 +57,20 @@ test-gpu: $(STAMP)
 notebooks: $(STAMP)
 	$(BIN)/python -m dasktrain.nbrun --out notebooks/executed notebooks/*.ipynb
 
+chainerui-env: $(CHAINERUI_VENV)/.installed
+
+$(CHAINERUI_VENV)/.installed: tools/chainerui-requirements.txt
+	test -x $(CHAINERUI_VENV)/bin/python || $(PYTHON) -m venv $(CHAINERUI_VENV)
+	$(CHAINERUI_VENV)/bin/python -m pip install --quiet -r tools/chainerui-requirements.txt
+	touch $@
+
+# Registers RUNS (a run's --out, or a folder of runs) and serves ChainerUI on
+# 127.0.0.1:CHAINERUI_PORT until Ctrl-C. Its database: ~/.chainerui.
+chainerui: chainerui-env
+	$(CHAINERUI_VENV)/bin/chainerui db create
+	$(CHAINERUI_VENV)/bin/chainerui db upgrade
+	$(CHAINERUI_VENV)/bin/chainerui project create -d '$(abspath $(RUNS))'
+	$(CHAINERUI_VENV)/bin/python tools/serve_chainerui.py server --host 127.0.0.1 --port $(CHAINERUI_PORT)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CHAINERUI_VENV) build *.egg-info

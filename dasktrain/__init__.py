@@ -8,7 +8,9 @@ Data flows one way through the package::
 Heavy modules (chainer, dask.distributed) load on first use, so ``import
 dasktrain`` and ``dasktrain --help`` stay fast.
 """
-from dasktrain import _compat  # noqa: F401  (must precede any chainer import)
+from dasktrain import _compat
+
+_compat.install()  # Chainer, whenever imported, finds NumPy patched
 
 __version__ = '0.1.0'
 

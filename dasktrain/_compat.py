@@ -1,45 +1,84 @@
 """Let Chainer 7.8.1 import on today's NumPy and Python.
 
-Every entry point imports this module before chainer (``dasktrain/__init__``
-does it first), so nothing else needs to care. Chainer 7.8.1 was released for
-NumPy 1.x and Python <= 3.9; the two breakages it meets today are restored here:
+Chainer 7.8.1 was released for NumPy 1.x and Python <= 3.9; the two
+breakages it meets today are restored by :func:`patch`:
 
 * ``numpy.sctypes`` (removed in NumPy 2.0) is read at import time by
   ``chainer.functions.array.as_strided``.
 * ``numpy.distutils`` (gone on Python >= 3.12) is imported at start-up by
   ``chainer._environment_check``, which uses it only on macOS.
+
+The patch must run before Chainer's first import, in any script, notebook or
+worker, whichever it imports first. So :func:`install` puts a finder on
+``sys.meta_path`` that applies the patch when ``chainer`` is first looked
+up, and ``dasktrain-chainer.pth`` (installed into site-packages with the
+package, normal or editable install alike) calls it at interpreter start.
+Until Chainer is imported this costs nothing: NumPy is not even loaded.
+``import dasktrain`` calls :func:`install` too, for a checkout that is on
+``sys.path`` without being installed.
 """
-import importlib.util
 import sys
-import types
-import warnings
 
-import numpy
 
-# chainer imports pkg_resources, which warns on import with recent setuptools.
-warnings.filterwarnings('ignore', message='pkg_resources is deprecated',
-                        category=UserWarning)
+def patch():
+    """Restore what Chainer 7.8.1 reads from NumPy (idempotent)."""
+    import importlib.util
+    import types
+    import warnings
 
-try:
-    numpy.sctypes
-except AttributeError:
-    # The exact table NumPy 1.26 exposed on 64-bit Linux.
-    numpy.sctypes = {
-        'int': [numpy.int8, numpy.int16, numpy.int32, numpy.int64],
-        'uint': [numpy.uint8, numpy.uint16, numpy.uint32, numpy.uint64],
-        'float': [numpy.float16, numpy.float32, numpy.float64,
-                  numpy.longdouble],
-        'complex': [numpy.complex64, numpy.complex128, numpy.clongdouble],
-        'others': [bool, object, bytes, str, numpy.void],
-    }
+    import numpy
 
-if importlib.util.find_spec('numpy.distutils') is None:
-    _distutils = types.ModuleType('numpy.distutils')
-    _system_info = types.ModuleType('numpy.distutils.system_info')
-    # chainer asks only for the BLAS configuration, to warn about macOS
-    # Accelerate; an empty answer means "nothing to warn about".
-    _system_info.get_info = lambda name, notfound_action=0: {}
-    _distutils.system_info = _system_info
-    sys.modules['numpy.distutils'] = _distutils
-    sys.modules['numpy.distutils.system_info'] = _system_info
-    numpy.distutils = _distutils
+    # chainer imports pkg_resources, which warns on import with recent
+    # setuptools.
+    warnings.filterwarnings('ignore', message='pkg_resources is deprecated',
+                            category=UserWarning)
+    try:
+        numpy.sctypes
+    except AttributeError:
+        # The exact table NumPy 1.26 exposed on 64-bit Linux.
+        numpy.sctypes = {
+            'int': [numpy.int8, numpy.int16, numpy.int32, numpy.int64],
+            'uint': [numpy.uint8, numpy.uint16, numpy.uint32, numpy.uint64],
+            'float': [numpy.float16, numpy.float32, numpy.float64,
+                      numpy.longdouble],
+            'complex': [numpy.complex64, numpy.complex128,
+                        numpy.clongdouble],
+            'others': [bool, object, bytes, str, numpy.void],
+        }
+    if 'numpy.distutils' not in sys.modules and \
+            importlib.util.find_spec('numpy.distutils') is None:
+        distutils = types.ModuleType('numpy.distutils')
+        system_info = types.ModuleType('numpy.distutils.system_info')
+        # chainer asks only for the BLAS configuration, to warn about macOS
+        # Accelerate; an empty answer means "nothing to warn about".
+        system_info.get_info = lambda name, notfound_action=0: {}
+        distutils.system_info = system_info
+        sys.modules['numpy.distutils'] = distutils
+        sys.modules['numpy.distutils.system_info'] = system_info
+        numpy.distutils = distutils
+
+
+class _PatchBeforeChainer:
+    """A meta path finder that finds nothing: on the first lookup of
+    ``chainer`` it patches NumPy and steps aside for the real finders."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == 'chainer':
+            uninstall()
+            patch()
+        return None
+
+
+def install():
+    """Patch NumPy before ``chainer`` is imported (at once if it already
+    is). Idempotent; cheap until Chainer's import."""
+    if 'chainer' in sys.modules:
+        patch()
+    elif _PatchBeforeChainer not in sys.meta_path:
+        sys.meta_path.insert(0, _PatchBeforeChainer)
+
+
+def uninstall():
+    while _PatchBeforeChainer in sys.meta_path:
+        sys.meta_path.remove(_PatchBeforeChainer)

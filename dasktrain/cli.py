@@ -2,8 +2,9 @@
 
 Each subcommand is a :class:`Command` registered with :func:`command`; it
 adds its own arguments and runs with the parsed namespace, returning an exit
-code. A usage error prints one line and the subcommand's help; a
-:class:`~dasktrain.errors.UserError` prints one line; neither a traceback.
+code. A usage error prints the usage line, the error and where the help
+is (as git and pip do); a :class:`~dasktrain.errors.UserError` prints one
+line; neither a traceback.
 """
 import argparse
 import sys
@@ -33,8 +34,15 @@ class Command:
 
 
 class _Parser(argparse.ArgumentParser):
+    help_command = None  # default: '<prog> --help'
+
     def error(self, message):
-        self.exit(2, f'{self.prog}: error: {message}\n\n{self.format_help()}')
+        usage = self.format_usage()
+        if usage.count('\n') > 3:  # every option of `train`: a screenful
+            usage = f'usage: {self.prog} [options]\n'
+        see = self.help_command or f'{self.prog} --help'
+        self.exit(2, f'{usage}{self.prog}: error: {message}\n'
+                     f'see `{see}`\n')
 
 
 @command
@@ -142,8 +150,12 @@ class Cluster(Command):
                             '(default: %(default)s)')
         _add_tls_arguments(p)
         p.set_defaults(command_parser=p)
-        actions.add_parser('status', help='the scheduler, dashboard and '
-                           'workers').set_defaults(command_parser=parser)
+        p = actions.add_parser('status', help='the scheduler, dashboard and '
+                               'workers')
+        p.add_argument('--scheduler', default=None, metavar='ADDR',
+                       help='default: the cluster `dasktrain cluster start` '
+                            'recorded')
+        p.set_defaults(command_parser=p)
         actions.add_parser('stop', help='shut the cluster down') \
             .set_defaults(command_parser=parser)
 
@@ -163,7 +175,7 @@ class Cluster(Command):
                   f"worker resources: {state['resources']}\n"
                   f'TLS: {tls}\nrecorded in {cluster.state_path()}')
         elif args.action == 'status':
-            status = cluster.cluster_status()
+            status = cluster.cluster_status(args.scheduler)
             print(f"scheduler: {status['scheduler']}\n"
                   f"dashboard: {status['dashboard']}")
             for address, worker in status['workers'].items():
@@ -202,8 +214,11 @@ class Submit(Command):
                                  'start` recorded')
         parser.add_argument('--gpus', type=int, default=1,
                             help='GPUs the job reserves; with --workers in '
-                                 'the train options, GPUs per worker '
-                                 '(default: %(default)s)')
+                                 'the train options, GPUs per worker; 0 '
+                                 'takes one CPU slot instead (a worker '
+                                 'without GPUs offers CPU slots: `cluster '
+                                 'start --cpu-slots`) (default: '
+                                 '%(default)s)')
         parser.add_argument('--name', default=None,
                             help='a label for `dasktrain jobs`')
         _add_jobs_dir(parser)
@@ -217,7 +232,8 @@ class Submit(Command):
             train_args = train_args[1:]
         if args.gpus < 0:
             args.command_parser.error(f'--gpus must be >= 0, got {args.gpus}')
-        train_parser = _Parser(prog='dasktrain submit -- ')
+        train_parser = _Parser(prog='dasktrain submit --')
+        train_parser.help_command = 'dasktrain train --help'
         add_arguments(train_parser)
         train_parser.set_defaults(command_parser=train_parser)
         config = config_from_args(train_parser.parse_args(train_args))
@@ -323,10 +339,30 @@ class Cancel(_JobCommand):
     name = 'cancel'
     help = 'cancel a queued or running job'
 
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        parser.add_argument('--timeout', type=float, default=30.0,
+                            metavar='S', help='seconds to wait for a running'
+                            ' job to stop (default: %(default)s)')
+
     def run(self, args):
+        import time
+        from dasktrain.jobs import DONE
         job = self.job(args)
+        was = job.status()['state']
         job.cancel()
-        print(f"{job.id}: {job.status()['state']}")
+        deadline = time.monotonic() + args.timeout
+        state = job.status()['state']
+        while state not in DONE and time.monotonic() < deadline:
+            time.sleep(0.2)  # a running job stops within a second or so
+            state = job.status()['state']
+        if was in DONE:
+            print(f'{job.id}: already {was}')
+        elif state in DONE:
+            print(f'{job.id}: {state}')
+        else:  # e.g. its worker is gone: the flag stops any rerun
+            print(f'{job.id}: cancel requested, still {state} after '
+                  f'{args.timeout:g} s')
         return 0
 
 

@@ -8,6 +8,8 @@ import dataclasses
 import json
 import math
 import numbers
+import os
+import typing
 from typing import Optional, Tuple, Union
 
 from dasktrain.errors import UserError
@@ -24,6 +26,45 @@ LOG_KEYS = ('epoch', 'iteration', 'main/loss', 'main/accuracy',
 
 class ConfigError(UserError, ValueError):
     """A setting with a value it cannot take."""
+
+
+def flag(field):
+    """The command-line flag of a TrainConfig field: ``--mix-every``."""
+    return '--' + field.replace('_', '-')
+
+
+def _has_type(value, annotation):
+    """Whether ``value`` fits a field's annotation (ints pass for floats;
+    bools pass for nothing but bool)."""
+    origin = typing.get_origin(annotation)
+    if origin is Union:
+        return any(_has_type(value, a) for a in typing.get_args(annotation))
+    if origin is tuple:
+        kind = typing.get_args(annotation)[0]
+        return isinstance(value, tuple) and all(_has_type(v, kind)
+                                                for v in value)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if annotation is int:
+        return isinstance(value, numbers.Integral)
+    if annotation is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, annotation)
+
+
+def _type_words(annotation):
+    names = {int: 'an int', float: 'a number', str: 'a string',
+             bool: 'True or False', type(None): 'None'}
+    if typing.get_origin(annotation) is Union:
+        return ' or '.join(_type_words(a)
+                           for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is tuple:
+        return 'a tuple of strings'
+    return names.get(annotation, getattr(annotation, '__name__', '?'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +115,19 @@ class TrainConfig:
     def __post_init__(self):
         def fail(field, expected):
             value = getattr(self, field)
-            raise ConfigError(f'{field} must be {expected}, got {value!r}')
+            raise ConfigError(f'{flag(field)} must be {expected}, got '
+                              f'{value!r}')
+
+        for name in ('out', 'data_dir'):  # a pathlib.Path is fine too
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        for f in dataclasses.fields(self):  # types first: then values
+            value = getattr(self, f.name)
+            if not _has_type(value, f.type):
+                # A bool has a --no-... flag or none: name the field.
+                name = f.name if f.type is bool else flag(f.name)
+                raise ConfigError(f'{name} must be {_type_words(f.type)}, '
+                                  f'got {value!r}')
 
         def positive(field, allow_none=False):
             value = getattr(self, field)
@@ -91,9 +144,9 @@ class TrainConfig:
             fail('mode', "'dg' or 'ipm'")
         if self.mix_every is not None:
             if self.mode != 'ipm':
-                raise ConfigError(f'mix_every applies to mode ipm only, got '
-                                  f'mix_every={self.mix_every!r} with mode '
-                                  f'{self.mode!r}')
+                raise ConfigError(f'--mix-every applies to --mode ipm only, '
+                                  f'got --mix-every {self.mix_every} with '
+                                  f'--mode {self.mode}')
             if self.mix_every != 'epoch':
                 positive('mix_every')
         if self.devices is not None:
@@ -115,8 +168,9 @@ class TrainConfig:
                                        f'{", ".join(monitors)}')
         positive('workers', allow_none=True)
         if self.scheduler is not None and self.workers is None:
-            raise ConfigError(f'scheduler applies with workers only, got '
-                              f'scheduler={self.scheduler!r} and workers=None')
+            raise ConfigError(f'--scheduler applies with --workers only, got '
+                              f'--scheduler {self.scheduler} without '
+                              '--workers')
         if self.on_worker_loss not in ('continue', 'wait'):
             fail('on_worker_loss', "'continue' or 'wait'")
         if self.comm_dtype not in (None, 'float32', 'float16'):
@@ -169,12 +223,12 @@ def parse_devices(text):
     if text.startswith('cpu:'):
         count = text[4:]
         if not count.isdigit() or int(count) < 1:
-            raise ConfigError(f"devices: 'cpu:N' needs N >= 1, got {text!r}")
+            raise ConfigError(f"'cpu:N' needs N >= 1, got {text!r}")
         return ('@numpy',) * int(count)
     parts = [p.strip() for p in text.split(',')]
     if not all(p.isdigit() for p in parts):
-        raise ConfigError(f"devices must be GPU ids like '0,1', 'cpu' or "
-                          f"'cpu:N', got {text!r}")
+        raise ConfigError(f"expected GPU ids like '0,1', 'cpu' or 'cpu:N', "
+                          f'got {text!r}')
     return tuple(f'@cupy:{int(p)}' for p in parts)
 
 
@@ -188,7 +242,8 @@ def add_data_arguments(parser):
                              '$DASKTRAIN_CIFAR10_URL, else the official one)')
     parser.add_argument('--md5', default=None,
                         help="expected MD5 of the mirror's archive "
-                             '(default: the official archive\'s)')
+                             '(default: $DASKTRAIN_CIFAR10_MD5, else the '
+                             'official archive\'s)')
 
 
 def _mix_every_type(text):

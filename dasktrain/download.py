@@ -5,18 +5,24 @@ request after a break), its MD5 checked, and only then renamed into place;
 members are checked before extraction into a temporary folder that is
 renamed into place when complete.
 """
+import errno
 import hashlib
 import os
 import shutil
+import socket
+import ssl
 import tarfile
 import tempfile
 import time
 import zlib
 from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
 
 import requests
+import urllib3.exceptions
 from requests.adapters import HTTPAdapter
-from tqdm.auto import tqdm
+# The plain bar: tqdm.auto wants ipywidgets in a notebook and warns without.
+from tqdm import tqdm
 from urllib3.util.retry import Retry
 
 from dasktrain.errors import DataError
@@ -24,11 +30,12 @@ from dasktrain.errors import DataError
 CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
 CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
 URL_ENV = 'DASKTRAIN_CIFAR10_URL'
+MD5_ENV = 'DASKTRAIN_CIFAR10_MD5'
 ARCHIVE_NAME = 'cifar-10-python.tar.gz'
 BATCHES_DIR = 'cifar-10-batches-py'
 
-_MIRROR_HINT = (f'pass --url (or set {URL_ENV}) to a mirror, or put '
-                f'{ARCHIVE_NAME} or {BATCHES_DIR}/ into the data dir')
+_MIRROR_HINT = (f'use a mirror (--url, or ${URL_ENV}) or put {ARCHIVE_NAME} '
+                'into the data dir')
 _CHUNK = 1 << 16
 
 
@@ -51,7 +58,8 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
         the official Toronto URL.
     md5 : str, optional
         Expected MD5 of the archive, for a mirror serving another file.
-        Default: the official archive's ``c58f30108f718f92721af3b95e74349a``.
+        Default: ``$DASKTRAIN_CIFAR10_MD5``, else the official archive's
+        ``c58f30108f718f92721af3b95e74349a``.
     retries : int, default 5
         Attempts for connection failures, 5xx answers and broken streams.
     backoff : float, default 0.5
@@ -86,14 +94,14 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
     if (archive.exists() or archive.is_symlink()) and not archive.is_file():
         raise DataError(f'{archive} is not a file; move it away, or put the '
                         'CIFAR-10 archive there')
-    md5 = (md5 or CIFAR10_MD5).lower()
+    md5 = (md5 or os.environ.get(MD5_ENV) or CIFAR10_MD5).lower()
     if archive.exists():
         got = _md5sum(archive)
         if got != md5:
             raise DataError(
                 f'{archive}: MD5 {got} does not match the expected {md5}; '
-                'delete the file to download it again, or pass --md5 if it '
-                'comes from a mirror with another archive')
+                'delete the file to download it again, or pass --md5 (or set '
+                f'{MD5_ENV}) if it comes from a mirror with another archive')
     else:
         url = url or os.environ.get(URL_ENV) or CIFAR10_URL
         _fetch(url, archive, md5, retries=retries, backoff=backoff,
@@ -155,8 +163,9 @@ def _fetch(url, dest, md5, *, retries, backoff, timeout, progress):
     if got != md5:
         part.unlink()
         raise DataError(f'{url}: MD5 {got} does not match the expected {md5}; '
-                        'the file was removed. Pass --md5 if the mirror '
-                        'serves another archive on purpose')
+                        'the file was removed. Pass --md5 (or set '
+                        f'{MD5_ENV}) if the mirror serves another archive on '
+                        'purpose')
     os.replace(part, dest)
 
 
@@ -168,7 +177,7 @@ def _stream_once(session, url, part, timeout, progress):
         response = session.get(url, stream=True, timeout=timeout,
                                headers=headers)
     except requests.RequestException as e:
-        raise DataError(f'cannot download {url} ({_reason(e)}); '
+        raise DataError(f'cannot download {url}: {_reason(e, url, timeout)}; '
                         f'{_MIRROR_HINT}') from None
     with response:
         if response.status_code == 416:  # the .part is not a prefix we know
@@ -198,17 +207,63 @@ def _stream_once(session, url, part, timeout, progress):
                     written += len(block)
                     bar.update(len(block))
             except requests.RequestException as e:
-                raise _BrokenStream(_reason(e)) from None
+                raise _BrokenStream(_reason(e, url, timeout)) from None
         if total is not None and written != total:
             raise _BrokenStream(f'got {written} of {total} bytes')
 
 
-def _reason(error):
-    """The innermost message of a requests/urllib3 error, on one line."""
-    while error.__context__ is not None and not str(error):
-        error = error.__context__
-    text = str(error.args[0] if error.args else error)
-    return text.splitlines()[0] if text else type(error).__name__
+def _causes(error):
+    """``error`` and every exception it wraps (urllib3 nests them in
+    ``args``, ``reason``, ``__cause__`` and ``__context__``)."""
+    seen, todo = [], [error]
+    while todo:
+        e = todo.pop(0)
+        if isinstance(e, BaseException) and all(e is not s for s in seen):
+            seen.append(e)
+            todo += [*e.args, getattr(e, 'reason', None), e.__cause__,
+                     e.__context__]
+    return seen
+
+
+def _reason(error, url, timeout):
+    """What failed, in words, for a requests/urllib3 error (whose own text
+    nests the reprs of four exceptions)."""
+    parts = urlsplit(url)
+    host = parts.hostname or url
+    where = f'{host}:{parts.port}' if parts.port else host
+    x = urllib3.exceptions
+    causes = _causes(error)
+    # Most specific first: urllib3's NewConnectionError (and its
+    # NameResolutionError) subclass ConnectTimeoutError.
+    rules = [
+        ((x.NameResolutionError, socket.gaierror),
+         f'the name {host} cannot be resolved (offline, or no DNS)'),
+        (ConnectionRefusedError,
+         f'{where} refused the connection'),
+        ((x.ProxyError,),
+         'the HTTP proxy failed (see $https_proxy and $http_proxy)'),
+        ((ssl.SSLError, x.SSLError),
+         f'the TLS handshake with {host} failed'),
+        (lambda e: isinstance(e, OSError) and e.errno in (
+            errno.ENETUNREACH, errno.EHOSTUNREACH),
+         f'{where} is unreachable (no route: offline?)'),
+        (lambda e: isinstance(e, (x.ConnectTimeoutError, x.ReadTimeoutError,
+                                  socket.timeout))
+         and not isinstance(e, x.NewConnectionError),
+         f'{where} did not answer within {timeout:g} s'),
+        ((x.ProtocolError,), f'the connection to {where} broke off'),
+    ]
+    for test, words in rules:
+        check = test if callable(test) and not isinstance(test, type) \
+            else (lambda e, kinds=test: isinstance(e, kinds))
+        if any(check(e) for e in causes):
+            return words
+    for e in causes:
+        if isinstance(e, x.ResponseError):  # 'too many 503 error responses'
+            return f'the server kept failing ({e})'
+    innermost = causes[-1]
+    text = str(innermost).splitlines()[0] if str(innermost) else ''
+    return f'{type(innermost).__name__}: {text[:80]}'.rstrip(': ')
 
 
 # --------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Files written atomically: a reader sees the old file or the new one,
-never half of either, and a failed write leaves nothing behind."""
+never half of either, and a failed write leaves nothing behind. And where
+the checkout's own folders are (``data/``, ``runs/``), from anywhere."""
 import json
 import os
 import tempfile
@@ -31,3 +32,25 @@ def atomic_write(path, write, mode=None):
 def write_json(path, obj, indent=4):
     atomic_write(path, lambda f: f.write(
         json.dumps(obj, indent=indent).encode() + b'\n'))
+
+
+def _is_checkout(folder):
+    return (folder / 'pyproject.toml').is_file() and \
+        (folder / 'dasktrain' / '__init__.py').is_file()
+
+
+def repository_path(*parts):
+    """An absolute path in the dasktrain checkout, whatever the working
+    directory: ``repository_path('data')`` is where ``make train`` keeps
+    CIFAR-10 also for a notebook, whose kernel runs in ``notebooks/``.
+
+    The checkout is the nearest folder at or above the working directory
+    that holds dasktrain's ``pyproject.toml``, else the one dasktrain is
+    imported from (an editable install); without either, the working
+    directory.
+    """
+    here = Path.cwd()
+    package = Path(__file__).resolve().parents[1]
+    root = next((f for f in (here, *here.parents) if _is_checkout(f)),
+                package if _is_checkout(package) else here)
+    return root.joinpath(*parts)

@@ -233,22 +233,30 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         if config.workers is not None:
             able = sum(1 for n in have.values() if n >= gpus)
             if able < config.workers:
-                raise JobError(f'workers={config.workers} needs as many '
-                               f'Dask workers with {gpus} GPUs; the cluster '
-                               f'has {able}; add workers or lower --workers')
+                each = f'{gpus} GPUs' if gpus else 'a CPU slot'
+                raise JobError(f'--workers {config.workers} needs as many '
+                               f'Dask workers with {each}; the cluster has '
+                               f'{able}; add workers or lower --workers')
         elif not have or max(have.values()) < need:
             largest = max(have.values(), default=0)
+            slots = sum(w.get('resources', {}).get('CPU', 0)
+                        for w in workers.values())
+            instead = (f'pass --gpus 0 to take one of the {slots:g} CPU '
+                       f'slot{"s" * (slots != 1)} the workers offer, '
+                       if gpus and slots else 'ask for fewer, ')
             raise JobError(f'no worker has {need} {resource} (largest: '
-                           f'{largest:g} among {len(have)} workers); ask '
-                           'for fewer, or add a worker with '
-                           f'`dask worker ADDRESS --resources {resource}='
-                           f'{need}`')
+                           f'{largest:g} among {len(have)} workers); '
+                           f'{instead}or add a worker with `dask worker '
+                           f'ADDRESS --resources {resource}={need}`')
         job_id = (f'{_slug(name or config.model)}-'
                   f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
         folder = jobs_dir(path).resolve() / job_id
         folder.mkdir(parents=True)
+        # Paths as the submitter meant them: the job runs in the worker's
+        # working directory.
         config = config.replace(out=str(folder / 'out'), resume=True,
-                                progress=True)
+                                progress=True,
+                                data_dir=os.path.abspath(config.data_dir))
         write_json(folder / 'job.json', {
             'id': job_id, 'name': name or config.model, 'gpus': gpus,
             'workers': config.workers,

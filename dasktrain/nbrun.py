@@ -2,8 +2,11 @@
 
 Parameters follow papermill's convention: the cell tagged ``parameters``
 holds the defaults, and a cell tagged ``injected-parameters`` inserted after
-it overrides them. Each executed notebook is written to the output folder
-with every figure it drew as ``<notebook>-<n>.png``.
+it overrides them. The kernel runs in the caller's working directory, so a
+relative path given as a parameter means what it means where it was typed
+(the notebooks' own defaults are absolute: the checkout's ``data/`` and
+``runs/``). Each executed notebook is written to the output folder with
+every figure it drew as ``<notebook>-<n>.png``.
 
     python -m dasktrain.nbrun --out notebooks/executed notebooks/*.ipynb
     python -m dasktrain.nbrun -p epochs=1 -p train_size=500 notebooks/01_single_vs_multi_gpu.ipynb
@@ -39,8 +42,9 @@ def inject_parameters(nb, parameters):
     return nb
 
 
-def run_notebook(path, out_dir, parameters=None, timeout=3600):
-    """Execute ``path``; write the executed copy and its PNGs to ``out_dir``.
+def run_notebook(path, out_dir, parameters=None, timeout=3600, cwd=None):
+    """Execute ``path`` in ``cwd`` (default: the working directory); write
+    the executed copy and its PNGs to ``out_dir``.
 
     Returns
     -------
@@ -60,7 +64,8 @@ def run_notebook(path, out_dir, parameters=None, timeout=3600):
     out_dir.mkdir(parents=True, exist_ok=True)
     nb = inject_parameters(nbformat.read(path, as_version=4), parameters)
     client = NotebookClient(nb, timeout=timeout, kernel_name='python3',
-                            resources={'metadata': {'path': str(path.parent)}})
+                            resources={'metadata': {
+                                'path': str(cwd or Path.cwd())}})
     failure = None
     try:
         client.execute()

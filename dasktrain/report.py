@@ -111,14 +111,42 @@ def _axes(ax):
     return ax
 
 
+def _legend(ax):
+    """The legend beside the axes, never over the data."""
+    ax.legend(loc='upper left', bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
+              fontsize='small')
+
+
+LINE_STYLES = ('-', '--', '-.', ':')
+MARKERS = ('o', 's', '^', 'D', 'v', 'P', 'X', '*')
+
+
+def run_style(index):
+    """Colour, line and marker of the ``index``-th run. Runs with the same
+    numbers stay visible: later runs are drawn thinner, in another dash
+    pattern and with smaller hollow markers of another shape, on top of
+    the earlier ones."""
+    return dict(color=f'C{index % 10}',
+                linestyle=LINE_STYLES[index % len(LINE_STYLES)],
+                linewidth=max(3.6 - 0.5 * index, 1.0),
+                marker=MARKERS[index % len(MARKERS)],
+                markersize=max(12.0 - 2.0 * index, 3.5),
+                markerfacecolor='none', markeredgewidth=1.4,
+                zorder=2 + index)
+
+
 def plot_curves(runs, x='epoch', y='validation/main/accuracy', ax=None,
-                title=None):
-    """One line per run of ``y`` against ``x`` (log keys)."""
+                title=None, legend=True):
+    """One line per run of ``y`` against ``x`` (log keys); each run keeps
+    its :func:`run_style` by its place in ``runs``, also where it has no
+    ``y`` (dg has no drift), so a run looks the same in every figure.
+    ``legend=False`` leaves it to a neighbouring figure of the same runs."""
     ax = _axes(ax)
-    for label, run in runs.items():
+    for index, (label, run) in enumerate(runs.items()):
         log = [r for r in read_log(run) if y in r]
-        ax.plot([r[x] for r in log], [r[y] for r in log], marker='o',
-                markersize=3, label=label)
+        if log:
+            ax.plot([r[x] for r in log], [r[y] for r in log], label=label,
+                    **run_style(index))
     if x == 'epoch':
         from matplotlib.ticker import MaxNLocator
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -127,7 +155,8 @@ def plot_curves(runs, x='epoch', y='validation/main/accuracy', ax=None,
     ax.set_title(title or f'{AXIS_LABELS.get(y, y)} against '
                           f'{AXIS_LABELS.get(x, x)}')
     ax.grid(alpha=0.3)
-    ax.legend()
+    if legend:
+        _legend(ax)
     return ax
 
 
@@ -149,23 +178,27 @@ def plot_scaling(runs_by_devices, ax=None, title=None, label='measured',
     if title or not ax.get_title():  # a second call keeps the first's
         ax.set_title(title or 'Training throughput against devices')
     ax.grid(alpha=0.3)
-    ax.legend()
+    _legend(ax)
     return ax
 
 
 def plot_bars(runs, y='comm_time', ax=None, title=None):
-    """Mean of ``y`` per epoch for each run, as bars."""
+    """Mean of ``y`` per epoch for each run, as horizontal bars (long run
+    names stay level) in the runs' colours, each labelled with its value,
+    zero included."""
     ax = _axes(ax)
     labels = list(runs)
     values = [float(np.mean([r.get(y, 0.0) for r in read_log(runs[k])]))
               for k in labels]
-    ax.bar(range(len(labels)), values, label=AXIS_LABELS.get(y, y))
-    ax.set_xticks(range(len(labels)), labels, rotation=20)
-    ax.set_xlabel('run')
-    ax.set_ylabel(AXIS_LABELS.get(y, y))
+    bars = ax.barh(range(len(labels)), values,
+                   color=[run_style(i)['color'] for i in range(len(labels))])
+    ax.bar_label(bars, labels=[f'{v:.3g}' for v in values], padding=3)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()  # the first run on top, as in the legends
+    ax.margins(x=0.15)  # room for the value labels
+    ax.set_xlabel(AXIS_LABELS.get(y, y))
     ax.set_title(title or f'{AXIS_LABELS.get(y, y)}, mean over epochs')
-    ax.grid(alpha=0.3, axis='y')
-    ax.legend()
+    ax.grid(alpha=0.3, axis='x')
     return ax
 
 
@@ -199,7 +232,7 @@ def plot_timeline(jobs, ax=None, title=None):
     ax.set_ylabel('job')
     ax.set_title(title or 'Jobs: queued and running')
     ax.grid(alpha=0.3, axis='x')
-    ax.legend()
+    _legend(ax)
     return ax
 
 

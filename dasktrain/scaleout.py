@@ -151,7 +151,7 @@ def _choose(client, config, gpus, wanted, minimum, patience):
             return able[:wanted]
         if time.monotonic() > deadline:
             raise ScaleOutError(
-                f'workers={config.workers} needs {minimum} Dask workers'
+                f'--workers {config.workers} needs {minimum} Dask workers'
                 f'{f" with {gpus} GPUs each" if gpus else ""}; the cluster '
                 f'has {len(able)} after {patience:g} s; add workers (`dask '
                 'worker ADDRESS`) or lower --workers')
@@ -250,9 +250,8 @@ def train(config=None, callbacks=(), client=None, **overrides):
             return train_here(config, callbacks)
         workers, device = plan
         if config.progress:
-            print(f'devices: {workers} worker processes, one per device, '
-                  f'each on {device} (--in-process: one process)',
-                  file=sys.stderr, flush=True)
+            print(f'training on {workers} worker processes, one per device'
+                  ' (--in-process: all in this one)', flush=True)
         with local_device_workers(config.devices or default_devices()) \
                 as client:
             return train(config.replace(workers=workers, devices=(device,)),

@@ -17,7 +17,7 @@ import chainer
 import chainer.functions as F
 import numpy as np
 from chainer.serializers import DictionarySerializer
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain: tqdm.auto warns in a notebook without ipywidgets
 
 from dasktrain.augment import EpochLoader, shard_bounds, tta_views
 from dasktrain.collective import Solo
@@ -47,6 +47,19 @@ def default_devices():
     """Every GPU this process sees, else one CPU replica."""
     gpus = [d for d in available_devices() if d.startswith('@cupy')]
     return tuple(gpus) or ('@numpy',)
+
+
+def describe_devices(devices, chosen=True):
+    """One line naming the devices a run trains on; ``chosen``: the user
+    named none (so a CPU run says no GPU was found)."""
+    devices = [str(d) for d in devices]
+    gpus = [d for d in devices if d.startswith('@cupy')]
+    if gpus:
+        return (f'training on {len(gpus)} GPU{"s" * (len(gpus) > 1)}: '
+                f'{", ".join(gpus)}')
+    n = len(devices)
+    return (f'training on the CPU, {n} replica{"s" * (n > 1)} (@numpy)'
+            f'{"; no GPU found" if not chosen else ""}')
 
 
 def make_optimizer(config):
@@ -193,13 +206,14 @@ class _Progress:
                 f"{row['elapsed_time']:.1f}s", file=sys.stdout)
 
 
-def _say_devices(model):
+def _say_devices(model, chosen):
     """The devices a run trains on, first thing: a GPU server training on
     its CPU must not go unnoticed (with nvidia-smi's GPUs and Chainer's
     reason why it cannot use them)."""
-    print(f"devices: {', '.join(str(d) for d in model.devices)}"
-          f"{f' on each of {model.comm.size} workers' if model.comm.size > 1 else ''}",
-          file=sys.stderr, flush=True)
+    workers = model.comm.size
+    print(describe_devices(model.devices, chosen) +
+          (f', on each of {workers} workers' if workers > 1 else ''),
+          flush=True)
     if all(d.xp is np for d in model.devices):
         count, reason = gpu_count()
         line = unused_gpus_message(nvidia_smi_lines(), count, reason)
@@ -290,7 +304,7 @@ def _run_group(config, comm, devices, callbacks, progress):
         comm_dtype=config.comm_dtype,
         double_buffering=config.double_buffering)
     if lead and getattr(progress, 'enabled', False):
-        _say_devices(model)
+        _say_devices(model, chosen=bool(devices or config.devices))
     model.setup(make_optimizer(config))
     if config.weight_decay:
         model.add_hook(chainer.optimizer_hooks.WeightDecay(
@@ -298,7 +312,7 @@ def _run_group(config, comm, devices, callbacks, progress):
     replicas = model.total_replicas
     if replicas > n_train:
         raise UserError(f'{replicas} replicas need at least as many training '
-                        f'images, got train_size={n_train}')
+                        f'images, got --train-size {n_train}')
     if config.early_stop_monitor == 'drift' and \
             not (model.mode == 'ipm' and replicas > 1):
         raise UserError('--early-stop-monitor drift needs --mode ipm with '

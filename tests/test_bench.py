@@ -30,8 +30,9 @@ def test_bench_train_compares_plain_chainer_and_the_wrapper(capsys):
 
 def test_bench_usage_errors(capsys):
     assert main(['bench', 'train', '--iterations', '0']) == 2
-    assert capsys.readouterr().err.startswith(
-        'dasktrain bench train: error: --iterations must be >= 1, got 0')
+    assert capsys.readouterr().err.splitlines()[1:] == [
+        'dasktrain bench train: error: --iterations must be >= 1, got 0',
+        'see `dasktrain bench train --help`']
 
 
 def test_bench_allreduce_times_shared_memory_tcp_and_says_what_of_mpi(

@@ -30,13 +30,23 @@ def test_user_error_is_one_line(tmp_path, archive_server, capsys):
     assert 'Traceback' not in err
 
 
-def test_usage_error_prints_one_line_and_the_subcommand_help(capsys):
+def test_usage_error_prints_usage_error_and_where_help_is(capsys):
     assert main(['download', '--no-such-flag']) == 2
-    err = capsys.readouterr().err
-    first, rest = err.split('\n', 1)
-    assert first == ('dasktrain download: error: unrecognized arguments: '
-                     '--no-such-flag')
-    assert 'usage: dasktrain download' in rest
+    assert capsys.readouterr().err.splitlines() == [
+        'usage: dasktrain download [-h] [--data-dir DIR] [--url URL] '
+        '[--md5 MD5]',
+        'dasktrain download: error: unrecognized arguments: --no-such-flag',
+        'see `dasktrain download --help`']
+
+
+def test_usage_errors_of_nested_commands(capsys):
+    assert main(['cluster', 'start', '--port', 'x']) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-2:] == [
+        "dasktrain cluster start: error: argument --port: invalid int "
+        "value: 'x'", 'see `dasktrain cluster start --help`']
+    assert lines[0].startswith('usage: dasktrain cluster start ')
+    assert len(lines) <= 5
 
 
 @pytest.mark.parametrize('name', sorted(COMMANDS))

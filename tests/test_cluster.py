@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import requests
 from distributed import Client
 
 from dasktrain.cli import main
@@ -53,19 +54,25 @@ class Processes:
                    'the scheduler file')
         self.address = json.loads(info.read_text())['address']
 
-    def spawn(self, *args):
+    def spawn(self, *args, cwd=None):
         proc = subprocess.Popen([sys.executable, '-m', 'dask', *args],
                                 stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, cwd=cwd,
                                 start_new_session=True)
         self.procs.append(proc)
         return proc
 
-    def worker(self, gpus=2):
+    def worker(self, gpus=2, resources=None):
+        """A worker offering ``gpus`` GPUs (or ``resources``), in a working
+        directory of its own: paths relative to the test's mean nothing
+        there."""
+        cwd = self.tmp_path / 'worker-cwd'
+        cwd.mkdir(exist_ok=True)
         return self.spawn('worker', self.address, '--no-nanny', '--nthreads',
-                          str(gpus), '--resources', f'GPU={gpus}', '--host',
-                          '127.0.0.1', '--local-directory',
-                          str(self.tmp_path / 'space'))
+                          str(gpus or 1), '--resources',
+                          resources or f'GPU={gpus}', '--host', '127.0.0.1',
+                          '--local-directory', str(self.tmp_path / 'space'),
+                          cwd=cwd)
 
     def close(self):
         for proc in self.procs:
@@ -100,6 +107,11 @@ def test_cluster_commands_start_status_and_stop(tmp_path, monkeypatch,
         assert state['scheduler'].startswith('tls://127.0.0.1:')
         assert f"scheduler: {state['scheduler']}" in out
         assert 'dashboard: http://127.0.0.1:' in out
+        page = requests.get(state['dashboard'], timeout=30)
+        assert page.status_code == 200
+        assert 'needs bokeh' not in page.text  # what Dask says without it
+        assert '<title>Dask Diagnostic UI</title>' in page.text
+        assert 'Bokeh.embed.embed_items' in page.text  # its plots
         assert main(['cluster', 'status']) == 0
         # GPU jobs, one CPU job beside them, and a scale-out driver's thread
         assert 'GPU=2, CPU=1, 4 threads' in capsys.readouterr().out
@@ -164,7 +176,7 @@ def test_a_submitted_job_across_two_cpu_workers(cluster, data_dir,
         job = submit(job_config(data_dir, workers=2, mode='ipm',
                                 mix_every=2), gpus=0, client=client,
                      path=tmp_path / 'jobs')
-        with pytest.raises(JobError, match='workers=3 needs as many'):
+        with pytest.raises(JobError, match='--workers 3 needs as many Dask workers with a CPU slot'):
             submit(job_config(data_dir, workers=3), gpus=0, client=client,
                    path=tmp_path / 'jobs')
     result = job.result(timeout=180)
@@ -221,11 +233,13 @@ def test_cancel_a_queued_and_a_running_job(cluster, data_dir, tmp_path,
     assert queued.status()['state'] == 'queued'
     args = ['--jobs-dir', str(tmp_path / 'jobs')]
     assert main(['cancel', queued.id, *args]) == 0
+    assert capsys.readouterr().out == f'{queued.id}: cancelled\n'
     assert queued.status()['state'] == 'cancelled'
     wait_until(lambda: len(running.log_rows()) >= 1, 120, 'an epoch')
     assert main(['cancel', running.id, *args]) == 0
-    wait_until(lambda: running.status()['state'] == 'cancelled', 60,
-               'the cancel')
+    # The state after the cancel, not the 'running' from before it.
+    assert capsys.readouterr().out == f'{running.id}: cancelled\n'
+    assert running.status()['state'] == 'cancelled'
     assert running.status()['epoch'] < 50
     time.sleep(1)
     assert queued.status()['state'] == 'cancelled'
@@ -302,24 +316,48 @@ def test_submit_time_errors(cluster, data_dir, tmp_path, monkeypatch,
     assert 'no cluster is recorded' in capsys.readouterr().err
     assert main(['submit', '--scheduler', cluster.address, '--',
                  '--batch-size', '0']) == 2
-    assert 'batch_size must be an int >= 1' in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines() == [
+        'usage: dasktrain submit -- [options]',
+        'dasktrain submit --: error: --batch-size must be an int >= 1, got 0',
+        'see `dasktrain train --help`']
+    # `cluster status` takes the --scheduler its error message suggests.
+    assert main(['cluster', 'status', '--scheduler', cluster.address]) == 0
+    assert 'GPU=2, 2 threads' in capsys.readouterr().out
     assert not (tmp_path / 'jobs').exists() or \
         not any((tmp_path / 'jobs').iterdir())
 
 
+def test_without_gpus_submit_says_that_gpus_0_takes_a_cpu_slot(
+        cluster, tmp_path, capsys):
+    cluster.worker(gpus=0, resources='CPU=2')
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+    assert main(['submit', '--scheduler', cluster.address, '--jobs-dir',
+                 str(tmp_path / 'jobs'), '--', '--model', 'tiny']) == 1
+    err = capsys.readouterr().err
+    assert err.startswith('dasktrain submit: error: no worker has 1 GPU ')
+    assert 'pass --gpus 0 to take one of the 2 CPU slots' in err
+    assert main(['submit', '--help']) == 0
+    assert '0 takes one CPU slot' in ' '.join(capsys.readouterr().out.split())
+
+
 def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
-                                             capsys):
+                                             capsys, monkeypatch):
     cluster.worker(gpus=1)
     with Client(cluster.address) as client:
         client.wait_for_workers(1)
+    # Relative paths mean the submitter's directory, not the worker's.
+    monkeypatch.chdir(data_dir.parent)
     assert main(['submit', '--scheduler', cluster.address, '--gpus', '1',
                  '--name', 'sweep', '--jobs-dir', str(tmp_path / 'jobs'),
                  '--', '--model', 'tiny', '--epochs', '1', '--devices', 'cpu',
-                 '--data-dir', str(data_dir), '--train-size', '200']) == 0
+                 '--data-dir', data_dir.name, '--train-size', '200']) == 0
     job_id = capsys.readouterr().out.strip()
     assert job_id.startswith('sweep-')
     job = Job.find(job_id, tmp_path / 'jobs')
+    assert job.spec()['config']['data_dir'] == str(data_dir)
     assert job.result(timeout=120)['final']['epoch'] == 1
+    assert list((tmp_path / 'worker-cwd').iterdir()) == []
     assert main(['logs', job_id, '--follow', '--jobs-dir',
                  str(tmp_path / 'jobs')]) == 0
     assert 'done: epoch 1' in capsys.readouterr().out

@@ -49,6 +49,14 @@ def test_url_from_environment(tmp_path, archive_server, cifar_archive,
     assert archive_server.requests[0][0] == '/cifar-10-python.tar.gz'
 
 
+def test_md5_from_environment(tmp_path, archive_server, cifar_archive,
+                              monkeypatch):
+    # A lab mirror with its own archive, set once for every command.
+    monkeypatch.setenv('DASKTRAIN_CIFAR10_URL', archive_server.url())
+    monkeypatch.setenv('DASKTRAIN_CIFAR10_MD5', cifar_archive[1].upper())
+    assert (download_cifar10(tmp_path, **FAST) / 'test_batch').is_file()
+
+
 def test_local_archive_and_folder_need_no_network(tmp_path, cifar_archive):
     dead = 'http://127.0.0.1:9/cifar-10-python.tar.gz'
     (tmp_path / ARCHIVE_NAME).write_bytes(cifar_archive[0].read_bytes())
@@ -98,7 +106,9 @@ def test_retries_transient_server_errors(tmp_path, archive_server,
 
 def test_gives_up_after_retries(tmp_path, archive_server, cifar_archive):
     archive_server.faults = [503] * 10
-    with pytest.raises(DataError, match='--url'):
+    with pytest.raises(DataError, match=r': the server kept failing \(too '
+                                        r'many 503 error responses\); use a '
+                                        r'mirror \(--url'):
         download_cifar10(tmp_path, url=archive_server.url(),
                          md5=cifar_archive[1], retries=2, **FAST)
     assert len(archive_server.requests) == 3
@@ -113,9 +123,23 @@ def test_http_404_is_one_clear_error(tmp_path, archive_server):
 
 
 def test_no_network_is_one_clear_error(tmp_path):
-    with pytest.raises(DataError, match='cannot download.*mirror'):
+    with pytest.raises(DataError) as error:
         download_cifar10(tmp_path, url='http://127.0.0.1:9/x.tar.gz',
                          retries=1, **FAST)
+    # What failed, in words; not urllib3's nested reprs.
+    assert str(error.value) == (
+        'cannot download http://127.0.0.1:9/x.tar.gz: 127.0.0.1:9 refused '
+        'the connection; use a mirror (--url, or $DASKTRAIN_CIFAR10_URL) or '
+        'put cifar-10-python.tar.gz into the data dir')
+
+
+def test_a_name_that_does_not_resolve_is_said_so(tmp_path):
+    # .invalid never resolves (RFC 6761): no network is needed to fail.
+    with pytest.raises(DataError, match=r'^cannot download http://cifar\.'
+                       r'invalid/x\.tar\.gz: the name cifar\.invalid cannot '
+                       r'be resolved \(offline, or no DNS\); use a mirror'):
+        download_cifar10(tmp_path, url='http://cifar.invalid/x.tar.gz',
+                         retries=0, **FAST)
 
 
 def test_md5_mismatch_removes_the_file(tmp_path, archive_server):

@@ -1,14 +1,16 @@
 """Every notebook runs headless on the CPU with tiny parameters."""
+import ast
 import os
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from dasktrain.files import repository_path
 from dasktrain.nbrun import run_notebook
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / 'notebooks')
-                   .glob('*.ipynb'))
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))
 OUT = os.environ.get('DASKTRAIN_NOTEBOOKS_OUT')  # keep executed copies
 TINY = dict(model='tiny', epochs=2, train_size=300, test_size=60)
 
@@ -34,19 +36,42 @@ def test_saved_without_outputs_and_with_parameters(path):
     for cell in nb.cells:
         if cell.cell_type == 'code':
             assert cell.outputs == [] and cell.execution_count is None
+    # Paths default to the checkout's data/ and runs/ (None here, resolved
+    # by repository_path), never to folders relative to the kernel's;
+    # a lab mirror's url and md5 can be passed.
+    defaults = {node.targets[0].id: ast.literal_eval(node.value)
+                for node in ast.parse(tagged[0].source).body}
+    for name in ('data_dir', 'url', 'md5', 'out_dir', 'jobs_dir'):
+        if name in defaults or name in ('data_dir', 'url', 'md5'):
+            assert defaults[name] is None, name
+
+
+def test_default_paths_are_the_checkouts_wherever_the_kernel_runs(
+        tmp_path, monkeypatch):
+    for where in (ROOT / 'notebooks', ROOT, tmp_path):
+        monkeypatch.chdir(where)
+        assert repository_path('data') == ROOT / 'data'
+        assert repository_path('runs', '01') == ROOT / 'runs' / '01'
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_on_cpu_with_tiny_parameters(path, data_dir, tmp_path,
-                                                   monkeypatch):
+                                                   monkeypatch,
+                                                   archive_server,
+                                                   cifar_archive):
     monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
     monkeypatch.setenv('MPLBACKEND', 'Agg')
-    parameters = dict(TINY, data_dir=data_dir)
+    # Relative paths, as typed in this directory: the kernel runs here.
+    monkeypatch.chdir(tmp_path)
+    parameters = dict(TINY, data_dir=os.path.relpath(data_dir))
     if path.stem.startswith('03'):
-        parameters.update(jobs_dir=str(tmp_path / 'jobs'), port=0,
-                          dashboard_port=0, learning_rates=[0.01, 0.003])
+        parameters.update(jobs_dir='jobs', port=0, dashboard_port=0,
+                          learning_rates=[0.01, 0.003])
     else:
-        parameters.update(out_dir=str(tmp_path / 'runs'))
+        parameters.update(out_dir='runs')
+    if path.stem.startswith('01'):  # from a mirror with its own MD5
+        parameters.update(data_dir='mirrored', url=archive_server.url(),
+                          md5=cifar_archive[1], batch_size=20)
     if path.stem.startswith('02'):
         parameters.update(mix_every_values=[1, 3, 'epoch', None])
     executed, figures = run_notebook(path, OUT or tmp_path / 'executed',
@@ -57,3 +82,11 @@ def test_notebook_runs_on_cpu_with_tiny_parameters(path, data_dir, tmp_path,
     assert errors == []
     assert len(figures) == (3 if path.stem.startswith('02') else 2)
     assert all(f.stat().st_size > 10_000 for f in figures)
+    streams = ''.join(o.get('text', '') for c in nb.cells
+                      for o in c.get('outputs', ()))
+    assert 'IProgress' not in streams and 'TqdmWarning' not in streams
+    made = 'jobs' if path.stem.startswith('03') else 'runs'
+    assert (tmp_path / made).is_dir()
+    if path.stem.startswith('01'):
+        assert (tmp_path / 'mirrored' / 'cifar-10-batches-py').is_dir()
+        assert len(archive_server.requests) == 1

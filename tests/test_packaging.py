@@ -1,15 +1,31 @@
-"""environment.yml must describe the environment pyproject.toml installs."""
+"""What `make install` and pip install: environment.yml describes the same
+environment as pyproject.toml; Chainer imports before dasktrain in it; the
+CuPy extra follows the NVIDIA driver."""
+import importlib.util
+import os
 import re
-import tomllib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
 from pathlib import Path
 
+import pytest
 import yaml
+
+from dasktrain import cuda_extra
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the parser pip itself uses
+    from pip._vendor import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _name(requirement):
-    return re.split(r'[<>=!\[ ;]', requirement, 1)[0].lower()
+    return re.split(r'[<>=!\[ ;]', requirement, maxsplit=1)[0].lower()
 
 
 def test_environment_yml_matches_pyproject():
@@ -33,3 +49,120 @@ def test_setuptools_is_capped_for_build_and_run():
     project = tomllib.loads((ROOT / 'pyproject.toml').read_text())
     assert 'setuptools<81' in project['project']['dependencies']
     assert 'PIP_CONSTRAINT' in (ROOT / 'Makefile').read_text()
+
+
+# ------------------------------------------- chainer first, at any start
+
+CHAINER_FIRST = ('import chainer, numpy, sys; '
+                 'x = chainer.functions.relu(numpy.ones(2, "f")); '
+                 'print(chainer.__version__, numpy.__version__, '
+                 'x.array.tolist())')
+
+
+def _chainer_first(python, cwd):
+    done = subprocess.run([str(python), '-c', CHAINER_FIRST], cwd=cwd,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_chainer_imports_first_in_the_installed_environment(tmp_path):
+    # Nothing imports dasktrain: the .pth installed with it patches NumPy.
+    out = _chainer_first(sys.executable, tmp_path)
+    assert out.startswith('7.8.1 ') and out.endswith('[1.0, 1.0]\n')
+
+
+def test_starting_python_does_not_load_numpy(tmp_path):
+    done = subprocess.run([sys.executable, '-c', 'import sys; print('
+                           '"numpy" in sys.modules, "dasktrain" in '
+                           'sys.modules)'], cwd=tmp_path, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout == 'False True\n'  # the hook, not the patch
+
+
+@pytest.mark.skipif(importlib.util.find_spec('hatchling') is None,
+                    reason="the test extra's hatchling builds the wheel")
+def test_chainer_imports_first_after_a_normal_install(tmp_path):
+    """A wheel (not editable) in a fresh venv that borrows this one's
+    dependencies through a plain path entry, whose .pth files do not run:
+    only the wheel's own .pth can make `import chainer` work there."""
+    subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--quiet',
+                    '--no-deps', '--no-build-isolation', '-w',
+                    str(tmp_path / 'dist'), str(ROOT)], check=True,
+                   capture_output=True)
+    wheel, = (tmp_path / 'dist').glob('dasktrain-*.whl')
+    with zipfile.ZipFile(wheel) as z:
+        assert 'dasktrain-chainer.pth' in z.namelist()
+    venv = tmp_path / 'venv'
+    subprocess.run([sys.executable, '-m', 'venv', '--without-pip',
+                    str(venv)], check=True)
+    python = venv / 'bin' / 'python'
+    site = Path(subprocess.run(
+        [str(python), '-c', 'import sysconfig; print(sysconfig.get_path('
+         '"purelib"))'], capture_output=True, text=True,
+        check=True).stdout.strip())
+    subprocess.run([sys.executable, '-m', 'pip', '--python', str(python),
+                    'install', '--quiet', '--no-deps', '--no-index',
+                    str(wheel)], check=True, capture_output=True)
+    ours = sysconfig.get_path('purelib')
+    (site / 'zz-borrow.pth').write_text(ours + '\n')
+    out = _chainer_first(python, tmp_path)
+    assert out.startswith('7.8.1 ') and out.endswith('[1.0, 1.0]\n')
+    where = subprocess.run([str(python), '-c', 'import dasktrain; print('
+                            'dasktrain.__file__)'], cwd=tmp_path,
+                           capture_output=True, text=True, check=True)
+    assert where.stdout.startswith(str(site))  # the wheel's, not editable
+
+
+# --------------------------------------------- which CuPy `make` installs
+
+SMI = ('+------------------------------------------------------------------'
+       '-----------------------+\n'
+       '| NVIDIA-SMI {driver}              Driver Version: {driver}      '
+       'CUDA Version: {cuda}     |\n')
+
+
+@pytest.mark.parametrize('cuda,extra', [
+    ('12.4', 'cuda12'), ('12.0', 'cuda12'), ('13.0', 'cuda13'),
+    ('13.1', 'cuda13'), ('14.0', 'cuda13'), ('11.8', 'none')])
+def test_the_drivers_cuda_version_picks_the_extra(cuda, extra):
+    text = SMI.format(driver='580.65.06', cuda=cuda)
+    assert cuda_extra.cuda_version(text) == cuda
+    chosen, why = cuda_extra.choose('auto', smi=lambda: (text, None))
+    assert chosen == extra
+    assert f'CUDA {cuda}' in why and 'CUDA=none|12|13' in why
+
+
+def test_no_driver_or_an_explicit_choice_needs_no_nvidia_smi():
+    def smi():
+        raise AssertionError('not asked')
+    assert cuda_extra.choose('none', smi=smi)[0] == 'none'
+    assert cuda_extra.choose('12', smi=smi)[0] == 'cuda12'
+    assert cuda_extra.choose('cuda13', smi=smi)[0] == 'cuda13'
+    failed = (None, "nvidia-smi failed: NVIDIA-SMI has failed because it "
+                    "couldn't communicate with the NVIDIA driver.")
+    extra, why = cuda_extra.choose('auto', smi=lambda: failed)
+    assert extra == 'none' and why.startswith('nvidia-smi failed')
+    with pytest.raises(ValueError, match="got '11'"):
+        cuda_extra.choose('11')
+    if shutil.which('nvidia-smi') is None:  # this machine, for real
+        assert cuda_extra.choose('auto')[0] == 'none'
+        assert 'no nvidia-smi' in cuda_extra.run_nvidia_smi()[1]
+
+
+@pytest.mark.skipif(shutil.which('make') is None, reason='needs make')
+@pytest.mark.parametrize('cuda,extras', [('12', 'test,cuda12'),
+                                         ('13', 'test,cuda13'),
+                                         ('none', 'test')])
+def test_make_install_installs_the_chosen_extra(cuda, extras, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith('MAKE')}
+    out = subprocess.run(['make', '-n', 'install', f'VENV={tmp_path}',
+                          f'CUDA={cuda}'], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert f"pip install --quiet -e '.[{extras}]'" in out
+    assert f'cuda_extra.py --explain {cuda}' in out  # says which, and why
+    bad = subprocess.run(['make', '-n', 'install', f'VENV={tmp_path}',
+                          'CUDA=11'], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert 'CUDA is auto, none, 12 or 13' in bad.stderr

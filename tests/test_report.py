@@ -77,12 +77,60 @@ def test_scaling_plot_draws_the_ideal_line_and_keeps_its_title():
     assert ax.get_ylabel() == 'training throughput (images/s)'
 
 
-def test_bars_show_the_mean_per_epoch():
+def test_bars_show_the_mean_per_epoch_each_labelled_zero_too():
     ax = report.plot_bars({'dg': log([1, 1], [0, 0], comm=3.0),
-                           'ipm': log([1, 1], [0, 0], comm=0.5)})
-    assert [p.get_height() for p in ax.patches] == [3.0, 0.5]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ['dg', 'ipm']
-    assert ax.get_ylabel() == 'communication time per epoch (s)'
+                           'ipm, mix every 100 it.': log([1, 1], [0, 0],
+                                                         comm=0.5),
+                           'ipm, one-shot': log([1, 1], [0, 0])})
+    assert [p.get_width() for p in ax.patches] == [3.0, 0.5, 0.0]
+    assert [t.get_text() for t in ax.texts] == ['3', '0.5', '0']
+    # Long names along the bars, level: no crowded, rotated labels.
+    labels = ax.get_yticklabels()
+    assert [t.get_text() for t in labels] == [
+        'dg', 'ipm, mix every 100 it.', 'ipm, one-shot']
+    assert {t.get_rotation() for t in labels} == {0.0}
+    assert ax.get_xlabel() == 'communication time per epoch (s)'
+
+
+def test_runs_with_the_same_numbers_stay_visible():
+    same = log([1, 1, 1], [0.2, 0.4, 0.6])
+    runs = {f'run {i}': same for i in range(6)}
+    ax = report.plot_curves(runs)
+    looks = [(line.get_color(), line.get_linestyle(), line.get_marker())
+             for line in ax.lines]
+    assert len(set(looks)) == 6
+    # Each later line is thinner, with smaller markers, drawn on top: the
+    # ones below show around it.
+    widths = [line.get_linewidth() for line in ax.lines]
+    sizes = [line.get_markersize() for line in ax.lines]
+    assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    assert all(line.get_markerfacecolor() == 'none' for line in ax.lines)
+
+
+def test_a_run_keeps_its_look_where_it_has_no_values():
+    runs = {'dg': [{k: v for k, v in row.items() if k != 'drift'}
+                   for row in log([1, 1], [0.2, 0.4])],
+            'ipm': log([1, 1], [0.2, 0.4])}
+    accuracy = report.plot_curves(runs)
+    plt.figure()
+    drift = report.plot_curves(runs, y='drift')
+    assert [t.get_text() for t in drift.get_legend().get_texts()] == ['ipm']
+    assert drift.lines[0].get_color() == accuracy.lines[1].get_color()
+    assert drift.lines[0].get_marker() == accuracy.lines[1].get_marker()
+
+
+@pytest.mark.parametrize('draw', [
+    lambda: report.plot_curves({f'run {i}': log([1] * 4, [0.9] * 4)
+                                for i in range(4)}),
+    lambda: report.plot_scaling({1: log([0, 100.0], [0, 0]),
+                                 2: log([0, 150.0], [0, 0])}),
+], ids=['curves', 'scaling'])
+def test_legends_sit_outside_the_data(draw):
+    ax = draw()
+    ax.figure.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert not legend.overlaps(ax.get_window_extent())
 
 
 def test_timeline_shows_each_job_waiting_then_running(tmp_path):
@@ -111,3 +159,11 @@ def test_timeline_shows_each_job_waiting_then_running(tmp_path):
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         'queued', 'running']
     assert ax.get_xlabel() == 'time since the first submission (s)'
+    ax.figure.canvas.draw()
+    assert not ax.get_legend().get_window_extent().overlaps(
+        ax.get_window_extent())
+
+
+def test_curves_without_a_legend_leave_it_to_their_neighbour():
+    ax = report.plot_curves({'one': log([1], [0.5])}, legend=False)
+    assert ax.get_legend() is None

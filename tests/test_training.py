@@ -1,8 +1,10 @@
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -156,7 +158,6 @@ def test_an_existing_run_needs_resume(data_dir, tmp_path):
 
 
 def test_flags_map_one_to_one_onto_config_fields():
-    import dataclasses
     parser = build_parser()
     train_parser = parser._subparsers._group_actions[0].choices['train']
     dests = {a.dest for a in train_parser._actions if a.dest != 'help'}
@@ -164,24 +165,61 @@ def test_flags_map_one_to_one_onto_config_fields():
 
 
 @pytest.mark.parametrize('argv,message', [
-    (['--batch-size', '0'], 'batch_size must be an int >= 1, got 0'),
-    (['--mix-every', '5'], 'mix_every applies to mode ipm only'),
+    (['--batch-size', '0'], '--batch-size must be an int >= 1, got 0'),
+    (['--mix-every', '5'], '--mix-every applies to --mode ipm only, got '
+                           '--mix-every 5 with --mode dg'),
     (['--mode', 'ipm', '--mix-every', 'often'],
-     "expected an int or 'epoch', got 'often'"),
-    (['--devices', 'gpu0'], "devices must be GPU ids like '0,1'"),
-    (['--tta', '11'], 'tta must be an int in 1..10, got 11'),
-    (['--lr', '-1'], 'lr must be a finite number > 0, got -1.0'),
-    (['--lr', 'inf'], 'lr must be a finite number > 0, got inf'),
-    (['--lr', 'nan'], 'lr must be a finite number > 0, got nan'),
-    (['--weight-decay', 'inf'], 'weight_decay must be a finite number >= 0'),
+     "argument --mix-every: expected an int or 'epoch', got 'often'"),
+    (['--devices', 'gpu0'], "argument --devices: expected GPU ids like "
+                            "'0,1', 'cpu' or 'cpu:N', got 'gpu0'"),
+    (['--tta', '11'], '--tta must be an int in 1..10, got 11'),
+    (['--lr', '-1'], '--lr must be a finite number > 0, got -1.0'),
+    (['--lr', 'inf'], '--lr must be a finite number > 0, got inf'),
+    (['--lr', 'nan'], '--lr must be a finite number > 0, got nan'),
+    (['--weight-decay', 'inf'], '--weight-decay must be a finite number >= '
+                                '0'),
+    (['--scheduler', 'tcp://x:1'], '--scheduler applies with --workers '
+                                   'only'),
     (['--model', 'vgg'], "invalid choice: 'vgg'"),
 ])
 def test_bad_option_values_are_usage_errors(argv, message, capsys):
+    """The usage line, the error naming the flag, and where help is: no
+    screenful of help that scrolls the error away."""
     assert main(['train', *argv]) == 2
-    err = capsys.readouterr().err
-    first, rest = err.split('\n', 1)
-    assert first.startswith('dasktrain train: error: ') and message in first
-    assert 'usage: dasktrain train' in rest
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3
+    assert lines[0] == 'usage: dasktrain train [options]'
+    assert lines[1].startswith('dasktrain train: error: ')
+    assert message in lines[1]
+    assert lines[2] == 'see `dasktrain train --help`'
+
+
+def _wrong_type(field):
+    """A value of the wrong type for each field's annotation."""
+    if field.name == 'mix_every':  # an int, 'epoch' or None
+        return 2.5
+    return 'seven' if field.type in (int, float, Optional[int],
+                                     Optional[float]) else 7
+
+
+@pytest.mark.parametrize('field', dataclasses.fields(TrainConfig),
+                         ids=lambda f: f.name)
+def test_every_field_is_type_checked(field):
+    value = _wrong_type(field)
+    name = field.name if field.type is bool else \
+        '--' + field.name.replace('_', '-')
+    with pytest.raises(ConfigError, match=f'^{name} must be .*, got '
+                                          f'{value!r}$'):
+        TrainConfig(**{field.name: value})
+
+
+def test_types_that_mean_the_same_pass():
+    import pathlib
+    config = TrainConfig(lr=1, collective_timeout=5, out=pathlib.Path('o'),
+                         data_dir=pathlib.Path('/d'),
+                         devices=('@numpy',), mode='ipm', mix_every='epoch')
+    assert (config.out, config.data_dir) == ('o', '/d')
+    assert TrainConfig.from_json(config.to_json()) == config
 
 
 def test_missing_gpu_is_one_clear_line(data_dir, tmp_path, capsys):
@@ -209,9 +247,10 @@ def test_train_command_end_to_end(data_dir, tmp_path):
          '--epochs', '1', '--devices', 'cpu', '--data-dir', str(data_dir),
          '--out', str(tmp_path / 'r'), '--lr', '0.01'],
         capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[0] == \
+        'training on the CPU, 1 replica (@numpy)'  # says where, first
     assert 'epoch   1/1' in out.stdout and 'done: epoch 1' in out.stdout
     assert 'Traceback' not in out.stderr
-    assert out.stderr.startswith('devices: @numpy\n')  # said first
 
 
 # ------------------------------------------------- output folder and resume
