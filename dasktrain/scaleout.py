@@ -300,7 +300,7 @@ def _drive(client, config, callbacks):
               'resuming from the last checkpoint', file=sys.stderr,
               flush=True)
         if config.on_worker_loss == 'continue':
-            wanted, minimum = len(workers) - len(value), 1
+            wanted, minimum = max(1, len(workers) - len(value)), 1
         else:
             patience = float('inf')
 
