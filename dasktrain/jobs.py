@@ -343,8 +343,8 @@ def run_job(folder):
                         child.wait(10)
                     except subprocess.TimeoutExpired:
                         child.kill()
-                if _mtime(log_path) != seen:  # an epoch ended: tell the monitor
-                    seen = _mtime(log_path)
+                if _mtime(log_path) != seen:  # an epoch ended: tell
+                    seen = _mtime(log_path)   # the monitor
                     job.announce()
                 time.sleep(0.2)
         if (folder / 'cancel').exists():

@@ -156,8 +156,11 @@ function svgEl(tag, attrs) {
 function num(v, digits) {
   return (typeof v === 'number') ? v.toFixed(digits) : '-';
 }
-function when(t) {
-  return t ? new Date(t * 1000).toLocaleString() : '-';
+function when(t) {  // as `dasktrain jobs` prints it: MM-DD HH:MM:SS
+  if (!t) return '-';
+  const d = new Date(t * 1000), p = n => String(n).padStart(2, '0');
+  return p(d.getMonth() + 1) + '-' + p(d.getDate()) + ' ' + p(d.getHours())
+    + ':' + p(d.getMinutes()) + ':' + p(d.getSeconds());
 }
 function gpus(job) {
   if (job.held && job.held.length) return job.held.join(',');
@@ -189,7 +192,9 @@ function table(jobs) {
     bar.append(fill);
     progress.append(bar, (r.epoch || 0) + '/' + job.epochs);
     const state = el('td');
-    state.append(el('span', job.state, 'state ' + job.state));
+    const badge = el('span', job.state, 'state ' + job.state);
+    if (job.error) badge.title = job.error;  // why it failed, on hover
+    state.append(badge);
     tr.append(el('td', job.id), el('td', job.name), el('td', job.user),
               state, el('td', gpus(job)), progress,
               el('td', num(r['validation/main/accuracy'], 4), 'num'),
@@ -237,9 +242,9 @@ function chart(rows, keys, title, colours) {
                                   fill: colours[i], class: 'point'}));
       points++;
     }
-    const key = svgEl('text', {x: L + 6 + 110 * i, y: T + 12,
+    const key = svgEl('text', {x: L + 70 + 70 * i, y: 12,
                                fill: colours[i]});
-    key.textContent = k;
+    key.textContent = k.startsWith('validation/') ? 'validation' : 'train';
     svg.append(key);
   });
   svg.dataset.points = points;

@@ -37,6 +37,9 @@ from dasktrain.jobs import EVENTS, list_jobs
 GPU_METRIC = 'dasktrain-gpus'  # the worker heartbeat's key for NVML readings
 STATES = ('queued', 'running', 'finished', 'failed', 'cancelled', 'pruned')
 JOB_LABELS = ('job_id', 'name', 'user')
+SUMMARY_KEYS = {'id', 'folder', 'name', 'user', 'gpus', 'workers', 'epochs',
+                'submitted', 'state', 'held', 'started', 'ended', 'row',
+                'epoch_seconds'}
 PAGE_PATH = '/dasktrain/jobs'
 
 
@@ -125,7 +128,9 @@ class JobBoard(SchedulerPlugin):
                 continue
 
     def log_event(self, topic, msg):
-        if topic == EVENTS and isinstance(msg, dict) and 'id' in msg:
+        # Whole summaries only: a scrape must never fail on a stray event.
+        if topic == EVENTS and isinstance(msg, dict) and \
+                SUMMARY_KEYS <= msg.keys():
             self.jobs[msg['id']] = msg
 
     def summaries(self):
@@ -176,7 +181,7 @@ _JOB_SAMPLES = (
      lambda j, r: r and r.get('validation/main/accuracy')),
     ('dasktrain_job_images_per_second', None,
      lambda j, r: r and r.get('images_per_sec')),
-    ('dasktrain_job_epoch_seconds', None, lambda j, r: _epoch_seconds(j)),
+    ('dasktrain_job_epoch_seconds', None, lambda j, r: j['epoch_seconds']),
     ('dasktrain_job_data_wait_ratio', None,
      lambda j, r: _share(j, r and r.get('data_wait_time'))),
     ('dasktrain_job_communication_ratio', None,
@@ -187,12 +192,8 @@ _JOB_SAMPLES = (
 )
 
 
-def _epoch_seconds(job):
-    return job.get('epoch_seconds')
-
-
 def _share(job, seconds):
-    epoch = _epoch_seconds(job)
+    epoch = job['epoch_seconds']
     if not _finite(seconds) or not _finite(epoch) or epoch <= 0:
         return None
     return min(seconds / epoch, 1.0)

@@ -163,6 +163,18 @@ def test_workers_export_cpu_and_memory_and_no_gpu_series(cluster):
         assert 'Traceback' not in text and ' - ERROR - ' not in text, text
 
 
+def test_a_stray_event_on_the_jobs_topic_changes_nothing(cluster):
+    before, _ = scrape(cluster['base'])
+    with connect() as client:
+        client.log_event('dasktrain-jobs', {'id': 'stray', 'state': 'x'})
+        client.log_event('dasktrain-jobs', 'not a summary')
+        wait_until(lambda: len(client.get_events('dasktrain-jobs')) >= 2,
+                   10, 'the events')
+    after, _ = scrape(cluster['base'])
+    assert after['dasktrain_jobs'] == before['dasktrain_jobs']
+    assert not of_job(after, 'dasktrain_job_state', 'stray')
+
+
 def _names(expr):
     return set(re.findall(r'\b(?:dasktrain|dask)_[a-z0-9_]+\b', expr))
 
