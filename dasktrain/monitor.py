@@ -248,8 +248,8 @@ class Collector:
 
     def _workers(self):
         worker = ('worker',)
-        cpu = _gauge('dasktrain_worker_cpu_ratio', 'CPU the worker process '
-                     'uses, 1 = one core (Dask\'s heartbeat)', worker)
+        cpu = _gauge('dasktrain_worker_busy_cpu_cores', 'CPU cores the '
+                     'worker process keeps busy (Dask\'s heartbeat)', worker)
         memory = _gauge('dasktrain_worker_memory_bytes', 'Memory (RSS) of '
                         'the worker process (Dask\'s heartbeat)', worker)
         limit = _gauge('dasktrain_worker_memory_limit_bytes', 'The worker\'s '

@@ -148,7 +148,7 @@ def test_workers_export_cpu_and_memory_and_no_gpu_series(cluster):
     memory = [v for l, v in samples['dasktrain_worker_memory_bytes']
               if l == {'worker': worker}]
     assert len(memory) == 1 and memory[0] > 10 * 2 ** 20  # a Python's RSS
-    assert [l for l, _ in samples['dasktrain_worker_cpu_ratio']] == \
+    assert [l for l, _ in samples['dasktrain_worker_busy_cpu_cores']] == \
         [{'worker': worker}]
     assert samples['dasktrain_worker_gpus'] == [({'worker': worker}, 0.0)]
     # Declared for Grafana, but no series: the worker has no GPU to read.
@@ -248,7 +248,9 @@ def test_jobs_page_routes_are_read_only_and_linked(cluster, capsys):
     assert e.value.code == 404
 
 
-def test_jobs_watch_refreshes_until_interrupted(cluster, data_dir):
+def test_jobs_watch_refreshes_until_interrupted(cluster, data_dir, capsys):
+    assert main(['jobs', '--watch', '--interval', '0']) == 2
+    assert '--interval must be > 0, got 0' in capsys.readouterr().err
     watch = subprocess.Popen(
         [sys.executable, '-m', 'dasktrain.cli', 'jobs', '--watch',
          '--interval', '0.3'], stdout=subprocess.PIPE,
