@@ -168,16 +168,22 @@ class Cluster(Command):
                 cpu_slots=args.cpu_slots, tls_ca_file=args.tls_ca_file,
                 tls_cert=args.tls_cert, tls_key=args.tls_key,
                 insecure=args.insecure)
+            from dasktrain.monitor import links
             tls = ', '.join(state['tls'].values()) if state['tls'] else \
                 'none (--insecure)'
             print(f"scheduler: {state['scheduler']}\n"
-                  f"dashboard: {state['dashboard']}\n"
-                  f"worker resources: {state['resources']}\n"
+                  f"dashboard: {state['dashboard']}")
+            for what, link in links(state['dashboard']).items():
+                print(f'{what}: {link}')
+            print(f"worker resources: {state['resources']}\n"
                   f'TLS: {tls}\nrecorded in {cluster.state_path()}')
         elif args.action == 'status':
+            from dasktrain.monitor import links
             status = cluster.cluster_status(args.scheduler)
             print(f"scheduler: {status['scheduler']}\n"
                   f"dashboard: {status['dashboard']}")
+            for what, link in links(status['dashboard']).items():
+                print(f'{what}: {link}')
             for address, worker in status['workers'].items():
                 resources = ', '.join(f'{k}={v:g}' for k, v in
                                       worker['resources'].items())
@@ -256,12 +262,40 @@ class Jobs(Command):
 
     def add_arguments(self, parser):
         _add_jobs_dir(parser)
+        parser.add_argument('--watch', '-w', action='store_true',
+                            help='refresh the table until Ctrl-C')
+        parser.add_argument('--interval', type=float, default=2.0,
+                            metavar='SECONDS', help='between refreshes '
+                            'with --watch (default: %(default)s)')
 
     def run(self, args):
+        import time
+        if args.interval <= 0:
+            args.command_parser.error(
+                f'--interval must be > 0, got {args.interval:g}')
+        if not args.watch:
+            print(self.table(args.jobs_dir))
+            return 0
+        clear = '\x1b[H\x1b[2J' if sys.stdout.isatty() else '\n'
+        try:
+            while True:
+                table = self.table(args.jobs_dir)
+                sys.stdout.write(f"{clear}every {args.interval:g} s, Ctrl-C "
+                                 f"to stop; {time.strftime('%H:%M:%S')}\n"
+                                 f'{table}\n')
+                sys.stdout.flush()
+                time.sleep(args.interval)
+        except KeyboardInterrupt:  # the way out of --watch, not an error
+            return 0
+
+    @staticmethod
+    def table(jobs_dir):
+        """The jobs table; a job folder that cannot be read is one row
+        'unreadable' and a line with its reason below, never an error."""
         from dasktrain.jobs import DONE, JobError, list_jobs, \
             scheduler_states
         jobs, unreadable = [], []
-        for job in list_jobs(args.jobs_dir):
+        for job in list_jobs(jobs_dir):
             try:  # one bad job folder must not hide the others
                 jobs.append((job, job.spec(), job.status()))
             except JobError as e:
@@ -291,11 +325,10 @@ class Jobs(Command):
         rows += [(job.id, 'unreadable') + ('-',) * 7
                  for job, _ in unreadable]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            print('  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        for _, reason in unreadable:
-            print(f'unreadable: {reason}')
-        return 0
+        lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                 for r in rows]
+        lines += [f'unreadable: {reason}' for _, reason in unreadable]
+        return '\n'.join(lines)
 
 
 class _JobCommand(Command):

@@ -31,6 +31,7 @@ from dasktrain.errors import UserError
 from dasktrain.files import write_json
 
 HOME_ENV = 'DASKTRAIN_HOME'
+MONITOR = 'dasktrain.monitor'  # preloaded by the scheduler and the worker
 
 
 class ClusterError(UserError):
@@ -242,7 +243,9 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         env = dict(os.environ, DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION='1')
     dask = [sys.executable, '-m', 'dask']
     processes = [_spawn(dask + [
-        'scheduler', '--host', host, '--port', str(port),
+        # dasktrain's metrics and jobs page on the dashboard's server
+        'scheduler', '--preload', MONITOR, '--host', host,
+        '--port', str(port),
         '--dashboard-address', _with_port(host, dashboard_port),
         '--scheduler-file', str(scheduler_file),
         *(['--protocol', 'tls'] if tls else []), *tls_args],
@@ -252,7 +255,7 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
                          timeout, 'the scheduler', processes)
         address = info['address']
         processes.append(_spawn(dask + [
-            'worker', address, '--nworkers', '1',
+            'worker', address, '--preload', MONITOR, '--nworkers', '1',
             # One thread more than slots: a scale-out job's driver holds
             # a thread (and no GPU) while its ranks hold the slots.
             '--nthreads', str(gpus + max(cpu_slots, 1) + 1),

@@ -12,9 +12,14 @@ A job folder holds ``job.json`` (the TrainConfig and request),
 ``status.json`` (state, times, GPUs, attempts), ``output.log`` (what the
 training printed, across attempts) and ``out/`` (its log, checkpoint and
 models).
+
+Every change a job goes through (queued, running, each epoch's log row,
+its end) is also sent to the scheduler as a Dask event on :data:`EVENTS`,
+a :meth:`Job.summary`; :mod:`dasktrain.monitor` turns them into metrics.
 """
 import ctypes
 import dataclasses
+import getpass
 import json
 import os
 import re
@@ -36,6 +41,7 @@ from dasktrain.files import write_json
 KEY_PREFIX = 'dasktrain-job-'
 JOBS_ENV = 'DASKTRAIN_JOBS_DIR'
 DONE = ('finished', 'failed', 'cancelled')
+EVENTS = 'dasktrain-jobs'  # the Dask event topic of jobs' summaries
 
 
 class JobError(UserError):
@@ -134,6 +140,41 @@ class Job:
                               if rows else None)
         return status
 
+    def summary(self):
+        """What the monitor keeps of a job: its request, its status and
+        the last row of its log (all msgpack-able, for a Dask event)."""
+        spec = self.spec()
+        status = json.loads((self.folder / 'status.json').read_text())
+        rows = self.log_rows()
+        # The last epoch's wall time: elapsed_time runs on across resumes.
+        epoch_seconds = rows[-1]['elapsed_time'] - (
+            rows[-2]['elapsed_time'] if len(rows) > 1 else 0.0) \
+            if rows else None
+        return {'id': self.id, 'folder': str(self.folder),
+                'name': spec['name'], 'user': spec.get('user', ''),
+                'gpus': spec['gpus'], 'workers': spec.get('workers'),
+                'epochs': spec['config']['epochs'],
+                'submitted': spec['submitted'], 'state': status['state'],
+                'held': status['gpus'] or [], 'worker': status['worker'],
+                'started': status['started'], 'ended': status['ended'],
+                'error': status['error'], 'attempts': status['attempts'],
+                'row': rows[-1] if rows else None,
+                'epoch_seconds': epoch_seconds}
+
+    def announce(self, client=None):
+        """Send :meth:`summary` to the scheduler as an event: from the
+        worker this runs on, else through ``client``, else not at all."""
+        try:
+            summary = self.summary()
+            try:
+                from distributed import get_worker
+                get_worker().log_event(EVENTS, summary)
+            except ValueError:  # not on a worker
+                if client is not None:
+                    client.log_event(EVENTS, summary)
+        except Exception:  # monitoring must never fail or stop a job
+            pass
+
     def logs(self):
         try:
             return (self.folder / 'output.log').read_text()
@@ -145,7 +186,8 @@ class Job:
         if self.status()['state'] in DONE:
             return
         (self.folder / 'cancel').touch()
-        if self.status()['state'] == 'queued':
+        queued = self.status()['state'] == 'queued'
+        if queued:
             _update_status(self.folder, state='cancelled', ended=time.time())
         try:
             from distributed import Future
@@ -153,6 +195,8 @@ class Job:
             client = client or connect(self.spec().get('scheduler'))
             try:
                 client.cancel([Future(self.key, client)], force=True)
+                if queued:  # a running job's task announces its own end
+                    self.announce(client)
             finally:
                 if owned:
                     client.close()
@@ -193,6 +237,13 @@ def list_jobs(path=None):
         except (JobError, TypeError, ValueError):
             return job.folder.stat().st_mtime
     return sorted(jobs, key=submitted)
+
+
+def _user():
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name, no passwd entry (containers)
+        return str(os.getuid())
 
 
 def _slug(text):
@@ -258,7 +309,8 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
                                 progress=True,
                                 data_dir=os.path.abspath(config.data_dir))
         write_json(folder / 'job.json', {
-            'id': job_id, 'name': name or config.model, 'gpus': gpus,
+            'id': job_id, 'name': name or config.model, 'user': _user(),
+            'gpus': gpus,
             'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
@@ -266,6 +318,9 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         write_json(folder / 'status.json', {
             'state': 'queued', 'attempts': 0, 'gpus': None, 'worker': None,
             'started': None, 'ended': None, 'error': None})
+        job = Job(job_id, folder)
+        # Before the task: the scheduler sees 'queued' before 'running'.
+        job.announce(client)
         from distributed import fire_and_forget
         # A scale-out job's driver needs a thread only: its ranks hold the
         # GPUs (or CPU slots).
@@ -273,7 +328,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             run_job, str(folder), key=KEY_PREFIX + job_id, pure=False,
             resources=None if config.workers else {resource: need})
         fire_and_forget(future)  # runs on after this client goes away
-        return Job(job_id, folder)
+        return job
     finally:
         if owned:
             client.close()
@@ -304,7 +359,8 @@ def run_job(folder):
     status = json.loads((folder / 'status.json').read_text())
     if (folder / 'cancel').exists() or status['state'] in DONE:
         return status['state']
-    rows = Job(spec['id'], folder).log_rows()
+    job = Job(spec['id'], folder)
+    rows = job.log_rows()
     gpus = GpuPool.acquire(spec['gpus']) \
         if spec['gpus'] and not spec.get('workers') else []
     ids = [g.id for g in gpus]  # the worker's CUDA_VISIBLE_DEVICES entries
@@ -312,6 +368,9 @@ def run_job(folder):
     worker = get_worker().address
     _update_status(folder, state='running', attempts=attempt, gpus=ids,
                    worker=worker, started=status['started'] or time.time())
+    job.announce()
+    log_path = folder / 'out' / 'log'
+    seen = _mtime(log_path)
     # The child sees exactly its GPUs (as 0..k-1), or none at all.
     env = job_environment(dict(os.environ, PYTHONUNBUFFERED='1'), gpus)
     try:
@@ -333,6 +392,9 @@ def run_job(folder):
                         child.wait(10)
                     except subprocess.TimeoutExpired:
                         child.kill()
+                if _mtime(log_path) != seen:  # an epoch ended: tell
+                    seen = _mtime(log_path)   # the monitor
+                    job.announce()
                 time.sleep(0.2)
         if (folder / 'cancel').exists():
             state, error = 'cancelled', None
@@ -344,9 +406,17 @@ def run_job(folder):
             error = lines[-1] if lines else f'exit code {child.returncode}'
         # Recorded before the GPUs are free: the next job starts after it.
         _update_status(folder, state=state, error=error, ended=time.time())
+        job.announce()
     finally:
         GpuPool.release(gpus)
     return state
+
+
+def _mtime(path):
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def _log_devices(devices):

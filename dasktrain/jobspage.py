@@ -1,0 +1,309 @@
+"""The live jobs page: a read-only view of the queue and of each job's loss
+and accuracy curves, on the Dask scheduler's web server.
+
+Three GET routes, added by :func:`add_routes` (the ``dasktrain.monitor``
+preload calls it): ``/dasktrain/jobs`` (the page), ``/dasktrain/api/jobs``
+(every job's summary from the :class:`~dasktrain.monitor.JobBoard`) and
+``/dasktrain/api/jobs/<id>/log`` (a known job's ``out/log``, ChainerUI's
+format, cut to the curves' keys). The page polls the two every
+:data:`POLL_MS` and draws with SVG.
+
+Nothing here acts on a job: any other method is refused (405). The page
+holds no data when served; its script puts every job's fields into the
+document as text (``textContent``, never HTML), and a per-response nonce in
+its Content-Security-Policy keeps any other script from running.
+"""
+import json
+import math
+import secrets
+
+from tornado.web import HTTPError, RequestHandler
+
+POLL_MS = 2000
+CURVE_KEYS = ('epoch', 'main/loss', 'validation/main/loss', 'main/accuracy',
+              'validation/main/accuracy')
+PUBLIC = ('id', 'name', 'user', 'state', 'gpus', 'workers', 'held',
+          'worker', 'epochs', 'submitted', 'started', 'ended', 'error',
+          'attempts', 'row')
+
+
+def add_routes(application, board):
+    """Serve the page and its data from ``application`` (a tornado
+    Application: the scheduler's ``http_application``)."""
+    args = {'board': board}
+    application.add_handlers(r'.*$', [
+        (r'/dasktrain/jobs', PageHandler, args),
+        (r'/dasktrain/api/jobs', JobsHandler, args),
+        (r'/dasktrain/api/jobs/([^/]+)/log', LogHandler, args),
+    ])
+
+
+def _clean(value):
+    """``value`` with non-finite floats as None: JSON has no NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class _Handler(RequestHandler):
+    def initialize(self, board):
+        self.board = board
+
+    def set_default_headers(self):
+        self.set_header('Cache-Control', 'no-store')
+        self.set_header('X-Content-Type-Options', 'nosniff')
+        self.set_header('X-Frame-Options', 'DENY')
+
+    def send_json(self, value):
+        self.set_header('Content-Type', 'application/json; charset=UTF-8')
+        self.finish(json.dumps(_clean(value), allow_nan=False))
+
+
+class JobsHandler(_Handler):
+    def get(self):
+        self.send_json({'jobs': [{k: job.get(k) for k in PUBLIC}
+                                 for job in self.board.summaries()]})
+
+
+class LogHandler(_Handler):
+    def get(self, job_id):
+        job = self.board.jobs.get(job_id)
+        if job is None:
+            raise HTTPError(404)
+        from pathlib import Path
+        try:
+            rows = json.loads((Path(job['folder']) / 'out' / 'log')
+                              .read_text())
+        except (OSError, ValueError):
+            rows = []  # not trained an epoch yet, or mid-rename
+        if not isinstance(rows, list):
+            rows = []
+        self.send_json([{k: r.get(k) for k in CURVE_KEYS}
+                        for r in rows if isinstance(r, dict)])
+
+
+class PageHandler(_Handler):
+    def get(self):
+        nonce = secrets.token_urlsafe(16)
+        self.set_header('Content-Security-Policy', (
+            "default-src 'none'; connect-src 'self'; style-src "
+            f"'unsafe-inline'; script-src 'nonce-{nonce}'; base-uri 'none';"
+            " form-action 'none'; frame-ancestors 'none'"))
+        self.set_header('Content-Type', 'text/html; charset=UTF-8')
+        self.finish(PAGE.replace('{nonce}', nonce)
+                    .replace('{poll}', str(POLL_MS)))
+
+
+PAGE = r'''<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>dasktrain jobs</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:16px 24px;color:#222}
+h1{font-size:20px;margin:0 0 4px}
+#summary span{display:inline-block;margin-right:14px}
+table{border-collapse:collapse;margin:12px 0 18px}
+th,td{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left;
+ white-space:nowrap}
+th{background:#f3f3f3}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+.state{padding:1px 6px;border-radius:3px;color:#fff;background:#888}
+.queued{background:#b08900}.running{background:#1f6fd1}
+.finished{background:#2e8b3d}.failed{background:#c62828}
+.cancelled,.pruned{background:#777}
+.bar{display:inline-block;width:80px;height:8px;background:#e5e5e5;
+ margin-right:6px;vertical-align:middle}
+.bar i{display:block;height:8px;background:#1f6fd1}
+#cards{display:flex;flex-wrap:wrap;gap:14px}
+.card{border:1px solid #ddd;border-radius:4px;padding:8px 10px}
+.card h2{font-size:14px;margin:0 0 4px}
+.card .sub{color:#666;font-size:12px}
+svg{display:inline-block;margin-right:6px}
+svg text{font-size:10px;fill:#444}
+.error{color:#c62828;font-size:12px}
+</style></head>
+<body>
+<h1>dasktrain jobs</h1>
+<div id="summary"></div>
+<div class="sub" id="updated">loading...</div>
+<table id="queue"><thead><tr><th>job</th><th>name</th><th>user</th>
+<th>state</th><th>GPUs</th><th>progress</th><th>val. accuracy</th>
+<th>loss</th><th>images/s</th><th>worker</th><th>submitted</th></tr>
+</thead><tbody></tbody></table>
+<div id="cards"></div>
+<script nonce="{nonce}">
+'use strict';
+const STATES = ['queued', 'running', 'finished', 'failed', 'cancelled',
+                'pruned'];
+const SVG = 'http://www.w3.org/2000/svg';
+const CARDS = 12;  // curves shown: running jobs first, then the newest
+const logs = {};   // job id -> {epoch: last row's epoch fetched, rows}
+
+function el(tag, text, cls) {
+  const e = document.createElement(tag);
+  if (text !== undefined && text !== null) e.textContent = String(text);
+  if (cls) e.className = cls;
+  return e;
+}
+function svgEl(tag, attrs) {
+  const e = document.createElementNS(SVG, tag);
+  for (const k in attrs) e.setAttribute(k, attrs[k]);
+  return e;
+}
+function num(v, digits) {
+  return (typeof v === 'number') ? v.toFixed(digits) : '-';
+}
+function when(t) {  // as `dasktrain jobs` prints it: MM-DD HH:MM:SS
+  if (!t) return '-';
+  const d = new Date(t * 1000), p = n => String(n).padStart(2, '0');
+  return p(d.getMonth() + 1) + '-' + p(d.getDate()) + ' ' + p(d.getHours())
+    + ':' + p(d.getMinutes()) + ':' + p(d.getSeconds());
+}
+function gpus(job) {
+  if (job.held && job.held.length) return job.held.join(',');
+  return job.workers ? job.gpus + ' x ' + job.workers : String(job.gpus);
+}
+
+function summary(jobs) {
+  const box = document.getElementById('summary');
+  box.replaceChildren();
+  for (const s of STATES) {
+    const n = jobs.filter(j => j.state === s).length;
+    const span = el('span');
+    span.append(el('b', n), ' ' + s);
+    box.append(span);
+  }
+}
+
+function table(jobs) {
+  const body = document.querySelector('#queue tbody');
+  body.replaceChildren();
+  for (const job of jobs.slice().reverse()) {
+    const r = job.row || {};
+    const tr = el('tr');
+    tr.dataset.job = job.id;
+    const progress = el('td');
+    const bar = el('span', null, 'bar');
+    const fill = el('i');
+    fill.style.width = (100 * (r.epoch || 0) / (job.epochs || 1)) + '%';
+    bar.append(fill);
+    progress.append(bar, (r.epoch || 0) + '/' + job.epochs);
+    const state = el('td');
+    const badge = el('span', job.state, 'state ' + job.state);
+    if (job.error) badge.title = job.error;  // why it failed, on hover
+    state.append(badge);
+    tr.append(el('td', job.id), el('td', job.name), el('td', job.user),
+              state, el('td', gpus(job)), progress,
+              el('td', num(r['validation/main/accuracy'], 4), 'num'),
+              el('td', num(r['main/loss'], 4), 'num'),
+              el('td', num(r.images_per_sec, 0), 'num'),
+              el('td', job.worker || '-'), el('td', when(job.submitted)));
+    body.append(tr);
+  }
+}
+
+function chart(rows, keys, title, colours) {
+  const W = 300, H = 160, L = 40, R = 8, T = 18, B = 22;
+  const svg = svgEl('svg', {width: W, height: H, class: 'curve'});
+  svg.append(svgEl('rect', {x: L, y: T, width: W - L - R, height: H - T - B,
+                            fill: '#fafafa', stroke: '#ccc'}));
+  const t = svgEl('text', {x: L, y: 12});
+  t.textContent = title;
+  svg.append(t);
+  const values = [];
+  for (const k of keys) for (const r of rows)
+    if (typeof r[k] === 'number') values.push(r[k]);
+  const maxEpoch = Math.max(1, ...rows.map(r => r.epoch));
+  let lo = Math.min(...values), hi = Math.max(...values);
+  if (!values.length) { lo = 0; hi = 1; }
+  if (hi - lo < 1e-9) { lo -= 0.5; hi += 0.5; }
+  const x = e => L + (W - L - R) * e / maxEpoch;
+  const y = v => T + (H - T - B) * (1 - (v - lo) / (hi - lo));
+  for (const [v, yy] of [[hi, T + 4], [lo, H - B]]) {
+    const label = svgEl('text', {x: 2, y: yy});
+    label.textContent = v.toPrecision(3);
+    svg.append(label);
+  }
+  const axis = svgEl('text', {x: W - R - 40, y: H - 6});
+  axis.textContent = 'epoch ' + maxEpoch;
+  svg.append(axis);
+  let points = 0;
+  keys.forEach((k, i) => {
+    const pts = rows.filter(r => typeof r[k] === 'number');
+    if (!pts.length) return;
+    svg.append(svgEl('polyline', {
+      fill: 'none', stroke: colours[i], 'stroke-width': 1.5,
+      points: pts.map(r => x(r.epoch) + ',' + y(r[k])).join(' ')}));
+    for (const r of pts) {
+      svg.append(svgEl('circle', {cx: x(r.epoch), cy: y(r[k]), r: 2.5,
+                                  fill: colours[i], class: 'point'}));
+      points++;
+    }
+    const key = svgEl('text', {x: L + 70 + 70 * i, y: 12,
+                               fill: colours[i]});
+    key.textContent = k.startsWith('validation/') ? 'validation' : 'train';
+    svg.append(key);
+  });
+  svg.dataset.points = points;
+  return svg;
+}
+
+function pick(jobs) {
+  return jobs.filter(j => j.row).sort((a, b) =>
+    (b.state === 'running') - (a.state === 'running') ||
+    b.submitted - a.submitted).slice(0, CARDS);
+}
+
+function cards(shown) {
+  const box = document.getElementById('cards');
+  box.replaceChildren();
+  for (const job of shown) {
+    const rows = (logs[job.id] || {}).rows || [];
+    const card = el('div', null, 'card');
+    card.dataset.job = job.id;
+    card.append(el('h2', job.name),
+                el('div', job.id + ' - ' + job.user + ' - ' + job.state,
+                   'sub'));
+    card.append(chart(rows, ['main/loss', 'validation/main/loss'], 'loss',
+                      ['#1f6fd1', '#e07b00']),
+                chart(rows, ['main/accuracy', 'validation/main/accuracy'],
+                      'accuracy', ['#1f6fd1', '#e07b00']));
+    if (job.error) card.append(el('div', job.error, 'error'));
+    box.append(card);
+  }
+}
+
+async function fetchLogs(jobs) {
+  await Promise.all(jobs.map(async job => {
+    const epoch = job.row ? job.row.epoch : 0;
+    if (logs[job.id] && logs[job.id].epoch === epoch) return;
+    const reply = await fetch('api/jobs/' + encodeURIComponent(job.id) +
+                              '/log');
+    if (reply.ok) logs[job.id] = {epoch: epoch, rows: await reply.json()};
+  }));
+}
+
+async function refresh() {
+  try {
+    const reply = await fetch('api/jobs');
+    const jobs = (await reply.json()).jobs;
+    summary(jobs);
+    table(jobs);
+    const shown = pick(jobs);
+    await fetchLogs(shown);
+    cards(shown);
+    document.getElementById('updated').textContent =
+      'updated ' + new Date().toLocaleTimeString() + ', every {poll} ms';
+  } catch (e) {
+    document.getElementById('updated').textContent =
+      'cannot reach the scheduler: ' + e;
+  }
+}
+refresh();
+setInterval(refresh, {poll});
+</script>
+</body></html>
+'''

@@ -1,0 +1,57 @@
+"""NVML's readings of real GPUs, directly and through a real cluster's
+/metrics (dasktrain.monitor)."""
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dasktrain.cluster import start_cluster, stop_cluster
+from dasktrain.monitor import gpu_readings
+from gpu_marks import needs
+
+
+def _check(reading):
+    assert reading['uuid'].startswith(('GPU-', 'MIG-'))
+    assert 0 <= reading['utilization'] <= 1
+    assert 0 < reading['memory_used'] <= reading['memory_total']
+    assert 10 < reading['temperature'] < 110
+    assert reading['power'] is None or 1 < reading['power'] < 2000
+
+
+@needs(1)
+def test_gpu_readings_of_every_gpu_and_of_the_visible_ones():
+    readings = gpu_readings(env={})
+    assert readings, 'NVML saw no GPU where CUDA sees one'
+    for reading in readings:
+        _check(reading)
+    first = readings[0]
+    for visible in (str(first['index']), first['uuid']):
+        assert [r['uuid'] for r in gpu_readings(
+            env={'CUDA_VISIBLE_DEVICES': visible})] == [first['uuid']]
+    assert gpu_readings(env={'CUDA_VISIBLE_DEVICES': ''}) == []
+
+
+@needs(1)
+def test_cluster_metrics_carry_every_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path))
+    monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
+    expected = {r['uuid'] for r in gpu_readings(env={})}
+    state = start_cluster(port=0, dashboard_port=0)
+    try:
+        base = state['dashboard'].rsplit('/', 1)[0]
+        deadline = time.monotonic() + 30
+        while True:  # the first heartbeats carry the readings
+            text = urllib.request.urlopen(base + '/metrics').read().decode()
+            families = {f.name: f for f in
+                        text_string_to_metric_families(text)}
+            samples = families['dasktrain_gpu_memory_total_bytes'].samples
+            if samples or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert {s.labels['uuid'] for s in samples} == expected
+        for name in ('dasktrain_gpu_utilization_ratio',
+                     'dasktrain_gpu_memory_used_bytes',
+                     'dasktrain_gpu_temperature_celsius'):
+            assert len(families[name].samples) == len(expected), name
+    finally:
+        stop_cluster()
