@@ -62,6 +62,14 @@ class Table:
                   for row in self.rows]
         return '\n'.join(lines)
 
+    def to_text(self):
+        """Aligned columns, for a terminal."""
+        cells = [self.columns] + [[self._cell(v) for v in row]
+                                  for row in self.rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+        return '\n'.join('  '.join(c.ljust(w) for c, w in zip(r, widths))
+                         .rstrip() for r in cells)
+
     def __str__(self):
         return self.to_markdown()
 
