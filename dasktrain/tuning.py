@@ -30,8 +30,8 @@ from dasktrain.cluster import connect
 from dasktrain.config import LOG_KEYS, TrainConfig, better
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
-from dasktrain.jobs import (DONE, check_devices, check_resources, jobs_dir,
-                            list_jobs, scheduler_states, submit)
+from dasktrain.jobs import (DONE, Job, check_devices, check_resources,
+                            jobs_dir, list_jobs, scheduler_states, submit)
 from dasktrain.space import config_for, load_space, suggest
 from dasktrain.trials import finish, make_pruner, open_storage, outcome
 
@@ -405,6 +405,12 @@ def load(name, path=None, storage=None):
     except KeyError:
         raise TuneError(f'no study {name!r} in --storage {storage}') \
             from None
+
+
+def trial_jobs(study, path=None):
+    """The job of each trial that has one, in trial order."""
+    return [Job.find(t.user_attrs['job'], path) for t in study.trials
+            if 'job' in t.user_attrs]
 
 
 def trials_table(study):

@@ -11,6 +11,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / 'notebooks')
                    .glob('*.ipynb'))
 OUT = os.environ.get('DASKTRAIN_NOTEBOOKS_OUT')  # keep executed copies
 TINY = dict(model='tiny', epochs=2, train_size=300, test_size=60)
+FIGURES = {'01': 2, '02': 2, '03': 2, '04': 5}
 
 
 @pytest.fixture(scope='module')
@@ -18,11 +19,11 @@ def data_dir(make_cifar_dir):
     return str(make_cifar_dir(100, 100, 7))
 
 
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == [
         '01_single_vs_multi_gpu.ipynb',
         '02_distributed_gradient_vs_parameter_mixture.ipynb',
-        '03_cluster_jobs.ipynb']
+        '03_cluster_jobs.ipynb', '04_hyperparameter_search.ipynb']
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
@@ -45,6 +46,10 @@ def test_notebook_runs_on_cpu_with_tiny_parameters(path, data_dir, tmp_path,
     if path.stem.startswith('03'):
         parameters.update(jobs_dir=str(tmp_path / 'jobs'), port=0,
                           dashboard_port=0, learning_rates=[0.01, 0.003])
+    elif path.stem.startswith('04'):
+        parameters.update(jobs_dir=str(tmp_path / 'jobs'), port=0,
+                          dashboard_port=0, trials=4, startup_trials=2,
+                          mix_every_values=[1, 'epoch'])
     else:
         parameters.update(out_dir=str(tmp_path / 'runs'))
     if path.stem.startswith('02'):
@@ -55,5 +60,5 @@ def test_notebook_runs_on_cpu_with_tiny_parameters(path, data_dir, tmp_path,
     errors = [o for c in nb.cells for o in c.get('outputs', ())
               if o.get('output_type') == 'error']
     assert errors == []
-    assert len(figures) == 2
+    assert len(figures) == FIGURES[path.stem[:2]]
     assert all(f.stat().st_size > 10_000 for f in figures)

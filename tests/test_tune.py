@@ -99,6 +99,8 @@ def test_six_trials_on_two_slots_match_optunas_storage(slots, data_dir,
             for j in study_jobs(tmp_path / 'jobs', 'six')}
     assert sorted(jobs) == list(range(6))
     assert jobs[2].status()['state'] == 'failed'
+    # Early stopping's mode stated for every trial, not guessed by it.
+    assert jobs[0].spec()['config']['early_stop_mode'] == 'min'
     # Never more than the 2 slots at once, though 3 were in flight.
     times = spans(jobs.values())
     overlaps = [sum(1 for s, e in times.values() if s <= start < e)
@@ -301,3 +303,24 @@ def test_bad_input_is_one_line_before_anything_is_written(
     assert message.replace('the space', 'space.json') in err
     assert not (tmp_path / 'jobs').exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ['space.json']
+
+
+def test_early_stopping_mode_is_stated_not_guessed(data_dir, tmp_path,
+                                                   capsys):
+    from dasktrain.training import EarlyStopping
+    with pytest.raises(UserError, match='pass --early-stop-mode max or min'):
+        EarlyStopping('elapsed_time', 2)
+    assert EarlyStopping('elapsed_time', 2, mode='max').maximize
+    assert EarlyStopping('validation/main/accuracy', 2).maximize
+    assert not EarlyStopping('main/loss', 2).maximize
+    # A search's trials stop early the way the study's direction says.
+    path = tmp_path / 'space.json'
+    path.write_text('{"lr": [0.1]}')
+    assert main(['tune', '--space', str(path), '--scheduler',
+                 'tcp://127.0.0.1:9', '--jobs-dir', str(tmp_path / 'jobs'),
+                 '--', *base_flags(data_dir), '--early-stop-patience', '2',
+                 '--early-stop-monitor', METRIC, '--early-stop-mode',
+                 'min']) == 1
+    assert ('--early-stop-mode min contradicts --direction maximize for '
+            f'{METRIC}') in capsys.readouterr().err
+    assert not (tmp_path / 'jobs').exists()
