@@ -266,12 +266,12 @@ class Tune(Command):
 
     def run(self, args):
         import optuna
-        from dasktrain import tuning
+        from dasktrain import trials, tuning
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # ours instead
         if args.status:
             study = tuning.load(args.status, args.jobs_dir, args.storage)
-            print(tuning.trials_table(study).to_text())
-            print(tuning.describe_best(study))
+            print(trials.trials_table(study).to_text())
+            print(trials.describe_best(study))
             return 0
         if not args.space:
             args.command_parser.error('give --space FILE, or --status STUDY')

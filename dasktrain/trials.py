@@ -15,7 +15,10 @@ The value told is the *best* value of the metric over the trial's epochs,
 and the epoch it came from is the trial's user attribute ``epoch``: Optuna
 ranks trials by the value told, never by the values reported, so telling
 the last epoch's value would rank a trial that overfits late below one that
-never got as good.
+never got as good. (A pruned trial's value is Optuna's: its last epoch's.)
+
+:func:`trials_table`, :func:`describe_best` and :func:`trial_jobs` read a
+study's trials back, for ``dasktrain tune --status`` and notebooks.
 """
 import json
 import math
@@ -157,6 +160,42 @@ def main(folder):
         lines[-1] if lines else f'exit code {code}')
     finish(study, trial_spec['id'], state, value, **attrs)
     return code
+
+
+# ------------------------------------------------ reading trials back
+
+def params_text(params):
+    """``lr=0.001, mode=ipm``: a trial's params in a line."""
+    return ', '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}'
+                     for k, v in params.items())
+
+
+def describe_best(study):
+    """The best trial in a line; pruned trials are never best."""
+    metric = study.user_attrs.get('metric', 'value')
+    try:
+        best = study.best_trial
+    except ValueError:
+        return 'best: none yet (no trial completed; pruned trials never count)'
+    return (f'best: trial {best.number}, {metric} {best.value:.4g} at epoch '
+            f"{best.user_attrs.get('epoch')} ({params_text(best.params)}); "
+            f"outputs in {best.user_attrs.get('out')}")
+
+
+def trial_jobs(study, path=None):
+    """The job of each trial that has one, in trial order."""
+    return [Job.find(t.user_attrs['job'], path) for t in study.trials
+            if 'job' in t.user_attrs]
+
+
+def trials_table(study):
+    """Number, state, params, value, the epoch the value is from, and job
+    of every trial."""
+    from dasktrain.report import Table
+    return Table(['trial', 'state', 'params', 'value', 'epoch', 'job'], [
+        [t.number, t.state.name.lower(), params_text(t.params), t.value,
+         t.user_attrs.get('epoch'), t.user_attrs.get('job')]
+        for t in study.get_trials(deepcopy=False)])
 
 
 if __name__ == '__main__':

@@ -30,10 +30,11 @@ from dasktrain.cluster import connect
 from dasktrain.config import LOG_KEYS, TrainConfig, better
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
-from dasktrain.jobs import (DONE, Job, check_devices, check_resources,
-                            jobs_dir, list_jobs, scheduler_states, submit)
+from dasktrain.jobs import (DONE, check_devices, check_resources, jobs_dir,
+                            list_jobs, scheduler_states, submit)
 from dasktrain.space import config_for, load_space, suggest
-from dasktrain.trials import finish, make_pruner, open_storage, outcome
+from dasktrain.trials import (describe_best, finish, make_pruner,
+                              open_storage, outcome, params_text)
 
 DIRECTIONS = {'maximize': 'max', 'minimize': 'min'}
 PRUNERS = ('median', 'asha', 'none')
@@ -77,7 +78,11 @@ def check_metric(metric, direction, modes):
 
 def _state_early_stopping(base, metric, direction):
     """The trials' early stopping with its mode stated, never guessed:
-    the study's direction when it watches the study's metric."""
+    the study's direction when it watches the study's metric. Without
+    early stopping the monitor only picks ``model_best.npz``: it becomes
+    the metric, so that file holds the epoch the trial's value is from."""
+    if base.early_stop_patience is None:
+        base = base.replace(early_stop_monitor=metric)
     monitor, mode = base.early_stop_monitor, base.early_stop_mode
     if monitor == metric:
         wanted = DIRECTIONS[direction]
@@ -323,7 +328,7 @@ class _Search:
         trial = optuna.trial.Trial(self.study, trial_id)  # to annotate it
         trial.set_user_attr('job', job.id)
         trial.set_user_attr('out', str(job.folder / 'out'))
-        self.say(f'trial {number}: job {job.id} ({_params(params)})')
+        self.say(f'trial {number}: job {job.id} ({params_text(params)})')
 
     def watch(self, running):
         """Trials in flight; settles those whose job ended untold, submits
@@ -372,23 +377,6 @@ class _Search:
             self.say(f'trial {t.number}: {what}')
 
 
-def _params(params):
-    return ', '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}'
-                     for k, v in params.items())
-
-
-def describe_best(study):
-    """The best trial in a line; pruned trials are never best."""
-    metric = study.user_attrs.get('metric', 'value')
-    try:
-        best = study.best_trial
-    except ValueError:
-        return 'best: none yet (no trial completed; pruned trials never count)'
-    return (f'best: trial {best.number}, {metric} {best.value:.4g} at epoch '
-            f"{best.user_attrs.get('epoch')} ({_params(best.params)}); "
-            f"outputs in {best.user_attrs.get('out')}")
-
-
 def load(name, path=None, storage=None):
     """A study started by :func:`tune`, by name (its storage is recorded in
     ``PATH/studies/NAME/study.json``)."""
@@ -405,18 +393,3 @@ def load(name, path=None, storage=None):
     except KeyError:
         raise TuneError(f'no study {name!r} in --storage {storage}') \
             from None
-
-
-def trial_jobs(study, path=None):
-    """The job of each trial that has one, in trial order."""
-    return [Job.find(t.user_attrs['job'], path) for t in study.trials
-            if 'job' in t.user_attrs]
-
-
-def trials_table(study):
-    """Number, state, params, value, best epoch and job of every trial."""
-    from dasktrain.report import Table
-    return Table(['trial', 'state', 'params', 'value', 'epoch', 'job'], [
-        [t.number, t.state.name.lower(), _params(t.params), t.value,
-         t.user_attrs.get('epoch'), t.user_attrs.get('job')]
-        for t in study.get_trials(deepcopy=False)])

@@ -99,8 +99,9 @@ def test_six_trials_on_two_slots_match_optunas_storage(slots, data_dir,
             for j in study_jobs(tmp_path / 'jobs', 'six')}
     assert sorted(jobs) == list(range(6))
     assert jobs[2].status()['state'] == 'failed'
-    # Early stopping's mode stated for every trial, not guessed by it.
-    assert jobs[0].spec()['config']['early_stop_mode'] == 'min'
+    # model_best.npz is the best epoch's, by a mode stated, not guessed.
+    assert (jobs[0].spec()['config']['early_stop_monitor'],
+            jobs[0].spec()['config']['early_stop_mode']) == (METRIC, 'max')
     # Never more than the 2 slots at once, though 3 were in flight.
     times = spans(jobs.values())
     overlaps = [sum(1 for s, e in times.values() if s <= start < e)
