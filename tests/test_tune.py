@@ -176,50 +176,68 @@ def test_a_pruned_trial_stops_at_once_and_its_slot_is_reused(
     assert f'{jobs[1].id}  pruned    0     1/3' in listing
 
 
-def test_killing_tune_and_running_it_again_finishes_the_study(
+def test_killing_tune_and_its_cluster_then_running_it_again(
         slots, data_dir, tmp_path, capsys):
     space = tmp_path / 'again.yaml'
     space.write_text('lr: {type: float, low: 0.01, high: 0.1, log: true}\n')
     jobs_dir = tmp_path / 'jobs'
-    args = ['tune', '--space', str(space), '--trials', '4', '--parallel', '2',
-            '--gpus', '0', '--pruner', 'none', '--scheduler', slots.address,
-            '--jobs-dir', str(jobs_dir), '--', *base_flags(data_dir)]
-    proc = subprocess.Popen([sys.executable, '-m', 'dasktrain.cli', *args],
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    (tmp_path / 'lost').mkdir()
+    lost = Processes(tmp_path / 'lost')  # a cluster that will go away
+    lost.spawn('worker', lost.address, '--no-nanny', '--nthreads', '3',
+               '--resources', 'CPU=2', '--host', '127.0.0.1',
+               '--local-directory', str(tmp_path / 'lost' / 'space'))
+
+    def command(scheduler):
+        return ['tune', '--space', str(space), '--trials', '5', '--parallel',
+                '2', '--gpus', '0', '--pruner', 'none', '--scheduler',
+                scheduler, '--jobs-dir', str(jobs_dir), '--',
+                *base_flags(data_dir)]
     storage = jobs_dir / 'studies' / 'again' / 'journal.log'
 
-    def states():
+    def study():
+        return optuna.load_study(study_name='again',
+                                 storage=open_storage(str(storage)))
+
+    def midway():  # a trial finished, another one's job 1 epoch of 3 in
         try:
-            return [t.state for t in optuna.load_study(
-                study_name='again', storage=open_storage(str(storage))).trials]
+            finished = [t for t in study().trials if t.state.is_finished()]
         except (UserError, KeyError):  # no journal, or no study in it yet
-            return []
+            return False
+        return finished and any(
+            j.status()['state'] == 'running' and len(j.log_rows()) == 1
+            for j in study_jobs(jobs_dir, 'again'))
     try:
-        wait_until(lambda: {TrialState.COMPLETE, TrialState.RUNNING} <=
-                   set(states()), 120, 'a finished and a running trial')
+        with Client(lost.address) as client:
+            client.wait_for_workers(1)
+        proc = subprocess.Popen(
+            [sys.executable, '-m', 'dasktrain.cli', *command(lost.address)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_until(midway, 120, 'a trial finished, another midway')
+        finally:
+            proc.kill()
+            proc.wait()
     finally:
-        proc.kill()  # mid-study
-        proc.wait()
-    # As if it had been killed between asking for a trial and submitting it.
-    optuna.load_study(study_name='again',
-                      storage=open_storage(str(storage))).ask()
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert out.startswith('study again: ')
-    study = optuna.load_study(study_name='again',
-                              storage=open_storage(str(storage)))
-    assert [t.number for t in study.trials] == list(range(4))
-    assert all(t.state == TrialState.COMPLETE for t in study.trials)
-    numbers = [j.spec()['trial']['number']
-               for j in study_jobs(jobs_dir, 'again')]
-    assert sorted(numbers) == list(range(4))  # one job per trial
-    for t in study.trials:
-        assert t.user_attrs['job'] in {j.id for j in
-                                       study_jobs(jobs_dir, 'again')}
-    # The same command with another space is another study: refused.
+        lost.close()  # its worker's trials die with it
+    # As if tune had been killed between asking for a trial and submitting.
+    study().ask()
+    # The same command on another cluster carries on.
+    assert main(command(slots.address)) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith('study again: ') and ' of 5 trials done' in first
+    trials = study().trials
+    assert [t.number for t in trials] == list(range(5))
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    jobs = study_jobs(jobs_dir, 'again')
+    # One job per trial: none run twice, the lost one resumed.
+    assert sorted(j.spec()['trial']['number'] for j in jobs) == list(range(5))
+    assert {t.user_attrs['job'] for t in trials} == {j.id for j in jobs}
+    resumed = [j for j in jobs if j.status()['attempts'] == 2]
+    assert resumed and 'resuming after epoch' in resumed[0].logs()
+    assert [r['epoch'] for r in resumed[0].log_rows()] == [1, 2, 3]
+    # The same study with another space is refused.
     space.write_text('lr: {type: float, low: 0.01, high: 0.2, log: true}\n')
-    assert main(args) == 1
+    assert main(command(slots.address)) == 1
     assert "study 'again' was started with another space" in \
         capsys.readouterr().err
 
