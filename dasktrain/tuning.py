@@ -53,7 +53,7 @@ def check_metric(metric, direction, modes):
     is unambiguous (accuracy: maximize, loss: minimize), else ``direction``
     must say; a ``direction`` contradicting the name is refused."""
     usable = [k for k in LOG_KEYS if k not in ('epoch', 'iteration', 'lr')]
-    if 'ipm' not in modes:
+    if set(modes) != {'ipm'}:
         usable.remove('drift')  # only ipm runs log it
     if metric not in usable:
         raise TuneError(f'--metric {metric} is never in the training log of '
@@ -175,8 +175,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     """
     import optuna
     base = base_config or TrainConfig()
-    name = study or ('tune' if isinstance(space, dict) else
-                     re.sub(r'\.(ya?ml|json)$', '', str(space).split('/')[-1]))
+    name = study or ('tune' if isinstance(space, dict) else Path(space).stem)
     if not re.fullmatch(r'[A-Za-z0-9_.-]+', name):
         raise TuneError(f'--study must be letters, digits, _ . or -, got '
                         f'{name!r}')
