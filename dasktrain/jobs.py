@@ -15,7 +15,7 @@ models).
 
 A job ends ``finished``, ``failed``, ``cancelled`` or ``pruned``: its
 training was stopped by an epoch callback raising :class:`Pruned` (a
-hyperparameter search's pruner, see tune.py), and its GPUs went back to
+hyperparameter search's pruner, see trials.py), and its GPUs went back to
 the queue at once.
 """
 import ctypes
