@@ -1,6 +1,6 @@
 """README's notebook figures: `python bench/notebooks.py --help`.
 
-Executes the three notebooks at a size this machine finishes in about half
+Executes the notebooks at a size this machine finishes in about half
 an hour and copies every figure they draw into ``--figures``. Without
 ``--data-dir`` the data are synthetic CIFAR-format images (class patterns
 under noise, see ``dasktrain.bench.synthetic_cifar10``), for machines that
@@ -36,6 +36,9 @@ def main(argv=None):
                         help='per replica in notebook 02, small enough that '
                              'mixing every 100 iterations happens within '
                              'the run (default: %(default)s)')
+    parser.add_argument('--trials', type=int, default=10,
+                        help='trials of the study in notebook 04 (default: '
+                             '%(default)s)')
     parser.add_argument('--data-dir', help='CIFAR-10 folder (default: '
                                            'synthetic images in --work)')
     parser.add_argument('--work', type=Path,
@@ -56,6 +59,11 @@ def main(argv=None):
         # Free ports: a cluster already on 8786 must not take these jobs.
         '03_cluster_jobs': dict(size, jobs_dir=str(work / '03-jobs'),
                                 port=0, dashboard_port=0),
+        # A study is many runs: the small convnet, not the seed network
+        # (a 2-core CPU trains that at 20 images/s).
+        '04_hyperparameter_search': dict(
+            size, jobs_dir=str(work / '04-jobs'), port=0, dashboard_port=0,
+            model='tiny', trials=args.trials, startup_trials=3),
     }
     unknown = set(args.only) - set(parameters)
     if unknown:

@@ -3,7 +3,7 @@
 Data flows one way through the package::
 
     data -> augment -> collective -> parallel -> training -> cluster
-         -> scaleout -> jobs -> cli
+         -> scaleout -> jobs -> trials -> tuning -> cli
 
 Heavy modules (chainer, dask.distributed) load on first use, so ``import
 dasktrain`` and ``dasktrain --help`` stay fast.
@@ -29,6 +29,7 @@ _EXPORTS = {
     'train': 'dasktrain.scaleout',
     'submit': 'dasktrain.jobs',
     'Job': 'dasktrain.jobs',
+    'tune': 'dasktrain.tuning',
 }
 
 

@@ -96,6 +96,9 @@ class TrainConfig:
     tta: int = 1                    # test-time views averaged (1: none)
     early_stop_patience: Optional[int] = None  # epochs without improvement
     early_stop_monitor: str = 'validation/main/loss'
+    early_stop_mode: str = 'auto'   # 'max' or 'min': which way the monitor
+    #                                 improves; 'auto' reads it off the name
+    #                                 (accuracy: max, loss: min) or refuses
     resume: bool = False            # continue from OUT/checkpoint.npz
     progress: bool = True           # progress bar on a terminal
     in_process: bool = False        # several devices: all replicas in this
@@ -171,6 +174,8 @@ class TrainConfig:
             raise ConfigError(f'--scheduler applies with --workers only, got '
                               f'--scheduler {self.scheduler} without '
                               '--workers')
+        if self.early_stop_mode not in ('auto', 'min', 'max'):
+            fail('early_stop_mode', "'auto', 'min' or 'max'")
         if self.on_worker_loss not in ('continue', 'wait'):
             fail('on_worker_loss', "'continue' or 'wait'")
         if self.comm_dtype not in (None, 'float32', 'float16'):
@@ -230,6 +235,28 @@ def parse_devices(text):
         raise ConfigError(f"expected GPU ids like '0,1', 'cpu' or 'cpu:N', "
                           f'got {text!r}')
     return tuple(f'@cupy:{int(p)}' for p in parts)
+
+
+# The keys of a training log row (training.py writes them; ``drift`` only in
+# ipm with several replicas).
+LOG_KEYS = ('epoch', 'iteration', 'main/loss', 'main/accuracy',
+            'validation/main/loss', 'validation/main/accuracy',
+            'elapsed_time', 'images_per_sec', 'data_wait_time', 'comm_time',
+            'lr', 'drift')
+
+
+def better(key):
+    """``'max'`` or ``'min'``: which way a log key improves, where its name
+    says so unambiguously (accuracies, losses); else None.
+
+    >>> better('validation/main/accuracy'), better('main/loss'), better('lr')
+    ('max', 'min', None)
+    """
+    if key.endswith('accuracy'):
+        return 'max'
+    if key.endswith('loss'):
+        return 'min'
+    return None
 
 
 # ------------------------------------------------------------ CLI flags
@@ -311,6 +338,11 @@ def add_arguments(parser):
     add('--early-stop-monitor', default=d.early_stop_monitor, metavar='KEY',
         help='log key watched for early stopping and the best model '
              '(default: %(default)s)')
+    add('--early-stop-mode', choices=('auto', 'min', 'max'),
+        default=d.early_stop_mode,
+        help='whether the monitor improves going down (min) or up (max); '
+             'auto: max for accuracies, min for losses, any other key must '
+             'say (default: %(default)s)')
     add('--resume', action='store_true',
         help='continue the run in --out from its last checkpoint')
     add('--no-progress', dest='progress', action='store_false',

@@ -16,6 +16,11 @@ models).
 Every change a job goes through (queued, running, each epoch's log row,
 its end) is also sent to the scheduler as a Dask event on :data:`EVENTS`,
 a :meth:`Job.summary`; :mod:`dasktrain.monitor` turns them into metrics.
+
+A job ends ``finished``, ``failed``, ``cancelled`` or ``pruned``: its
+training was stopped by an epoch callback raising :class:`Pruned` (a
+hyperparameter search's pruner, see trials.py), and its GPUs went back to
+the queue at once.
 """
 import ctypes
 import dataclasses
@@ -40,7 +45,13 @@ from dasktrain.files import write_json
 
 KEY_PREFIX = 'dasktrain-job-'
 JOBS_ENV = 'DASKTRAIN_JOBS_DIR'
-DONE = ('finished', 'failed', 'cancelled')
+DONE = ('finished', 'failed', 'cancelled', 'pruned')
+PRUNED = 3  # exit code of a job child whose training was pruned
+
+
+class Pruned(Exception):
+    """Raised by an epoch callback of a job: stop its training now; the job
+    ends ``pruned``, not failed."""
 EVENTS = 'dasktrain-jobs'  # the Dask event topic of jobs' summaries
 
 
@@ -203,6 +214,11 @@ class Job:
         except UserError:
             pass  # scheduler gone: the flag file stops it on its next run
 
+    def requeue(self, client):
+        """Hand a job the scheduler lost (a restarted cluster, a submitter
+        killed mid-submit) to it again; it resumes from its checkpoint."""
+        _queue(client, self.folder, self.spec())
+
     def result(self, timeout=None, poll=0.5):
         """Wait until the job ends; its summary, or JobError if it failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -250,8 +266,36 @@ def _slug(text):
     return re.sub(r'[^A-Za-z0-9_.-]+', '-', text).strip('-')[:40] or 'job'
 
 
+def check_resources(client, config, gpus):
+    """Refuse a job no worker of ``client``'s cluster can ever run: more
+    GPUs (or CPU slots, for ``gpus=0``) than any worker offers."""
+    resource = 'GPU' if gpus else 'CPU'
+    need = max(gpus, 1)
+    workers = worker_info(client)
+    have = {addr: w.get('resources', {}).get(resource, 0)
+            for addr, w in workers.items()}
+    if config.workers is not None:
+        able = sum(1 for n in have.values() if n >= gpus)
+        if able < config.workers:
+            each = f'{gpus} GPUs' if gpus else 'a CPU slot'
+            raise JobError(f'--workers {config.workers} needs as many '
+                           f'Dask workers with {each}; the cluster has '
+                           f'{able}; add workers or lower --workers')
+    elif not have or max(have.values()) < need:
+        largest = max(have.values(), default=0)
+        slots = sum(w.get('resources', {}).get('CPU', 0)
+                    for w in workers.values())
+        instead = (f'pass --gpus 0 to take one of the {slots:g} CPU '
+                   f'slot{"s" * (slots != 1)} the workers offer, '
+                   if gpus and slots else 'ask for fewer, ')
+        raise JobError(f'no worker has {need} {resource} (largest: '
+                       f'{largest:g} among {len(have)} workers); '
+                       f'{instead}or add a worker with `dask worker '
+                       f'ADDRESS --resources {resource}={need}`')
+
+
 def submit(config, gpus=1, name=None, client=None, scheduler=None,
-           path=None):
+           path=None, extra=None, check=True):
     """Queue a training job; returns at once with its :class:`Job`.
 
     Parameters
@@ -269,6 +313,13 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         Default: connect to ``scheduler`` or the recorded cluster.
     path : str, optional
         Jobs dir; must be on storage every worker sees.
+    extra : dict, optional
+        More keys for ``job.json``; ``'child'`` names the ``dasktrain``
+        module the job's child process runs as ``python -m MODULE FOLDER``
+        (default ``dasktrain.jobs``; trials.py's report to their study).
+    check : bool, default True
+        Refuse a job no worker can run; False queues it regardless (until
+        such a worker joins), as a search does once it has checked.
     """
     if not isinstance(gpus, int) or gpus < 0:
         raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
@@ -276,29 +327,8 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     owned = client is None
     client = client or connect(scheduler)
     try:
-        resource = 'GPU' if gpus else 'CPU'
-        need = max(gpus, 1)
-        workers = worker_info(client)
-        have = {addr: w.get('resources', {}).get(resource, 0)
-                for addr, w in workers.items()}
-        if config.workers is not None:
-            able = sum(1 for n in have.values() if n >= gpus)
-            if able < config.workers:
-                each = f'{gpus} GPUs' if gpus else 'a CPU slot'
-                raise JobError(f'--workers {config.workers} needs as many '
-                               f'Dask workers with {each}; the cluster has '
-                               f'{able}; add workers or lower --workers')
-        elif not have or max(have.values()) < need:
-            largest = max(have.values(), default=0)
-            slots = sum(w.get('resources', {}).get('CPU', 0)
-                        for w in workers.values())
-            instead = (f'pass --gpus 0 to take one of the {slots:g} CPU '
-                       f'slot{"s" * (slots != 1)} the workers offer, '
-                       if gpus and slots else 'ask for fewer, ')
-            raise JobError(f'no worker has {need} {resource} (largest: '
-                           f'{largest:g} among {len(have)} workers); '
-                           f'{instead}or add a worker with `dask worker '
-                           f'ADDRESS --resources {resource}={need}`')
+        if check:
+            check_resources(client, config, gpus)
         job_id = (f'{_slug(name or config.model)}-'
                   f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
         folder = jobs_dir(path).resolve() / job_id
@@ -308,30 +338,37 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         config = config.replace(out=str(folder / 'out'), resume=True,
                                 progress=True,
                                 data_dir=os.path.abspath(config.data_dir))
-        write_json(folder / 'job.json', {
+        spec = {
             'id': job_id, 'name': name or config.model, 'user': _user(),
             'gpus': gpus,
             'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
-            'submitted': time.time()})
+            'submitted': time.time(), **(extra or {})}
+        write_json(folder / 'job.json', spec)
         write_json(folder / 'status.json', {
             'state': 'queued', 'attempts': 0, 'gpus': None, 'worker': None,
             'started': None, 'ended': None, 'error': None})
         job = Job(job_id, folder)
         # Before the task: the scheduler sees 'queued' before 'running'.
         job.announce(client)
-        from distributed import fire_and_forget
-        # A scale-out job's driver needs a thread only: its ranks hold the
-        # GPUs (or CPU slots).
-        future = client.submit(
-            run_job, str(folder), key=KEY_PREFIX + job_id, pure=False,
-            resources=None if config.workers else {resource: need})
-        fire_and_forget(future)  # runs on after this client goes away
+        _queue(client, folder, spec)
         return job
     finally:
         if owned:
             client.close()
+
+
+def _queue(client, folder, spec):
+    from distributed import fire_and_forget
+    resource = 'GPU' if spec['gpus'] else 'CPU'
+    # A scale-out job's driver needs a thread only: its ranks hold the
+    # GPUs (or CPU slots).
+    future = client.submit(
+        run_job, str(folder), key=KEY_PREFIX + spec['id'], pure=False,
+        resources=None if spec['workers'] else
+        {resource: max(spec['gpus'], 1)})
+    fire_and_forget(future)  # runs on after this client goes away
 
 
 def scheduler_states(keys, client):
@@ -359,6 +396,10 @@ def run_job(folder):
     status = json.loads((folder / 'status.json').read_text())
     if (folder / 'cancel').exists() or status['state'] in DONE:
         return status['state']
+    child_module = spec.get('child', 'dasktrain.jobs')
+    if not child_module.startswith('dasktrain.'):  # job.json names code
+        return _update_status(folder, state='failed', ended=time.time(),
+                              error=f'{child_module!r} is not ours')['state']
     job = Job(spec['id'], folder)
     rows = job.log_rows()
     gpus = GpuPool.acquire(spec['gpus']) \
@@ -382,7 +423,7 @@ def run_job(folder):
                       f' ===\n'.encode())
             log.flush()
             child = subprocess.Popen(
-                [sys.executable, '-m', 'dasktrain.jobs', str(folder)],
+                [sys.executable, '-m', child_module, str(folder)],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
                 stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
             while child.poll() is None:
@@ -400,6 +441,8 @@ def run_job(folder):
             state, error = 'cancelled', None
         elif child.returncode == 0:
             state, error = 'finished', None
+        elif child.returncode == PRUNED:
+            state, error = 'pruned', None
         else:
             state = 'failed'
             lines = (folder / 'output.log').read_text().strip().splitlines()
@@ -441,9 +484,11 @@ def check_devices(config, gpus):
         raise JobError(str(e)) from None
 
 
-def _child(folder):
-    """The child process: train the job's config; one line for a user's
-    mistake, the whole traceback for anything else."""
+def run_child(folder, callbacks=()):
+    """The child process: train the job's config, calling ``callbacks``
+    after each epoch; one line for a user's mistake, the whole traceback
+    for anything else. Returns the exit code: 0, 1, or :data:`PRUNED` when
+    a callback raised :class:`Pruned`."""
     spec = json.loads((Path(folder) / 'job.json').read_text())
     config = TrainConfig.from_json(json.dumps(spec['config']))
     if config.workers is not None:
@@ -456,7 +501,10 @@ def _child(folder):
             config = config.replace(devices=place_devices(
                 config.devices, range(spec['gpus'])))
         _log_devices(config.devices if spec['gpus'] else None)
-        summary = train(config)
+        summary = train(config, callbacks=callbacks)
+    except Pruned as e:
+        print(f'pruned: {e}', flush=True)
+        return PRUNED
     except UserError as e:
         print(f'error: {e}', flush=True)
         return 1
@@ -471,4 +519,4 @@ def _child(folder):
 
 
 if __name__ == '__main__':
-    sys.exit(_child(sys.argv[1]))
+    sys.exit(run_child(sys.argv[1]))

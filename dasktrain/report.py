@@ -62,6 +62,14 @@ class Table:
                   for row in self.rows]
         return '\n'.join(lines)
 
+    def to_text(self):
+        """Aligned columns, for a terminal."""
+        cells = [self.columns] + [[self._cell(v) for v in row]
+                                  for row in self.rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+        return '\n'.join('  '.join(c.ljust(w) for c, w in zip(r, widths))
+                         .rstrip() for r in cells)
+
     def __str__(self):
         return self.to_markdown()
 
@@ -202,10 +210,15 @@ def plot_bars(runs, y='comm_time', ax=None, title=None):
     return ax
 
 
+# How a run ended, where that is not just "ran": its bar's label and colour.
+ENDINGS = {'pruned': ('pruned', 'tab:orange'), 'failed': ('failed', 'tab:red')}
+
+
 def plot_timeline(jobs, ax=None, title=None):
     """When each job waited in the queue and when it ran, in seconds since
     the first was submitted: one row per job (a job not started yet shows
-    its wait so far, one still running its run so far)."""
+    its wait so far, one still running its run so far). Runs that were
+    pruned (hyperparameter search) or failed have their own colours."""
     import time
     ax = _axes(ax)
     jobs = list(jobs)
@@ -224,8 +237,8 @@ def plot_timeline(jobs, ax=None, title=None):
         bar(row, spec['submitted'], status['started'] or status['ended']
             or now, 'queued', 'lightgrey')
         if status['started']:
-            bar(row, status['started'], status['ended'] or now, 'running',
-                'tab:blue')
+            bar(row, status['started'], status['ended'] or now,
+                *ENDINGS.get(status['state'], ('running', 'tab:blue')))
     ax.set_yticks(range(len(jobs)), [spec['name'] for spec in specs])
     ax.invert_yaxis()  # first submitted on top
     ax.set_xlabel('time since the first submission (s)')

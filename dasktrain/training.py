@@ -21,7 +21,7 @@ from tqdm import tqdm  # plain: tqdm.auto warns in a notebook without ipywidgets
 
 from dasktrain.augment import EpochLoader, shard_bounds, tta_views
 from dasktrain.collective import Solo
-from dasktrain.config import TrainConfig
+from dasktrain.config import LOG_KEYS, TrainConfig, better
 from dasktrain.data import load_cifar10
 from dasktrain.errors import UserError
 from dasktrain.files import atomic_write, write_json
@@ -79,11 +79,21 @@ def seed_everything(seed, epoch):
 
 class EarlyStopping:
     """Chainer's EarlyStoppingTrigger rule: stop once ``monitor`` has not
-    improved for ``patience`` checks (max for accuracies, else min)."""
+    improved for ``patience`` checks. ``mode`` 'max' or 'min' says which way
+    it improves; 'auto' reads it off the key's name (accuracies: max,
+    losses: min) and refuses any other key rather than guess."""
 
-    def __init__(self, monitor, patience, best=None, count=0):
+    def __init__(self, monitor, patience, best=None, count=0, mode='auto'):
         self.monitor, self.patience = monitor, patience
-        self.maximize = 'accuracy' in monitor
+        if monitor not in LOG_KEYS:
+            raise UserError(f'early_stop_monitor {monitor!r} is not in the '
+                            f'log; choose one of {", ".join(LOG_KEYS)}')
+        mode = better(monitor) if mode == 'auto' else mode
+        if mode is None:
+            raise UserError(f'--early-stop-monitor {monitor}: whether it '
+                            'improves up or down is not in its name; pass '
+                            '--early-stop-mode max or min')
+        self.maximize = mode == 'max'
         self.best = best if best is not None else \
             (-math.inf if self.maximize else math.inf)
         self.count = count
@@ -334,6 +344,7 @@ def _run_group(config, comm, devices, callbacks, progress):
                     state['epoch'] if resumed else None)
     stopper = EarlyStopping(config.early_stop_monitor,
                             config.early_stop_patience,
+                            mode=config.early_stop_mode,
                             **state['early_stop'])
     progress = progress or _Progress(False, config.epochs)
     loader = EpochLoader(

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))
 OUT = os.environ.get('DASKTRAIN_NOTEBOOKS_OUT')  # keep executed copies
 TINY = dict(model='tiny', epochs=2, train_size=300, test_size=60)
+FIGURES = {'01': 2, '02': 3, '03': 2, '04': 5}
 
 
 @pytest.fixture(scope='module')
@@ -20,11 +21,11 @@ def data_dir(make_cifar_dir):
     return str(make_cifar_dir(100, 100, 7))
 
 
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == [
         '01_single_vs_multi_gpu.ipynb',
         '02_distributed_gradient_vs_parameter_mixture.ipynb',
-        '03_cluster_jobs.ipynb']
+        '03_cluster_jobs.ipynb', '04_hyperparameter_search.ipynb']
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
@@ -67,6 +68,10 @@ def test_notebook_runs_on_cpu_with_tiny_parameters(path, data_dir, tmp_path,
     if path.stem.startswith('03'):
         parameters.update(jobs_dir='jobs', port=0, dashboard_port=0,
                           learning_rates=[0.01, 0.003])
+    elif path.stem.startswith('04'):
+        parameters.update(jobs_dir='jobs', port=0, dashboard_port=0,
+                          trials=4, startup_trials=2,
+                          mix_every_values=[1, 'epoch'])
     else:
         parameters.update(out_dir='runs')
     if path.stem.startswith('01'):  # from a mirror with its own MD5
@@ -80,12 +85,12 @@ def test_notebook_runs_on_cpu_with_tiny_parameters(path, data_dir, tmp_path,
     errors = [o for c in nb.cells for o in c.get('outputs', ())
               if o.get('output_type') == 'error']
     assert errors == []
-    assert len(figures) == (3 if path.stem.startswith('02') else 2)
+    assert len(figures) == FIGURES[path.stem[:2]]
     assert all(f.stat().st_size > 10_000 for f in figures)
     streams = ''.join(o.get('text', '') for c in nb.cells
                       for o in c.get('outputs', ()))
     assert 'IProgress' not in streams and 'TqdmWarning' not in streams
-    made = 'jobs' if path.stem.startswith('03') else 'runs'
+    made = 'jobs' if path.stem[:2] in ('03', '04') else 'runs'
     assert (tmp_path / made).is_dir()
     if path.stem.startswith('01'):
         assert (tmp_path / 'mirrored' / 'cifar-10-batches-py').is_dir()

@@ -167,3 +167,24 @@ def test_timeline_shows_each_job_waiting_then_running(tmp_path):
 def test_curves_without_a_legend_leave_it_to_their_neighbour():
     ax = report.plot_curves({'one': log([1], [0.5])}, legend=False)
     assert ax.get_legend() is None
+
+
+def test_timeline_colours_pruned_and_failed_runs(tmp_path):
+    from dasktrain.jobs import Job
+    jobs = []
+    for name, state in [('t0', 'finished'), ('t1', 'pruned'),
+                        ('t2', 'failed'), ('t3', 'running')]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / 'job.json').write_text(json.dumps(
+            {'id': name, 'name': name, 'submitted': 100.0,
+             'config': {'epochs': 1}}))
+        (folder / 'status.json').write_text(json.dumps(
+            {'state': state, 'started': 100.0,
+             'ended': None if state == 'running' else 110.0, 'gpus': []}))
+        jobs.append(Job(name, folder))
+    ax = report.plot_timeline(jobs)
+    runs = [p.get_facecolor() for p in ax.patches][1::2]
+    assert runs[0] == runs[3] and len({runs[0], runs[1], runs[2]}) == 3
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        'queued', 'running', 'pruned', 'failed']
