@@ -154,3 +154,19 @@ def test_jobs_see_their_own_gpu_and_a_cpu_job_none(gpu_cluster, data_dir,
     assert {tuple(j.status()['gpus']) for j in jobs} == {('0',), ('1',)}
     assert "CUDA_VISIBLE_DEVICES=''" in cpu.logs()
     assert cpu.result()['final']['epoch'] == 1
+
+
+@needs_nccl
+def test_one_worker_process_per_gpu_equals_one_process(data_dir, tmp_path):
+    # `dasktrain train --devices 0,1`: one worker per GPU (each sees its
+    # own as @cupy:0), NCCL between them; the same as --in-process.
+    from dasktrain.config import TrainConfig
+    from dasktrain.scaleout import train
+    base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
+                       data_dir=str(data_dir), progress=False,
+                       deterministic=True, devices=('@cupy:0', '@cupy:1'))
+    here = train(base.replace(out=str(tmp_path / 'here'), in_process=True))
+    apart = train(base.replace(out=str(tmp_path / 'apart')))
+    assert len(apart['workers']) == 2
+    for a, b in zip(here['log'], apart['log'], strict=True):
+        assert b['main/loss'] == pytest.approx(a['main/loss'], rel=1e-4)
