@@ -22,6 +22,7 @@ LOG_KEYS = ('epoch', 'iteration', 'main/loss', 'main/accuracy',
             'validation/main/loss', 'validation/main/accuracy',
             'elapsed_time', 'images_per_sec', 'data_wait_time', 'comm_time',
             'lr')
+IPM_KEYS = ('drift',)  # logged by ipm runs with several replicas
 
 
 class ConfigError(UserError, ValueError):
@@ -165,7 +166,7 @@ class TrainConfig:
             fail('lr', 'a finite number > 0')
         if not (_finite(self.weight_decay) and self.weight_decay >= 0):
             fail('weight_decay', 'a finite number >= 0')
-        monitors = LOG_KEYS + (('drift',) if self.mode == 'ipm' else ())
+        monitors = LOG_KEYS + (IPM_KEYS if self.mode == 'ipm' else ())
         if self.early_stop_monitor not in monitors:
             fail('early_stop_monitor', f'a key of the log: one of '
                                        f'{", ".join(monitors)}')
@@ -235,14 +236,6 @@ def parse_devices(text):
         raise ConfigError(f"expected GPU ids like '0,1', 'cpu' or 'cpu:N', "
                           f'got {text!r}')
     return tuple(f'@cupy:{int(p)}' for p in parts)
-
-
-# The keys of a training log row (training.py writes them; ``drift`` only in
-# ipm with several replicas).
-LOG_KEYS = ('epoch', 'iteration', 'main/loss', 'main/accuracy',
-            'validation/main/loss', 'validation/main/accuracy',
-            'elapsed_time', 'images_per_sec', 'data_wait_time', 'comm_time',
-            'lr', 'drift')
 
 
 def better(key):

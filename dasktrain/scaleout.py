@@ -29,7 +29,7 @@ import uuid
 from dasktrain.cluster import (connect, restore_default_scheduler,
                                worker_info)
 from dasktrain.collective import CollectiveError, DaskComm
-from dasktrain.devices import free_gpu_memory, gpu_count
+from dasktrain.devices import free_gpu_memory, gpu_count, resolve_devices
 from dasktrain.gpus import (NCCL_MISSING, GpuPool, gpu_ids, place_devices,
                             use_nccl, visible_gpus)
 from dasktrain.nccl import NcclComm
@@ -248,6 +248,8 @@ def train(config=None, callbacks=(), client=None, **overrides):
             per_device_plan(config.devices or default_devices())
         if plan is None:
             return train_here(config, callbacks)
+        # A missing GPU is one line, before any worker process starts.
+        resolve_devices(config.devices or default_devices())
         workers, device = plan
         if config.progress:
             print(f'training on {workers} worker processes, one per device'

@@ -21,7 +21,7 @@ from tqdm import tqdm  # plain: tqdm.auto warns in a notebook without ipywidgets
 
 from dasktrain.augment import EpochLoader, shard_bounds, tta_views
 from dasktrain.collective import Solo
-from dasktrain.config import LOG_KEYS, TrainConfig, better
+from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
 from dasktrain.data import load_cifar10
 from dasktrain.errors import UserError
 from dasktrain.files import atomic_write, write_json
@@ -85,9 +85,10 @@ class EarlyStopping:
 
     def __init__(self, monitor, patience, best=None, count=0, mode='auto'):
         self.monitor, self.patience = monitor, patience
-        if monitor not in LOG_KEYS:
-            raise UserError(f'early_stop_monitor {monitor!r} is not in the '
-                            f'log; choose one of {", ".join(LOG_KEYS)}')
+        keys = LOG_KEYS + IPM_KEYS
+        if monitor not in keys:
+            raise UserError(f'--early-stop-monitor {monitor} is not in the '
+                            f'log; choose one of {", ".join(keys)}')
         mode = better(monitor) if mode == 'auto' else mode
         if mode is None:
             raise UserError(f'--early-stop-monitor {monitor}: whether it '

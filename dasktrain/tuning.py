@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from dasktrain.cluster import connect
-from dasktrain.config import LOG_KEYS, TrainConfig, better
+from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
 from dasktrain.jobs import (DONE, check_devices, check_resources, jobs_dir,
@@ -52,7 +52,8 @@ def check_metric(metric, direction, modes):
     """The study's direction for ``metric``: read off its name where that
     is unambiguous (accuracy: maximize, loss: minimize), else ``direction``
     must say; a ``direction`` contradicting the name is refused."""
-    usable = [k for k in LOG_KEYS if k not in ('epoch', 'iteration', 'lr')]
+    usable = [k for k in LOG_KEYS + IPM_KEYS
+              if k not in ('epoch', 'iteration', 'lr')]
     if set(modes) != {'ipm'}:
         usable.remove('drift')  # only ipm runs log it
     if metric not in usable:
@@ -90,7 +91,7 @@ def _state_early_stopping(base, metric, direction):
             raise TuneError(f'--early-stop-mode {mode} contradicts '
                             f'--direction {direction} for {metric}')
         return base.replace(early_stop_mode=wanted)
-    if mode == 'auto' and monitor in LOG_KEYS:
+    if mode == 'auto' and monitor in LOG_KEYS + IPM_KEYS:
         mode = better(monitor)
         if mode is None:
             raise TuneError(f'--early-stop-monitor {monitor}: pass '

@@ -116,9 +116,9 @@ def test_a_monitor_no_log_row_can_have_is_refused_at_start(
     args = ['--data-dir', str(data_dir), '--out', str(tmp_path / 'r'),
             '--devices', 'cpu', '--model', 'tiny']
     assert main(['train', *args, '--early-stop-monitor', 'nope']) == 2
-    first = capsys.readouterr().err.splitlines()[0]
-    assert "early_stop_monitor must be a key of the log: one of epoch, " \
-        "iteration, main/loss" in first and first.endswith("got 'nope'")
+    error = capsys.readouterr().err.splitlines()[1]  # after the usage
+    assert "--early-stop-monitor must be a key of the log: one of epoch, " \
+        "iteration, main/loss" in error and error.endswith("got 'nope'")
     with pytest.raises(ConfigError, match="one of .*lr, got 'drift'"):
         TrainConfig(early_stop_monitor='drift')  # dg has no drift
     # ipm has it with several replicas only, known once the run starts
@@ -133,7 +133,8 @@ def test_every_log_key_is_a_monitor(data_dir, tmp_path):
     from dasktrain.config import LOG_KEYS as monitors
     summary = train(config(data_dir, tmp_path / 'r', epochs=1, mode='ipm',
                            devices=('@numpy',) * 2, train_size=100,
-                           early_stop_monitor='drift'))
+                           early_stop_monitor='drift',
+                           early_stop_mode='min'))
     assert set(summary['final']) == set(monitors) | {'drift'}
 
 

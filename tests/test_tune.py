@@ -290,7 +290,7 @@ def test_a_killed_worker_resumes_its_trial(data_dir, tmp_path):
     ({'lr': {'type': 'float', 'low': 0, 'high': 0.1, 'log': True}}, [],
      'the space: lr: log needs low > 0, got low 0'),
     ({'batch_size': {'type': 'int', 'low': 0, 'high': 64}}, [],
-     'the space: batch_size: 0 is not a valid value (batch_size must be'),
+     'the space: batch_size: 0 is not a valid value (--batch-size must be'),
     ({'mix_every': [1, 10]}, [],
      'the space: mix_every applies to mode ipm only'),
     ({'lr': [0.1]}, ['--metric', 'validation/main/acc'],
