@@ -13,6 +13,7 @@ MultiprocessParallelUpdater gathers gradients; nothing is computed on a GPU
 the user did not list.
 """
 import copy
+import math
 import time
 
 import chainer
@@ -24,6 +25,14 @@ from dasktrain.devices import (DeviceError, resolve_devices,  # noqa: F401
 from dasktrain.replicas import ReplicaArrays, ReplicaRandom, restore
 
 MODES = ('dg', 'ipm')
+
+
+def _power_of_two(top, largest):
+    """The largest power of two that keeps ``largest`` at most ``top``
+    (1 where ``largest`` is 0, inf or nan)."""
+    if not (math.isfinite(largest) and largest > 0):
+        return 1.0
+    return 2.0 ** math.floor(math.log2(top / largest))
 
 
 class GPUDistributedGradient:
@@ -272,28 +281,49 @@ class GPUDistributedGradient:
         return False  # exceptions propagate
 
     def _outgoing(self):
-        """This step's gradients as they travel: copies in ``comm_dtype``
-        (each already weighted by its share of the batch, about 1/N of the
-        mean gradient, so a float16 sum stays in range), or the master's
-        own arrays; and the BatchNorm statistics' groups and local sums."""
+        """This step's gradients as they travel, the BatchNorm statistics'
+        groups and local sums, and the gradients' scale.
+
+        In ``comm_dtype`` float16 each gradient array travels as a copy
+        scaled by its own power of two, the same on every rank (one small
+        all-gather of each array's largest magnitude): its largest sum then
+        sits just below float16's maximum, so nothing overflows and small
+        gradients keep their bits instead of flushing to zero (float16's
+        smallest normal is 6e-5, where many of a network's gradients lie).
+        Otherwise the master's own arrays travel (or copies, to
+        double-buffer)."""
         grads = self._grads(self.master, self.devices[0])
         groups = self.arrays.groups(self.replicas, params=False)
         sums, _ = self.arrays.local_sums(groups)
-        if self.comm_dtype is not None or self.double_buffering:
-            with chainer.using_device(self.devices[0]):
-                sent = [g.astype(self.comm_dtype or g.dtype, copy=True)
-                        for g in grads]
-        else:
-            sent = grads
-        return grads, sent, groups, sums
+        scale = 1.0
+        with chainer.using_device(self.devices[0]):
+            if self.comm_dtype is not None:
+                xp = self.devices[0].xp
+                local = [float(xp.abs(g).max()) for g in grads]
+                top = float(np.finfo(self.comm_dtype).max) / \
+                    (2 * self.comm.size)
+                scale = [_power_of_two(top, m) for m in
+                         np.max(self.comm.allgather(local), axis=0)]
+                sent = [(g * s).astype(self.comm_dtype)
+                        for g, s in zip(grads, scale)]
+            elif self.double_buffering:
+                sent = [g.copy() for g in grads]
+            else:
+                sent = grads
+        return grads, sent, groups, sums, scale
 
-    def _apply(self, grads, sent, groups, means):
-        """Update the master with the summed gradients ``sent`` and bring
-        every replica to its parameters and the mean statistics."""
+    def _apply(self, grads, sent, groups, means, scale=1.0):
+        """Update the master with the summed gradients ``sent`` (divided by
+        their ``scale``) and bring every replica to its parameters and the
+        mean statistics."""
         with chainer.using_device(self.devices[0]):
             if sent is not grads:
-                for g, summed in zip(grads, sent):
+                scales = scale if isinstance(scale, list) else \
+                    [scale] * len(grads)
+                for g, summed, s in zip(grads, sent, scales):
                     self.devices[0].xp.copyto(g, summed, casting='unsafe')
+                    if s != 1.0:
+                        g /= s  # a power of two: exact
             self.optimizer.update()
         self._sync_replicas(groups, means)
 
@@ -302,17 +332,19 @@ class GPUDistributedGradient:
         all-reduce, the BatchNorm statistics (one message per step); with
         ``double_buffering``, apply the previous step's sums while this
         step's travel on a communication thread."""
-        grads, sent, groups, sums = self._outgoing()
         if not self.double_buffering:
+            grads, sent, groups, sums, scale = self._outgoing()
             self._timed(lambda: self.arrays.reduce(sums, also=sent))
-            self._apply(grads, sent, groups, sums)
+            self._apply(grads, sent, groups, sums, scale)
             return
-        synchronize(self.devices)  # the copies are made before they travel
         previous = self._inflight
         if previous is not None:  # one collective at a time, same order
             self._timed(previous.wait)
+        grads, sent, groups, sums, scale = self._outgoing()
+        synchronize(self.devices)  # the copies are made before they travel
         self._inflight = Inflight(
-            lambda: self.arrays.reduce(sums, also=sent), (sent, groups, sums))
+            lambda: self.arrays.reduce(sums, also=sent),
+            (sent, groups, sums, scale))
         if previous is not None:
             self._apply(grads, *previous.wait())
 

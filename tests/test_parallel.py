@@ -334,3 +334,21 @@ def test_double_buffering_applies_the_previous_step_s_gradient(
     for key, value in params(ref).items():
         np.testing.assert_allclose(params(model.master)[key], value,
                                    rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+def test_float16_communication_keeps_small_gradients():
+    # Shares weighted by 6 / 6e6: gradients far below float16's smallest
+    # normal (6e-5), which would flush to zero unless scaled per array.
+    x, t = batch(6)
+    grads = {}
+    for dtype in (None, 'float16'):
+        model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(),
+                                       comm_dtype=dtype)
+        model.setup(chainer.optimizers.SGD(lr=0.1))
+        model.step(x, t, total=6_000_000)
+        grads[dtype] = {k: p.grad.copy()
+                        for k, p in sorted(model.master.namedparams())}
+    for key, exact in grads[None].items():
+        assert np.abs(exact).max() < 1e-4
+        error = np.abs(grads['float16'][key] - exact).max()
+        assert error <= 2 ** -10 * np.abs(exact).max(), key
