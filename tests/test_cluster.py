@@ -54,25 +54,27 @@ class Processes:
                    'the scheduler file')
         self.address = json.loads(info.read_text())['address']
 
-    def spawn(self, *args, cwd=None):
+    def spawn(self, *args, cwd=None, env=None):
         proc = subprocess.Popen([sys.executable, '-m', 'dask', *args],
                                 stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, cwd=cwd,
+                                stderr=subprocess.DEVNULL, cwd=cwd, env=env,
                                 start_new_session=True)
         self.procs.append(proc)
         return proc
 
-    def worker(self, gpus=2, resources=None):
+    def worker(self, gpus=2, resources=None, nthreads=None, visible=None):
         """A worker offering ``gpus`` GPUs (or ``resources``), in a working
         directory of its own: paths relative to the test's mean nothing
-        there."""
+        there. ``visible``: its CUDA_VISIBLE_DEVICES (the GPU suite's)."""
         cwd = self.tmp_path / 'worker-cwd'
         cwd.mkdir(exist_ok=True)
+        env = None if visible is None else \
+            dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
         return self.spawn('worker', self.address, '--no-nanny', '--nthreads',
-                          str(gpus or 1), '--resources',
+                          str(nthreads or gpus or 1), '--resources',
                           resources or f'GPU={gpus}', '--host', '127.0.0.1',
                           '--local-directory', str(self.tmp_path / 'space'),
-                          cwd=cwd)
+                          cwd=cwd, env=env)
 
     def close(self):
         for proc in self.procs:

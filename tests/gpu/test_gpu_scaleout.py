@@ -60,8 +60,8 @@ def _skipper(name, rank, size):
 
 
 def two_workers(gpu_cluster):
-    gpu_cluster.worker('0')
-    gpu_cluster.worker('1')
+    gpu_cluster.worker(gpus=1, visible='0')
+    gpu_cluster.worker(gpus=1, visible='1')
     client = Client(gpu_cluster.address)
     client.wait_for_workers(2)
     return client, sorted(client.scheduler_info()['workers'])
