@@ -46,9 +46,11 @@ def gpu_count():
         return 0, f'CUDA finds no device: {e}'
 
 
-def available_devices():
-    """Chainer specifiers of the devices this process can use."""
-    count, _ = gpu_count()
+def available_devices(count=None):
+    """Chainer specifiers of the devices this process can use (``count``:
+    its GPUs, default :func:`gpu_count`'s)."""
+    if count is None:
+        count, _ = gpu_count()
     return ['@numpy'] + [f'@cupy:{i}' for i in range(count)]
 
 
@@ -68,7 +70,7 @@ def resolve_devices(devices):
     if not devices:
         raise ValueError('devices must name at least one device, got []')
     count, reason = gpu_count()
-    available = ['@numpy'] + [f'@cupy:{i}' for i in range(count)]
+    available = available_devices(count)
     resolved = []
     for d in devices:
         spec = (f'@cupy:{d}' if isinstance(d, (int, np.integer))

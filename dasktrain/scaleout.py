@@ -244,18 +244,17 @@ def train(config=None, callbacks=(), client=None, **overrides):
     """
     config = (config or TrainConfig()).replace(**overrides)
     if config.workers is None:
-        plan = None if config.in_process else \
-            per_device_plan(config.devices or default_devices())
+        devices = config.devices or default_devices()  # asks CUDA once
+        plan = None if config.in_process else per_device_plan(devices)
         if plan is None:
             return train_here(config, callbacks)
         # A missing GPU is one line, before any worker process starts.
-        resolve_devices(config.devices or default_devices())
+        resolve_devices(devices)
         workers, device = plan
         if config.progress:
             print(f'training on {workers} worker processes, one per device'
                   ' (--in-process: all in this one)', flush=True)
-        with local_device_workers(config.devices or default_devices()) \
-                as client:
+        with local_device_workers(devices) as client:
             return train(config.replace(workers=workers, devices=(device,)),
                          callbacks, client=client)
     # Ranks run elsewhere, in other working directories.
