@@ -389,8 +389,8 @@ class GPUDistributedGradient:
         if not self.optimizers:
             raise RuntimeError('call setup(optimizer) before update()')
         if self.mode == 'dg':
-            if self.comm.size > 1:  # one message per step
-                self._allreduce_step()
+            if self.comm.size > 1 or self.double_buffering:
+                self._allreduce_step()  # one message per step
             else:
                 with chainer.using_device(self.devices[0]):
                     self.optimizer.update()
