@@ -1,4 +1,5 @@
-"""The all-reduce between processes on one host, against MPI's.
+"""The all-reduce between processes on one host, against MPI's, and dg
+steps with and without overlapping it with the backward pass.
 
 ``bench_allreduce()`` times one all-reduce of the seed network's gradients
 (22.5 MB of float32 by default) between two Dask worker processes on this
@@ -9,6 +10,10 @@ round, and each reports its best round, so a noisy neighbour hits all
 alike. mpi4py is a bench-only extra (``pip install mpi4py`` with an MPI
 installed, e.g. Debian's ``openmpi-bin libopenmpi-dev``); without it the
 MPI row says so.
+
+``bench_overlap()`` times dg steps of a model between two single-threaded
+worker processes for several gradient bucket sizes (0: one all-reduce
+after the backward pass), the sizes in turns, round after round.
 """
 import shutil
 import statistics
@@ -116,4 +121,83 @@ def bench_allreduce(mbytes=22.5, iterations=10, rounds=3):
         for label in ('shared memory', 'tcp'):
             rows.append((f'{label} vs MPI', f'{min(best[label]) / mpi:.2f}x',
                          ''))
+    return rows
+
+
+def _overlap_times(name, rank, size, model, batch, buckets, steps, rounds):
+    """On a worker: per bucket size, each round's median step time and
+    exposed communication per step (s)."""
+    import chainer
+
+    from dasktrain.collective import DaskComm
+    from dasktrain.models import get_model
+    from dasktrain.parallel import GPUDistributedGradient
+    rng = np.random.RandomState(rank)
+    x = rng.rand(batch, 3, 32, 32).astype(np.float32)
+    t = rng.randint(0, 10, batch).astype(np.int32)
+    with DaskComm.rendezvous(name, rank, size, timeout=120) as comm:
+        models = {}
+        for mb in buckets:
+            np.random.seed(0)
+            models[mb] = GPUDistributedGradient(
+                get_model(model), ['@numpy'], comm=comm, bucket_mb=mb)
+            models[mb].setup(chainer.optimizers.MomentumSGD(lr=0.01))
+            for _ in range(2):  # warm-up; the first step learns the order
+                models[mb].step(x, t, total=batch * size, observe=False)
+        times = {mb: [] for mb in buckets}
+        for _ in range(rounds):
+            for mb in buckets:
+                m, laps = models[mb], []
+                comm_before = m.comm_time
+                for _ in range(steps):
+                    comm.allgather(None)  # start together
+                    began = time.perf_counter()
+                    m.step(x, t, total=batch * size, observe=False)
+                    laps.append(time.perf_counter() - began)
+                times[mb].append((statistics.median(laps),
+                                  (m.comm_time - comm_before) / steps))
+        return times
+
+
+def bench_overlap(model='cifar10', batch=100, buckets=(0, 0.25, 1, 4, 16),
+                  steps=6, rounds=3):
+    """Rows: a dg step between two single-threaded worker processes of this
+    machine for each gradient bucket size, its exposed communication, and
+    the speed-up over ``0`` (no overlap).
+
+    Parameters
+    ----------
+    model : str, default 'cifar10'
+    batch : int, default 100
+        Images per worker per step.
+    buckets : sequence of float, default (0, 0.25, 1, 4, 16)
+        Bucket sizes in MiB; 0 is one all-reduce after the backward pass.
+    steps : int, default 6
+        Timed steps per size and round (after two warm-up steps).
+    rounds : int, default 3
+        Rounds of all sizes in turns; each size's best round counts.
+    """
+    from dasktrain.scaleout import local_workers
+    buckets = sorted(set(buckets))
+    with local_workers(2) as client:
+        workers = sorted(client.scheduler_info()['workers'])
+        got = client.gather([
+            client.submit(_overlap_times, 'bench-overlap', r, 2, model,
+                          batch, buckets, steps, rounds, workers=[w],
+                          pure=False)
+            for r, w in enumerate(workers)])
+    best = {}
+    for mb in buckets:  # the slower rank's figure, the best round
+        rounds_ = [max(a, b) for a, b in zip(got[0][mb], got[1][mb])]
+        best[mb] = min(rounds_)
+    rows = []
+    for mb in buckets:
+        step, exposed = best[mb]
+        label = 'after the backward pass' if mb == 0 else \
+            f'buckets of {mb:g} MiB'
+        rows.append((f'dg step, {label}', 1000 * step, 'ms'))
+        rows.append(('  exposed communication', 1000 * exposed, 'ms'))
+        if mb and 0 in best:
+            rows.append(('  speed-up vs after the backward pass',
+                         f'{best[0][0] / step:.3f}x', ''))
     return rows

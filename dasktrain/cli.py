@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from dasktrain import __version__
-from dasktrain.config import add_arguments, add_data_arguments, devices_type
+from dasktrain.config import (MODELS, add_arguments, add_data_arguments,
+                              devices_type)
 from dasktrain.errors import UserError
 
 COMMANDS = {}
@@ -498,6 +499,19 @@ class Result(_JobCommand):
         return 0
 
 
+def _mib_list(text):
+    """'0,0.5,4' -> (0.0, 0.5, 4.0): bucket sizes in MiB, each >= 0."""
+    try:
+        sizes = tuple(float(v) for v in text.split(','))
+    except ValueError:
+        sizes = ()
+    if not sizes or not all(v >= 0 for v in sizes):
+        raise argparse.ArgumentTypeError(
+            f"expected sizes in MiB >= 0 separated by commas, e.g. "
+            f"'0,1,4', got {text!r}")
+    return sizes
+
+
 def _model_scaling(args):
     from dasktrain import costmodel
     links = dict(costmodel.LINKS)
@@ -601,6 +615,25 @@ class Bench(Command):
                        help='rounds of the three in turns, best reported '
                             '(default: %(default)s)')
         p.set_defaults(command_parser=p, positive=('iterations', 'rounds'))
+        p = which.add_parser('overlap', help='dg steps between two worker '
+                             'processes, the all-reduce overlapped with the '
+                             'backward pass in buckets of several sizes')
+        p.add_argument('--model', choices=MODELS, default='cifar10',
+                       help='network (default: %(default)s)')
+        p.add_argument('--batch-size', type=int, default=100,
+                       help='images per worker per step (default: '
+                            '%(default)s)')
+        p.add_argument('--buckets', type=_mib_list, default=(0, 0.25, 1, 4, 16),
+                       metavar='LIST', help='bucket sizes in MiB, 0: after '
+                       'the backward pass (default: 0,0.25,1,4,16)')
+        p.add_argument('--steps', type=int, default=6,
+                       help='timed steps per size and round (default: '
+                            '%(default)s)')
+        p.add_argument('--rounds', type=int, default=3,
+                       help='rounds of all sizes in turns, best reported '
+                            '(default: %(default)s)')
+        p.set_defaults(command_parser=p, positive=('batch_size', 'steps',
+                                                   'rounds'))
         p = which.add_parser('model-scaling', help='predicted dg scaling '
                              'efficiency on 2-64 GPUs over named links, with '
                              'and without overlap (a cost model)')
@@ -639,6 +672,13 @@ class Bench(Command):
                                    rounds=args.rounds)
             title = (f'dasktrain bench allreduce ({args.mbytes:g} MB of '
                      'float32, 2 processes)')
+        elif args.bench == 'overlap':
+            from dasktrain.bench_allreduce import bench_overlap
+            rows = bench_overlap(model=args.model, batch=args.batch_size,
+                                 buckets=args.buckets, steps=args.steps,
+                                 rounds=args.rounds)
+            title = (f'dasktrain bench overlap (model={args.model}, batch '
+                     f'{args.batch_size} per worker, 2 workers)')
         elif args.bench == 'scaleout':
             rows = bench.bench_scaleout(
                 workers=range(1, args.workers + 1), model=args.model,

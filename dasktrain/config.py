@@ -115,6 +115,11 @@ class TrainConfig:
     #                                 halves the bytes of each all-reduce
     double_buffering: bool = False  # dg across processes: apply the last
     #                                 step's sum while this one's travels
+    bucket_mb: float = 4.0          # dg, one replica per process: MiB of
+    #                                 gradients all-reduced as one bucket
+    #                                 while the backward pass goes on (0:
+    #                                 one all-reduce after it); default
+    #                                 measured with `bench scaleout`
 
     def __post_init__(self):
         def fail(field, expected):
@@ -184,6 +189,8 @@ class TrainConfig:
         if not (isinstance(self.collective_timeout, (int, float)) and
                 self.collective_timeout > 0):
             fail('collective_timeout', 'a number of seconds > 0')
+        if not self.bucket_mb >= 0:  # also refuses nan
+            fail('bucket_mb', 'a number of MiB >= 0')
         from dasktrain.augment import MAX_TTA_VIEWS
         if not isinstance(self.tta, int) or not 1 <= self.tta <= \
                 MAX_TTA_VIEWS:
@@ -368,6 +375,12 @@ def add_arguments(parser):
         '--double-buffering', action='store_true',
         help='dg: apply the previous step\'s summed gradient while this '
              "step's travels (one step stale; ChainerMN's)")
+    group.add_argument(
+        '--bucket-mb', type=float, default=d.bucket_mb, metavar='MB',
+        help='dg with one device per worker: all-reduce the gradients in '
+             'buckets of MB MiB during the backward pass, overlapping '
+             'communication with computation (0: after it; default: '
+             '%(default)s)')
     group.add_argument(
         '--collective-timeout', type=float, default=d.collective_timeout,
         metavar='S', help='seconds a worker waits for the others before '

@@ -5,6 +5,7 @@ free memory, say why CuPy cannot be used).
 Decisions about *which* GPU ids a worker, job or rank gets live in
 :mod:`dasktrain.gpus` (no CUDA needed); this module asks CuPy what is there.
 """
+import contextlib
 import shutil
 import subprocess
 
@@ -100,6 +101,54 @@ def synchronize(devices):
     GPU's arrays are read from another."""
     for gpu in gpus_of(devices):
         gpu.synchronize()
+
+
+def mark(device):
+    """A CUDA event recorded on ``device``'s current stream in this thread:
+    it completes once the work queued there so far is done (e.g. the kernels
+    that computed a bucket of gradients). None on the CPU, where an array is
+    final once the call that wrote it returned."""
+    if device.xp is np:
+        return None
+    import cupy
+    with device.device:  # an event belongs to the device current at record
+        return cupy.cuda.get_current_stream().record()
+
+
+class SideStream:
+    """A non-blocking CUDA stream of ``device``, for work that runs on
+    another thread while this one goes on (all-reducing gradients during
+    the backward pass). A no-op on the CPU.
+
+    ``non_blocking``: CuPy's default (legacy null) stream synchronises with
+    every blocking stream, so the backward kernels queued on it would wait
+    for the all-reduce and the other way round; a non-blocking stream runs
+    beside them and orders itself only through the events it waits for.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self._stream = None
+
+    @contextlib.contextmanager
+    def after(self, event):
+        """Inside the block, this thread's current device and stream are
+        ``device`` and the side stream, whose work starts after ``event``
+        (from :func:`mark`); on leaving, this thread waits until that work
+        is done, so the arrays it wrote can be read on any stream."""
+        if self.device.xp is np:
+            yield
+            return
+        import cupy
+        with self.device.device:
+            if self._stream is None:
+                self._stream = cupy.cuda.Stream(non_blocking=True)
+            stream = self._stream
+            if event is not None:
+                stream.wait_event(event)
+            with stream:
+                yield
+            stream.synchronize()
 
 
 def free_gpu_memory(ids):

@@ -13,26 +13,18 @@ MultiprocessParallelUpdater gathers gradients; nothing is computed on a GPU
 the user did not list.
 """
 import copy
-import math
 import time
 
 import chainer
 import numpy as np
 
-from dasktrain.collective import Inflight, Solo
+from dasktrain.collective import Solo
+from dasktrain.gradcomm import GradientExchange, gradients
 from dasktrain.devices import (DeviceError, resolve_devices,  # noqa: F401
                                synchronize, transfer)
 from dasktrain.replicas import ReplicaArrays, ReplicaRandom, restore
 
 MODES = ('dg', 'ipm')
-
-
-def _power_of_two(top, largest):
-    """The largest power of two that keeps ``largest`` at most ``top``
-    (1 where ``largest`` is 0, inf or nan)."""
-    if not (math.isfinite(largest) and largest > 0):
-        return 1.0
-    return 2.0 ** math.floor(math.log2(top / largest))
 
 
 class GPUDistributedGradient:
@@ -69,6 +61,12 @@ class GPUDistributedGradient:
         (ChainerMN's double buffering): updates are one step stale; the
         first step of an epoch applies none and :meth:`end_epoch` applies
         the last, so every epoch makes as many updates as exact dg.
+    bucket_mb : float, default 0
+        dg across processes with one replica here: all-reduce the
+        gradients in buckets of about this many MiB, each as soon as the
+        backward pass has computed it, on a communication thread, while
+        back-propagation goes on (:mod:`dasktrain.gradcomm`); the sums are
+        the same bits. 0: one all-reduce after the backward pass.
     comm : dasktrain.collective.DaskComm or NcclComm, optional
         Make this one replica group of a job across processes: every group
         starts from rank 0's weights, dg sums the masters' gradients over
@@ -92,7 +90,7 @@ class GPUDistributedGradient:
 
     def __init__(self, chain, devices, mode='dg', mix_every=None,
                  mix_optimizer_state=False, comm=None, comm_dtype=None,
-                 double_buffering=False):
+                 double_buffering=False, bucket_mb=0.0):
         if mode not in MODES:
             raise ValueError(f"mode must be 'dg' or 'ipm', got {mode!r}")
         if mix_every is not None and mode != 'ipm':
@@ -108,10 +106,13 @@ class GPUDistributedGradient:
                              f"'float32', got {comm_dtype!r}")
         self.devices = resolve_devices(devices)
         self.mode = mode
-        self.comm_dtype = None if comm_dtype in (None, 'float32') else \
-            np.dtype(comm_dtype)
-        self.double_buffering = bool(double_buffering)
-        self._inflight = None
+        if isinstance(bucket_mb, bool) or not isinstance(
+                bucket_mb, (int, float)) or not bucket_mb >= 0:
+            raise ValueError(f'bucket_mb must be a number >= 0, got '
+                             f'{bucket_mb!r}')
+        self.exchange = GradientExchange(
+            self, None if comm_dtype in (None, 'float32') else
+            np.dtype(comm_dtype), bool(double_buffering), float(bucket_mb))
         self.mix_every = mix_every
         self.mix_optimizer_state = mix_optimizer_state
         copies = [chain.copy(mode='copy') for _ in self.devices[1:]]
@@ -217,21 +218,24 @@ class GPUDistributedGradient:
                     self._losses.append(replica(*part))
         return self._losses[0]
 
-    def backward(self):
+    def backward(self, overlap=False):
         """Back-propagate every replica's loss. In dg mode each loss is
         weighted by its share of the batch, so the merged gradient is the
-        gradient of the mean loss over the whole batch."""
+        gradient of the mean loss over the whole batch. With ``overlap``
+        (:meth:`step` across processes), the master's gradient buckets
+        start their all-reduce during its backward pass."""
         total = self._total
-        for device, loss, size in zip(self.devices, self._losses,
-                                      self._sizes):
-            if loss is None:
-                continue
+        for i, (device, loss, size) in enumerate(zip(
+                self.devices, self._losses, self._sizes)):
             with chainer.using_device(device):
-                if self.mode == 'dg' and size != total:
+                if loss is not None and self.mode == 'dg' and size != total:
                     loss = loss * (size / total)
-                loss.backward()
+                if i == 0 and overlap:  # with or without a loss: in step
+                    self.exchange.backward(loss)
+                elif loss is not None:
+                    loss.backward()
 
-    def _timed(self, work):
+    def timed(self, work):
         """Run ``work()`` and add its time to :attr:`comm_time`. GPUs are
         synchronised before and after: CUDA calls return before the work
         is done, and the backward pass is not communication."""
@@ -242,32 +246,21 @@ class GPUDistributedGradient:
         self.comm_time += time.perf_counter() - began
         return result
 
-    def _grads(self, replica, device):
-        """The replica's gradients in a fixed order; a missing one is
-        zeros (a parameter this step did not reach)."""
-        grads = []
-        with chainer.using_device(device):
-            for _, p in sorted(replica.namedparams()):
-                if p.grad is None:
-                    p.grad = device.xp.zeros_like(p.array)
-                grads.append(p.grad)
-        return grads
-
     def syncgrads(self):
         """Add every other replica's gradients into the master's (one
         buffer per replica across devices, as addgrads on one device)."""
         def merge():
             master, device = self.master, self.devices[0]
-            targets = self._grads(master, device)
+            targets = gradients(master, device)
             for replica, d, size in zip(self.replicas[1:], self.devices[1:],
                                         self._sizes[1:]):
                 if size:
-                    moved = transfer(self._grads(replica, d), d, device)
+                    moved = transfer(gradients(replica, d), d, device)
                     with chainer.using_device(device):
                         for target, g in zip(targets, moved):
                             target += g
         if len(self.replicas) > 1:
-            self._timed(merge)
+            self.timed(merge)
 
     def __enter__(self):
         self.cleargrads()
@@ -280,88 +273,17 @@ class GPUDistributedGradient:
                 self.syncgrads()
         return False  # exceptions propagate
 
-    def _outgoing(self):
-        """This step's gradients as they travel, the BatchNorm statistics'
-        groups and local sums, and the gradients' scale.
-
-        In ``comm_dtype`` float16 each gradient array travels as a copy
-        scaled by its own power of two, the same on every rank (one small
-        all-gather of each array's largest magnitude): its largest sum then
-        sits just below float16's maximum, so nothing overflows and small
-        gradients keep their bits instead of flushing to zero (float16's
-        smallest normal is 6e-5, where many of a network's gradients lie).
-        Otherwise the master's own arrays travel (or copies, to
-        double-buffer)."""
-        grads = self._grads(self.master, self.devices[0])
-        groups = self.arrays.groups(self.replicas, params=False)
-        sums, _ = self.arrays.local_sums(groups)
-        scale = 1.0
-        with chainer.using_device(self.devices[0]):
-            if self.comm_dtype is not None:
-                xp = self.devices[0].xp
-                local = [float(xp.abs(g).max()) for g in grads]
-                top = float(np.finfo(self.comm_dtype).max) / \
-                    (2 * self.comm.size)
-                scale = [_power_of_two(top, m) for m in
-                         np.max(self.comm.allgather(local), axis=0)]
-                sent = [(g * s).astype(self.comm_dtype)
-                        for g, s in zip(grads, scale)]
-            elif self.double_buffering:
-                sent = [g.copy() for g in grads]
-            else:
-                sent = grads
-        return grads, sent, groups, sums, scale
-
-    def _apply(self, grads, sent, groups, means, scale=1.0):
-        """Update the master with the summed gradients ``sent`` (divided by
-        their ``scale``) and bring every replica to its parameters and the
-        mean statistics."""
-        with chainer.using_device(self.devices[0]):
-            if sent is not grads:
-                scales = scale if isinstance(scale, list) else \
-                    [scale] * len(grads)
-                for g, summed, s in zip(grads, sent, scales):
-                    self.devices[0].xp.copyto(g, summed, casting='unsafe')
-                    if s != 1.0:
-                        g /= s  # a power of two: exact
-            self.optimizer.update()
-        self._sync_replicas(groups, means)
-
-    def _allreduce_step(self):
-        """dg across processes: sum the masters' gradients and, in the same
-        all-reduce, the BatchNorm statistics (one message per step); with
-        ``double_buffering``, apply the previous step's sums while this
-        step's travel on a communication thread."""
-        if not self.double_buffering:
-            grads, sent, groups, sums, scale = self._outgoing()
-            self._timed(lambda: self.arrays.reduce(sums, also=sent))
-            self._apply(grads, sent, groups, sums, scale)
-            return
-        previous = self._inflight
-        if previous is not None:  # one collective at a time, same order
-            self._timed(previous.wait)
-        grads, sent, groups, sums, scale = self._outgoing()
-        synchronize(self.devices)  # the copies are made before they travel
-        self._inflight = Inflight(
-            lambda: self.arrays.reduce(sums, also=sent),
-            (sent, groups, sums, scale))
-        if previous is not None:
-            self._apply(grads, *previous.wait())
-
     def flush(self):
         """Apply the gradient still travelling (double buffering): at every
         epoch end, so that checkpoints hold no step in flight."""
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            payload = self._timed(inflight.wait)
-            self._apply(self._grads(self.master, self.devices[0]), *payload)
+        self.exchange.flush()
 
-    def _sync_replicas(self, groups, means):
+    def sync_replicas(self, groups, means):
         """Write averaged statistics and copy the master's parameters."""
         def sync():
             self.arrays.write(groups, means)
             self.arrays.copy_master(persistents=False)
-        self._timed(sync)
+        self.timed(sync)
 
     def syncparams(self):
         """Copy the master's parameters to every replica; persistent values
@@ -370,7 +292,7 @@ class GPUDistributedGradient:
             return
 
         groups = self.arrays.groups(self.replicas, params=False)
-        self._sync_replicas(groups, self._timed(
+        self.sync_replicas(groups, self.timed(
             lambda: self.arrays.means(groups)))
 
     # -------------------------------------------------------- one call
@@ -389,8 +311,8 @@ class GPUDistributedGradient:
         if not self.optimizers:
             raise RuntimeError('call setup(optimizer) before update()')
         if self.mode == 'dg':
-            if self.comm.size > 1 or self.double_buffering:
-                self._allreduce_step()  # one message per step
+            if self.comm.size > 1 or self.exchange.double_buffering:
+                self.exchange.step()  # one message per step
             else:
                 with chainer.using_device(self.devices[0]):
                     self.optimizer.update()
@@ -423,8 +345,11 @@ class GPUDistributedGradient:
             raise ValueError(f'x and t must have the same length, got '
                              f'{len(x)} and {len(t)}')
         xs, ts = self.split(x, t)
-        with self as m:
-            m(xs, ts, total=total)
+        self.cleargrads()  # the seed's protocol, unrolled
+        self(xs, ts, total=total)
+        self.backward(overlap=True)
+        if self.mode == 'dg':
+            self.syncgrads()
         self.update()
         self._accumulate()
         return self.observed() if observe else None
@@ -486,7 +411,7 @@ class GPUDistributedGradient:
                 [a[:n_params] for a in arrived], means[:n_params])
             self.arrays.write(groups, means)
             return squared
-        squared = self._timed(work)
+        squared = self.timed(work)
         self.drift = (squared / self.total_replicas) ** 0.5
         self.drifts.append(self.drift)
 

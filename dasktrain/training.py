@@ -313,7 +313,8 @@ def _run_group(config, comm, devices, callbacks, progress):
         default_devices(), mode=config.mode, mix_every=config.mix_every,
         mix_optimizer_state=config.mix_optimizer_state, comm=comm,
         comm_dtype=config.comm_dtype,
-        double_buffering=config.double_buffering)
+        double_buffering=config.double_buffering,
+        bucket_mb=config.bucket_mb)
     if lead and getattr(progress, 'enabled', False):
         _say_devices(model, chosen=bool(devices or config.devices))
     model.setup(make_optimizer(config))

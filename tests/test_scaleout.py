@@ -275,20 +275,63 @@ def test_float16_and_double_buffered_communication(data_dir, tmp_path):
     exact = train(config(data_dir, tmp_path / 'exact', **both))['log']
     half = train(config(data_dir, tmp_path / 'half', comm_dtype='float16',
                         **both))['log']
-    stale = [train(config(data_dir, tmp_path / f'stale{i}',
-                          double_buffering=True, **both))['log']
-             for i in range(2)]
-    for rows in (half, stale[0]):  # as many updates as exact dg
+    stale = train(config(data_dir, tmp_path / 'stale', double_buffering=True,
+                         **both))['log']
+    for rows in (half, stale):  # as many updates as exact dg
         assert [r['iteration'] for r in rows] == \
             [r['iteration'] for r in exact]
     for a, b in zip(exact, half):  # float16 sums: close to exact
         assert b['main/loss'] == pytest.approx(a['main/loss'], rel=0.01)
     # one step stale (the maths: test_parallel) learns, more slowly here
-    assert stale[0][1]['main/loss'] < stale[0][0]['main/loss']
+    assert stale[1]['main/loss'] < stale[0]['main/loss']
     # float16 rounds the sums; one-step-stale updates follow another path
     assert half[-1]['main/loss'] != exact[-1]['main/loss']
-    assert stale[0][-1]['main/loss'] != exact[-1]['main/loss']
-    assert_same_logs(stale[0], stale[1])  # deterministic all the same
+    assert stale[-1]['main/loss'] != exact[-1]['main/loss']
+    # the communication thread changes nothing: the same replicas in one
+    # process, double-buffered there too, give the same bits
+    here = train(config(data_dir, tmp_path / 'stale-here', in_process=True,
+                        double_buffering=True, **both))['log']
+    assert_same_logs(here, stale)
+
+
+def _overlapped(name, rank, size, bucket_mb):
+    from dasktrain.models import get_model
+    from dasktrain.parallel import GPUDistributedGradient
+    np.random.seed(0)
+    with DaskComm.rendezvous(name, rank, size, timeout=30) as comm:
+        model = GPUDistributedGradient(get_model('cifar10'), ['@numpy'],
+                                       comm=comm, bucket_mb=bucket_mb)
+        model.setup(chainer_sgd())
+        rng = np.random.RandomState(rank)
+        for step in range(3):
+            x = rng.randn(4, 3, 32, 32).astype(np.float32)
+            t = rng.randint(0, 10, 4).astype(np.int32)
+            model.step(x, t, total=8)
+        return ({n: p.array for n, p in model.master.namedparams()},
+                model.exchange.plan, model.exchange.early)
+
+
+def chainer_sgd():
+    import chainer
+    return chainer.optimizers.MomentumSGD(lr=0.01)
+
+
+def test_buckets_leave_during_the_backward_pass_and_sum_the_same_bits(
+        dask_client):
+    workers = sorted(dask_client.scheduler_info()['workers'])
+    runs = {mb: dask_client.gather([
+        dask_client.submit(_overlapped, f'overlap-{mb}', r, 2, mb,
+                           workers=[w], pure=False)
+        for r, w in enumerate(workers)]) for mb in (0, 0.1)}
+    (p0, plan0, early0), (p1, plan1, _) = runs[0.1]
+    # 0.1 MiB: fc5's W; fc5's b with fc4's W (21 MB); fc4's b with
+    # conv3's W; conv3's b to conv1's W; conv1's b with the statistics
+    assert plan0 == plan1 == [[8], [9, 6], [7, 4], [5, 2, 3, 0], [1]]
+    assert early0 == 4 * 2  # all but the last bucket, after the 1st step
+    assert runs[0][0][1] is None and runs[0][0][2] == 0  # 0: no buckets
+    for key in p0:
+        np.testing.assert_array_equal(p0[key], p1[key], key)
+        np.testing.assert_array_equal(p0[key], runs[0][0][0][key], key)
 
 
 @pytest.mark.parametrize('policy', ['continue', 'wait'])

@@ -170,3 +170,23 @@ def test_one_worker_process_per_gpu_equals_one_process(data_dir, tmp_path):
     assert len(apart['workers']) == 2
     for a, b in zip(here['log'], apart['log'], strict=True):
         assert b['main/loss'] == pytest.approx(a['main/loss'], rel=1e-4)
+
+
+@needs_nccl
+def test_buckets_overlapped_on_two_gpus_sum_what_one_all_reduce_sums(
+        data_dir, tmp_path):
+    # ResNet-20's 1 MB of gradients in 0.05 MiB buckets: several NCCL
+    # all-reduces on the side stream during each backward pass. Two ranks
+    # add two numbers per element whatever the chunking: the same bits.
+    from dasktrain.config import TrainConfig
+    from dasktrain.scaleout import train
+    base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
+                       data_dir=str(data_dir), progress=False,
+                       deterministic=True, devices=('@cupy:0', '@cupy:1'))
+    after = train(base.replace(out=str(tmp_path / 'after'), bucket_mb=0))
+    during = train(base.replace(out=str(tmp_path / 'during'),
+                                bucket_mb=0.05))
+    for a, b in zip(after['log'], during['log'], strict=True):
+        for key in ('main/loss', 'main/accuracy',
+                    'validation/main/loss'):
+            assert b[key] == a[key], key

@@ -1,0 +1,465 @@
+"""How dg's gradients travel between the processes of one job.
+
+In dg mode across processes each step sums the masters' gradients (each
+already weighted by its share of the job's batch, so the sum is the mean
+gradient) and, in the same messages, the BatchNorm statistics, over the
+job's communicator; then every process applies the same update.
+:class:`GradientExchange` does this in one of three ways:
+
+- **exact, overlapped** (the default with one replica per process):
+  gradient *buckets* of about ``bucket_mb`` are all-reduced on a
+  communication thread while back-propagation goes on, as PyTorch DDP does.
+  :func:`backward_reporting` runs Chainer's backward pass and reports each
+  parameter the moment its gradient is final; a bucket leaves when all its
+  parameters are, in a fixed order that every rank agrees on (the order the
+  first step found, compared across ranks once). The optimizer waits only
+  for what is still in flight when the backward pass ends. Every element is
+  summed in rank order as before, so the result is bit for bit that of one
+  all-reduce after the backward pass (and of one process holding all the
+  replicas).
+- **exact, after the backward pass** (``bucket_mb=0``, several replicas in
+  one process, or the first step): one all-reduce of everything.
+- **double-buffered** (ChainerMN's): the step applies the previous step's
+  sum while this step's travels on a communication thread; one step stale.
+
+``comm_dtype='float16'`` works with the first two: each array travels
+scaled by its own power of two (the same on every rank), so the sum cannot
+overflow and small gradients keep their bits.
+
+On GPUs a bucket's all-reduce runs on a non-blocking side stream that first
+waits for an event marking the kernels that computed the bucket
+(:func:`dasktrain.devices.mark`), and the communication thread waits for
+the side stream before it reports the bucket done: nothing reads a gradient
+before it is written, and the backward kernels never wait for NCCL.
+
+Guarantees: the communication thread lives for one step (one per step,
+joined before the update; after an error in the backward pass it is told
+to stop and ends within the collective timeout); its errors are raised in
+the training thread.
+"""
+import heapq
+import math
+import queue
+import threading
+
+import chainer
+import numpy as np
+from chainer import _backprop_utils
+
+from dasktrain.collective import CollectiveError, Inflight
+from dasktrain.devices import SideStream, mark, synchronize
+
+
+def backward_reporting(loss, ready):
+    """``loss.backward()`` for a scalar ``loss`` that calls ``ready(param)``
+    as soon as each parameter's gradient is final, not all at the end.
+
+    Chainer 7's ``Variable.backward`` keeps every leaf's gradient in its
+    table until the whole graph is done. This is its code path for a scalar
+    loss (no ``retain_grad``, no loss scaling, no double backprop; Chainer
+    7.8.1's ``variable.py`` and ``_backprop.py``) with one change: a leaf
+    whose last consuming function has run gets its gradient at once. The
+    arithmetic is Chainer's own, in its order: the gradients are the same
+    bits. Leaves whose consumers were never reached (no gradient flowed
+    there) are finished at the end, as Chainer finishes them.
+    """
+    if loss._has_chainerx_array or loss.array.size != 1:
+        loss.backward()  # not the path this mirrors: no early reports
+        return
+    if loss.grad_var is None:
+        with chainer.using_device(loss.device):
+            loss.grad = loss.device.xp.ones_like(loss.array)
+    node, grad_var = loss.node, loss.grad_var
+    loss.grad_var = None
+    with chainer.using_config('enable_backprop', False):
+        _backprop_reporting(node, grad_var, ready)
+
+
+def _consumers(root):
+    """Leaf node -> how many function nodes reachable from ``root`` take it
+    as an input that requires a gradient."""
+    counts, seen, stack = {}, set(), [root] if root is not None else []
+    while stack:
+        func = stack.pop()
+        if func in seen:
+            continue
+        seen.add(func)
+        for x in set(func.inputs):
+            if not x.requires_grad:
+                continue
+            if x.creator_node is None:
+                counts[x] = counts.get(x, 0) + 1
+            else:
+                stack.append(x.creator_node)
+    return counts
+
+
+def _backprop_reporting(y, gy, ready):
+    # Chainer 7.8.1 _backprop._backprop_to_all(outputs=[(y, gy)],
+    # retain_grad=False, loss_scale=None), plus the early leaves.
+    cand_funcs, seen_set = [], set()
+
+    def add_cand(cand):
+        if cand not in seen_set:
+            heapq.heappush(cand_funcs, (-cand.rank, len(seen_set), cand))
+            seen_set.add(cand)
+
+    grads = _backprop_utils.GradTable(accumulate_grad_inputs=True)
+    # A dict, not Chainer's set: the reports come in an order that is the
+    # same in every process (a set of nodes iterates by their addresses).
+    leaf_nodes = {}
+    grads.accumulate(y, gy)
+    if y.creator_node is None:
+        leaf_nodes[y] = None
+    else:
+        add_cand(y.creator_node)
+    waiting = _consumers(y.creator_node)
+
+    def finish(x):
+        x_var = x.get_variable_or_none()
+        gx = grads.pop(x)
+        if x_var is not None:
+            x_var._set_grad_var_without_check(gx)
+            x_var._loss_scale = None
+            ready(x_var)
+
+    is_debug = chainer.is_debug()
+    base_hooks = chainer.get_function_hooks().values()
+    while cand_funcs:
+        _, _, func = heapq.heappop(cand_funcs)
+        inputs = func.inputs
+        target_input_indexes = tuple(
+            i for i, x in enumerate(inputs) if x.requires_grad)
+        outputs = [o() for o in func.outputs]
+        out_grad = tuple(grads.pop(o) if o is not None and
+                         o.creator_node is not None else None
+                         for o in outputs)
+        if not target_input_indexes:
+            continue
+        in_data = [x.data for x in inputs]
+        out_grad_array = [None if g is None else g.raw_array
+                          for g in out_grad]
+        if func._n_local_function_hooks != 0:
+            local_hooks = dict(chainer.get_function_hooks())
+            local_hooks.update(func.local_function_hooks)
+            hooks = local_hooks.values()
+        else:
+            hooks = base_hooks
+        with chainer.using_device(chainer.backend.get_device_from_array(
+                *(in_data + out_grad_array))):
+            for hook in hooks:
+                hook.backward_preprocess(func, tuple(in_data),
+                                         tuple(out_grad_array))
+            in_grad = {}
+            for i in target_input_indexes:
+                x = inputs[i]
+                if x not in in_grad:
+                    in_grad[x] = grads.get_as_list(x)
+            _backprop_utils.backprop_step(func, target_input_indexes,
+                                          out_grad, in_grad, is_debug)
+            for hook in hooks:
+                hook.backward_postprocess(func, tuple(in_data),
+                                          tuple(out_grad_array))
+        del out_grad
+        for x, gx in in_grad.items():
+            if not gx:
+                continue
+            for gx_elem in gx:
+                if gx_elem is not None:
+                    chainer.variable._check_grad_type(func, x, True,
+                                                      gx_elem.raw_array)
+            if x.creator_node is None:
+                leaf_nodes[x] = None
+            else:
+                add_cand(x.creator_node)
+        del in_grad
+        for x in dict.fromkeys(inputs):  # its leaves, in input order
+            if x in waiting:
+                waiting[x] -= 1
+                if waiting[x] == 0 and x in leaf_nodes:
+                    del leaf_nodes[x]
+                    finish(x)
+    for x in leaf_nodes:
+        finish(x)
+    grads.assert_no_grads()
+
+
+def gradients(link, device, indices=None):
+    """``link``'s gradients in a fixed order (sorted parameter names; only
+    the positions ``indices`` if given); a missing one becomes zeros (a
+    parameter this step did not reach)."""
+    params = [p for _, p in sorted(link.namedparams())]
+    grads = []
+    with chainer.using_device(device):
+        for i in range(len(params)) if indices is None else indices:
+            p = params[i]
+            if p.grad is None:
+                p.grad = device.xp.zeros_like(p.array)
+            grads.append(p.grad)
+    return grads
+
+
+def _power_of_two(top, largest):
+    """The largest power of two that keeps ``largest`` at most ``top``
+    (1 where ``largest`` is 0, inf or nan)."""
+    if not (math.isfinite(largest) and largest > 0):
+        return 1.0
+    return 2.0 ** math.floor(math.log2(top / largest))
+
+
+def plan_buckets(order, sizes, limit):
+    """Buckets of parameter indices: ``order`` (the indices as their
+    gradients became ready) cut into runs of at least ``limit`` bytes
+    (``sizes[i]`` each), the last run holding the rest; indices missing from
+    ``order`` (no gradient reached them) join the last bucket."""
+    buckets, current, total = [], [], 0
+    for i in order:
+        current.append(i)
+        total += sizes[i]
+        if total >= limit:
+            buckets.append(current)
+            current, total = [], 0
+    missing = sorted(set(range(len(sizes))) - set(order))
+    current += missing
+    if current or not buckets:
+        buckets.append(current)
+    return buckets
+
+
+class _Courier:
+    """The communication thread of one step: runs the buckets handed to it,
+    in order, until told to stop; its first error is kept for the
+    training thread and the rest of the queue skipped."""
+
+    def __init__(self, work):
+        self.work, self.error = work, None
+        self.queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name='dasktrain-buckets')
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is None:
+                try:
+                    self.work(*item)
+                except BaseException as e:  # re-raised in the caller
+                    self.error = e
+
+    def put(self, *item):
+        self.queue.put(item)
+
+    def close(self, timeout=None):
+        """Stop after what was handed over; wait; raise the thread's error."""
+        self.queue.put(None)
+        self.thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+class GradientExchange:
+    """Sums ``model``'s master gradients and BatchNorm statistics over
+    ``model.comm`` each dg step (a GPUDistributedGradient, whose
+    ``master``, ``devices``, ``comm``, ``arrays``, ``optimizer`` and
+    ``replicas`` are read at each call). See the module docstring for the
+    three ways and their guarantees."""
+
+    def __init__(self, model, comm_dtype=None, double_buffering=False,
+                 bucket_mb=0.0):
+        self.model = model
+        self.comm_dtype = comm_dtype
+        self.double_buffering = double_buffering
+        self.bucket_bytes = bucket_mb * 2 ** 20
+        self.plan = None        # buckets of parameter indices, once agreed
+        self._order = None      # the first step's ready order
+        self._step = None       # this step's bucket state while overlapping
+        self._inflight = None   # double buffering: last step's sums
+        self.early = 0          # buckets that left during a backward pass
+
+    # ------------------------------------------------------ the pieces
+
+    def _params(self):
+        return [p for _, p in sorted(self.model.master.namedparams())]
+
+    def grads(self, indices=None):
+        """The master's gradients (those of the parameters ``indices``)."""
+        return gradients(self.model.master, self.model.devices[0], indices)
+
+    def _encode(self, grads, copy=False):
+        """The arrays that travel for ``grads`` and their scales: in
+        float16, copies scaled by each array's power of two, the same on
+        every rank (one small all-gather of each array's largest
+        magnitude), so the largest sum sits just below float16's maximum;
+        else the arrays themselves (or copies, with ``copy``)."""
+        model = self.model
+        with chainer.using_device(model.devices[0]):
+            if self.comm_dtype is None:
+                return ([g.copy() for g in grads] if copy else grads), 1.0
+            xp = model.devices[0].xp
+            local = [float(xp.abs(g).max()) for g in grads]
+            top = float(np.finfo(self.comm_dtype).max) / \
+                (2 * model.comm.size)
+            scale = [_power_of_two(top, m) for m in
+                     np.max(model.comm.allgather(local), axis=0)] \
+                if grads else []
+            return [(g * s).astype(self.comm_dtype)
+                    for g, s in zip(grads, scale)], scale
+
+    def _decode(self, grads, sent, scale):
+        """Write the summed ``sent`` back into ``grads``, unscaled."""
+        if sent is grads:
+            return
+        scales = scale if isinstance(scale, list) else [scale] * len(grads)
+        with chainer.using_device(self.model.devices[0]):
+            for g, summed, s in zip(grads, sent, scales):
+                self.model.devices[0].xp.copyto(g, summed, casting='unsafe')
+                if s != 1.0:
+                    g /= s  # a power of two: exact
+
+    def _statistics(self):
+        arrays = self.model.arrays
+        groups = arrays.groups(self.model.replicas, params=False)
+        return groups, arrays.local_sums(groups)[0]
+
+    def _update(self, groups, means):
+        with chainer.using_device(self.model.devices[0]):
+            self.model.optimizer.update()
+        self.model.sync_replicas(groups, means)
+
+    # ------------------------------------------------------ one step
+
+    def overlapping(self):
+        """Whether this step's buckets leave during the backward pass."""
+        model = self.model
+        return (self.bucket_bytes > 0 and not self.double_buffering and
+                model.mode == 'dg' and model.comm.size > 1 and
+                # one replica in every process (known alike on all ranks)
+                model.total_replicas == model.comm.size)
+
+    def backward(self, loss):
+        """Back-propagate the master's ``loss`` (None: this rank has no
+        images this step, yet takes part in every bucket's all-reduce);
+        while overlapping, each bucket leaves once its gradients are
+        final."""
+        if not self.overlapping():
+            if loss is not None:
+                loss.backward()
+            return
+        params = self._params()
+        index = {id(p): i for i, p in enumerate(params)}
+        if self.plan is None:  # a first step: learn the order
+            self._order = []
+            if loss is not None:
+                backward_reporting(loss, lambda p: self._order.append(
+                    index[id(p)]))
+            return
+        left = [len(b) for b in self.plan]
+        where = {i: k for k, b in enumerate(self.plan) for i in b}
+        side = SideStream(self.model.devices[0])
+        courier = _Courier(lambda grads, event, statistics=None:
+                           self._send(side, grads, event, statistics))
+        self._step = state = {'courier': courier, 'next': 0}
+
+        def ready(param):
+            k = where[index[id(param)]]
+            left[k] -= 1
+            # The last bucket waits for the statistics (one message).
+            while state['next'] < len(self.plan) - 1 and \
+                    left[state['next']] == 0:
+                self._launch(state['next'])
+                state['next'] += 1
+                self.early += 1
+        try:
+            if loss is not None:
+                backward_reporting(loss, ready)
+        except BaseException:
+            self._step = None
+            courier.close(getattr(self.model.comm, 'timeout', None))
+            raise
+
+    def _launch(self, k, statistics=None):
+        # Only this bucket's parameters: the others may still be computed.
+        self._step['courier'].put(self.grads(self.plan[k]),
+                                  mark(self.model.devices[0]), statistics)
+
+    def _send(self, side, grads, event, statistics):
+        """On the communication thread: sum one bucket over the ranks (and,
+        with the last, the statistics), in place."""
+        with side.after(event):
+            sent, scale = self._encode(grads)
+            if statistics is None:
+                self.model.comm.allreduce(sent)
+            else:
+                self.model.arrays.reduce(statistics, also=sent)
+            self._decode(grads, sent, scale)
+
+    def step(self):
+        """Sum this step's gradients and statistics, then update."""
+        if self.double_buffering:
+            return self._double_buffered()
+        state = self._step
+        groups, sums = self._statistics()
+        if state is None:  # everything after the backward pass
+            grads = self.grads()
+            sent, scale = self._encode(grads)
+            self.model.timed(lambda: self.model.arrays.reduce(
+                sums, also=sent))
+            self._decode(grads, sent, scale)
+            if self._order is not None:
+                self._agree()
+        else:
+            for k in range(state['next'], len(self.plan) - 1):
+                self._launch(k)  # parameters no gradient reached: zeros
+            self._launch(len(self.plan) - 1, sums)
+            self._step = None
+            self.model.timed(state['courier'].close)
+        self._update(groups, sums)
+
+    def _agree(self):
+        """Fix the buckets from the first step's order, the same on every
+        rank (compared once: a mismatch would mix up arrays); a rank that
+        had no images that step takes the others' plan."""
+        mine = None
+        if self._order:
+            sizes = [p.array.nbytes for p in self._params()]
+            mine = plan_buckets(self._order, sizes, self.bucket_bytes)
+        self._order = None
+        plans = self.model.comm.allgather(mine)
+        agreed = next((p for p in plans if p is not None), None)
+        for rank, theirs in enumerate(plans):
+            if theirs is not None and theirs != agreed:
+                raise CollectiveError(
+                    f'rank {rank} back-propagates its parameters in another '
+                    f'order than rank {plans.index(agreed)}: different '
+                    'models? (--bucket-mb 0 sends after the backward pass)')
+        self.plan = agreed
+
+    def _double_buffered(self):
+        """Apply the previous step's sums while this step's travel."""
+        model = self.model
+        previous = self._inflight
+        if previous is not None:  # one collective at a time, same order
+            model.timed(previous.wait)
+        grads = self.grads()
+        sent, scale = self._encode(grads, copy=True)
+        groups, sums = self._statistics()
+        synchronize(model.devices)  # the copies are made before they travel
+        self._inflight = Inflight(
+            lambda: model.arrays.reduce(sums, also=sent),
+            (sent, groups, sums, scale))
+        if previous is not None:
+            sent, groups, sums, scale = previous.wait()
+            self._decode(grads, sent, scale)
+            self._update(groups, sums)
+
+    def flush(self):
+        """Double buffering: apply the gradient still travelling (at every
+        epoch end, so that checkpoints hold no step in flight)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            sent, groups, sums, scale = self.model.timed(inflight.wait)
+            self._decode(self.grads(), sent, scale)
+            self._update(groups, sums)
