@@ -5,7 +5,8 @@ import chainer.links as L
 import numpy as np
 import pytest
 
-from dasktrain.gradcomm import backward_reporting, plan_buckets
+from dasktrain.backprop import backward_reporting
+from dasktrain.gradcomm import plan_buckets
 from dasktrain.models import get_model
 
 
