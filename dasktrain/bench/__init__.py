@@ -1,0 +1,1 @@
+"""Subpackage of dasktrain (its re-exports follow in the next commit)."""
