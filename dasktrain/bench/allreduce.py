@@ -39,7 +39,7 @@ if comm.rank == 0:
 
 def _dask_times(name, rank, size, n, iterations, shared):
     """On a worker: ``iterations`` timed all-reduces after a warm-up."""
-    from dasktrain.collective import DaskComm
+    from dasktrain.parallel.collective import DaskComm
     with DaskComm.rendezvous(name, rank, size, timeout=60,
                              shared_memory=shared) as comm:
         buf = np.zeros(n, np.float32)
@@ -85,7 +85,7 @@ def bench_allreduce(mbytes=22.5, iterations=10, rounds=3):
     rounds : int, default 3
         Rounds of the three, in turns; the best round's median counts.
     """
-    from dasktrain.scaleout import local_workers
+    from dasktrain.cluster.scaleout import local_workers
     n = int(mbytes * 1e6 / 4)
     best = {'shared memory': [], 'tcp': [], 'mpi': []}
     with local_workers(2) as client:

@@ -1,7 +1,7 @@
 """The live jobs page: a read-only view of the queue and of each job's loss
 and accuracy curves, on the Dask scheduler's web server.
 
-Three GET routes, added by :func:`add_routes` (the ``dasktrain.monitor``
+Three GET routes, added by :func:`add_routes` (the ``dasktrain.cluster.monitor``
 preload calls it): ``/dasktrain/jobs`` (the page), ``/dasktrain/api/jobs``
 (every job's summary from the :class:`~dasktrain.monitor.JobBoard`) and
 ``/dasktrain/api/jobs/<id>/log`` (a known job's ``out/log``, ChainerUI's

@@ -8,7 +8,7 @@ gradient, and an iterative-parameter-mixture mode.
 On GPUs every operation across replicas runs with the device of the array
 it writes current, reads another GPU's arrays only after that GPU finished
 its queued work, and moves a replica's arrays as one flat buffer
-(:func:`dasktrain.devices.transfer`), as Chainer's
+(:func:`dasktrain.parallel.devices.transfer`), as Chainer's
 MultiprocessParallelUpdater gathers gradients; nothing is computed on a GPU
 the user did not list.
 """
@@ -19,10 +19,11 @@ import time
 import chainer
 import numpy as np
 
-from dasktrain.collective import Inflight, Solo
-from dasktrain.devices import (DeviceError, resolve_devices,  # noqa: F401
-                               synchronize, transfer)
-from dasktrain.replicas import ReplicaArrays, ReplicaRandom, restore
+from dasktrain.parallel.collective import Inflight, Solo
+from dasktrain.parallel.devices import (DeviceError,  # noqa: F401
+                                        resolve_devices, synchronize,
+                                        transfer)
+from dasktrain.parallel.replicas import ReplicaArrays, ReplicaRandom, restore
 
 MODES = ('dg', 'ipm')
 
@@ -69,7 +70,7 @@ class GPUDistributedGradient:
         (ChainerMN's double buffering): updates are one step stale; the
         first step of an epoch applies none and :meth:`end_epoch` applies
         the last, so every epoch makes as many updates as exact dg.
-    comm : dasktrain.collective.DaskComm or NcclComm, optional
+    comm : dasktrain.parallel.collective.DaskComm or NcclComm, optional
         Make this one replica group of a job across processes: every group
         starts from rank 0's weights, dg sums the masters' gradients over
         ``comm`` every step, ipm averages over all groups' replicas; the

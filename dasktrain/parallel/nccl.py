@@ -7,7 +7,7 @@ id. Every wait is bounded (see the class), as every DaskComm wait is.
 """
 import time
 
-from dasktrain.collective import CollectiveError, poll, signature
+from dasktrain.parallel.collective import CollectiveError, poll, signature
 
 # ncclResult_t values (nccl.h) that CuPy's NcclError carries as .status.
 NCCL_IN_PROGRESS = 7  # a non-blocking communicator is still working
