@@ -1,14 +1,24 @@
 """dasktrain: train Chainer models on several GPUs and machines, with Dask.
 
-Data flows one way through the package::
+The package is grouped by layer, and data flows one way through it::
 
-    data -> augment -> collective -> parallel -> training -> cluster
-         -> scaleout -> jobs -> trials -> tuning -> cli
+    data      CIFAR-10: download, lazy dask arrays, augmentation
+    -> parallel   GPUDistributedGradient and what it stands on: devices,
+                  GPUs, replicas, collectives (Dask, shared memory, NCCL)
+    -> training   the loop, models, output folders, reports
+    -> cluster    the Dask cluster and its TLS, one run across workers
+                  (scaleout), the job queue, its metrics and page
+    -> tuning     Optuna studies whose trials are jobs
+    -> cli        the ``dasktrain`` command
+
+``bench`` measures the layers; ``config`` (the one ``TrainConfig``),
+``errors`` and ``files`` serve them all.
 
 Heavy modules (chainer, dask.distributed) load on first use, so ``import
 dasktrain`` and ``dasktrain --help`` stay fast.
 """
 from dasktrain import _compat
+from dasktrain._lazy import exports
 
 _compat.install()  # Chainer, whenever imported, finds NumPy patched
 
@@ -16,35 +26,20 @@ __version__ = '0.1.0'
 
 # public name -> module that defines it
 _EXPORTS = {
-    'CIFAR10': 'dasktrain.data',
-    'DataError': 'dasktrain.data',
-    'download_cifar10': 'dasktrain.data',
-    'load_cifar10': 'dasktrain.data',
-    'augment': 'dasktrain.augment',
-    'EpochLoader': 'dasktrain.augment',
-    'GPUDistributedGradient': 'dasktrain.parallel',
-    'get_model': 'dasktrain.models',
-    'load_model': 'dasktrain.models',
+    'CIFAR10': 'dasktrain.data.cifar',
+    'DataError': 'dasktrain.errors',
+    'download_cifar10': 'dasktrain.data.download',
+    'load_cifar10': 'dasktrain.data.cifar',
+    'augment': 'dasktrain.data.augment',
+    'EpochLoader': 'dasktrain.data.augment',
+    'GPUDistributedGradient': 'dasktrain.parallel.gradient',
+    'get_model': 'dasktrain.training.models',
+    'load_model': 'dasktrain.training.models',
     'TrainConfig': 'dasktrain.config',
-    'train': 'dasktrain.scaleout',
-    'submit': 'dasktrain.jobs',
-    'Job': 'dasktrain.jobs',
-    'tune': 'dasktrain.tuning',
+    'train': 'dasktrain.cluster.scaleout',
+    'submit': 'dasktrain.cluster.jobs',
+    'Job': 'dasktrain.cluster.jobs',
+    'tune': 'dasktrain.tuning.study',
 }
 
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-    import importlib
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_EXPORTS))
-
-
-__all__ = sorted(_EXPORTS)
+__getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

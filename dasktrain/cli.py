@@ -55,7 +55,7 @@ class Download(Command):
         add_data_arguments(parser)
 
     def run(self, args):
-        from dasktrain.data import load_cifar10
+        from dasktrain.data.cifar import load_cifar10
         cifar = load_cifar10(args.data_dir, url=args.url, md5=args.md5)
         print(f'CIFAR-10 ready in {args.data_dir}: '
               f'{len(cifar.train_labels)} training and '
@@ -87,7 +87,7 @@ class Train(Command):
         add_arguments(parser)
 
     def run(self, args):
-        from dasktrain.scaleout import train
+        from dasktrain.cluster.scaleout import train
         config = config_from_args(args)
         summary = train(config)
         final = summary['final']
@@ -161,7 +161,7 @@ class Cluster(Command):
             .set_defaults(command_parser=parser)
 
     def run(self, args):
-        from dasktrain import cluster
+        from dasktrain.cluster import local as cluster
         if args.action == 'start':
             state = cluster.start_cluster(
                 host=args.host, port=args.port,
@@ -169,7 +169,7 @@ class Cluster(Command):
                 cpu_slots=args.cpu_slots, tls_ca_file=args.tls_ca_file,
                 tls_cert=args.tls_cert, tls_key=args.tls_key,
                 insecure=args.insecure)
-            from dasktrain.monitor import links
+            from dasktrain.cluster.monitor import links
             tls = ', '.join(state['tls'].values()) if state['tls'] else \
                 'none (--insecure)'
             print(f"scheduler: {state['scheduler']}\n"
@@ -179,7 +179,7 @@ class Cluster(Command):
             print(f"worker resources: {state['resources']}\n"
                   f'TLS: {tls}\nrecorded in {cluster.state_path()}')
         elif args.action == 'status':
-            from dasktrain.monitor import links
+            from dasktrain.cluster.monitor import links
             status = cluster.cluster_status(args.scheduler)
             print(f"scheduler: {status['scheduler']}\n"
                   f"dashboard: {status['dashboard']}")
@@ -233,7 +233,7 @@ class Submit(Command):
                             help='options of `dasktrain train`, after --')
 
     def run(self, args):
-        from dasktrain.jobs import submit
+        from dasktrain.cluster.jobs import submit
         if args.gpus < 0:
             args.command_parser.error(f'--gpus must be >= 0, got {args.gpus}')
         config = _train_config(args.train_args, 'dasktrain submit --')
@@ -303,7 +303,7 @@ class Tune(Command):
 
     def run(self, args):
         import optuna
-        from dasktrain import trials, tuning
+        from dasktrain.tuning import study as tuning, trials
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # ours instead
         if args.status:
             study = tuning.load(args.status, args.jobs_dir, args.storage)
@@ -366,7 +366,7 @@ class Jobs(Command):
     def table(jobs_dir):
         """The jobs table; a job folder that cannot be read is one row
         'unreadable' and a line with its reason below, never an error."""
-        from dasktrain.jobs import DONE, JobError, list_jobs, \
+        from dasktrain.cluster.jobs import DONE, JobError, list_jobs, \
             scheduler_states
         jobs, unreadable = [], []
         for job in list_jobs(jobs_dir):
@@ -378,7 +378,7 @@ class Jobs(Command):
         known = {}
         if live:  # what the scheduler knows, if it can be reached at once
             try:
-                from dasktrain.cluster import connect
+                from dasktrain.cluster.local import connect
                 with connect(live[0][1].get('scheduler'), timeout=3) as c:
                     known = scheduler_states([j.key for j, _ in live], c)
             except Exception:  # unreachable: the files alone still tell
@@ -411,7 +411,7 @@ class _JobCommand(Command):
         _add_jobs_dir(parser)
 
     def job(self, args):
-        from dasktrain.jobs import Job
+        from dasktrain.cluster.jobs import Job
         return Job.find(args.id, args.jobs_dir)
 
 
@@ -427,7 +427,7 @@ class Logs(_JobCommand):
 
     def run(self, args):
         import time
-        from dasktrain.jobs import DONE
+        from dasktrain.cluster.jobs import DONE
         job = self.job(args)
         shown = 0
         while True:
@@ -454,7 +454,7 @@ class Cancel(_JobCommand):
 
     def run(self, args):
         import time
-        from dasktrain.jobs import DONE
+        from dasktrain.cluster.jobs import DONE
         job = self.job(args)
         was = job.status()['state']
         job.cancel()
@@ -484,7 +484,7 @@ class Result(_JobCommand):
                             help='wait for the job to end')
 
     def run(self, args):
-        from dasktrain.jobs import DONE, JobError
+        from dasktrain.cluster.jobs import DONE, JobError
         job = self.job(args)
         status = job.status()
         if status['state'] not in DONE and not args.wait:
@@ -513,10 +513,10 @@ def _mib_list(text):
 
 
 def _model_scaling(args):
-    from dasktrain import costmodel
+    from dasktrain.bench import costmodel
     links = dict(costmodel.LINKS)
     if args.measure:
-        from dasktrain.bench_allreduce import bench_allreduce
+        from dasktrain.bench.allreduce import bench_allreduce
         sizes = [(mb * 1e6, bench_allreduce(mbytes=mb, iterations=5,
                                             rounds=1)[0][1] / 1000)
                  for mb in (1.0, args.mbytes)]
@@ -649,7 +649,7 @@ class Bench(Command):
         p.set_defaults(command_parser=p, positive=('step_ms', 'mbytes'))
 
     def run(self, args):
-        from dasktrain import bench
+        from dasktrain.bench import benchmarks as bench
         for name in args.positive:
             if getattr(args, name) < 1:
                 args.command_parser.error(
@@ -666,14 +666,14 @@ class Bench(Command):
             title = (f'dasktrain bench model-scaling (step {args.step_ms:g} '
                      f'ms, {args.mbytes:g} MB of gradients; a prediction)')
         elif args.bench == 'allreduce':
-            from dasktrain.bench_allreduce import bench_allreduce
+            from dasktrain.bench.allreduce import bench_allreduce
             rows = bench_allreduce(mbytes=args.mbytes,
                                    iterations=args.iterations,
                                    rounds=args.rounds)
             title = (f'dasktrain bench allreduce ({args.mbytes:g} MB of '
                      'float32, 2 processes)')
         elif args.bench == 'overlap':
-            from dasktrain.bench_allreduce import bench_overlap
+            from dasktrain.bench.allreduce import bench_overlap
             rows = bench_overlap(model=args.model, batch=args.batch_size,
                                  buckets=args.buckets, steps=args.steps,
                                  rounds=args.rounds)

@@ -16,7 +16,7 @@ from dasktrain.errors import UserError
 
 MODELS = ('cifar10', 'resnet20', 'resnet32', 'resnet56', 'tiny')
 OPTIMIZERS = ('adam', 'momentum-sgd')
-# The keys of a log row (training.py writes them), which
+# The keys of a log row (training/loop.py writes them), which
 # early_stop_monitor may name; ipm runs with several replicas add 'drift'.
 LOG_KEYS = ('epoch', 'iteration', 'main/loss', 'main/accuracy',
             'validation/main/loss', 'validation/main/accuracy',
@@ -191,7 +191,7 @@ class TrainConfig:
             fail('collective_timeout', 'a number of seconds > 0')
         if not self.bucket_mb >= 0:  # also refuses nan
             fail('bucket_mb', 'a number of MiB >= 0')
-        from dasktrain.augment import MAX_TTA_VIEWS
+        from dasktrain.data.augment import MAX_TTA_VIEWS
         if not isinstance(self.tta, int) or not 1 <= self.tta <= \
                 MAX_TTA_VIEWS:
             fail('tta', f'an int in 1..{MAX_TTA_VIEWS}')

@@ -4,10 +4,10 @@ import dask.array as da
 import numpy as np
 import pytest
 
-from dasktrain.augment import (CIFAR10_MEAN, CIFAR10_STD, MAX_TTA_VIEWS,
-                               EpochLoader, augment,
-                               image_hashes, minibatch_indices, normalize,
-                               tta_views)
+from dasktrain.data.augment import (CIFAR10_MEAN, CIFAR10_STD, MAX_TTA_VIEWS,
+                                    EpochLoader, augment,
+                                    image_hashes, minibatch_indices, normalize,
+                                    tta_views)
 
 MEAN = np.array(CIFAR10_MEAN, np.float32).reshape(1, 3, 1, 1)
 STD = np.array(CIFAR10_STD, np.float32).reshape(1, 3, 1, 1)

@@ -18,7 +18,7 @@ from distributed import Client
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
-from dasktrain.jobs import Job, JobError, submit
+from dasktrain.cluster.jobs import Job, JobError, submit
 from dasktrain.training import train
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',

@@ -1,7 +1,7 @@
 """The scaling cost model: its formulas on numbers worked by hand."""
 import pytest
 
-from dasktrain import costmodel
+from dasktrain.bench import costmodel
 from dasktrain.cli import main
 
 

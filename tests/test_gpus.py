@@ -7,15 +7,15 @@ import types
 import numpy as np
 import pytest
 
-from dasktrain.collective import CollectiveError, poll, signature
-from dasktrain.nccl import NcclComm
+from dasktrain.parallel.collective import CollectiveError, poll, signature
+from dasktrain.parallel.nccl import NcclComm
 from dasktrain.config import TrainConfig
-from dasktrain.devices import format_uuid, unused_gpus_message
-from dasktrain.gpus import (NCCL_MISSING, Gpu, GpuError, GpuPool, gpu_ids,
-                            job_environment, place_devices, use_nccl,
-                            visible_gpus)
-from dasktrain.jobs import JobError, check_devices
-from dasktrain.scaleout import per_device_plan
+from dasktrain.parallel.devices import format_uuid, unused_gpus_message
+from dasktrain.parallel.gpus import (NCCL_MISSING, Gpu, GpuError, GpuPool,
+                                     gpu_ids, job_environment, place_devices,
+                                     use_nccl, visible_gpus)
+from dasktrain.cluster.jobs import JobError, check_devices
+from dasktrain.cluster.scaleout import per_device_plan
 
 
 @pytest.mark.parametrize('value,count,expected', [

@@ -5,9 +5,9 @@ import chainer.links as L
 import numpy as np
 import pytest
 
-from dasktrain.backprop import backward_reporting
-from dasktrain.gradcomm import plan_buckets
-from dasktrain.models import get_model
+from dasktrain.parallel.backprop import backward_reporting
+from dasktrain.parallel.gradcomm import plan_buckets
+from dasktrain.training.models import get_model
 
 
 class Shared(chainer.Chain):

@@ -1,8 +1,10 @@
 """What `make install` and pip install: environment.yml describes the same
 environment as pyproject.toml; Chainer imports before dasktrain in it; the
 CuPy extra follows the NVIDIA driver."""
+import importlib
 import importlib.util
 import os
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -93,6 +95,9 @@ def test_chainer_imports_first_after_a_normal_install(tmp_path):
     wheel, = (tmp_path / 'dist').glob('dasktrain-*.whl')
     with zipfile.ZipFile(wheel) as z:
         assert 'dasktrain-chainer.pth' in z.namelist()
+        modules = {p.relative_to(ROOT).as_posix()
+                   for p in (ROOT / 'dasktrain').rglob('*.py')}
+        assert modules <= set(z.namelist())  # every subpackage's too
     venv = tmp_path / 'venv'
     subprocess.run([sys.executable, '-m', 'venv', '--without-pip',
                     str(venv)], check=True)
@@ -112,6 +117,40 @@ def test_chainer_imports_first_after_a_normal_install(tmp_path):
                             'dasktrain.__file__)'], cwd=tmp_path,
                            capture_output=True, text=True, check=True)
     assert where.stdout.startswith(str(site))  # the wheel's, not editable
+
+
+# ----------------------------------------------- the package's subpackages
+
+SUBPACKAGES = ('data', 'parallel', 'training', 'cluster', 'tuning', 'bench')
+HEAVY = ('chainer', 'dask', 'distributed', 'optuna', 'requests', 'tornado')
+
+
+def test_the_package_and_its_subpackages_import_nothing_heavy(tmp_path):
+    # Their public names import their module on first use: `dasktrain
+    # --help` and `from dasktrain.cluster import connect` stay fast.
+    code = ('import sys, dasktrain, dasktrain.cli, ' +
+            ', '.join(f'dasktrain.{p}' for p in SUBPACKAGES) +
+            f'; print([m for m in {HEAVY!r} if m in sys.modules])')
+    done = subprocess.run([sys.executable, '-c', code], cwd=tmp_path,
+                          capture_output=True, text=True, check=True)
+    assert done.stdout == '[]\n'
+
+
+def test_each_public_name_is_its_modules_after_every_import():
+    # Importing a submodule sets it as its package's attribute: a public
+    # name that is also a submodule's (dasktrain.augment, once) would turn
+    # from the function into the module.
+    import dasktrain
+    for info in pkgutil.walk_packages(dasktrain.__path__, 'dasktrain.'):
+        importlib.import_module(info.name)
+    for package in [dasktrain] + [importlib.import_module(f'dasktrain.{p}')
+                                  for p in SUBPACKAGES]:
+        submodules = {m.name for m in pkgutil.iter_modules(package.__path__)}
+        assert not submodules & set(package.__all__), package.__name__
+        for name in package.__all__:
+            module = importlib.import_module(package._EXPORTS[name])
+            assert getattr(package, name) is getattr(module, name), name
+    assert callable(dasktrain.augment) and callable(dasktrain.tune)
 
 
 # --------------------------------------------- which CuPy `make` installs

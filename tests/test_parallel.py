@@ -4,8 +4,8 @@ import chainer
 import numpy as np
 import pytest
 
-from dasktrain.models import get_model
-from dasktrain.devices import cuda_unavailable_reason, gpu_count
+from dasktrain.training.models import get_model
+from dasktrain.parallel.devices import cuda_unavailable_reason, gpu_count
 from dasktrain.parallel import DeviceError, GPUDistributedGradient
 
 

@@ -10,11 +10,11 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from dasktrain.augment import EpochLoader, shard_batches
+from dasktrain.data.augment import EpochLoader, shard_batches
 from dasktrain.cli import main
-from dasktrain.collective import CollectiveError, DaskComm
+from dasktrain.parallel.collective import CollectiveError, DaskComm
 from dasktrain.config import TrainConfig
-from dasktrain.scaleout import ScaleOutError, train
+from dasktrain.cluster.scaleout import ScaleOutError, train
 from dasktrain.training import train as train_here
 
 # The ranks' test functions below travel to the workers by value.
@@ -161,7 +161,7 @@ def test_shared_memory_sums_the_bits_tcp_sums(dask_client):
 
 
 def _start_weights(name, rank, size):
-    from dasktrain.models import get_model
+    from dasktrain.training.models import get_model
     from dasktrain.parallel import GPUDistributedGradient
     np.random.seed(100 + rank)  # each process draws other initial weights
     drawn = get_model('resnet20')
@@ -295,7 +295,7 @@ def test_float16_and_double_buffered_communication(data_dir, tmp_path):
 
 
 def _overlapped(name, rank, size, bucket_mb):
-    from dasktrain.models import get_model
+    from dasktrain.training.models import get_model
     from dasktrain.parallel import GPUDistributedGradient
     np.random.seed(0)
     with DaskComm.rendezvous(name, rank, size, timeout=30) as comm:
@@ -407,7 +407,7 @@ def test_asking_for_more_workers_than_the_cluster_has(dask_client, data_dir,
 
 def test_local_workers_listen_on_loopback_only_and_require_tls(listening):
     from distributed import Client
-    from dasktrain.scaleout import local_workers
+    from dasktrain.cluster.scaleout import local_workers
     me = os.getpid()
     before = listening([me])
     with local_workers(2) as client:

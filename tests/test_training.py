@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dasktrain.cli import build_parser, main
-from dasktrain.devices import gpu_count
+from dasktrain.parallel.devices import gpu_count
 from dasktrain.config import ConfigError, TrainConfig, parse_devices
 from dasktrain.errors import UserError
 from dasktrain.training import TrainingDiverged, train

@@ -17,8 +17,8 @@ from optuna.trial import TrialState
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
-from dasktrain.jobs import list_jobs
-from dasktrain.trials import open_storage
+from dasktrain.cluster.jobs import list_jobs
+from dasktrain.tuning.trials import open_storage
 from dasktrain.tuning import tune
 from test_cluster import Processes, wait_until
 

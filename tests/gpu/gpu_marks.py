@@ -1,7 +1,7 @@
 """What the GPU suite needs, asked once: GPUs, and NCCL for two ranks."""
 import pytest
 
-from dasktrain.devices import gpu_count
+from dasktrain.parallel.devices import gpu_count
 
 COUNT, REASON = gpu_count()
 

@@ -10,7 +10,7 @@ import chainer
 import numpy as np
 import pytest
 
-from dasktrain.models import get_model
+from dasktrain.training.models import get_model
 from dasktrain.parallel import GPUDistributedGradient
 from gpu_marks import COUNT, needs
 
@@ -58,12 +58,12 @@ def run(name, devices, steps=2, mode='dg', n=16, **kw):
 def test_discovery_matches_cuda_and_an_empty_list_hides_all():
     import cupy
 
-    from dasktrain.devices import available_devices
+    from dasktrain.parallel.devices import available_devices
     count = cupy.cuda.runtime.getDeviceCount()
     assert available_devices() == ['@numpy'] + [f'@cupy:{i}'
                                                 for i in range(count)]
     out = subprocess.run(
-        [sys.executable, '-c', 'import dasktrain.devices as d; '
+        [sys.executable, '-c', 'import dasktrain.parallel.devices as d; '
          'print(d.available_devices())'],
         env=dict(os.environ, CUDA_VISIBLE_DEVICES=''), capture_output=True,
         text=True, check=True)
@@ -127,7 +127,7 @@ def test_nothing_is_allocated_on_a_gpu_outside_the_list():
     script = textwrap.dedent('''
         import dasktrain  # first: it restores numpy.sctypes for chainer
         import cupy, chainer, numpy as np
-        from dasktrain.models import get_model
+        from dasktrain.training.models import get_model
         from dasktrain.parallel import GPUDistributedGradient
         for mode in ('dg', 'ipm'):
             model = GPUDistributedGradient(get_model('resnet20'), [1, 1],
@@ -225,7 +225,7 @@ def test_reporting_backward_on_gpu_gives_chainer_s_gradients(name):
     # either (deterministic cuDNN; dropout from the seeded CuPy stream).
     import cupy
 
-    from dasktrain.backprop import backward_reporting
+    from dasktrain.parallel.backprop import backward_reporting
     model = fresh(name)
     model.to_device('@cupy:0')
     x, t = (cupy.asarray(a) for a in batch(8))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from distributed import Client
 
-from dasktrain.collective import CollectiveError
+from dasktrain.parallel.collective import CollectiveError
 from gpu_marks import needs, needs_nccl
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -18,8 +18,8 @@ pytestmark = [needs(2)]
 def _sums(name, rank, size):
     import cupy
 
-    from dasktrain.collective import DaskComm
-    from dasktrain.nccl import NcclComm
+    from dasktrain.parallel.collective import DaskComm
+    from dasktrain.parallel.nccl import NcclComm
     with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
         comm = NcclComm(host, 0)
         try:
@@ -41,8 +41,8 @@ def _sums(name, rank, size):
 def _skipper(name, rank, size):
     import cupy
 
-    from dasktrain.collective import DaskComm
-    from dasktrain.nccl import NcclComm
+    from dasktrain.parallel.collective import DaskComm
+    from dasktrain.parallel.nccl import NcclComm
     with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
         comm = NcclComm(host, 0)
         host.timeout = 5.0  # the all-reduce's deadline
@@ -115,7 +115,7 @@ def _pool_bytes():
 def test_two_gpu_workers_equal_one_process_with_two_gpus(
         gpu_cluster, data_dir, tmp_path, mode, extra):
     from dasktrain.config import TrainConfig
-    from dasktrain.scaleout import train
+    from dasktrain.cluster.scaleout import train
     from dasktrain.training import train as train_here
     base = TrainConfig(model='resnet20', mode=mode, epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
@@ -137,7 +137,7 @@ def test_two_gpu_workers_equal_one_process_with_two_gpus(
 def test_jobs_see_their_own_gpu_and_a_cpu_job_none(gpu_cluster, data_dir,
                                                    tmp_path):
     from dasktrain.config import TrainConfig
-    from dasktrain.jobs import submit
+    from dasktrain.cluster.jobs import submit
     gpu_cluster.worker(resources='GPU=2 CPU=1', nthreads=4)
     config = TrainConfig(model='tiny', epochs=1, batch_size=20,
                          data_dir=str(data_dir), train_size=200)
@@ -161,7 +161,7 @@ def test_one_worker_process_per_gpu_equals_one_process(data_dir, tmp_path):
     # `dasktrain train --devices 0,1`: one worker per GPU (each sees its
     # own as @cupy:0), NCCL between them; the same as --in-process.
     from dasktrain.config import TrainConfig
-    from dasktrain.scaleout import train
+    from dasktrain.cluster.scaleout import train
     base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
                        deterministic=True, devices=('@cupy:0', '@cupy:1'))
@@ -179,7 +179,7 @@ def test_buckets_overlapped_on_two_gpus_sum_what_one_all_reduce_sums(
     # all-reduces on the side stream during each backward pass. Two ranks
     # add two numbers per element whatever the chunking: the same bits.
     from dasktrain.config import TrainConfig
-    from dasktrain.scaleout import train
+    from dasktrain.cluster.scaleout import train
     base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
                        deterministic=True, devices=('@cupy:0', '@cupy:1'))

@@ -12,7 +12,7 @@ On GPUs each of these runs with the device of the array it writes current
 (CuPy launches a kernel on the current device; one reading another GPU's
 memory needs peer access), reads a GPU's arrays only after that GPU has
 finished its queued work, and moves one replica's arrays as one flat buffer
-(:func:`dasktrain.devices.transfer`): nothing lands on a GPU the user did
+(:func:`dasktrain.parallel.devices.transfer`): nothing lands on a GPU the user did
 not list, and a step costs one transfer per replica, not one per array.
 
 :class:`ReplicaRandom` gives each replica its own random stream, and
@@ -26,7 +26,7 @@ import chainer
 import numpy as np
 from chainer.serializers import NpzDeserializer
 
-from dasktrain.devices import copy_into, transfer
+from dasktrain.parallel.devices import copy_into, transfer
 
 
 def _persistents(link):

@@ -62,7 +62,7 @@ def bench_augment(n_images=50000, chunk=2500, repeats=3, cores=None,
     n_images : int, default 50000
         Images per epoch (CIFAR-10's training set).
     chunk : int, default 2500
-        Images per chunk (dasktrain.augment.DEFAULT_CHUNK).
+        Images per chunk (dasktrain.data.augment.DEFAULT_CHUNK).
     repeats : int, default 3
         Timed repetitions; the best is reported.
     cores : int, optional
@@ -77,7 +77,7 @@ def bench_augment(n_images=50000, chunk=2500, repeats=3, cores=None,
     import dask.array as da
     from distributed import Client, LocalCluster, wait
 
-    from dasktrain.augment import EpochLoader, augment, augment_block
+    from dasktrain.data.augment import EpochLoader, augment, augment_block
     cores = cores or os.cpu_count()
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (n_images, 3, 32, 32), dtype=np.uint8)
@@ -158,7 +158,7 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
     Parameters
     ----------
     model : str, default 'cifar10'
-        A name from dasktrain.models.
+        A name from dasktrain.training.models.
     devices : sequence of str, optional
         Devices for the N-replica runs; default: every GPU, else 2 CPU
         replicas.
@@ -174,11 +174,11 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
     """
     import chainer
 
-    from dasktrain.augment import EpochLoader
-    from dasktrain.devices import synchronize
-    from dasktrain.models import get_model
-    from dasktrain.parallel import GPUDistributedGradient
-    from dasktrain.training import default_devices
+    from dasktrain.data.augment import EpochLoader
+    from dasktrain.parallel.devices import synchronize
+    from dasktrain.training.models import get_model
+    from dasktrain.parallel.gradient import GPUDistributedGradient
+    from dasktrain.training.loop import default_devices
 
     found = default_devices()
     devices = tuple(devices or (('@numpy',) * 2 if found == ('@numpy',)
@@ -346,7 +346,7 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     from pathlib import Path
 
     from dasktrain.config import TrainConfig
-    from dasktrain.scaleout import local_workers, train
+    from dasktrain.cluster.scaleout import local_workers, train
     scratch = Path(out or tempfile.mkdtemp(prefix='dasktrain-bench-'))
     if data_dir is None:
         data_dir = scratch / 'data'
@@ -370,7 +370,7 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     runs = [measure(train(base.replace(out=str(scratch / 'single'),
                                        devices=('@numpy',))),
                     'one process, 1 replica (BLAS threads: all)')]
-    from dasktrain.training import train as plain_loop
+    from dasktrain.training.loop import train as plain_loop
     with local_workers(1) as client:  # the same loop, 1 BLAS thread
         runs.append(measure(client.submit(plain_loop, base.replace(
             out=str(scratch / 'plain-1'), devices=('@numpy',)),

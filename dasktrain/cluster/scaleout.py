@@ -5,7 +5,7 @@ cluster and starts one long task on each: a *rank*, which runs the usual
 training loop (:func:`dasktrain.training.run_group`) on that worker's own
 devices and its replicas' shards of the data. Inside a worker the replicas
 are a :class:`~dasktrain.parallel.GPUDistributedGradient` as ever; across
-workers the ranks talk directly (:mod:`dasktrain.collective`): dg sums the
+workers the ranks talk directly (:mod:`dasktrain.parallel.collective`): dg sums the
 gradients every step, ipm averages parameters at every mix. Dask starts,
 places and watches the processes; no MPI, no ``mpiexec``.
 
@@ -26,18 +26,19 @@ import sys
 import time
 import uuid
 
-from dasktrain.cluster import (connect, restore_default_scheduler,
-                               worker_info)
-from dasktrain.collective import CollectiveError, DaskComm
-from dasktrain.devices import free_gpu_memory, gpu_count, resolve_devices
-from dasktrain.gpus import (NCCL_MISSING, GpuPool, gpu_ids, place_devices,
-                            use_nccl, visible_gpus)
-from dasktrain.nccl import NcclComm
+from dasktrain.cluster.local import (connect, restore_default_scheduler,
+                                     worker_info)
+from dasktrain.parallel.collective import CollectiveError, DaskComm
+from dasktrain.parallel.devices import (free_gpu_memory, gpu_count,
+                                        resolve_devices)
+from dasktrain.parallel.gpus import (NCCL_MISSING, GpuPool, gpu_ids,
+                                     place_devices, use_nccl, visible_gpus)
+from dasktrain.parallel.nccl import NcclComm
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
-from dasktrain.training import (_Progress, default_devices, prepare_out,
-                                run_group)
-from dasktrain.training import train as train_here
+from dasktrain.training.loop import (_Progress, default_devices, prepare_out,
+                                     run_group)
+from dasktrain.training.loop import train as train_here
 
 POLL = 0.2  # s between looks at the ranks' futures and events
 
@@ -261,7 +262,7 @@ def train(config=None, callbacks=(), client=None, **overrides):
     config = config.replace(out=os.path.abspath(config.out),
                             data_dir=os.path.abspath(config.data_dir))
     with prepare_out(config):  # locked here; rank 0 writes into it
-        from dasktrain.data import download_cifar10
+        from dasktrain.data.download import download_cifar10
         download_cifar10(config.data_dir, url=config.url, md5=config.md5,
                          progress=config.progress)  # once, not per rank
         if client is not None:

@@ -1,12 +1,12 @@
 """The cluster at a glance: Prometheus metrics and a live jobs page, served
 by the Dask scheduler's own web server (its dashboard port).
 
-``dask scheduler --preload dasktrain.monitor`` (what ``dasktrain cluster
+``dask scheduler --preload dasktrain.cluster.monitor`` (what ``dasktrain cluster
 start`` runs) installs three things in the scheduler process:
 
 * a :class:`JobBoard` scheduler plugin, which keeps the latest
-  :meth:`~dasktrain.jobs.Job.summary` of every job from the Dask events jobs
-  send on :data:`~dasktrain.jobs.EVENTS` (queued, running, each epoch, the
+  :meth:`~dasktrain.cluster.jobs.Job.summary` of every job from the Dask events jobs
+  send on :data:`~dasktrain.cluster.jobs.EVENTS` (queued, running, each epoch, the
   end), after reading the jobs dir once at start for the jobs before it;
 * a Prometheus collector (:class:`Collector`) on ``prometheus_client``'s
   default registry, which Dask's ``/metrics`` route serves beside Dask's
@@ -15,9 +15,9 @@ start`` runs) installs three things in the scheduler process:
   images/s, data-wait and communication shares, GPUs held; per worker its
   process CPU and memory (what Dask's heartbeats carry) and, per GPU, NVML's
   utilisation, memory, temperature and power;
-* the read-only jobs page (:mod:`dasktrain.jobspage`) at ``/dasktrain/jobs``.
+* the read-only jobs page (:mod:`dasktrain.cluster.jobspage`) at ``/dasktrain/jobs``.
 
-``dask worker --preload dasktrain.monitor`` adds the worker's GPU readings
+``dask worker --preload dasktrain.cluster.monitor`` adds the worker's GPU readings
 (:func:`gpu_readings`) to its heartbeats. A worker without NVML or without
 GPUs sends an empty list: no GPU series, and no error.
 
@@ -31,8 +31,8 @@ import os
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dasktrain.gpus import visible_gpus
-from dasktrain.jobs import EVENTS, list_jobs
+from dasktrain.parallel.gpus import visible_gpus
+from dasktrain.cluster.jobs import EVENTS, list_jobs
 
 GPU_METRIC = 'dasktrain-gpus'  # the worker heartbeat's key for NVML readings
 STATES = ('queued', 'running', 'finished', 'failed', 'cancelled', 'pruned')
@@ -112,7 +112,7 @@ def _read(call, *args):
 class JobBoard(SchedulerPlugin):
     """The latest summary of every job the scheduler has heard of.
 
-    Each event on :data:`~dasktrain.jobs.EVENTS` replaces the job's summary
+    Each event on :data:`~dasktrain.cluster.jobs.EVENTS` replaces the job's summary
     whole (a summary is a job's complete state, so no event depends on an
     earlier one); the jobs dir is read once at start for the jobs queued or
     run before this scheduler.
@@ -295,7 +295,7 @@ def dask_setup(server):
         server.metrics[GPU_METRIC] = gpu_readings
         return
     from prometheus_client import REGISTRY
-    from dasktrain.jobspage import add_routes
+    from dasktrain.cluster.jobspage import add_routes
     board = JobBoard()
     server.add_plugin(board)
     collector = _installed.get('collector')

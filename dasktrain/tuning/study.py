@@ -4,7 +4,7 @@ are jobs on the cluster.
 :func:`tune` runs Optuna's ask-and-tell loop: it asks the study for a trial
 (Optuna's TPE or random sampler picks the params from the space, see
 space.py), submits the trial's TrainConfig as a job with
-:func:`dasktrain.jobs.submit` (the queue ``dasktrain submit`` uses) and
+:func:`dasktrain.cluster.jobs.submit` (the queue ``dasktrain submit`` uses) and
 keeps ``parallel`` trials in flight. So trials wait for GPUs beside
 everyone's jobs, show in ``dasktrain jobs``, and resume on another worker
 when theirs dies. Each trial reports its epochs, is pruned and tells its
@@ -26,15 +26,16 @@ import sys
 import time
 from pathlib import Path
 
-from dasktrain.cluster import connect
+from dasktrain.cluster.local import connect
 from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
-from dasktrain.jobs import (DONE, check_devices, check_resources, jobs_dir,
-                            list_jobs, scheduler_states, submit)
-from dasktrain.space import config_for, load_space, suggest
-from dasktrain.trials import (describe_best, finish, make_pruner,
-                              open_storage, outcome, params_text)
+from dasktrain.cluster.jobs import (DONE, check_devices, check_resources,
+                                    jobs_dir, list_jobs, scheduler_states,
+                                    submit)
+from dasktrain.tuning.space import config_for, load_space, suggest
+from dasktrain.tuning.trials import (describe_best, finish, make_pruner,
+                                     open_storage, outcome, params_text)
 
 DIRECTIONS = {'maximize': 'max', 'minimize': 'min'}
 PRUNERS = ('median', 'asha', 'none')
@@ -138,7 +139,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     ----------
     space : str, Path or dict
         Per TrainConfig field a distribution (YAML/JSON file or dict; see
-        :mod:`dasktrain.space`).
+        :mod:`dasktrain.tuning.space`).
     base_config : TrainConfig, optional
         Every trial's settings besides the space's fields.
     trials : int, default 20
@@ -168,7 +169,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
         The sampler's seed.
     client, scheduler, path
         The cluster (default: the recorded one) and jobs dir, as for
-        :func:`dasktrain.jobs.submit`.
+        :func:`dasktrain.cluster.jobs.submit`.
 
     Returns
     -------
@@ -320,7 +321,7 @@ class _Search:
                      name=f"{self.settings['name']}-{number}",
                      client=self.client, path=self.root, check=False,
                      extra={
-                         'child': 'dasktrain.trials',
+                         'child': 'dasktrain.tuning.trials',
                          'trial': dict(self.trial, id=trial_id,
                                        number=number)})
         self.jobs[number] = job

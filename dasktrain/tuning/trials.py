@@ -1,11 +1,11 @@
 """One trial of a study, run as a dasktrain job, and what it tells Optuna.
 
 A trial's job runs this module as its child process (``python -m
-dasktrain.trials FOLDER``, see :func:`dasktrain.jobs.submit`'s ``extra``).
+dasktrain.tuning.trials FOLDER``, see :func:`dasktrain.cluster.jobs.submit`'s ``extra``).
 The training calls :class:`Reporter` after every epoch: it reports the
 metric to the study's storage (``trial.report(value, epoch)``) and asks the
 study's pruner (``trial.should_prune()``); when the pruner says so it
-raises :class:`dasktrain.jobs.Pruned`, the training stops at once (its
+raises :class:`dasktrain.cluster.jobs.Pruned`, the training stops at once (its
 checkpoint is already written), the job ends ``pruned`` and its GPUs go
 back to the queue. When the training ends the child tells the study
 itself (:func:`finish`), so a study's record does not depend on the
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from dasktrain.errors import UserError
-from dasktrain.jobs import PRUNED, Job, Pruned, run_child
+from dasktrain.cluster.jobs import PRUNED, Job, Pruned, run_child
 
 
 class StorageError(UserError):
@@ -191,7 +191,7 @@ def trial_jobs(study, path=None):
 def trials_table(study):
     """Number, state, params, value, the epoch the value is from, and job
     of every trial."""
-    from dasktrain.report import Table
+    from dasktrain.training.report import Table
     return Table(['trial', 'state', 'params', 'value', 'epoch', 'job'], [
         [t.number, t.state.name.lower(), params_text(t.params), t.value,
          t.user_attrs.get('epoch'), t.user_attrs.get('job')]

@@ -15,7 +15,7 @@ models).
 
 Every change a job goes through (queued, running, each epoch's log row,
 its end) is also sent to the scheduler as a Dask event on :data:`EVENTS`,
-a :meth:`Job.summary`; :mod:`dasktrain.monitor` turns them into metrics.
+a :meth:`Job.summary`; :mod:`dasktrain.cluster.monitor` turns them into metrics.
 
 A job ends ``finished``, ``failed``, ``cancelled`` or ``pruned``: its
 training was stopped by an epoch callback raising :class:`Pruned` (a
@@ -36,9 +36,9 @@ import traceback
 import uuid
 from pathlib import Path
 
-from dasktrain.cluster import connect, home, worker_info
-from dasktrain.gpus import (VISIBLE, GpuError, GpuPool, job_environment,
-                            place_devices)
+from dasktrain.cluster.local import connect, home, worker_info
+from dasktrain.parallel.gpus import (VISIBLE, GpuError, GpuPool,
+                                     job_environment, place_devices)
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
@@ -316,7 +316,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     extra : dict, optional
         More keys for ``job.json``; ``'child'`` names the ``dasktrain``
         module the job's child process runs as ``python -m MODULE FOLDER``
-        (default ``dasktrain.jobs``; trials.py's report to their study).
+        (default ``dasktrain.cluster.jobs``; trials.py's report to their study).
     check : bool, default True
         Refuse a job no worker can run; False queues it regardless (until
         such a worker joins), as a search does once it has checked.
@@ -396,7 +396,7 @@ def run_job(folder):
     status = json.loads((folder / 'status.json').read_text())
     if (folder / 'cancel').exists() or status['state'] in DONE:
         return status['state']
-    child_module = spec.get('child', 'dasktrain.jobs')
+    child_module = spec.get('child', 'dasktrain.cluster.jobs')
     if not child_module.startswith('dasktrain.'):  # job.json names code
         return _update_status(folder, state='failed', ended=time.time(),
                               error=f'{child_module!r} is not ours')['state']
@@ -467,7 +467,7 @@ def _log_devices(devices):
     for its output.log."""
     print(f'CUDA_VISIBLE_DEVICES={os.environ.get(VISIBLE)!r}', flush=True)
     if devices:
-        from dasktrain.devices import device_uuids, resolve_devices
+        from dasktrain.parallel.devices import device_uuids, resolve_devices
         uuids = device_uuids(resolve_devices(devices))
         print('devices: ' + ', '.join(f'{d} ({uuids.get(d, "CPU")})'
                                       for d in devices), flush=True)
@@ -494,7 +494,7 @@ def run_child(folder, callbacks=()):
     if config.workers is not None:
         # Across workers each rank takes its worker's free GPUs itself.
         config = config.replace(scheduler=spec['scheduler'])
-    from dasktrain.scaleout import train
+    from dasktrain.cluster.scaleout import train
     try:
         if spec['gpus'] and config.workers is None:
             # CUDA_VISIBLE_DEVICES shows this job its GPUs as 0..k-1.

@@ -19,18 +19,18 @@ import numpy as np
 from chainer.serializers import DictionarySerializer
 from tqdm import tqdm  # plain: tqdm.auto warns in a notebook without ipywidgets
 
-from dasktrain.augment import EpochLoader, shard_bounds, tta_views
-from dasktrain.collective import Solo
+from dasktrain.data.augment import EpochLoader, shard_bounds, tta_views
+from dasktrain.parallel.collective import Solo
 from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
-from dasktrain.data import load_cifar10
+from dasktrain.data.cifar import load_cifar10
 from dasktrain.errors import UserError
 from dasktrain.files import atomic_write, write_json
-from dasktrain.models import get_model, read_npz
-from dasktrain.devices import (available_devices, gpu_count,
-                               nvidia_smi_lines, synchronize,
-                               unused_gpus_message)
-from dasktrain.outdir import claim, record_args
-from dasktrain.parallel import GPUDistributedGradient
+from dasktrain.training.models import get_model, read_npz
+from dasktrain.parallel.devices import (available_devices, gpu_count,
+                                        nvidia_smi_lines, synchronize,
+                                        unused_gpus_message)
+from dasktrain.training.outdir import claim, record_args
+from dasktrain.parallel.gradient import GPUDistributedGradient
 
 CHECKPOINT = 'checkpoint.npz'
 # Steps between reads of the loss to the host: each read waits for the
@@ -234,7 +234,7 @@ def _say_devices(model, chosen):
 
 @contextlib.contextmanager
 def prepare_out(config):
-    """Hold ``config.out`` for the run (see :func:`dasktrain.outdir.claim`):
+    """Hold ``config.out`` for the run (see :func:`dasktrain.training.outdir.claim`):
     created, writable, locked; removed again if this run created it and
     fails before its first checkpoint. Refuses to overwrite a run without
     --resume."""
@@ -273,7 +273,7 @@ def train(config=None, callbacks=(), **overrides):
     config = (config or TrainConfig()).replace(**overrides)
     if config.workers is not None:
         raise UserError(f'workers={config.workers} runs across Dask workers:'
-                        ' call dasktrain.train (dasktrain.scaleout.train)')
+                        ' call dasktrain.train (dasktrain.cluster.scaleout.train)')
     with prepare_out(config):
         return run_group(config, callbacks=callbacks,
                          progress=_Progress(config.progress, config.epochs))
@@ -283,7 +283,7 @@ def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
     """The training loop of one replica group on ``devices`` (default:
     ``config.devices``, else every GPU, else one CPU replica).
 
-    With ``comm`` (see :mod:`dasktrain.collective`) the group is one rank of
+    With ``comm`` (see :mod:`dasktrain.parallel.collective`) the group is one rank of
     a job across processes: it reads and augments only its replicas' shards
     of the data and evaluates its share of the test set; metrics are summed
     over all ranks, so every rank computes the same log row, and rank 0
@@ -292,7 +292,7 @@ def run_group(config, comm=None, devices=None, callbacks=(), progress=None):
     With ``config.deterministic``, Chainer's ``cudnn_deterministic`` is on
     (deterministic convolution algorithms) and the models draw dropout
     masks from each replica's seeded CuPy stream instead of cuDNN's, whose
-    state is seeded from ``os.urandom`` (see :func:`dasktrain.models.dropout`).
+    state is seeded from ``os.urandom`` (see :func:`dasktrain.training.models.dropout`).
     """
     with chainer.using_config('cudnn_deterministic', config.deterministic):
         return _run_group(config, comm, devices, callbacks, progress)

@@ -2,12 +2,12 @@
 
 :class:`NcclComm` sums a rank's GPU arrays with NCCL (one communicator per
 rank, bound to its GPU) and passes everything else to the rank's
-:class:`~dasktrain.collective.DaskComm`, which also hands out NCCL's unique
+:class:`~dasktrain.parallel.collective.DaskComm`, which also hands out NCCL's unique
 id. Every wait is bounded (see the class), as every DaskComm wait is.
 """
 import time
 
-from dasktrain.collective import CollectiveError, poll, signature
+from dasktrain.parallel.collective import CollectiveError, poll, signature
 
 # ncclResult_t values (nccl.h) that CuPy's NcclError carries as .status.
 NCCL_IN_PROGRESS = 7  # a non-blocking communicator is still working

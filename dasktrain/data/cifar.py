@@ -1,6 +1,6 @@
 """CIFAR-10 on Dask: lazy arrays of the batch files, read safely.
 
-The archive (fetched by :mod:`dasktrain.download`, re-exported here) holds
+The archive (fetched by :mod:`dasktrain.data.download`, re-exported here) holds
 six Python 2 pickles, five training batches and one test batch, plus
 ``batches.meta``. Pickles can run code when loaded, so they are read with
 an unpickler that knows only what a CIFAR batch holds.
@@ -16,9 +16,9 @@ import dask.array as da
 import numpy as np
 
 # Re-exported: dasktrain.data is where users look for the whole data layer.
-from dasktrain.download import (ARCHIVE_NAME, BATCHES_DIR,  # noqa: F401
-                                CIFAR10_MD5, CIFAR10_URL, URL_ENV,
-                                download_cifar10, extract_archive)
+from dasktrain.data.download import (ARCHIVE_NAME, BATCHES_DIR,  # noqa: F401
+                                     CIFAR10_MD5, CIFAR10_URL, URL_ENV,
+                                     download_cifar10, extract_archive)
 
 __all__ = ['ARCHIVE_NAME', 'BATCHES_DIR', 'CIFAR10', 'CIFAR10_MD5',
            'CIFAR10_URL', 'DataError', 'URL_ENV', 'download_cifar10',

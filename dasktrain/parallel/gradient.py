@@ -8,7 +8,7 @@ gradient, and an iterative-parameter-mixture mode.
 On GPUs every operation across replicas runs with the device of the array
 it writes current, reads another GPU's arrays only after that GPU finished
 its queued work, and moves a replica's arrays as one flat buffer
-(:func:`dasktrain.devices.transfer`), as Chainer's
+(:func:`dasktrain.parallel.devices.transfer`), as Chainer's
 MultiprocessParallelUpdater gathers gradients; nothing is computed on a GPU
 the user did not list.
 """
@@ -18,11 +18,12 @@ import time
 import chainer
 import numpy as np
 
-from dasktrain.collective import Solo
-from dasktrain.gradcomm import GradientExchange, gradients
-from dasktrain.devices import (DeviceError, resolve_devices,  # noqa: F401
-                               synchronize, transfer)
-from dasktrain.replicas import ReplicaArrays, ReplicaRandom, restore
+from dasktrain.parallel.collective import Solo
+from dasktrain.parallel.devices import (DeviceError,  # noqa: F401
+                                        resolve_devices, synchronize,
+                                        transfer)
+from dasktrain.parallel.gradcomm import GradientExchange, gradients
+from dasktrain.parallel.replicas import ReplicaArrays, ReplicaRandom, restore
 
 MODES = ('dg', 'ipm')
 
@@ -65,9 +66,9 @@ class GPUDistributedGradient:
         dg across processes with one replica here: all-reduce the
         gradients in buckets of about this many MiB, each as soon as the
         backward pass has computed it, on a communication thread, while
-        back-propagation goes on (:mod:`dasktrain.gradcomm`); the sums are
-        the same bits. 0: one all-reduce after the backward pass.
-    comm : dasktrain.collective.DaskComm or NcclComm, optional
+        back-propagation goes on (:mod:`dasktrain.parallel.gradcomm`); the
+        sums are the same bits. 0: one all-reduce after the backward pass.
+    comm : dasktrain.parallel.collective.DaskComm or NcclComm, optional
         Make this one replica group of a job across processes: every group
         starts from rank 0's weights, dg sums the masters' gradients over
         ``comm`` every step, ipm averages over all groups' replicas; the

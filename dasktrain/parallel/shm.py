@@ -8,7 +8,7 @@ pickle framing per message; MPI and NCCL use shared memory instead. So does
 1. every rank copies (packs) its arrays into its own input segment;
 2. a barrier: all inputs are written;
 3. rank r sums the r-th slice of every input, in rank order (for the same
-   bits on every rank and as :class:`~dasktrain.collective.DaskComm` sums),
+   bits on every rank and as :class:`~dasktrain.parallel.collective.DaskComm` sums),
    into that slice of a result segment: a reduce-scatter, in place;
 4. a barrier: all slices are summed;
 5. every rank copies the whole result back into its arrays (the

@@ -263,7 +263,7 @@ def watch_jobs(jobs, interval=2.0, timeout=None):
     """Show :func:`jobs_table`, refreshed in place, until every job ends."""
     import time
 
-    from dasktrain.jobs import DONE
+    from dasktrain.cluster.jobs import DONE
     try:
         from IPython.display import clear_output, display
     except ImportError:  # plain Python: print each change

@@ -44,7 +44,7 @@ if comm.rank == 0:
 
 def _dask_times(name, rank, size, n, iterations, shared):
     """On a worker: ``iterations`` timed all-reduces after a warm-up."""
-    from dasktrain.collective import DaskComm
+    from dasktrain.parallel.collective import DaskComm
     with DaskComm.rendezvous(name, rank, size, timeout=60,
                              shared_memory=shared) as comm:
         buf = np.zeros(n, np.float32)
@@ -90,7 +90,7 @@ def bench_allreduce(mbytes=22.5, iterations=10, rounds=3):
     rounds : int, default 3
         Rounds of the three, in turns; the best round's median counts.
     """
-    from dasktrain.scaleout import local_workers
+    from dasktrain.cluster.scaleout import local_workers
     n = int(mbytes * 1e6 / 4)
     best = {'shared memory': [], 'tcp': [], 'mpi': []}
     with local_workers(2) as client:
@@ -129,8 +129,8 @@ def _overlap_times(name, rank, size, model, batch, buckets, steps, rounds):
     exposed communication per step (s)."""
     import chainer
 
-    from dasktrain.collective import DaskComm
-    from dasktrain.models import get_model
+    from dasktrain.parallel.collective import DaskComm
+    from dasktrain.training.models import get_model
     from dasktrain.parallel import GPUDistributedGradient
     rng = np.random.RandomState(rank)
     x = rng.rand(batch, 3, 32, 32).astype(np.float32)
@@ -177,7 +177,7 @@ def bench_overlap(model='cifar10', batch=100, buckets=(0, 0.25, 1, 4, 16),
     rounds : int, default 3
         Rounds of all sizes in turns; each size's best round counts.
     """
-    from dasktrain.scaleout import local_workers
+    from dasktrain.cluster.scaleout import local_workers
     buckets = sorted(set(buckets))
     with local_workers(2) as client:
         workers = sorted(client.scheduler_info()['workers'])

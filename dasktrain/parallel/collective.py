@@ -11,9 +11,9 @@ receives the other ranks' pieces of it, adds them in rank order (so the
 result is the same on every rank, and for two ranks bit-identical to one
 process adding the two), and sends the sum back. Per call each rank sends
 and receives 2 (N - 1) / N of the buffer, as in a ring all-reduce, in
-2 (N - 1) messages. :class:`dasktrain.nccl.NcclComm` does the array part with
+2 (N - 1) messages. :class:`dasktrain.parallel.nccl.NcclComm` does the array part with
 NCCL through CuPy on GPUs, its unique id handed out over a
-:class:`DaskComm`. Between ranks of one machine, :mod:`dasktrain.shm`
+:class:`DaskComm`. Between ranks of one machine, :mod:`dasktrain.parallel.shm`
 sums through shared memory instead of sockets.
 
 Every wait has a deadline: a rank that died closes its connections, and a
@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from dasktrain.errors import UserError
-from dasktrain.shm import SharedMemoryReducer
+from dasktrain.parallel.shm import SharedMemoryReducer
 
 
 class CollectiveError(UserError, RuntimeError):
@@ -145,7 +145,7 @@ class DaskComm:
         Dask Variable ``{name}/rank{r}``; a rank dials every lower rank.
         Raises CollectiveError after ``timeout`` seconds without them all.
         With ``shared_memory`` and every rank on this machine, all-reduces
-        go through shared memory (:mod:`dasktrain.shm`).
+        go through shared memory (:mod:`dasktrain.parallel.shm`).
         """
         from distributed import Variable, get_client, get_worker
         from distributed.comm import connect, listen

@@ -9,8 +9,9 @@ job's communicator; then every process applies the same update.
 - **exact, overlapped** (the default with one replica per process):
   gradient *buckets* of about ``bucket_mb`` are all-reduced on a
   communication thread while back-propagation goes on, as PyTorch DDP does.
-  :func:`dasktrain.backprop.backward_reporting` runs Chainer's backward pass and reports each
-  parameter the moment its gradient is final; a bucket leaves when all its
+  :func:`~dasktrain.parallel.backprop.backward_reporting` runs Chainer's
+  backward pass and reports each parameter the moment its gradient is
+  final; a bucket leaves when all its
   parameters are, in a fixed order that every rank agrees on (the order the
   first step found, compared across ranks once). The optimizer waits only
   for what is still in flight when the backward pass ends. Every element is
@@ -28,7 +29,7 @@ overflow and small gradients keep their bits.
 
 On GPUs a bucket's all-reduce runs on a non-blocking side stream that first
 waits for an event marking the kernels that computed the bucket
-(:func:`dasktrain.devices.mark`), and the communication thread waits for
+(:func:`dasktrain.parallel.devices.mark`), and the communication thread waits for
 the side stream before it reports the bucket done: nothing reads a gradient
 before it is written, and the backward kernels never wait for NCCL.
 
@@ -44,9 +45,9 @@ import threading
 import chainer
 import numpy as np
 
-from dasktrain.backprop import backward_reporting
-from dasktrain.collective import CollectiveError, Inflight
-from dasktrain.devices import SideStream, mark, synchronize
+from dasktrain.parallel.backprop import backward_reporting
+from dasktrain.parallel.collective import CollectiveError, Inflight
+from dasktrain.parallel.devices import SideStream, mark, synchronize
 
 
 def gradients(link, device, indices=None):

@@ -1,9 +1,9 @@
 """The live jobs page: a read-only view of the queue and of each job's loss
 and accuracy curves, on the Dask scheduler's web server.
 
-Three GET routes, added by :func:`add_routes` (the ``dasktrain.monitor``
+Three GET routes, added by :func:`add_routes` (the ``dasktrain.cluster.monitor``
 preload calls it): ``/dasktrain/jobs`` (the page), ``/dasktrain/api/jobs``
-(every job's summary from the :class:`~dasktrain.monitor.JobBoard`) and
+(every job's summary from the :class:`~dasktrain.cluster.monitor.JobBoard`) and
 ``/dasktrain/api/jobs/<id>/log`` (a known job's ``out/log``, ChainerUI's
 format, cut to the curves' keys). The page polls the two every
 :data:`POLL_MS` and draws with SVG.

@@ -1,0 +1,18 @@
+"""Runs on a Dask cluster: the cluster itself, its state and clients
+(:mod:`~dasktrain.cluster.local`, TLS by ``tls``), one run across workers
+(``scaleout``), the job queue (``jobs``) and the scheduler's metrics and
+jobs page (``monitor``, ``jobspage``).
+
+Each name below imports its module on first use (importing the package
+loads no dask.distributed).
+"""
+from dasktrain._lazy import exports
+
+_EXPORTS = dict.fromkeys((
+    'ClusterError', 'HOME_ENV', 'MONITOR', 'cluster_status', 'connect',
+    'default_security', 'detect_gpus', 'exposure_warning', 'home',
+    'read_state', 'restore_default_scheduler', 'security_from',
+    'start_cluster', 'state_path', 'stop_cluster', 'tls_dir', 'worker_info'),
+    'dasktrain.cluster.local')
+
+__getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

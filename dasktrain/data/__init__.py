@@ -1,0 +1,18 @@
+"""The data layer: CIFAR-10 fetched (:mod:`~dasktrain.data.download`), read
+as lazy dask arrays (:mod:`~dasktrain.data.cifar`) and augmented
+(:mod:`~dasktrain.data.augment`).
+
+Each name below imports its module on first use (importing the package
+loads neither dask nor requests).
+"""
+from dasktrain._lazy import exports
+
+_EXPORTS = {
+    **dict.fromkeys(('CIFAR10', 'load_cifar10'), 'dasktrain.data.cifar'),
+    **dict.fromkeys(('ARCHIVE_NAME', 'BATCHES_DIR', 'CIFAR10_MD5',
+                     'CIFAR10_URL', 'URL_ENV', 'download_cifar10',
+                     'extract_archive'), 'dasktrain.data.download'),
+    'DataError': 'dasktrain.errors',
+}
+
+__getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)
