@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dasktrain.parallel.backprop import backward_reporting
-from dasktrain.parallel.gradcomm import plan_buckets
+from dasktrain.parallel.gradcomm import parameters, plan_buckets
 from dasktrain.training.models import get_model
 
 
@@ -110,3 +110,14 @@ def test_buckets_cut_the_ready_order_at_the_size_limit():
     assert plan_buckets([3, 1, 0], sizes, 25) == [[3], [1, 0, 2, 4]]
     assert plan_buckets([0, 1], [10, 10], 100) == [[0, 1]]
     assert plan_buckets([], [10, 10], 5) == [[0, 1]]
+
+
+def test_a_link_registered_twice_contributes_its_parameters_once():
+    shared = L.Linear(3, 2)
+    chain = chainer.Chain()
+    with chain.init_scope():
+        chain.first = shared
+        chain.second = shared
+    assert len(list(chain.namedparams())) == 4  # Chainer lists both names
+    assert [p.name for p in parameters(chain)] == ['W', 'b']
+    assert parameters(chain)[0] is shared.W

@@ -6,6 +6,8 @@ import signal
 import sys
 import time
 
+import chainer
+import chainer.links  # noqa: F401
 import cloudpickle
 import numpy as np
 import pytest
@@ -332,6 +334,64 @@ def test_buckets_leave_during_the_backward_pass_and_sum_the_same_bits(
     for key in p0:
         np.testing.assert_array_equal(p0[key], p1[key], key)
         np.testing.assert_array_equal(p0[key], runs[0][0][0][key], key)
+
+
+class _Slow(chainer.FunctionNode):
+    """Identity whose backward takes a while and passes its gradient on as
+    is (the same array), as Chainer's Add does."""
+
+    def forward(self, inputs):
+        return inputs[0].copy(),
+
+    def backward(self, indexes, grad_outputs):
+        time.sleep(0.3)
+        return grad_outputs
+
+
+class _Aliasing(chainer.Chain):
+    """p's gradient is the very array that flows on, slowly, to l; c is a
+    leaf Variable that is no parameter."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = chainer.links.Linear(12, 10)
+            self.p = chainer.Parameter(np.zeros((4, 10), np.float32))
+        self.c = chainer.Variable(np.ones((4, 10), np.float32))
+
+    def forward(self, x):
+        return _Slow().apply((self.l(x),))[0] + self.p + self.c
+
+
+def _aliased(name, rank, size, bucket_mb):
+    from dasktrain.parallel import GPUDistributedGradient
+    np.random.seed(0)
+    with DaskComm.rendezvous(name, rank, size, timeout=30) as comm:
+        model = GPUDistributedGradient(
+            chainer.links.Classifier(_Aliasing()), ['@numpy'], comm=comm,
+            bucket_mb=bucket_mb)
+        model.setup(chainer.optimizers.SGD(lr=0.1))
+        rng = np.random.RandomState(rank)
+        for _ in range(3):
+            model.step(rng.randn(4, 12).astype(np.float32),
+                       rng.randint(0, 10, 4).astype(np.int32), total=8)
+        return ({n: p.array for n, p in model.master.namedparams()},
+                model.exchange.early)
+
+
+def test_a_bucket_in_flight_never_writes_a_gradient_still_flowing(
+        dask_client):
+    workers = sorted(dask_client.scheduler_info()['workers'])
+    runs = {mb: dask_client.gather([
+        dask_client.submit(_aliased, f'alias-{mb}', r, 2, mb, workers=[w],
+                           pure=False)
+        for r, w in enumerate(workers)]) for mb in (0, 1e-6)}
+    assert runs[1e-6][0][1] == 2 * 2  # p's and l's W's buckets left early
+    for key in runs[0][0][0]:
+        np.testing.assert_array_equal(runs[1e-6][0][0][key],
+                                      runs[0][0][0][key], key)
+        np.testing.assert_array_equal(runs[1e-6][1][0][key],
+                                      runs[0][0][0][key], key)
 
 
 @pytest.mark.parametrize('policy', ['continue', 'wait'])

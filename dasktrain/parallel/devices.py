@@ -112,7 +112,9 @@ def mark(device):
         return None
     import cupy
     with device.device:  # an event belongs to the device current at record
-        return cupy.cuda.get_current_stream().record()
+        event = cupy.cuda.Event(disable_timing=True)  # a marker, no clock
+        event.record(cupy.cuda.get_current_stream())
+        return event
 
 
 class SideStream:
@@ -146,9 +148,11 @@ class SideStream:
             stream = self._stream
             if event is not None:
                 stream.wait_event(event)
-            with stream:
-                yield
-            stream.synchronize()
+            try:
+                with stream:
+                    yield
+            finally:  # also after an error: nothing may still write
+                stream.synchronize()
 
 
 def free_gpu_memory(ids):

@@ -11,13 +11,16 @@ job's communicator; then every process applies the same update.
   communication thread while back-propagation goes on, as PyTorch DDP does.
   :func:`~dasktrain.parallel.backprop.backward_reporting` runs Chainer's
   backward pass and reports each parameter the moment its gradient is
-  final; a bucket leaves when all its
-  parameters are, in a fixed order that every rank agrees on (the order the
-  first step found, compared across ranks once). The optimizer waits only
-  for what is still in flight when the backward pass ends. Every element is
-  summed in rank order as before, so the result is bit for bit that of one
-  all-reduce after the backward pass (and of one process holding all the
-  replicas).
+  final; a bucket leaves when all its parameters are, in a fixed order that
+  every rank agrees on (the order the first step found, compared across
+  ranks once). A bucket travels as copies, written back into the gradients
+  once the backward pass is over (a parameter's gradient may be the very
+  array still flowing to earlier layers). The optimizer waits only for what
+  is still in flight when the backward pass ends. Over Dask's comms and
+  shared memory every element is summed in rank order, so the result is bit
+  for bit that of one all-reduce after the backward pass (and of one process
+  holding all the replicas); NCCL chooses its own summation order by message
+  size, the same bits only for two ranks (one addition per element).
 - **exact, after the backward pass** (``bucket_mb=0``, several replicas in
   one process, or the first step): one all-reduce of everything.
 - **double-buffered** (ChainerMN's): the step applies the previous step's
@@ -27,11 +30,12 @@ job's communicator; then every process applies the same update.
 scaled by its own power of two (the same on every rank), so the sum cannot
 overflow and small gradients keep their bits.
 
-On GPUs a bucket's all-reduce runs on a non-blocking side stream that first
-waits for an event marking the kernels that computed the bucket
-(:func:`dasktrain.parallel.devices.mark`), and the communication thread waits for
-the side stream before it reports the bucket done: nothing reads a gradient
-before it is written, and the backward kernels never wait for NCCL.
+On GPUs a bucket's all-reduce runs on one non-blocking side stream that
+first waits for an event marking the kernels that computed the bucket
+(:func:`dasktrain.parallel.devices.mark`), and the communication thread
+waits for the side stream before it takes the next bucket: nothing reads a
+gradient before it is written, and the backward kernels never wait for
+NCCL.
 
 Guarantees: the communication thread lives for one step (one per step,
 joined before the update; after an error in the backward pass it is told
@@ -50,11 +54,21 @@ from dasktrain.parallel.collective import CollectiveError, Inflight
 from dasktrain.parallel.devices import SideStream, mark, synchronize
 
 
+def parameters(link):
+    """``link``'s parameters in a fixed order (by name), each once: a link
+    registered under two names shares its parameters, and summing one
+    array twice over the ranks would be wrong."""
+    found = {}
+    for _, p in sorted(link.namedparams()):
+        found.setdefault(id(p), p)
+    return list(found.values())
+
+
 def gradients(link, device, indices=None):
-    """``link``'s gradients in a fixed order (sorted parameter names; only
-    the positions ``indices`` if given); a missing one becomes zeros (a
+    """``link``'s gradients in :func:`parameters`' order (only the
+    positions ``indices`` if given); a missing one becomes zeros (a
     parameter this step did not reach)."""
-    params = [p for _, p in sorted(link.namedparams())]
+    params = parameters(link)
     grads = []
     with chainer.using_device(device):
         for i in range(len(params)) if indices is None else indices:
@@ -145,11 +159,14 @@ class GradientExchange:
         self._step = None       # this step's bucket state while overlapping
         self._inflight = None   # double buffering: last step's sums
         self.early = 0          # buckets that left during a backward pass
+        # One side stream for good: CuPy caches freed memory per stream, and
+        # a stream made per step would strand each step's cache.
+        self._side = None
 
     # ------------------------------------------------------ the pieces
 
     def _params(self):
-        return [p for _, p in sorted(self.model.master.namedparams())]
+        return parameters(self.model.master)
 
     def grads(self, indices=None):
         """The master's gradients (those of the parameters ``indices``)."""
@@ -221,18 +238,21 @@ class GradientExchange:
             self._order = []
             if loss is not None:
                 backward_reporting(loss, lambda p: self._order.append(
-                    index[id(p)]))
+                    index[id(p)]) if id(p) in index else None)
             return
         left = [len(b) for b in self.plan]
         where = {i: k for k, b in enumerate(self.plan) for i in b}
-        side = SideStream(self.model.devices[0])
-        courier = _Courier(lambda grads, event, statistics=None:
-                           self._send(side, grads, event, statistics))
+        if self._side is None:
+            self._side = SideStream(self.model.devices[0])
+        courier = _Courier(lambda *bucket: self._send(*bucket))
         self._step = state = {'courier': courier, 'next': 0}
+        self._step_results = []  # (grads, summed copies, scales) per bucket
 
         def ready(param):
-            k = where[index[id(param)]]
-            left[k] -= 1
+            i = index.get(id(param))
+            if i is None:  # a leaf Variable that is no parameter
+                return
+            left[where[i]] -= 1
             # The last bucket waits for the statistics (one message).
             while state['next'] < len(self.plan) - 1 and \
                     left[state['next']] == 0:
@@ -250,19 +270,25 @@ class GradientExchange:
 
     def _launch(self, k, statistics=None):
         # Only this bucket's parameters: the others may still be computed.
-        self._step['courier'].put(self.grads(self.plan[k]),
-                                  mark(self.model.devices[0]), statistics)
+        grads = self.grads(self.plan[k])
+        # The sums go to copies, written back once the backward pass is
+        # over: a parameter's gradient may be the very array still flowing
+        # to earlier layers (Chainer's Add passes its output's gradient on
+        # as is, e.g. to a bias of the output's shape).
+        self._step['courier'].put(grads, mark(self.model.devices[0]),
+                                  statistics)
 
-    def _send(self, side, grads, event, statistics):
-        """On the communication thread: sum one bucket over the ranks (and,
-        with the last, the statistics), in place."""
-        with side.after(event):
-            sent, scale = self._encode(grads)
+    def _send(self, grads, event, statistics):
+        """On the communication thread: sum copies of one bucket over the
+        ranks (and, with the last, the statistics); returns nothing, the
+        copies and their scales are kept for :meth:`step`."""
+        with self._side.after(event):
+            sent, scale = self._encode(grads, copy=True)
             if statistics is None:
                 self.model.comm.allreduce(sent)
             else:
                 self.model.arrays.reduce(statistics, also=sent)
-            self._decode(grads, sent, scale)
+            self._step_results.append((grads, sent, scale))
 
     def step(self):
         """Sum this step's gradients and statistics, then update."""
@@ -284,6 +310,8 @@ class GradientExchange:
             self._launch(len(self.plan) - 1, sums)
             self._step = None
             self.model.timed(state['courier'].close)
+            for grads, sent, scale in self._step_results:
+                self._decode(grads, sent, scale)
         self._update(groups, sums)
 
     def _agree(self):

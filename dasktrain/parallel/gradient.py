@@ -66,7 +66,8 @@ class GPUDistributedGradient:
         dg across processes with one replica here: all-reduce the
         gradients in buckets of about this many MiB, each as soon as the
         backward pass has computed it, on a communication thread, while
-        back-propagation goes on (:mod:`dasktrain.parallel.gradcomm`); the
+        back-propagation goes on (:mod:`dasktrain.parallel.gradcomm`); over
+        Dask's comms and shared memory (and NCCL between two ranks) the
         sums are the same bits. 0: one all-reduce after the backward pass.
     comm : dasktrain.parallel.collective.DaskComm or NcclComm, optional
         Make this one replica group of a job across processes: every group
