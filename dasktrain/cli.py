@@ -632,6 +632,9 @@ class Bench(Command):
         p.add_argument('--rounds', type=int, default=3,
                        help='rounds of all sizes in turns, best reported '
                             '(default: %(default)s)')
+        p.add_argument('--sockets', action='store_true',
+                       help='sum over TLS sockets, the path between '
+                            'machines (default: shared memory)')
         p.set_defaults(command_parser=p, positive=('batch_size', 'steps',
                                                    'rounds'))
         p = which.add_parser('model-scaling', help='predicted dg scaling '
@@ -676,9 +679,11 @@ class Bench(Command):
             from dasktrain.bench.allreduce import bench_overlap
             rows = bench_overlap(model=args.model, batch=args.batch_size,
                                  buckets=args.buckets, steps=args.steps,
-                                 rounds=args.rounds)
+                                 rounds=args.rounds,
+                                 shared=not args.sockets)
             title = (f'dasktrain bench overlap (model={args.model}, batch '
-                     f'{args.batch_size} per worker, 2 workers)')
+                     f'{args.batch_size} per worker, 2 workers, '
+                     f'{"TLS sockets" if args.sockets else "shared memory"})')
         elif args.bench == 'scaleout':
             rows = bench.bench_scaleout(
                 workers=range(1, args.workers + 1), model=args.model,

@@ -124,7 +124,8 @@ def bench_allreduce(mbytes=22.5, iterations=10, rounds=3):
     return rows
 
 
-def _overlap_times(name, rank, size, model, batch, buckets, steps, rounds):
+def _overlap_times(name, rank, size, model, batch, buckets, steps, rounds,
+                   shared):
     """On a worker: per bucket size, each round's median step time and
     exposed communication per step (s)."""
     import chainer
@@ -135,7 +136,8 @@ def _overlap_times(name, rank, size, model, batch, buckets, steps, rounds):
     rng = np.random.RandomState(rank)
     x = rng.rand(batch, 3, 32, 32).astype(np.float32)
     t = rng.randint(0, 10, batch).astype(np.int32)
-    with DaskComm.rendezvous(name, rank, size, timeout=120) as comm:
+    with DaskComm.rendezvous(name, rank, size, timeout=120,
+                             shared_memory=shared) as comm:
         models = {}
         for mb in buckets:
             np.random.seed(0)
@@ -160,7 +162,7 @@ def _overlap_times(name, rank, size, model, batch, buckets, steps, rounds):
 
 
 def bench_overlap(model='cifar10', batch=100, buckets=(0, 0.25, 1, 4, 16),
-                  steps=6, rounds=3):
+                  steps=6, rounds=3, shared=True):
     """Rows: a dg step between two single-threaded worker processes of this
     machine for each gradient bucket size, its exposed communication, and
     the speed-up over ``0`` (no overlap).
@@ -176,6 +178,9 @@ def bench_overlap(model='cifar10', batch=100, buckets=(0, 0.25, 1, 4, 16),
         Timed steps per size and round (after two warm-up steps).
     rounds : int, default 3
         Rounds of all sizes in turns; each size's best round counts.
+    shared : bool, default True
+        Sum through shared memory; False: over TLS sockets, the path
+        between machines.
     """
     from dasktrain.cluster.scaleout import local_workers
     buckets = sorted(set(buckets))
@@ -183,8 +188,8 @@ def bench_overlap(model='cifar10', batch=100, buckets=(0, 0.25, 1, 4, 16),
         workers = sorted(client.scheduler_info()['workers'])
         got = client.gather([
             client.submit(_overlap_times, 'bench-overlap', r, 2, model,
-                          batch, buckets, steps, rounds, workers=[w],
-                          pure=False)
+                          batch, buckets, steps, rounds, shared,
+                          workers=[w], pure=False)
             for r, w in enumerate(workers)])
     best = {}
     for mb in buckets:  # the slower rank's figure, the best round
