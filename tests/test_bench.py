@@ -48,3 +48,18 @@ def test_bench_allreduce_times_shared_memory_tcp_and_says_what_of_mpi(
     assert re.search(r'\| OpenMPI Allreduce \(mpi4py\) \| ([\d,.]+ \| ms|'
                      r'(mpi4py is not installed|no mpirun|mpirun failed))',
                      out)
+
+
+def test_bench_overlap_times_dg_steps_with_and_without_buckets(capsys):
+    assert main(['bench', 'overlap', '--model', 'tiny', '--batch-size', '4',
+                 '--buckets', '0,0.01', '--steps', '2', '--rounds',
+                 '1']) == 0
+    out = capsys.readouterr().out
+    steps = re.findall(r'\| dg step, (after the backward pass|buckets of '
+                       r'0.01 MiB) \| ([\d,.]+) \| ms \|', out)
+    assert [label for label, _ in steps] == ['after the backward pass',
+                                              'buckets of 0.01 MiB']
+    assert all(float(v.replace(',', '')) > 0 for _, v in steps)
+    assert re.search(r'speed-up vs after the backward pass \| \d\.\d+x', out)
+    assert main(['bench', 'overlap', '--buckets', '1,-2']) == 2
+    assert "got '1,-2'" in capsys.readouterr().err
