@@ -1,5 +1,6 @@
 """Every notebook runs headless on the CPU with tiny parameters."""
 import ast
+import json
 import os
 from pathlib import Path
 
@@ -37,6 +38,11 @@ def test_saved_without_outputs_and_with_parameters(path):
     for cell in nb.cells:
         if cell.cell_type == 'code':
             assert cell.outputs == [] and cell.execution_count is None
+    # nbformat 4.5 wants an id on every cell, saved in the file (reading
+    # makes up missing ones, with a warning today, an error in future
+    # nbformat versions)
+    ids = [cell.get('id') for cell in json.loads(path.read_text())['cells']]
+    assert all(ids) and len(set(ids)) == len(ids)
     # Paths default to the checkout's data/ and runs/ (None here, resolved
     # by repository_path), never to folders relative to the kernel's;
     # a lab mirror's url and md5 can be passed.
