@@ -71,3 +71,13 @@ def test_make_train_passes_args():
     out = subprocess.run(['make', '-s', 'train', 'ARGS=--help'], cwd=ROOT,
                          capture_output=True, text=True, env=env, check=True)
     assert 'usage: dasktrain train' in out.stdout
+
+
+def test_every_command_runs_as_python_m_dasktrain_cli():
+    # the commands register from their own modules; `python -m` runs cli.py
+    # as __main__, a second copy, which must see the same registry
+    for name in ('jobs', 'tune', 'bench', 'cluster'):
+        out = subprocess.run([sys.executable, '-m', 'dasktrain.cli', name,
+                              '--help'], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f'usage: dasktrain {name}')

@@ -5,7 +5,7 @@ when that module loads; the benchmarks themselves import on use.
 """
 import argparse
 
-from dasktrain.cli import Command, Parser, command
+from dasktrain.commands import Command, Parser, command
 from dasktrain.config import MODELS, devices_type
 
 
