@@ -303,7 +303,7 @@ def _overlapped(name, rank, size, bucket_mb):
     with DaskComm.rendezvous(name, rank, size, timeout=30) as comm:
         model = GPUDistributedGradient(get_model('cifar10'), ['@numpy'],
                                        comm=comm, bucket_mb=bucket_mb)
-        model.setup(chainer_sgd())
+        model.setup(chainer.optimizers.MomentumSGD(lr=0.01))
         rng = np.random.RandomState(rank)
         for step in range(3):
             x = rng.randn(4, 3, 32, 32).astype(np.float32)
@@ -311,11 +311,6 @@ def _overlapped(name, rank, size, bucket_mb):
             model.step(x, t, total=8)
         return ({n: p.array for n, p in model.master.namedparams()},
                 model.exchange.plan, model.exchange.early)
-
-
-def chainer_sgd():
-    import chainer
-    return chainer.optimizers.MomentumSGD(lr=0.01)
 
 
 def test_buckets_leave_during_the_backward_pass_and_sum_the_same_bits(

@@ -3,7 +3,8 @@ few CUDA calls the rest of the package makes about them (synchronise,
 free memory, say why CuPy cannot be used).
 
 Decisions about *which* GPU ids a worker, job or rank gets live in
-:mod:`dasktrain.parallel.gpus` (no CUDA needed); this module asks CuPy what is there.
+:mod:`dasktrain.parallel.gpus` (no CUDA needed); this module asks CuPy
+what is there.
 """
 import contextlib
 import shutil

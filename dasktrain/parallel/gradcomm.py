@@ -244,15 +244,15 @@ class GradientExchange:
         where = {i: k for k, b in enumerate(self.plan) for i in b}
         if self._side is None:
             self._side = SideStream(self.model.devices[0])
-        courier = _Courier(lambda *bucket: self._send(*bucket))
-        self._step = state = {'courier': courier, 'next': 0}
-        self._step_results = []  # (grads, summed copies, scales) per bucket
+        results = []  # (grads, summed copies, scales) per bucket, in order
+        courier = _Courier(lambda *bucket: self._send(results, *bucket))
+        self._step = state = {'courier': courier, 'next': 0,
+                              'results': results}
 
         def ready(param):
-            i = index.get(id(param))
-            if i is None:  # a leaf Variable that is no parameter
+            if id(param) not in index:  # a leaf Variable, no parameter
                 return
-            left[where[i]] -= 1
+            left[where[index[id(param)]]] -= 1
             # The last bucket waits for the statistics (one message).
             while state['next'] < len(self.plan) - 1 and \
                     left[state['next']] == 0:
@@ -278,17 +278,17 @@ class GradientExchange:
         self._step['courier'].put(grads, mark(self.model.devices[0]),
                                   statistics)
 
-    def _send(self, grads, event, statistics):
+    def _send(self, results, grads, event, statistics):
         """On the communication thread: sum copies of one bucket over the
-        ranks (and, with the last, the statistics); returns nothing, the
-        copies and their scales are kept for :meth:`step`."""
+        ranks (and, with the last, the statistics); the copies and their
+        scales go to ``results``, for :meth:`step` to write back."""
         with self._side.after(event):
             sent, scale = self._encode(grads, copy=True)
             if statistics is None:
                 self.model.comm.allreduce(sent)
             else:
                 self.model.arrays.reduce(statistics, also=sent)
-            self._step_results.append((grads, sent, scale))
+            results.append((grads, sent, scale))
 
     def step(self):
         """Sum this step's gradients and statistics, then update."""
@@ -310,7 +310,7 @@ class GradientExchange:
             self._launch(len(self.plan) - 1, sums)
             self._step = None
             self.model.timed(state['courier'].close)
-            for grads, sent, scale in self._step_results:
+            for grads, sent, scale in state['results']:
                 self._decode(grads, sent, scale)
         self._update(groups, sums)
 
