@@ -8,10 +8,12 @@ import json
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
@@ -26,6 +28,7 @@ from dasktrain.cli import main
 from dasktrain.cluster import connect, start_cluster, stop_cluster
 from dasktrain.cluster.jobs import submit
 from dasktrain.cluster.monitor import gpu_readings
+from children import child
 from test_cluster import job_config, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,28 +254,58 @@ def test_jobs_page_routes_are_read_only_and_linked(cluster, capsys):
 def test_jobs_watch_refreshes_until_interrupted(cluster, data_dir, capsys):
     assert main(['jobs', '--watch', '--interval', '0']) == 2
     assert '--interval must be > 0, got 0' in capsys.readouterr().err
-    watch = subprocess.Popen(
-        [sys.executable, '-m', 'dasktrain.cli', 'jobs', '--watch',
-         '--interval', '0.3'], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(watch.stdout))
-    reader.start()
-    try:
+    with child('jobs', '--watch', '--interval', '0.3') as watch:
+        lines = watch.lines
         wait_until(lambda: sum(l.startswith('ID ') for l in lines) >= 1, 60,
                    'the first table')
         job = submitted(job_config(data_dir, epochs=1), 'watched')
         wait_until(lambda: any(l.startswith(job.id) and ' finished ' in l
                                for l in lines), 120, 'the job to finish')
-    finally:
-        watch.send_signal(signal.SIGINT)
-        _, err = watch.communicate(timeout=30)
-        reader.join()
-    assert watch.returncode == 0, err
-    assert 'Traceback' not in err
+        watch.signal(signal.SIGINT)
+        assert watch.wait(10) == 0, watch.stderr()
+    assert 'Traceback' not in watch.stderr()
     states = [l.split()[1] for l in lines if l.startswith(job.id)]
     assert states[0] in ('queued', 'running') and states[-1] == 'finished'
     assert sum(l.startswith('ID ') for l in lines) >= 3  # refreshed
+
+
+def test_jobs_watch_ends_on_ctrl_c_while_the_scheduler_does_not_answer(
+        tmp_path):
+    """A scheduler that accepts connections and never answers (a stuck
+    or firewalled one): the watch shows the job folders, and Ctrl-C ends
+    it at once, at any moment of the connect."""
+    server = socket.socket()
+    server.bind(('127.0.0.1', 0))
+    server.listen(16)
+    held = []  # accepted, never answered
+    threading.Thread(target=lambda: [held.append(server.accept())
+                                     for _ in iter(int, 1)],
+                     daemon=True).start()
+    folder = tmp_path / 'jobs' / 'stuck-1'
+    folder.mkdir(parents=True)
+    (folder / 'job.json').write_text(json.dumps({
+        'id': 'stuck-1', 'name': 'stuck', 'user': 'u', 'gpus': 0,
+        'workers': None, 'config': {'epochs': 3}, 'submitted': 1.7e9,
+        'scheduler': f'tcp://127.0.0.1:{server.getsockname()[1]}'}))
+    (folder / 'status.json').write_text(json.dumps({
+        'state': 'queued', 'attempts': 0, 'gpus': None, 'worker': None,
+        'started': None, 'ended': None, 'error': None}))
+    try:
+        for tables in (1, 4):  # early in the connect, and well into it
+            with child('jobs', '--watch', '--interval', '0.2',
+                       '--jobs-dir', str(tmp_path / 'jobs')) as watch:
+                wait_until(lambda: sum(l.startswith('stuck-1 ')
+                                       for l in watch.lines) >= tables,
+                           60, f'{tables} tables')
+                watch.signal(signal.SIGINT)
+                started = time.monotonic()
+                assert watch.wait(10) == 0, watch.stderr()
+                assert time.monotonic() - started < 1.5
+            assert 'Traceback' not in watch.stderr()
+            row = [l for l in watch.lines if l.startswith('stuck-1 ')][-1]
+            assert row.split()[1] == 'queued'
+    finally:
+        server.close()
 
 
 class _Dom(HTMLParser):

@@ -263,7 +263,7 @@ def test_a_killed_worker_resumes_its_trial(data_dir, tmp_path):
             run = threading.Thread(target=lambda: result.update(study=tune(
                 {'lr': [0.03]}, base(data_dir, epochs=5), trials=1,
                 parallel=1, gpus=0, pruner='none', client=client,
-                path=tmp_path / 'jobs', out=out)))
+                path=tmp_path / 'jobs', out=out)), daemon=True)
             run.start()
             wait_until(lambda: any(len(j.log_rows()) >= 1 for j in
                                    list_jobs(tmp_path / 'jobs')), 120,

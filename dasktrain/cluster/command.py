@@ -166,26 +166,31 @@ class Jobs(Command):
             args.command_parser.error(
                 f'--interval must be > 0, got {args.interval:g}')
         if not args.watch:
-            print(self.table(args.jobs_dir))
+            print(self.table(args.jobs_dir, _ask_once))
             return 0
         clear = '\x1b[H\x1b[2J' if sys.stdout.isatty() else '\n'
+        poller = _SchedulerPoller(args.interval)
         try:
             while True:
-                table = self.table(args.jobs_dir)
+                table = self.table(args.jobs_dir, poller.ask)
                 sys.stdout.write(f"{clear}every {args.interval:g} s, Ctrl-C "
                                  f"to stop; {time.strftime('%H:%M:%S')}\n"
                                  f'{table}\n')
                 sys.stdout.flush()
                 time.sleep(args.interval)
         except KeyboardInterrupt:  # the way out of --watch, not an error
+            poller.stop()
             return 0
 
     @staticmethod
-    def table(jobs_dir):
+    def table(jobs_dir, ask=None):
         """The jobs table; a job folder that cannot be read is one row
-        'unreadable' and a line with its reason below, never an error."""
-        from dasktrain.cluster.jobs import DONE, JobError, list_jobs, \
-            scheduler_states
+        'unreadable' and a line with its reason below, never an error.
+
+        ``ask(keys, address)`` says what the scheduler at ``address`` knows
+        of those job keys (None: unreachable); without it the table reads
+        the job folders only."""
+        from dasktrain.cluster.jobs import DONE, JobError, list_jobs
         jobs, unreadable = [], []
         for job in list_jobs(jobs_dir):
             try:  # one bad job folder must not hide the others
@@ -194,13 +199,8 @@ class Jobs(Command):
                 unreadable.append((job, str(e)))
         live = [(j, spec) for j, spec, s in jobs if s['state'] not in DONE]
         known = {}
-        if live:  # what the scheduler knows, if it can be reached at once
-            try:
-                from dasktrain.cluster.local import connect
-                with connect(live[0][1].get('scheduler'), timeout=3) as c:
-                    known = scheduler_states([j.key for j, _ in live], c)
-            except Exception:  # unreachable: the files alone still tell
-                known = None
+        if live and ask is not None:
+            known = ask([j.key for j, _ in live], live[0][1].get('scheduler'))
         rows = [('ID', 'STATE', 'GPUS', 'PROGRESS', 'ACCURACY', 'SUBMITTED',
                  'STARTED', 'ENDED', 'SCHEDULER')]
         for job, spec, s in jobs:
@@ -221,6 +221,77 @@ class Jobs(Command):
                  for r in rows]
         lines += [f'unreadable: {reason}' for _, reason in unreadable]
         return '\n'.join(lines)
+
+
+def _ask_once(keys, address):
+    """What the scheduler knows of ``keys``, if it answers within 3 s."""
+    from dasktrain.cluster.jobs import scheduler_states
+    from dasktrain.cluster.local import connect
+    try:
+        with connect(address, timeout=3) as client:
+            return scheduler_states(keys, client)
+    except Exception:  # unreachable: the files alone still tell
+        return None
+
+
+class _SchedulerPoller:
+    """``jobs --watch``'s view of the scheduler: one client for the whole
+    watch, asked in a daemon thread, so that neither a slow connect nor a
+    scheduler that stopped answering delays a refresh or Ctrl-C.
+
+    :meth:`ask` never blocks: it returns the last answer (``{}`` until the
+    first, None while unreachable) and names the keys for the next one.
+    """
+
+    def __init__(self, interval):
+        import threading
+        self.interval = interval
+        # (keys asked, the scheduler's answer), or None while unreachable
+        self.answer, self.wanted = (set(), {}), ([], None)
+        self.stopped = threading.Event()
+        self.client = None
+        threading.Thread(target=self._poll, name='jobs-watch-scheduler',
+                         daemon=True).start()
+
+    def ask(self, keys, address):
+        self.wanted = (keys, address)
+        if self.answer is None:
+            return None
+        asked, known = self.answer
+        # a job the scheduler was not asked about yet: '-', not 'unknown'
+        return {k: known.get(k, 'unknown') if k in asked else '-'
+                for k in keys}
+
+    def _poll(self):
+        from dasktrain.cluster.jobs import scheduler_states
+        from dasktrain.cluster.local import connect
+        address = None
+        while not self.stopped.is_set():
+            keys, wanted = self.wanted
+            try:
+                if keys and (self.client is None or wanted != address):
+                    self._close()
+                    address = wanted
+                    self.client = connect(address, timeout=3)
+                if keys:
+                    self.answer = (set(keys),
+                                   scheduler_states(keys, self.client))
+            except Exception:  # unreachable: the files alone still tell
+                self.answer = None
+                self._close()
+            self.stopped.wait(self.interval)
+        self._close()
+
+    def _close(self):
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                client.close(timeout=1)
+            except Exception:  # already gone: nothing to close
+                pass
+
+    def stop(self):
+        self.stopped.set()
 
 
 class _JobCommand(Command):
