@@ -5,11 +5,14 @@ The package is grouped by layer, and data flows one way through it::
     data      CIFAR-10: download, lazy dask arrays, augmentation
     -> parallel   GPUDistributedGradient and what it stands on: devices,
                   GPUs, replicas, collectives (Dask, shared memory, NCCL)
-    -> training   the loop, models, output folders, reports
+    -> training   the loop, models, output folders
     -> cluster    the Dask cluster and its TLS, one run across workers
-                  (scaleout), the job queue, its metrics and page
+                  (scaleout)
+    -> jobs       the job queue: job folders, submitting, running on a
+                  worker, the jobs page (``monitor``: its metrics)
     -> tuning     Optuna studies whose trials are jobs
-    -> cli        the ``dasktrain`` command
+    -> report     tables and figures of runs, jobs and trials
+    -> commands   the ``dasktrain`` subcommands; ``cli`` their table
 
 ``bench`` measures the layers; ``config`` (the one ``TrainConfig``),
 ``errors`` and ``files`` serve them all.
@@ -37,8 +40,8 @@ _EXPORTS = {
     'load_model': 'dasktrain.training.models',
     'TrainConfig': 'dasktrain.config',
     'train': 'dasktrain.cluster.scaleout',
-    'submit': 'dasktrain.cluster.jobs',
-    'Job': 'dasktrain.cluster.jobs',
+    'submit': 'dasktrain.jobs.submit',
+    'Job': 'dasktrain.jobs.records',
     'tune': 'dasktrain.tuning.study',
 }
 

@@ -9,6 +9,7 @@ import pytest
 from dasktrain.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[1]
+NAMES = [cmd.name for cmd in COMMANDS]
 
 
 def test_download_command(tmp_path, archive_server, cifar_archive, capsys):
@@ -49,7 +50,7 @@ def test_usage_errors_of_nested_commands(capsys):
     assert len(lines) <= 5
 
 
-@pytest.mark.parametrize('name', sorted(COMMANDS))
+@pytest.mark.parametrize('name', sorted(NAMES))
 def test_every_subcommand_has_help(name, capsys):
     assert main([name, '--help']) == 0
     assert f'usage: dasktrain {name}' in capsys.readouterr().out
@@ -59,7 +60,7 @@ def test_installed_entry_point():
     exe = Path(sys.executable).with_name('dasktrain')
     out = subprocess.run([str(exe), '--help'], capture_output=True,
                          text=True, check=True).stdout
-    for name in COMMANDS:
+    for name in NAMES:
         assert name in out
 
 
@@ -73,9 +74,19 @@ def test_make_train_passes_args():
     assert 'usage: dasktrain train' in out.stdout
 
 
+def test_help_lists_the_commands_in_the_tables_order(capsys):
+    assert NAMES == ['download', 'train', 'cluster', 'submit', 'jobs', 'logs',
+                     'cancel', 'result', 'tune', 'bench']
+    assert main(['--help']) == 0
+    commands = capsys.readouterr().out.split('COMMAND\n', 1)[1]
+    listed = [line.split()[0] for line in commands.split('\n\n')[0]
+              .splitlines() if line[4:5].strip()]  # not a wrapped help
+    assert listed == NAMES
+
+
 def test_every_command_runs_as_python_m_dasktrain_cli():
-    # the commands register from their own modules; `python -m` runs cli.py
-    # as __main__, a second copy, which must see the same registry
+    # `python -m` runs cli.py as __main__, a second copy of the module,
+    # which must see every command of the table
     for name in ('jobs', 'tune', 'bench', 'cluster'):
         out = subprocess.run([sys.executable, '-m', 'dasktrain.cli', name,
                               '--help'], capture_output=True, text=True)

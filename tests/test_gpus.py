@@ -14,7 +14,8 @@ from dasktrain.parallel.devices import format_uuid, unused_gpus_message
 from dasktrain.parallel.gpus import (NCCL_MISSING, Gpu, GpuError, GpuPool,
                                      gpu_ids, job_environment, place_devices,
                                      use_nccl, visible_gpus)
-from dasktrain.cluster.jobs import JobError, check_devices
+from dasktrain.jobs.records import JobError
+from dasktrain.jobs.submit import check_devices
 from dasktrain.cluster.scaleout import per_device_plan
 
 

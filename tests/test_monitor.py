@@ -1,5 +1,5 @@
 """A real `dasktrain cluster start` (scheduler and worker preloading
-dasktrain.cluster.monitor) running real tiny CPU jobs: its /metrics parsed with
+dasktrain.monitor) running real tiny CPU jobs: its /metrics parsed with
 prometheus_client, the Grafana and Prometheus files checked against that
 scrape, the jobs page loaded in a headless Chromium, `jobs --watch`."""
 import getpass
@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dasktrain.cli import main
 from dasktrain.cluster import connect, start_cluster, stop_cluster
-from dasktrain.cluster.jobs import submit
-from dasktrain.cluster.monitor import gpu_readings
+from dasktrain.jobs.submit import cancel, submit
+from dasktrain.monitor import gpu_readings
 from children import child
 from test_cluster import job_config, wait_until
 
@@ -162,7 +162,7 @@ def test_workers_export_cpu_and_memory_and_no_gpu_series(cluster):
     assert len(logs) == 2  # the scheduler's and the worker's
     for log in logs:
         text = log.read_text()
-        assert 'Run preload setup: dasktrain.cluster.monitor' in text
+        assert 'Run preload setup: dasktrain.monitor' in text
         assert 'Traceback' not in text and ' - ERROR - ' not in text, text
 
 
@@ -368,7 +368,7 @@ def test_jobs_page_in_a_headless_browser_while_a_job_trains(
                        timeout=120)
         assert job.status()['state'] == 'running'
     finally:
-        job.cancel()
+        cancel(job)
     found = _Dom(dom)
     row = ''.join(found.text[('tr', job.id)])
     assert job.id in row and 'live-curves' in row and 'running' in row

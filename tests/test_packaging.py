@@ -24,6 +24,8 @@ except ImportError:  # Python 3.10: the parser pip itself uses
     from pip._vendor import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+# Files of the package that are not Python, read with importlib.resources.
+PACKAGE_DATA = {'dasktrain/jobs/page.html', 'dasktrain/jobs/page.js'}
 
 
 def _name(requirement):
@@ -98,6 +100,7 @@ def test_chainer_imports_first_after_a_normal_install(tmp_path):
         modules = {p.relative_to(ROOT).as_posix()
                    for p in (ROOT / 'dasktrain').rglob('*.py')}
         assert modules <= set(z.namelist())  # every subpackage's too
+        assert PACKAGE_DATA <= set(z.namelist())
     venv = tmp_path / 'venv'
     subprocess.run([sys.executable, '-m', 'venv', '--without-pip',
                     str(venv)], check=True)
@@ -117,18 +120,24 @@ def test_chainer_imports_first_after_a_normal_install(tmp_path):
                             'dasktrain.__file__)'], cwd=tmp_path,
                            capture_output=True, text=True, check=True)
     assert where.stdout.startswith(str(site))  # the wheel's, not editable
+    page = subprocess.run([str(python), '-c', 'from dasktrain.jobs.page '
+                           'import page_template; print(page_template())'],
+                          cwd=tmp_path, capture_output=True, text=True,
+                          check=True).stdout
+    assert '<script nonce="{nonce}">' in page and 'setInterval(' in page
 
 
 # ----------------------------------------------- the package's subpackages
 
-SUBPACKAGES = ('data', 'parallel', 'training', 'cluster', 'tuning', 'bench')
+SUBPACKAGES = ('data', 'parallel', 'training', 'cluster', 'jobs', 'tuning',
+               'bench')
 HEAVY = ('chainer', 'dask', 'distributed', 'optuna', 'requests', 'tornado')
 
 
 def test_the_package_and_its_subpackages_import_nothing_heavy(tmp_path):
     # Their public names import their module on first use: `dasktrain
     # --help` and `from dasktrain.cluster import connect` stay fast.
-    code = ('import sys, dasktrain, dasktrain.cli, ' +
+    code = ('import sys, dasktrain, dasktrain.cli, dasktrain.commands, ' +
             ', '.join(f'dasktrain.{p}' for p in SUBPACKAGES) +
             f'; print([m for m in {HEAVY!r} if m in sys.modules])')
     done = subprocess.run([sys.executable, '-c', code], cwd=tmp_path,

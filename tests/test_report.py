@@ -7,7 +7,7 @@ import pytest
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dasktrain.training import report  # noqa: E402
+from dasktrain import report  # noqa: E402
 
 
 def log(rates, accuracies, comm=0.0):
@@ -134,7 +134,7 @@ def test_legends_sit_outside_the_data(draw):
 
 
 def test_timeline_shows_each_job_waiting_then_running(tmp_path):
-    from dasktrain.cluster.jobs import Job
+    from dasktrain.jobs.records import Job
     jobs = []
     for name, started, ended in [('a', 100.0, 160.0), ('b', 100.0, 150.0),
                                  ('c', 150.0, 200.0), ('d', None, 120.0)]:
@@ -170,7 +170,7 @@ def test_curves_without_a_legend_leave_it_to_their_neighbour():
 
 
 def test_timeline_colours_pruned_and_failed_runs(tmp_path):
-    from dasktrain.cluster.jobs import Job
+    from dasktrain.jobs.records import Job
     jobs = []
     for name, state in [('t0', 'finished'), ('t1', 'pruned'),
                         ('t2', 'failed'), ('t3', 'running')]:

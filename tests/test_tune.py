@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
-from dasktrain.cluster.jobs import list_jobs
+from dasktrain.jobs.records import list_jobs
 from dasktrain.tuning.trials import open_storage
 from dasktrain.tuning import tune
 from test_cluster import Processes, wait_until

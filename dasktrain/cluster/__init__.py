@@ -1,7 +1,7 @@
 """Runs on a Dask cluster: the cluster itself, its state and clients
-(:mod:`~dasktrain.cluster.local`, TLS by ``tls``), one run across workers
-(``scaleout``), the job queue (``jobs``) and the scheduler's metrics and
-jobs page (``monitor``, ``jobspage``).
+(:mod:`~dasktrain.cluster.local`, TLS by ``tls``) and one run across
+workers (``scaleout``). The job queue is :mod:`dasktrain.jobs`, the
+scheduler's metrics :mod:`dasktrain.monitor`.
 
 Each name below imports its module on first use (importing the package
 loads no dask.distributed).

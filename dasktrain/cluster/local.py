@@ -31,7 +31,7 @@ from dasktrain.errors import UserError
 from dasktrain.files import write_json
 
 HOME_ENV = 'DASKTRAIN_HOME'
-MONITOR = 'dasktrain.cluster.monitor'  # preloaded by the scheduler and the worker
+MONITOR = 'dasktrain.monitor'  # preloaded by the scheduler and the worker
 
 
 class ClusterError(UserError):

@@ -4,7 +4,7 @@ are jobs on the cluster.
 :func:`tune` runs Optuna's ask-and-tell loop: it asks the study for a trial
 (Optuna's TPE or random sampler picks the params from the space, see
 space.py), submits the trial's TrainConfig as a job with
-:func:`dasktrain.cluster.jobs.submit` (the queue ``dasktrain submit`` uses) and
+:func:`dasktrain.jobs.submit.submit` (the queue ``dasktrain submit`` uses) and
 keeps ``parallel`` trials in flight. So trials wait for GPUs beside
 everyone's jobs, show in ``dasktrain jobs``, and resume on another worker
 when theirs dies. Each trial reports its epochs, is pruned and tells its
@@ -30,9 +30,9 @@ from dasktrain.cluster.local import connect
 from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
-from dasktrain.cluster.jobs import (DONE, check_devices, check_resources,
-                                    jobs_dir, list_jobs, scheduler_states,
-                                    submit)
+from dasktrain.jobs.records import DONE, jobs_dir, list_jobs
+from dasktrain.jobs.submit import (check_devices, check_resources, requeue,
+                                   scheduler_states, submit)
 from dasktrain.tuning.space import config_for, load_space, suggest
 from dasktrain.tuning.trials import (describe_best, finish, make_pruner,
                                      open_storage, outcome, params_text)
@@ -169,7 +169,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
         The sampler's seed.
     client, scheduler, path
         The cluster (default: the recorded one) and jobs dir, as for
-        :func:`dasktrain.cluster.jobs.submit`.
+        :func:`dasktrain.jobs.submit.submit`.
 
     Returns
     -------
@@ -358,7 +358,7 @@ class _Search:
             known = live
         for key, job in live.items():
             if key not in known:
-                job.requeue(self.client)
+                requeue(job, self.client)
         return len(live)
 
     def announce(self, done):

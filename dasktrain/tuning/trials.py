@@ -1,11 +1,11 @@
 """One trial of a study, run as a dasktrain job, and what it tells Optuna.
 
 A trial's job runs this module as its child process (``python -m
-dasktrain.tuning.trials FOLDER``, see :func:`dasktrain.cluster.jobs.submit`'s ``extra``).
+dasktrain.tuning.trials FOLDER``, see :func:`dasktrain.jobs.submit.submit`'s ``extra``).
 The training calls :class:`Reporter` after every epoch: it reports the
 metric to the study's storage (``trial.report(value, epoch)``) and asks the
 study's pruner (``trial.should_prune()``); when the pruner says so it
-raises :class:`dasktrain.cluster.jobs.Pruned`, the training stops at once (its
+raises :class:`dasktrain.jobs.records.Pruned`, the training stops at once (its
 checkpoint is already written), the job ends ``pruned`` and its GPUs go
 back to the queue. When the training ends the child tells the study
 itself (:func:`finish`), so a study's record does not depend on the
@@ -17,8 +17,9 @@ ranks trials by the value told, never by the values reported, so telling
 the last epoch's value would rank a trial that overfits late below one that
 never got as good. (A pruned trial's value is Optuna's: its last epoch's.)
 
-:func:`trials_table`, :func:`describe_best` and :func:`trial_jobs` read a
-study's trials back, for ``dasktrain tune --status`` and notebooks.
+:func:`describe_best` and :func:`trial_jobs` read a study's trials back,
+for ``dasktrain tune --status`` and notebooks (their table is
+:func:`dasktrain.report.trials_table`).
 """
 import json
 import math
@@ -26,7 +27,8 @@ import sys
 from pathlib import Path
 
 from dasktrain.errors import UserError
-from dasktrain.cluster.jobs import PRUNED, Job, Pruned, run_child
+from dasktrain.jobs.records import PRUNED, Job, Pruned
+from dasktrain.jobs.worker import run_child
 
 
 class StorageError(UserError):
@@ -186,16 +188,6 @@ def trial_jobs(study, path=None):
     """The job of each trial that has one, in trial order."""
     return [Job.find(t.user_attrs['job'], path) for t in study.trials
             if 'job' in t.user_attrs]
-
-
-def trials_table(study):
-    """Number, state, params, value, the epoch the value is from, and job
-    of every trial."""
-    from dasktrain.training.report import Table
-    return Table(['trial', 'state', 'params', 'value', 'epoch', 'job'], [
-        [t.number, t.state.name.lower(), params_text(t.params), t.value,
-         t.user_attrs.get('epoch'), t.user_attrs.get('job')]
-        for t in study.get_trials(deepcopy=False)])
 
 
 if __name__ == '__main__':

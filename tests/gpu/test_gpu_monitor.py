@@ -1,12 +1,12 @@
 """NVML's readings of real GPUs, directly and through a real cluster's
-/metrics (dasktrain.cluster.monitor)."""
+/metrics (dasktrain.monitor)."""
 import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from dasktrain.cluster import start_cluster, stop_cluster
-from dasktrain.cluster.monitor import gpu_readings
+from dasktrain.monitor import gpu_readings
 from gpu_marks import needs
 
 

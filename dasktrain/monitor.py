@@ -1,13 +1,14 @@
 """The cluster at a glance: Prometheus metrics and a live jobs page, served
 by the Dask scheduler's own web server (its dashboard port).
 
-``dask scheduler --preload dasktrain.cluster.monitor`` (what ``dasktrain cluster
+``dask scheduler --preload dasktrain.monitor`` (what ``dasktrain cluster
 start`` runs) installs three things in the scheduler process:
 
 * a :class:`JobBoard` scheduler plugin, which keeps the latest
-  :meth:`~dasktrain.cluster.jobs.Job.summary` of every job from the Dask events jobs
-  send on :data:`~dasktrain.cluster.jobs.EVENTS` (queued, running, each epoch, the
-  end), after reading the jobs dir once at start for the jobs before it;
+  :meth:`~dasktrain.jobs.records.Job.summary` of every job from the Dask
+  events jobs send on :data:`~dasktrain.jobs.records.EVENTS` (queued,
+  running, each epoch, the end), after reading the jobs dir once at start
+  for the jobs before it;
 * a Prometheus collector (:class:`Collector`) on ``prometheus_client``'s
   default registry, which Dask's ``/metrics`` route serves beside Dask's
   own ``dask_scheduler_*`` series: jobs by state; per job (labels
@@ -15,15 +16,16 @@ start`` runs) installs three things in the scheduler process:
   images/s, data-wait and communication shares, GPUs held; per worker its
   process CPU and memory (what Dask's heartbeats carry) and, per GPU, NVML's
   utilisation, memory, temperature and power;
-* the read-only jobs page (:mod:`dasktrain.cluster.jobspage`) at ``/dasktrain/jobs``.
+* the read-only jobs page (:mod:`dasktrain.jobs.page`) at ``/dasktrain/jobs``.
 
-``dask worker --preload dasktrain.cluster.monitor`` adds the worker's GPU readings
+``dask worker --preload dasktrain.monitor`` adds the worker's GPU readings
 (:func:`gpu_readings`) to its heartbeats. A worker without NVML or without
 GPUs sends an empty list: no GPU series, and no error.
 
 Everything computed here is read-only and binds nowhere new: the page and
 ``/metrics`` are routes of the dashboard's server, wherever it binds
-(127.0.0.1 unless told otherwise).
+(127.0.0.1 unless told otherwise). It never writes a job's files (that is
+:mod:`dasktrain.jobs`').
 """
 import collections
 import math
@@ -31,16 +33,15 @@ import os
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dasktrain.jobs.page import PATH, add_routes
+from dasktrain.jobs.records import EVENTS, STATES, list_jobs
 from dasktrain.parallel.gpus import visible_gpus
-from dasktrain.cluster.jobs import EVENTS, list_jobs
 
 GPU_METRIC = 'dasktrain-gpus'  # the worker heartbeat's key for NVML readings
-STATES = ('queued', 'running', 'finished', 'failed', 'cancelled', 'pruned')
 JOB_LABELS = ('job_id', 'name', 'user')
 SUMMARY_KEYS = {'id', 'folder', 'name', 'user', 'gpus', 'workers', 'epochs',
                 'submitted', 'state', 'held', 'started', 'ended', 'row',
                 'epoch_seconds'}
-PAGE_PATH = '/dasktrain/jobs'
 
 
 def links(dashboard):
@@ -49,7 +50,7 @@ def links(dashboard):
     from urllib.parse import urlsplit, urlunsplit
     parts = urlsplit(dashboard)
     root = parts.path.rsplit('/', 1)[0]  # Dask's --dashboard-prefix stays
-    return {'jobs page': urlunsplit(parts._replace(path=root + PAGE_PATH)),
+    return {'jobs page': urlunsplit(parts._replace(path=root + PATH)),
             'metrics': urlunsplit(parts._replace(path=root + '/metrics'))}
 
 
@@ -112,10 +113,10 @@ def _read(call, *args):
 class JobBoard(SchedulerPlugin):
     """The latest summary of every job the scheduler has heard of.
 
-    Each event on :data:`~dasktrain.cluster.jobs.EVENTS` replaces the job's summary
-    whole (a summary is a job's complete state, so no event depends on an
-    earlier one); the jobs dir is read once at start for the jobs queued or
-    run before this scheduler.
+    Each event on :data:`~dasktrain.jobs.records.EVENTS` replaces the job's
+    summary whole (a summary is a job's complete state, so no event depends
+    on an earlier one); the jobs dir is read once at start for the jobs
+    queued or run before this scheduler.
     """
     name = 'dasktrain-job-board'
 
@@ -295,7 +296,6 @@ def dask_setup(server):
         server.metrics[GPU_METRIC] = gpu_readings
         return
     from prometheus_client import REGISTRY
-    from dasktrain.cluster.jobspage import add_routes
     board = JobBoard()
     server.add_plugin(board)
     collector = _installed.get('collector')

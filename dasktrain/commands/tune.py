@@ -1,13 +1,10 @@
-"""``dasktrain tune``: an Optuna study whose trials are queued jobs,
-registered with :mod:`dasktrain.cli`'s registry when that module loads.
-"""
+"""``dasktrain tune``: an Optuna study whose trials are queued jobs, or a
+study's trials and its best (``--status``)."""
 import argparse
 
-from dasktrain.commands import Command, command, train_config
-from dasktrain.cluster.command import add_jobs_dir
+from dasktrain.commands import Command, add_jobs_dir, train_config
 
 
-@command
 class Tune(Command):
     name = 'tune'
     help = ('search hyperparameters: an Optuna study whose trials are queued '
@@ -56,11 +53,14 @@ class Tune(Command):
 
     def run(self, args):
         import optuna
-        from dasktrain.tuning import study as tuning, trials
+
+        from dasktrain.report import trials_table
+        from dasktrain.tuning import study as tuning
+        from dasktrain.tuning import trials
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # ours instead
         if args.status:
             study = tuning.load(args.status, args.jobs_dir, args.storage)
-            print(trials.trials_table(study).to_text())
+            print(trials_table(study).to_text())
             print(trials.describe_best(study))
             return 0
         if not args.space:

@@ -1,11 +1,11 @@
 """``dasktrain bench``: the benchmarks' subcommands (augment, train,
 scaleout, allreduce, overlap, model-scaling), each printing a Markdown
-table with the machine. Registered with :mod:`dasktrain.cli`'s registry
-when that module loads; the benchmarks themselves import on use.
+table with the machine; the benchmarks (:mod:`dasktrain.bench`) import
+on use.
 """
 import argparse
 
-from dasktrain.commands import Command, Parser, command
+from dasktrain.commands import Command, Parser
 from dasktrain.config import MODELS, devices_type
 
 
@@ -41,7 +41,6 @@ def _model_scaling(args):
     return rows
 
 
-@command
 class Bench(Command):
     name = 'bench'
     help = 'measure throughput on this machine; prints a Markdown table'
@@ -195,7 +194,8 @@ class Bench(Command):
                      f'{args.batch_size} per worker, 2 workers, '
                      f'{"TLS sockets" if args.sockets else "shared memory"})')
         elif args.bench == 'scaleout':
-            rows = bench.bench_scaleout(
+            from dasktrain.bench.scaleout import bench_scaleout
+            rows = bench_scaleout(
                 workers=range(1, args.workers + 1), model=args.model,
                 batch_size=args.batch_size, mix_every=args.mix_every,
                 epochs=args.epochs, train_size=args.train_size,

@@ -1,14 +1,23 @@
-"""Tables and figures of training runs, for notebooks and reports.
+"""Tables and figures of training runs, jobs and a study's trials, for
+notebooks and reports.
 
 A *run* is a training log: the list of rows ``OUT/log`` holds (Chainer
 LogReport format), or the ``OUT`` folder itself. Functions take a dict
-``{label: run}`` so one call compares several runs.
+``{label: run}`` so one call compares several runs. Jobs are
+:class:`~dasktrain.jobs.records.Job` s, read from their folders.
+
+Reads what runs, jobs and studies left behind; it never trains, queues or
+changes anything.
 """
 import html
 import json
+import time
 from pathlib import Path
 
 import numpy as np
+
+from dasktrain.jobs.records import DONE
+from dasktrain.tuning.trials import params_text
 
 AXIS_LABELS = {
     'epoch': 'epoch',
@@ -219,7 +228,6 @@ def plot_timeline(jobs, ax=None, title=None):
     the first was submitted: one row per job (a job not started yet shows
     its wait so far, one still running its run so far). Runs that were
     pruned (hyperparameter search) or failed have their own colours."""
-    import time
     ax = _axes(ax)
     jobs = list(jobs)
     specs = [job.spec() for job in jobs]
@@ -261,9 +269,6 @@ def jobs_table(jobs):
 
 def watch_jobs(jobs, interval=2.0, timeout=None):
     """Show :func:`jobs_table`, refreshed in place, until every job ends."""
-    import time
-
-    from dasktrain.cluster.jobs import DONE
     try:
         from IPython.display import clear_output, display
     except ImportError:  # plain Python: print each change
@@ -279,3 +284,12 @@ def watch_jobs(jobs, interval=2.0, timeout=None):
             raise TimeoutError('jobs still running after '
                                f'{timeout:.0f} s')
         time.sleep(interval)
+
+
+def trials_table(study):
+    """Number, state, params, value, the epoch the value is from, and job
+    of every trial of an Optuna study (:mod:`dasktrain.tuning`)."""
+    return Table(['trial', 'state', 'params', 'value', 'epoch', 'job'], [
+        [t.number, t.state.name.lower(), params_text(t.params), t.value,
+         t.user_attrs.get('epoch'), t.user_attrs.get('job')]
+        for t in study.get_trials(deepcopy=False)])

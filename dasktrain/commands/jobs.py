@@ -1,0 +1,210 @@
+"""The job queue's commands: ``dasktrain submit``, ``jobs`` (the table,
+once or ``--watch``), ``logs``, ``cancel`` and ``result``."""
+import argparse
+import sys
+import time
+
+from dasktrain.commands import Command, add_jobs_dir, train_config
+
+
+class Submit(Command):
+    name = 'submit'
+    help = ('queue a training job on the cluster: dasktrain submit [options]'
+            ' -- <dasktrain train options>')
+
+    def add_arguments(self, parser):
+        parser.add_argument('--scheduler', default=None, metavar='ADDR',
+                            help='default: the cluster `dasktrain cluster '
+                                 'start` recorded')
+        parser.add_argument('--gpus', type=int, default=1,
+                            help='GPUs the job reserves; with --workers in '
+                                 'the train options, GPUs per worker; 0 '
+                                 'takes one CPU slot instead (a worker '
+                                 'without GPUs offers CPU slots: `cluster '
+                                 'start --cpu-slots`) (default: '
+                                 '%(default)s)')
+        parser.add_argument('--name', default=None,
+                            help='a label for `dasktrain jobs`')
+        add_jobs_dir(parser)
+        parser.add_argument('train_args', nargs=argparse.REMAINDER,
+                            help='options of `dasktrain train`, after --')
+
+    def run(self, args):
+        from dasktrain.jobs.submit import submit
+        if args.gpus < 0:
+            args.command_parser.error(f'--gpus must be >= 0, got {args.gpus}')
+        config = train_config(args.train_args, 'dasktrain submit --')
+        job = submit(config, gpus=args.gpus, name=args.name,
+                     scheduler=args.scheduler, path=args.jobs_dir)
+        print(job.id)
+        return 0
+
+
+def _when(seconds):
+    return time.strftime('%m-%d %H:%M:%S', time.localtime(seconds)) \
+        if seconds else '-'
+
+
+class Jobs(Command):
+    name = 'jobs'
+    help = 'list every job with its state, GPUs, progress and times'
+
+    def add_arguments(self, parser):
+        add_jobs_dir(parser)
+        parser.add_argument('--watch', '-w', action='store_true',
+                            help='refresh the table until Ctrl-C')
+        parser.add_argument('--interval', type=float, default=2.0,
+                            metavar='SECONDS', help='between refreshes '
+                            'with --watch (default: %(default)s)')
+
+    def run(self, args):
+        if args.interval <= 0:
+            args.command_parser.error(
+                f'--interval must be > 0, got {args.interval:g}')
+        from dasktrain.jobs.submit import SchedulerPoller, ask_scheduler
+        if not args.watch:
+            print(self.table(args.jobs_dir, ask_scheduler))
+            return 0
+        clear = '\x1b[H\x1b[2J' if sys.stdout.isatty() else '\n'
+        poller = SchedulerPoller(args.interval)
+        try:
+            while True:
+                table = self.table(args.jobs_dir, poller.ask)
+                sys.stdout.write(f"{clear}every {args.interval:g} s, Ctrl-C "
+                                 f"to stop; {time.strftime('%H:%M:%S')}\n"
+                                 f'{table}\n')
+                sys.stdout.flush()
+                time.sleep(args.interval)
+        except KeyboardInterrupt:  # the way out of --watch, not an error
+            poller.stop()
+            return 0
+
+    @staticmethod
+    def table(jobs_dir, ask=None):
+        """The jobs table; a job folder that cannot be read is one row
+        'unreadable' and a line with its reason below, never an error.
+
+        ``ask(keys, address)`` says what the scheduler at ``address`` knows
+        of those job keys (None: unreachable); without it the table reads
+        the job folders only."""
+        from dasktrain.jobs.records import DONE, JobError, list_jobs
+        jobs, unreadable = [], []
+        for job in list_jobs(jobs_dir):
+            try:  # one bad job folder must not hide the others
+                jobs.append((job, job.spec(), job.status()))
+            except JobError as e:
+                unreadable.append((job, str(e)))
+        live = [(j, spec) for j, spec, s in jobs if s['state'] not in DONE]
+        known = {}
+        if live and ask is not None:
+            known = ask([j.key for j, _ in live], live[0][1].get('scheduler'))
+        rows = [('ID', 'STATE', 'GPUS', 'PROGRESS', 'ACCURACY', 'SUBMITTED',
+                 'STARTED', 'ENDED', 'SCHEDULER')]
+        for job, spec, s in jobs:
+            accuracy = f"{s['accuracy']:.4f}" if s['accuracy'] is not None \
+                else '-'
+            gpus = ','.join(s['gpus']) if s.get('gpus') else \
+                str(spec.get('gpus', '-'))
+            seen = '-' if s['state'] in DONE else 'unreachable' \
+                if known is None else known.get(job.key, 'unknown')
+            rows.append((job.id, s['state'], gpus,
+                         f"{s['epoch']}/{s['epochs']}", accuracy,
+                         _when(spec['submitted']), _when(s.get('started')),
+                         _when(s.get('ended')), seen))
+        rows += [(job.id, 'unreadable') + ('-',) * 7
+                 for job, _ in unreadable]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                 for r in rows]
+        lines += [f'unreadable: {reason}' for _, reason in unreadable]
+        return '\n'.join(lines)
+
+
+class _JobCommand(Command):
+    def add_arguments(self, parser):
+        parser.add_argument('id', help='a job id from `dasktrain jobs`')
+        add_jobs_dir(parser)
+
+    def job(self, args):
+        from dasktrain.jobs.records import Job
+        return Job.find(args.id, args.jobs_dir)
+
+
+class Logs(_JobCommand):
+    name = 'logs'
+    help = "print a job's output (its traceback, if it failed)"
+
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        parser.add_argument('--follow', '-f', action='store_true',
+                            help='keep printing until the job ends')
+
+    def run(self, args):
+        from dasktrain.jobs.records import DONE
+        job = self.job(args)
+        shown = 0
+        while True:
+            done = job.status()['state'] in DONE
+            text = job.logs()
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+            if done or not args.follow:
+                return 0
+            time.sleep(0.5)
+
+
+class Cancel(_JobCommand):
+    name = 'cancel'
+    help = 'cancel a queued or running job'
+
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        parser.add_argument('--timeout', type=float, default=30.0,
+                            metavar='S', help='seconds to wait for a running'
+                            ' job to stop (default: %(default)s)')
+
+    def run(self, args):
+        from dasktrain.jobs.records import DONE
+        from dasktrain.jobs.submit import cancel
+        job = self.job(args)
+        was = job.status()['state']
+        cancel(job)
+        deadline = time.monotonic() + args.timeout
+        state = job.status()['state']
+        while state not in DONE and time.monotonic() < deadline:
+            time.sleep(0.2)  # a running job stops within a second or so
+            state = job.status()['state']
+        if was in DONE:
+            print(f'{job.id}: already {was}')
+        elif state in DONE:
+            print(f'{job.id}: {state}')
+        else:  # e.g. its worker is gone: the flag stops any rerun
+            print(f'{job.id}: cancel requested, still {state} after '
+                  f'{args.timeout:g} s')
+        return 0
+
+
+class Result(_JobCommand):
+    name = 'result'
+    help = "a finished job's final metrics and where its outputs are"
+
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        parser.add_argument('--wait', action='store_true',
+                            help='wait for the job to end')
+
+    def run(self, args):
+        from dasktrain.jobs.records import DONE, JobError
+        job = self.job(args)
+        status = job.status()
+        if status['state'] not in DONE and not args.wait:
+            raise JobError(f"job {job.id} is {status['state']} (epoch "
+                           f"{status['epoch']}/{status['epochs']}); pass "
+                           '--wait to wait for it')
+        summary = job.result()
+        for key, value in summary['final'].items():
+            print(f'{key}: {value:.6g}' if isinstance(value, float)
+                  else f'{key}: {value}')
+        print(f"outputs: {summary['out']}")
+        return 0

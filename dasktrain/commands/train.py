@@ -1,0 +1,54 @@
+"""``dasktrain download`` and ``dasktrain train``: the data, and one run
+here or across ``--workers N`` Dask workers."""
+from dasktrain.commands import Command, config_from_args
+from dasktrain.config import add_arguments, add_data_arguments
+
+
+class Download(Command):
+    name = 'download'
+    help = 'download, verify and extract CIFAR-10'
+
+    def add_arguments(self, parser):
+        add_data_arguments(parser)
+
+    def run(self, args):
+        from dasktrain.data.cifar import load_cifar10
+        cifar = load_cifar10(args.data_dir, url=args.url, md5=args.md5)
+        print(f'CIFAR-10 ready in {args.data_dir}: '
+              f'{len(cifar.train_labels)} training and '
+              f'{len(cifar.test_labels)} test images, '
+              f'classes {", ".join(cifar.label_names)}')
+        return 0
+
+
+class Train(Command):
+    name = 'train'
+    help = ('train a model on CIFAR-10 on every GPU found (else the CPU), '
+            'or across --workers N Dask workers, downloading the data if '
+            'needed')
+
+    def add_arguments(self, parser):
+        add_arguments(parser)
+
+    def run(self, args):
+        from dasktrain.cluster.scaleout import train
+        config = config_from_args(args)
+        summary = train(config)
+        final = summary['final']
+        if final is None:
+            print(f'nothing to do: {config.out} already finished '
+                  f'{config.epochs} epochs')
+        else:
+            print(f"done: epoch {final['epoch']}, test accuracy "
+                  f"{final['validation/main/accuracy']:.4f}, on "
+                  f"{_where(summary)}; outputs in "
+                  f"{summary['out']}")
+        return 0
+
+
+def _where(summary):
+    devices = ', '.join(summary['devices'])
+    if 'workers' not in summary:
+        return devices
+    return (f"{len(summary['workers'])} workers ({devices} each"
+            f"{', %d attempts' % summary['attempts'] if summary['attempts'] > 1 else ''})")

@@ -1,0 +1,219 @@
+"""A job's folder and files: :class:`Job`, :func:`jobs_dir`,
+:func:`list_jobs`, the states a job goes through, atomic status updates.
+
+A job folder (under the jobs dir, which must be on storage every worker
+sees, as a lab NAS is) holds ``job.json`` (the TrainConfig and request),
+``status.json`` (state, times, GPUs, attempts), ``output.log`` (what the
+training printed, across attempts) and ``out/`` (its log, checkpoint and
+models). Everything about a job is read back from these files, by anyone:
+the submitter, its worker, ``dasktrain jobs``, a notebook.
+
+A job ends in one of :data:`DONE`: ``finished``, ``failed``, ``cancelled``
+or ``pruned`` (its training was stopped by an epoch callback raising
+:class:`Pruned`: a hyperparameter search's pruner, see
+:mod:`dasktrain.tuning.trials`).
+
+Owns the files only: it never talks to Dask (queueing and cancelling are
+:mod:`~dasktrain.jobs.submit`'s, running a job
+:mod:`~dasktrain.jobs.worker`'s).
+"""
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from dasktrain.cluster.local import home
+from dasktrain.errors import UserError
+from dasktrain.files import write_json
+
+KEY_PREFIX = 'dasktrain-job-'  # + the job's id: its Dask task's key
+JOBS_ENV = 'DASKTRAIN_JOBS_DIR'
+STATES = ('queued', 'running', 'finished', 'failed', 'cancelled', 'pruned')
+DONE = ('finished', 'failed', 'cancelled', 'pruned')
+PRUNED = 3  # exit code of a job child whose training was pruned
+EVENTS = 'dasktrain-jobs'  # the Dask event topic of jobs' summaries
+
+
+class Pruned(Exception):
+    """Raised by an epoch callback of a job: stop its training now; the job
+    ends ``pruned``, not failed."""
+
+
+class JobError(UserError):
+    pass
+
+
+def jobs_dir(path=None):
+    """``path``, else ``$DASKTRAIN_JOBS_DIR``, else ``$DASKTRAIN_HOME/jobs``.
+
+    Examples
+    --------
+    >>> jobs_dir('/nas/jobs')
+    PosixPath('/nas/jobs')
+    """
+    return Path(path or os.environ.get(JOBS_ENV) or home() / 'jobs')
+
+
+def update_status(folder, **changes):
+    """Change keys of a job's ``status.json`` (atomically: a reader sees
+    the old file or the new one); returns the new status.
+
+    Examples
+    --------
+    >>> update_status(job.folder, state='cancelled')  # doctest: +SKIP
+    {'state': 'cancelled', 'attempts': 0, ...}
+    """
+    path = Path(folder) / 'status.json'
+    status = json.loads(path.read_text())
+    status.update(changes)
+    write_json(path, status)
+    return status
+
+
+# What every reader of a job's files needs from them.
+_NEEDS = {'job.json': ('submitted', 'config'), 'status.json': ('state',)}
+
+
+def _read(folder, name):
+    """A job file as a dict; JobError saying what is wrong with it (a
+    truncated file, an empty one, ``{}``) in one line."""
+    path = folder / name
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise JobError(f'job {folder.name}: cannot read {name} '
+                       f'({e.strerror})') from None
+    except ValueError as e:
+        raise JobError(f'job {folder.name}: {name} is not valid JSON '
+                       f'({e})') from None
+    missing = [k for k in _NEEDS[name]
+               if not isinstance(data, dict) or k not in data]
+    if not missing and name == 'job.json' and not (
+            isinstance(data['config'], dict) and 'epochs' in data['config']):
+        missing = ['config.epochs']
+    if missing:
+        raise JobError(f'job {folder.name}: {name} lacks '
+                       f'{", ".join(missing)}')
+    return data
+
+
+@dataclasses.dataclass
+class Job:
+    """A submitted job; everything about it is read from its folder.
+
+    Examples
+    --------
+    >>> job = dasktrain.submit(TrainConfig(epochs=5), gpus=2)  # doctest: +SKIP
+    >>> job.status()['state']  # doctest: +SKIP
+    'queued'
+    >>> job.result()['final']['validation/main/accuracy']  # doctest: +SKIP
+    """
+    id: str
+    folder: Path
+
+    @classmethod
+    def find(cls, job_id, path=None):
+        folder = jobs_dir(path) / job_id
+        if not ((folder / 'job.json').exists() or
+                (folder / 'status.json').exists()):
+            raise JobError(f'no job {job_id!r} in {jobs_dir(path)}; '
+                           '`dasktrain jobs` lists them')
+        return cls(job_id, folder)
+
+    @property
+    def key(self):
+        return KEY_PREFIX + self.id
+
+    def spec(self):
+        """``job.json``; JobError if it cannot be read."""
+        return _read(self.folder, 'job.json')
+
+    def log_rows(self):
+        """The rows of ``out/log`` (none while it is missing or damaged)."""
+        try:
+            rows = json.loads((self.folder / 'out' / 'log').read_text())
+        except (OSError, ValueError):
+            return []
+        ok = isinstance(rows, list) and all(
+            isinstance(r, dict) and 'epoch' in r for r in rows)
+        return rows if ok else []
+
+    def status(self):
+        """State, GPUs, times, attempts, and progress from the job's log;
+        JobError if its files cannot be read."""
+        status = _read(self.folder, 'status.json')
+        rows = self.log_rows()
+        status['epoch'] = rows[-1]['epoch'] if rows else 0
+        status['epochs'] = self.spec()['config']['epochs']
+        status['accuracy'] = (rows[-1].get('validation/main/accuracy')
+                              if rows else None)
+        return status
+
+    def summary(self):
+        """What the monitor keeps of a job: its request, its status and
+        the last row of its log (all msgpack-able, for a Dask event)."""
+        spec = self.spec()
+        status = json.loads((self.folder / 'status.json').read_text())
+        rows = self.log_rows()
+        # The last epoch's wall time: elapsed_time runs on across resumes.
+        epoch_seconds = rows[-1]['elapsed_time'] - (
+            rows[-2]['elapsed_time'] if len(rows) > 1 else 0.0) \
+            if rows else None
+        return {'id': self.id, 'folder': str(self.folder),
+                'name': spec['name'], 'user': spec.get('user', ''),
+                'gpus': spec['gpus'], 'workers': spec.get('workers'),
+                'epochs': spec['config']['epochs'],
+                'submitted': spec['submitted'], 'state': status['state'],
+                'held': status['gpus'] or [], 'worker': status['worker'],
+                'started': status['started'], 'ended': status['ended'],
+                'error': status['error'], 'attempts': status['attempts'],
+                'row': rows[-1] if rows else None,
+                'epoch_seconds': epoch_seconds}
+
+    def logs(self):
+        try:
+            return (self.folder / 'output.log').read_text()
+        except OSError:
+            return ''
+
+    def result(self, timeout=None, poll=0.5):
+        """Wait until the job ends; its summary, or JobError if it failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if status['state'] in DONE:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f'job {self.id} still {status["state"]}')
+            time.sleep(poll)
+        if status['state'] != 'finished':
+            raise JobError(f"job {self.id} {status['state']}: "
+                           f"{status.get('error') or ''}".rstrip(': '))
+        rows = self.log_rows()
+        return {'id': self.id, 'final': rows[-1] if rows else None,
+                'log': rows, 'out': str(self.folder / 'out'),
+                'gpus': status.get('gpus')}
+
+
+def list_jobs(path=None):
+    """Every job in the jobs dir, oldest first (by submission, else by its
+    folder's time when ``job.json`` cannot be read).
+
+    Examples
+    --------
+    >>> [job.id for job in list_jobs()]  # doctest: +SKIP
+    ['tiny-20250101-120000-1a2b3c', ...]
+    """
+    root = jobs_dir(path)
+    if not root.is_dir():
+        return []
+    jobs = [Job(p.name, p) for p in root.iterdir()
+            if (p / 'status.json').exists() or (p / 'job.json').exists()]
+
+    def submitted(job):
+        try:
+            return float(job.spec()['submitted'])
+        except (JobError, TypeError, ValueError):
+            return job.folder.stat().st_mtime
+    return sorted(jobs, key=submitted)

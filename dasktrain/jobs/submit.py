@@ -1,0 +1,315 @@
+"""Checking and queueing a job on the scheduler, and asking the scheduler
+about the jobs it holds.
+
+:func:`submit` writes the job's folder (:mod:`~dasktrain.jobs.records`)
+and hands one task (:func:`~dasktrain.jobs.worker.run_job`) to the
+scheduler with ``resources={'GPU': K}``: Dask itself holds it until a worker
+has K free GPUs. :func:`cancel` drops a job from the queue or stops its
+training; :func:`requeue` hands the scheduler a job it lost.
+:func:`scheduler_states`, :func:`ask_scheduler` and
+:class:`SchedulerPoller` say what the scheduler knows of jobs' tasks (what
+``dasktrain jobs`` shows beside the files).
+
+Owns the submitter's side only: it never runs a job (that is
+:mod:`~dasktrain.jobs.worker`'s).
+"""
+import getpass
+import json
+import os
+import re
+import threading
+import time
+import uuid
+
+from dasktrain.cluster.local import connect, worker_info
+from dasktrain.errors import UserError
+from dasktrain.files import write_json
+from dasktrain.jobs.records import (DONE, KEY_PREFIX, Job, JobError, jobs_dir,
+                                    update_status)
+from dasktrain.jobs.worker import announce, run_job
+from dasktrain.parallel.gpus import GpuError, place_devices
+
+
+def _user():
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name, no passwd entry (containers)
+        return str(os.getuid())
+
+
+def _slug(text):
+    return re.sub(r'[^A-Za-z0-9_.-]+', '-', text).strip('-')[:40] or 'job'
+
+
+def check_resources(client, config, gpus):
+    """Refuse a job no worker of ``client``'s cluster can ever run: more
+    GPUs (or CPU slots, for ``gpus=0``) than any worker offers.
+
+    Examples
+    --------
+    >>> check_resources(client, TrainConfig(), gpus=3)  # doctest: +SKIP
+    JobError: no worker has 3 GPU (largest: 2 among 1 workers); ...
+    """
+    resource = 'GPU' if gpus else 'CPU'
+    need = max(gpus, 1)
+    workers = worker_info(client)
+    have = {addr: w.get('resources', {}).get(resource, 0)
+            for addr, w in workers.items()}
+    if config.workers is not None:
+        able = sum(1 for n in have.values() if n >= gpus)
+        if able < config.workers:
+            each = f'{gpus} GPUs' if gpus else 'a CPU slot'
+            raise JobError(f'--workers {config.workers} needs as many '
+                           f'Dask workers with {each}; the cluster has '
+                           f'{able}; add workers or lower --workers')
+    elif not have or max(have.values()) < need:
+        largest = max(have.values(), default=0)
+        slots = sum(w.get('resources', {}).get('CPU', 0)
+                    for w in workers.values())
+        instead = (f'pass --gpus 0 to take one of the {slots:g} CPU '
+                   f'slot{"s" * (slots != 1)} the workers offer, '
+                   if gpus and slots else 'ask for fewer, ')
+        raise JobError(f'no worker has {need} {resource} (largest: '
+                       f'{largest:g} among {len(have)} workers); '
+                       f'{instead}or add a worker with `dask worker '
+                       f'ADDRESS --resources {resource}={need}`')
+
+
+def check_devices(config, gpus):
+    """Refuse, at submit time, a job whose own --devices name GPUs other
+    than the ones it reserves (the cluster picks which GPUs a job gets).
+
+    Examples
+    --------
+    >>> check_devices(TrainConfig(devices=('@cupy:1',)), gpus=1)
+    Traceback (most recent call last):
+    ...
+    dasktrain.jobs.records.JobError: ...
+    """
+    if config.workers is not None or config.devices is None:
+        return
+    try:
+        place_devices(config.devices, range(gpus))
+    except GpuError as e:
+        raise JobError(str(e)) from None
+
+
+def submit(config, gpus=1, name=None, client=None, scheduler=None,
+           path=None, extra=None, check=True):
+    """Queue a training job; returns at once with its
+    :class:`~dasktrain.jobs.records.Job`.
+
+    Parameters
+    ----------
+    config : TrainConfig
+        The run; ``out`` is replaced by the job's own folder.
+    gpus : int, default 1
+        GPUs the job reserves (0: one ``CPU`` slot). If ``config.devices``
+        names devices itself (e.g. ``('@numpy',)``), those are used. With
+        ``config.workers`` set, GPUs per worker: the job's driver then
+        holds no GPU and its ranks queue for theirs (see scaleout.py).
+    name : str, optional
+        A label for listings; default the model's name.
+    client : distributed.Client, optional
+        Default: connect to ``scheduler`` or the recorded cluster.
+    scheduler : str, optional
+        The scheduler's address, when no ``client`` is given.
+    path : str, optional
+        Jobs dir; must be on storage every worker sees.
+    extra : dict, optional
+        More keys for ``job.json``; ``'child'`` names the ``dasktrain``
+        module the job's child process runs as ``python -m MODULE FOLDER``
+        (default :data:`dasktrain.jobs.worker.CHILD`; a trial's reports to
+        its study, see :mod:`dasktrain.tuning.trials`).
+    check : bool, default True
+        Refuse a job no worker can run; False queues it regardless (until
+        such a worker joins), as a search does once it has checked.
+
+    Examples
+    --------
+    >>> config = TrainConfig(model='tiny', epochs=2)
+    >>> job = submit(config, gpus=0)  # doctest: +SKIP
+    >>> job.result()['final']['epoch']  # doctest: +SKIP
+    2
+    """
+    if not isinstance(gpus, int) or gpus < 0:
+        raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
+    check_devices(config, gpus)
+    owned = client is None
+    client = client or connect(scheduler)
+    try:
+        if check:
+            check_resources(client, config, gpus)
+        job_id = (f'{_slug(name or config.model)}-'
+                  f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
+        folder = jobs_dir(path).resolve() / job_id
+        folder.mkdir(parents=True)
+        # Paths as the submitter meant them: the job runs in the worker's
+        # working directory.
+        config = config.replace(out=str(folder / 'out'), resume=True,
+                                progress=True,
+                                data_dir=os.path.abspath(config.data_dir))
+        spec = {
+            'id': job_id, 'name': name or config.model, 'user': _user(),
+            'gpus': gpus,
+            'workers': config.workers,
+            'config': json.loads(config.to_json()),
+            'scheduler': client.scheduler.address,
+            'submitted': time.time(), **(extra or {})}
+        write_json(folder / 'job.json', spec)
+        write_json(folder / 'status.json', {
+            'state': 'queued', 'attempts': 0, 'gpus': None, 'worker': None,
+            'started': None, 'ended': None, 'error': None})
+        job = Job(job_id, folder)
+        # Before the task: the scheduler sees 'queued' before 'running'.
+        announce(job, client)
+        queue(client, folder, spec)
+        return job
+    finally:
+        if owned:
+            client.close()
+
+
+def queue(client, folder, spec):
+    """Hand the job in ``folder`` (its ``job.json`` is ``spec``) to the
+    scheduler: one task that runs on after ``client`` goes away."""
+    from distributed import fire_and_forget
+    resource = 'GPU' if spec['gpus'] else 'CPU'
+    # A scale-out job's driver needs a thread only: its ranks hold the
+    # GPUs (or CPU slots).
+    future = client.submit(
+        run_job, str(folder), key=KEY_PREFIX + spec['id'], pure=False,
+        resources=None if spec['workers'] else
+        {resource: max(spec['gpus'], 1)})
+    fire_and_forget(future)  # runs on after this client goes away
+
+
+def requeue(job, client):
+    """Hand a job the scheduler lost (a restarted cluster, a submitter
+    killed mid-submit) to it again; it resumes from its checkpoint."""
+    queue(client, job.folder, job.spec())
+
+
+def cancel(job, client=None):
+    """Cancel a job: dropped from the queue, or its training stopped
+    (within a second or so); nothing if it has ended.
+
+    Parameters
+    ----------
+    job : Job
+    client : distributed.Client, optional
+        Default: connect to the scheduler the job was submitted to; a
+        scheduler that is gone is no error (the job's flag file stops it
+        on its next run).
+
+    Examples
+    --------
+    >>> cancel(dasktrain.submit(config))  # doctest: +SKIP
+    """
+    if job.status()['state'] in DONE:
+        return
+    (job.folder / 'cancel').touch()
+    queued = job.status()['state'] == 'queued'
+    if queued:
+        update_status(job.folder, state='cancelled', ended=time.time())
+    try:
+        from distributed import Future
+        owned = client is None
+        client = client or connect(job.spec().get('scheduler'))
+        try:
+            client.cancel([Future(job.key, client)], force=True)
+            if queued:  # a running job's task announces its own end
+                announce(job, client)
+        finally:
+            if owned:
+                client.close()
+    except UserError:
+        pass  # scheduler gone: the flag file stops it on its next run
+
+
+def scheduler_states(keys, client):
+    """What the scheduler knows of each job key ('no-worker', ...)."""
+    def states(dask_scheduler, keys):
+        return {k: dask_scheduler.tasks[k].state for k in keys
+                if k in dask_scheduler.tasks}
+    return client.run_on_scheduler(states, keys=list(keys))
+
+
+def ask_scheduler(keys, address, timeout=3):
+    """What the scheduler at ``address`` knows of ``keys``, if it answers
+    within ``timeout`` seconds; None when it does not.
+
+    Examples
+    --------
+    >>> ask_scheduler([job.key], job.spec()['scheduler'])  # doctest: +SKIP
+    {'dasktrain-job-tiny-20250101-120000-1a2b3c': 'no-worker'}
+    """
+    try:
+        with connect(address, timeout=timeout) as client:
+            return scheduler_states(keys, client)
+    except Exception:  # unreachable: the files alone still tell
+        return None
+
+
+class SchedulerPoller:
+    """``jobs --watch``'s view of the scheduler: one client for the whole
+    watch, asked in a daemon thread, so that neither a slow connect nor a
+    scheduler that stopped answering delays a refresh or Ctrl-C.
+
+    :meth:`ask` never blocks: it returns the last answer (``{}`` until the
+    first, None while unreachable) and names the keys for the next one.
+
+    Examples
+    --------
+    >>> poller = SchedulerPoller(interval=2.0)  # doctest: +SKIP
+    >>> poller.ask([job.key], job.spec()['scheduler'])  # doctest: +SKIP
+    {'dasktrain-job-...': '-'}
+    >>> poller.stop()  # doctest: +SKIP
+    """
+
+    def __init__(self, interval):
+        self.interval = interval
+        # (keys asked, the scheduler's answer), or None while unreachable
+        self.answer, self.wanted = (set(), {}), ([], None)
+        self.stopped = threading.Event()
+        self.client = None
+        threading.Thread(target=self._poll, name='jobs-watch-scheduler',
+                         daemon=True).start()
+
+    def ask(self, keys, address):
+        self.wanted = (keys, address)
+        if self.answer is None:
+            return None
+        asked, known = self.answer
+        # a job the scheduler was not asked about yet: '-', not 'unknown'
+        return {k: known.get(k, 'unknown') if k in asked else '-'
+                for k in keys}
+
+    def _poll(self):
+        address = None
+        while not self.stopped.is_set():
+            keys, wanted = self.wanted
+            try:
+                if keys and (self.client is None or wanted != address):
+                    self._close()
+                    address = wanted
+                    self.client = connect(address, timeout=3)
+                if keys:
+                    self.answer = (set(keys),
+                                   scheduler_states(keys, self.client))
+            except Exception:  # unreachable: the files alone still tell
+                self.answer = None
+                self._close()
+            self.stopped.wait(self.interval)
+        self._close()
+
+    def _close(self):
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                client.close(timeout=1)
+            except Exception:  # already gone: nothing to close
+                pass
+
+    def stop(self):
+        self.stopped.set()

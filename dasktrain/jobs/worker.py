@@ -1,0 +1,218 @@
+"""Running a job on a worker: the task body (:func:`run_job`) and its child
+process (``python -m dasktrain.jobs.worker FOLDER``, :func:`run_child`).
+
+The task picks the GPUs no other job on its worker holds and runs the
+job's child module (``job.json``'s ``child``, default this one) with
+``CUDA_VISIBLE_DEVICES`` set to them, always with ``--resume``: a job that
+Dask reruns after its worker died continues from its last checkpoint. The
+child trains the job's config; what it prints goes to the job's
+``output.log``, which is why this module, a process of its own, prints.
+
+Every change a job goes through (running, each epoch's log row, its end)
+is sent to the scheduler as a Dask event on
+:data:`~dasktrain.jobs.records.EVENTS` by :func:`announce`;
+:mod:`dasktrain.monitor` turns them into metrics.
+
+Owns the worker's side only: it never submits a job (that is
+:mod:`~dasktrain.jobs.submit`'s).
+"""
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from dasktrain.config import TrainConfig
+from dasktrain.errors import UserError
+from dasktrain.jobs.records import (DONE, EVENTS, PRUNED, Job, Pruned,
+                                    update_status)
+from dasktrain.parallel.gpus import (VISIBLE, GpuPool, job_environment,
+                                     place_devices)
+
+CHILD = 'dasktrain.jobs.worker'  # the child module of a plain job
+# Child modules that job folders written by earlier versions name, and
+# what runs them now: such a folder still runs (or resumes) as it was meant.
+FORMER_CHILDREN = {
+    'dasktrain.jobs': CHILD,
+    'dasktrain.cluster.jobs': CHILD,
+    'dasktrain.trials': 'dasktrain.tuning.trials',
+}
+
+
+def child_module(spec):
+    """The module a job's child process runs, from its ``job.json``:
+    its ``child`` (a former name mapped to today's), else :data:`CHILD`.
+
+    Examples
+    --------
+    >>> child_module({})
+    'dasktrain.jobs.worker'
+    >>> child_module({'child': 'dasktrain.cluster.jobs'})
+    'dasktrain.jobs.worker'
+    >>> child_module({'child': 'dasktrain.tuning.trials'})
+    'dasktrain.tuning.trials'
+    """
+    module = spec.get('child', CHILD)
+    return FORMER_CHILDREN.get(module, module)
+
+
+def announce(job, client=None):
+    """Send the job's :meth:`~dasktrain.jobs.records.Job.summary` to the
+    scheduler as an event: from the worker this runs on, else through
+    ``client``, else not at all. Never raises.
+
+    Examples
+    --------
+    >>> announce(job, client)  # doctest: +SKIP
+    """
+    try:
+        summary = job.summary()
+        try:
+            from distributed import get_worker
+            get_worker().log_event(EVENTS, summary)
+        except ValueError:  # not on a worker
+            if client is not None:
+                client.log_event(EVENTS, summary)
+    except Exception:  # monitoring must never fail or stop a job
+        pass
+
+
+def _die_with_parent():
+    # The training must not outlive a killed worker: its rerun elsewhere
+    # would share the output folder with a ghost.
+    libc = ctypes.CDLL('libc.so.6', use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run_job(folder):
+    """The task body: run one attempt of the job in a child process;
+    returns the state it ended in."""
+    from distributed import get_worker
+    folder = Path(folder)
+    spec = json.loads((folder / 'job.json').read_text())
+    status = json.loads((folder / 'status.json').read_text())
+    if (folder / 'cancel').exists() or status['state'] in DONE:
+        return status['state']
+    module = child_module(spec)
+    if not module.startswith('dasktrain.'):  # job.json names code
+        return update_status(folder, state='failed', ended=time.time(),
+                             error=f'{module!r} is not ours')['state']
+    job = Job(spec['id'], folder)
+    rows = job.log_rows()
+    gpus = GpuPool.acquire(spec['gpus']) \
+        if spec['gpus'] and not spec.get('workers') else []
+    ids = [g.id for g in gpus]  # the worker's CUDA_VISIBLE_DEVICES entries
+    attempt = status['attempts'] + 1
+    worker = get_worker().address
+    update_status(folder, state='running', attempts=attempt, gpus=ids,
+                  worker=worker, started=status['started'] or time.time())
+    announce(job)
+    log_path = folder / 'out' / 'log'
+    seen = _mtime(log_path)
+    # The child sees exactly its GPUs (as 0..k-1), or none at all.
+    env = job_environment(dict(os.environ, PYTHONUNBUFFERED='1'), gpus)
+    try:
+        with open(folder / 'output.log', 'ab') as log:
+            log.write(f'=== attempt {attempt} on {worker}, GPUs '
+                      f'{",".join(ids) or "none"} '
+                      f'(CUDA_VISIBLE_DEVICES={env["CUDA_VISIBLE_DEVICES"]!r}), '
+                      f'{"resuming after epoch %d" % rows[-1]["epoch"] if rows else "starting"}'
+                      f' ===\n'.encode())
+            log.flush()
+            child = subprocess.Popen(
+                [sys.executable, '-m', module, str(folder)],
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            while child.poll() is None:
+                if (folder / 'cancel').exists():
+                    child.terminate()
+                    try:
+                        child.wait(10)
+                    except subprocess.TimeoutExpired:
+                        child.kill()
+                if _mtime(log_path) != seen:  # an epoch ended: tell
+                    seen = _mtime(log_path)   # the monitor
+                    announce(job)
+                time.sleep(0.2)
+        if (folder / 'cancel').exists():
+            state, error = 'cancelled', None
+        elif child.returncode == 0:
+            state, error = 'finished', None
+        elif child.returncode == PRUNED:
+            state, error = 'pruned', None
+        else:
+            state = 'failed'
+            lines = (folder / 'output.log').read_text().strip().splitlines()
+            error = lines[-1] if lines else f'exit code {child.returncode}'
+        # Recorded before the GPUs are free: the next job starts after it.
+        update_status(folder, state=state, error=error, ended=time.time())
+        announce(job)
+    finally:
+        GpuPool.release(gpus)
+    return state
+
+
+def _mtime(path):
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _log_devices(devices):
+    """What this job's process sees and which physical GPUs it trains on,
+    for its output.log."""
+    print(f'CUDA_VISIBLE_DEVICES={os.environ.get(VISIBLE)!r}', flush=True)
+    if devices:
+        from dasktrain.parallel.devices import device_uuids, resolve_devices
+        uuids = device_uuids(resolve_devices(devices))
+        print('devices: ' + ', '.join(f'{d} ({uuids.get(d, "CPU")})'
+                                      for d in devices), flush=True)
+
+
+def run_child(folder, callbacks=()):
+    """The child process: train the job's config, calling ``callbacks``
+    after each epoch; one line for a user's mistake, the whole traceback
+    for anything else. Returns the exit code: 0, 1, or
+    :data:`~dasktrain.jobs.records.PRUNED` when a callback raised
+    :class:`~dasktrain.jobs.records.Pruned`.
+
+    Examples
+    --------
+    >>> sys.exit(run_child(folder, callbacks=[reporter]))  # doctest: +SKIP
+    """
+    spec = json.loads((Path(folder) / 'job.json').read_text())
+    config = TrainConfig.from_json(json.dumps(spec['config']))
+    if config.workers is not None:
+        # Across workers each rank takes its worker's free GPUs itself.
+        config = config.replace(scheduler=spec['scheduler'])
+    from dasktrain.cluster.scaleout import train  # Chainer: the child only
+    try:
+        if spec['gpus'] and config.workers is None:
+            # CUDA_VISIBLE_DEVICES shows this job its GPUs as 0..k-1.
+            config = config.replace(devices=place_devices(
+                config.devices, range(spec['gpus'])))
+        _log_devices(config.devices if spec['gpus'] else None)
+        summary = train(config, callbacks=callbacks)
+    except Pruned as e:
+        print(f'pruned: {e}', flush=True)
+        return PRUNED
+    except UserError as e:
+        print(f'error: {e}', flush=True)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+    final = summary['final']
+    if final:
+        print(f"done: epoch {final['epoch']}, test accuracy "
+              f"{final['validation/main/accuracy']:.4f}", flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(run_child(sys.argv[1]))
