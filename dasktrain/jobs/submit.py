@@ -81,10 +81,11 @@ def check_devices(config, gpus):
 
     Examples
     --------
-    >>> check_devices(TrainConfig(devices=('@cupy:1',)), gpus=1)
+    >>> check_devices(TrainConfig(devices=('@cupy:2', '@cupy:3')), gpus=2)
+    >>> check_devices(TrainConfig(devices=('@cupy:0',)), gpus=0)
     Traceback (most recent call last):
     ...
-    dasktrain.jobs.records.JobError: ...
+    dasktrain.jobs.records.JobError: --devices 0 names 1 GPU(s) but 0 were...
     """
     if config.workers is not None or config.devices is None:
         return
