@@ -2,12 +2,16 @@
 
 The package is grouped by layer, and data flows one way through it::
 
-    data      CIFAR-10: download, lazy dask arrays, augmentation
+    data      CIFAR-10: download, lazy dask arrays, augmentation, the
+                  epoch loader
     -> parallel   GPUDistributedGradient and what it stands on: devices,
-                  GPUs, replicas, collectives (Dask, shared memory, NCCL)
-    -> training   the loop, models, output folders
-    -> cluster    the Dask cluster and its TLS, one run across workers
-                  (scaleout)
+                  GPUs, replicas, collectives (Dask, shared memory, NCCL),
+                  where a run trains (placement)
+    -> training   the per-rank loop, progress, checkpoints, models,
+                  output folders
+    -> cluster    the Dask cluster and its TLS, throwaway local workers
+    -> launch     ``train``: the loop here, one process per device, or N
+                  ranks on a cluster
     -> jobs       the job queue: job folders, submitting, running on a
                   worker, the jobs page (``monitor``: its metrics)
     -> tuning     Optuna studies whose trials are jobs
@@ -34,12 +38,12 @@ _EXPORTS = {
     'download_cifar10': 'dasktrain.data.download',
     'load_cifar10': 'dasktrain.data.cifar',
     'augment': 'dasktrain.data.augment',
-    'EpochLoader': 'dasktrain.data.augment',
+    'EpochLoader': 'dasktrain.data.loader',
     'GPUDistributedGradient': 'dasktrain.parallel.gradient',
     'get_model': 'dasktrain.training.models',
     'load_model': 'dasktrain.training.models',
     'TrainConfig': 'dasktrain.config',
-    'train': 'dasktrain.cluster.scaleout',
+    'train': 'dasktrain.launch',
     'submit': 'dasktrain.jobs.submit',
     'Job': 'dasktrain.jobs.records',
     'tune': 'dasktrain.tuning.study',

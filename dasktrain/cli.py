@@ -7,6 +7,7 @@ prints the usage line, the error and where the help is (as git and pip
 do); a :class:`~dasktrain.errors.UserError` prints one line; neither a
 traceback.
 """
+import logging
 import sys
 
 from dasktrain import __version__
@@ -20,6 +21,32 @@ from dasktrain.errors import UserError
 
 COMMANDS = (Download, Train, Cluster, Submit, Jobs, Logs, Cancel, Result,
             Tune, Bench)
+
+
+class _Stderr(logging.StreamHandler):
+    """The ``dasktrain`` logger's lines, as they are, on whatever
+    ``sys.stderr`` is when one is written (a test's capture too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter('%(message)s'))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler sets it; stderr it stays
+        pass
+
+
+def show_logs():
+    """Show the library's log lines (``dasktrain`` logger, INFO and up)
+    on stderr, once however often it is called."""
+    logger = logging.getLogger('dasktrain')
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        logger.addHandler(_Stderr())
+        logger.setLevel(logging.INFO)
 
 
 def build_parser():
@@ -49,6 +76,7 @@ def main(argv=None) -> int:
     ID  STATE  GPUS  PROGRESS  ...
     0
     """
+    show_logs()
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)

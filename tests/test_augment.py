@@ -1,12 +1,9 @@
-import time
-
 import dask.array as da
 import numpy as np
 import pytest
 
 from dasktrain.data.augment import (CIFAR10_MEAN, CIFAR10_STD, MAX_TTA_VIEWS,
-                                    EpochLoader, augment,
-                                    image_hashes, minibatch_indices, normalize,
+                                    augment, image_hashes, normalize,
                                     tta_views)
 
 MEAN = np.array(CIFAR10_MEAN, np.float32).reshape(1, 3, 1, 1)
@@ -160,86 +157,12 @@ def test_cutout_blanks_a_square_in_every_channel():
                      padding='wrap'), "padding must be 'reflect' or 'zero'"),
     (lambda: augment(np.zeros((2, 3, 32, 32), np.uint8), 0, 0, cutout=-2),
      'cutout must be an int >= 0'),
-    (lambda: minibatch_indices(10, 0, 0, 0), 'batch_size must be an int >= 1'),
-    (lambda: EpochLoader(np.zeros((2, 3, 32, 32), np.uint8), [0, 1], 0),
-     'batch_size must be an int >= 1, got 0'),
-    (lambda: EpochLoader(np.zeros((2, 3, 32, 32), np.uint8), [0], 1),
-     r'labels must have shape \(2,\)'),
     (lambda: tta_views(np.zeros((2, 3, 32, 32), np.uint8), 0),
      f'k must be an int in 1..{MAX_TTA_VIEWS}, got 0'),
 ])
 def test_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
-
-
-@pytest.mark.parametrize('drop_last', [False, True])
-def test_epoch_covers_every_index_once(drop_last):
-    batches = minibatch_indices(103, 10, 7, 3, drop_last=drop_last)
-    sizes = [len(b) for b in batches]
-    assert sizes == [10] * 10 + ([] if drop_last else [3])
-    seen = np.concatenate(batches)
-    assert len(np.unique(seen)) == len(seen)
-    assert len(seen) == (100 if drop_last else 103)
-    assert not np.array_equal(seen, np.arange(len(seen)))
-    again = np.concatenate(minibatch_indices(103, 10, 7, 3,
-                                             drop_last=drop_last))
-    other = np.concatenate(minibatch_indices(103, 10, 7, 4,
-                                             drop_last=drop_last))
-    assert np.array_equal(seen, again) and not np.array_equal(seen, other)
-
-
-def test_loader_yields_augmented_minibatches():
-    x, labels = images(45), np.arange(45) % 10
-    with EpochLoader(da.from_array(x, chunks=20), labels, 8, seed=2,
-                     augment_options={}) as loader:
-        batches = list(loader.epoch(0))
-    full = augment(x, 2, 0).compute()
-    order = np.concatenate(minibatch_indices(45, 8, 2, 0))
-    assert [len(t) for _, t in batches] == [8] * 5 + [5]
-    np.testing.assert_array_equal(np.concatenate([b for b, _ in batches]),
-                                  full[order])
-    np.testing.assert_array_equal(np.concatenate([t for _, t in batches]),
-                                  labels[order])
-
-
-def test_loader_on_a_client_equals_threads(dask_client):
-    x, labels = images(30), np.arange(30) % 10
-    with EpochLoader(da.from_array(x, chunks=10), labels, 7,
-                     augment_options={'cutout': 4}) as loader:
-        local = [b for b, _ in loader.epoch(1)]
-    with EpochLoader(da.from_array(x, chunks=10), labels, 7,
-                     augment_options={'cutout': 4},
-                     client=dask_client) as loader:
-        remote = [b for b, _ in loader.epoch(1)]
-    for a, b in zip(local, remote, strict=True):
-        assert np.array_equal(a, b)
-
-
-def test_prefetch_overlaps_with_the_consumer():
-    x = da.from_array(images(2000), chunks=500)
-    with EpochLoader(x, np.zeros(2000), 100, augment_options={},
-                     epochs=2) as loader:
-        batches = loader.epoch(0)
-        next(batches)  # the consumer now holds epoch 0 and is busy
-        pending = loader._pending[1]
-        deadline = time.monotonic() + 60
-        while not pending.done() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert pending.done(), 'epoch 1 was not computed in the background'
-        assert 1 not in loader.wait_times  # nobody asked for it yet
-        list(batches)
-        list(loader.epoch(1))
-        assert loader.wait_times[1] < 0.05
-        assert 2 not in loader._pending  # no prefetch past the last epoch
-
-
-def test_no_augmentation_is_plain_normalisation():
-    x = images(10)
-    with EpochLoader(x, np.zeros(10), 10, augment_options=None,
-                     shuffle=False) as loader:
-        (batch, _), = loader.epoch(0)
-    np.testing.assert_allclose(batch, (x - MEAN) / STD, rtol=1e-6, atol=1e-6)
 
 
 def test_tta_views():

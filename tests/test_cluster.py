@@ -1,7 +1,8 @@
 """Real `dask scheduler` / `dask worker` processes on 127.0.0.1: the
-cluster's commands and its TLS. The helpers here (:class:`Processes`,
-:func:`job_config`, :func:`wait_until`) start the clusters of the other
-cluster tests too (test_jobs.py, test_monitor.py, test_tune.py, tests/gpu)."""
+cluster's commands and its TLS, and the throwaway local workers of one
+run. The helpers here (:class:`Processes`, :func:`job_config`,
+:func:`wait_until`) start the clusters of the other cluster tests too
+(test_jobs.py, test_monitor.py, test_tune.py, tests/gpu)."""
 import json
 import os
 import signal
@@ -272,3 +273,22 @@ def test_tls_cluster(tmp_path, monkeypatch, data_dir):
         assert job.result(timeout=120)['final']['epoch'] == 1
     finally:
         stop_cluster()
+
+
+# ------------------------------------------- throwaway local workers
+
+def test_local_workers_listen_on_loopback_only_and_require_tls(listening):
+    from dasktrain.cluster.workers import local_workers
+    me = os.getpid()
+    before = listening([me])
+    with local_workers(2) as client:
+        address = client.scheduler.address
+        new = listening([me]) - before
+        workers = set(client.run(os.getpid).values())
+        assert address.startswith('tls://127.0.0.1:')
+        with pytest.raises(TypeError, match='TLS expects'):
+            Client(address, timeout=3)  # no certificates, no connection
+    ports = {port for _, _, port in new}
+    assert int(address.rsplit(':', 1)[1]) in ports
+    assert workers <= {pid for pid, _, _ in new}  # each worker listens
+    assert {ip for _, ip, _ in new} == {'127.0.0.1'}

@@ -16,7 +16,6 @@ from dasktrain.parallel.gpus import (NCCL_MISSING, Gpu, GpuError, GpuPool,
                                      use_nccl, visible_gpus)
 from dasktrain.jobs.records import JobError
 from dasktrain.jobs.submit import check_devices
-from dasktrain.cluster.scaleout import per_device_plan
 
 
 @pytest.mark.parametrize('value,count,expected', [
@@ -173,15 +172,3 @@ def test_nccl_in_progress_is_waited_for_and_errors_raised():
 def test_uuids_are_spelled_as_nvidia_smi_does():
     raw = bytes.fromhex('8f6c2a1b00d44e1f9a0b00c1d2e3f405')  # zero bytes
     assert format_uuid(raw) == 'GPU-8f6c2a1b-00d4-4e1f-9a0b-00c1d2e3f405'
-
-
-@pytest.mark.parametrize('devices,plan', [
-    (('@numpy',), None),                           # one device: here
-    (('@numpy',) * 3, (3, '@numpy')),
-    (('@cupy:0', '@cupy:1'), (2, '@cupy:0')),      # each sees its GPU as 0
-    (('@cupy:3', '@cupy:1', '@cupy:2'), (3, '@cupy:0')),
-    (('@cupy:1', '@cupy:1'), None),                # two replicas, one GPU
-    (('@cupy:0', '@numpy'), None),                 # mixed: in process
-])
-def test_one_process_per_device_where_it_applies(devices, plan):
-    assert per_device_plan(devices) == plan

@@ -14,7 +14,7 @@ from dasktrain.cli import main
 from dasktrain.jobs.records import Job, JobError
 from dasktrain.jobs.submit import submit
 from dasktrain.jobs.worker import FORMER_CHILDREN, child_module
-from dasktrain.training import train
+from dasktrain.launch import train
 from test_cluster import Processes, job_config, wait_until
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',

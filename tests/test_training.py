@@ -13,7 +13,8 @@ from dasktrain.cli import build_parser, main
 from dasktrain.parallel.devices import gpu_count
 from dasktrain.config import ConfigError, TrainConfig, parse_devices
 from dasktrain.errors import UserError
-from dasktrain.training import TrainingDiverged, train
+from dasktrain.launch import train
+from dasktrain.training.loop import TrainingDiverged
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
              'comm_time'}
@@ -28,9 +29,10 @@ def data_dir(make_cifar_dir):
 
 
 def config(data_dir, out, **kw):
+    # in_process: several replicas train in this one process
     base = dict(model='tiny', epochs=2, batch_size=25, devices=('@numpy',),
                 data_dir=str(data_dir), out=str(out), progress=False,
-                lr=0.01)
+                lr=0.01, in_process=True)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -240,6 +242,23 @@ def test_parse_devices():
     assert parse_devices('0, 2') == ('@cupy:0', '@cupy:2')
     with pytest.raises(ConfigError):
         parse_devices('cpu:0')
+
+
+def test_the_examples_hold():
+    import doctest
+
+    from dasktrain.training import loop, progress, stopping
+    for module in (loop, progress, stopping):
+        assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_a_runs_warnings_reach_the_cli_user_as_lines(capsys):
+    from dasktrain.cli import show_logs
+    from dasktrain.training.progress import Progress
+    show_logs()
+    show_logs()  # once, however often main() runs
+    Progress(False, 2).warn('warning: 2 GPUs unused')
+    assert capsys.readouterr() == ('', 'warning: 2 GPUs unused\n')
 
 
 def test_train_command_end_to_end(data_dir, tmp_path):

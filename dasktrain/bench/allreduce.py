@@ -90,7 +90,7 @@ def bench_allreduce(mbytes=22.5, iterations=10, rounds=3):
     rounds : int, default 3
         Rounds of the three, in turns; the best round's median counts.
     """
-    from dasktrain.cluster.scaleout import local_workers
+    from dasktrain.cluster.workers import local_workers
     n = int(mbytes * 1e6 / 4)
     best = {'shared memory': [], 'tcp': [], 'mpi': []}
     with local_workers(2) as client:
@@ -182,7 +182,7 @@ def bench_overlap(model='cifar10', batch=100, buckets=(0, 0.25, 1, 4, 16),
         Sum through shared memory; False: over TLS sockets, the path
         between machines.
     """
-    from dasktrain.cluster.scaleout import local_workers
+    from dasktrain.cluster.workers import local_workers
     buckets = sorted(set(buckets))
     with local_workers(2) as client:
         workers = sorted(client.scheduler_info()['workers'])

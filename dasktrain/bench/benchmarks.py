@@ -83,7 +83,8 @@ def bench_augment(n_images=50000, chunk=2500, repeats=3, cores=None,
     import dask.array as da
     from distributed import Client, LocalCluster, wait
 
-    from dasktrain.data.augment import EpochLoader, augment, augment_block
+    from dasktrain.data.augment import augment, augment_block
+    from dasktrain.data.loader import EpochLoader
     cores = cores or os.cpu_count()
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (n_images, 3, 32, 32), dtype=np.uint8)
@@ -180,11 +181,11 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
     """
     import chainer
 
-    from dasktrain.data.augment import EpochLoader
+    from dasktrain.data.loader import EpochLoader
     from dasktrain.parallel.devices import synchronize
     from dasktrain.training.models import get_model
     from dasktrain.parallel.gradient import GPUDistributedGradient
-    from dasktrain.training.loop import default_devices
+    from dasktrain.parallel.placement import default_devices
 
     found = default_devices()
     devices = tuple(devices or (('@numpy',) * 2 if found == ('@numpy',)

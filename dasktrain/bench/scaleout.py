@@ -18,7 +18,8 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     thread each) in dg and ipm, communication per step, final accuracy,
     and the single process using every core, on the same data and epochs.
     """
-    from dasktrain.cluster.scaleout import local_workers, train
+    from dasktrain.cluster.workers import local_workers
+    from dasktrain.launch import train
     from dasktrain.config import TrainConfig
     scratch = Path(out or tempfile.mkdtemp(prefix='dasktrain-bench-'))
     if data_dir is None:
@@ -43,7 +44,7 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     runs = [measure(train(base.replace(out=str(scratch / 'single'),
                                        devices=('@numpy',))),
                     'one process, 1 replica (BLAS threads: all)')]
-    from dasktrain.training.loop import train as plain_loop
+    from dasktrain.launch import train as plain_loop
     with local_workers(1) as client:  # the same loop, 1 BLAS thread
         runs.append(measure(client.submit(plain_loop, base.replace(
             out=str(scratch / 'plain-1'), devices=('@numpy',)),

@@ -1,6 +1,7 @@
-"""Runs on a Dask cluster: the cluster itself, its state and clients
-(:mod:`~dasktrain.cluster.local`, TLS by ``tls``) and one run across
-workers (``scaleout``). The job queue is :mod:`dasktrain.jobs`, the
+"""Dask clusters: the recorded cluster on this machine, its state and
+clients (:mod:`~dasktrain.cluster.local`, TLS by ``tls``), and throwaway
+local workers for one run (``workers``). A run across workers is
+:mod:`dasktrain.launch`'s, the job queue :mod:`dasktrain.jobs`, the
 scheduler's metrics :mod:`dasktrain.monitor`.
 
 Each name below imports its module on first use (importing the package
@@ -8,11 +9,15 @@ loads no dask.distributed).
 """
 from dasktrain._lazy import exports
 
-_EXPORTS = dict.fromkeys((
-    'ClusterError', 'HOME_ENV', 'MONITOR', 'cluster_status', 'connect',
-    'default_security', 'detect_gpus', 'exposure_warning', 'home',
-    'read_state', 'restore_default_scheduler', 'security_from',
-    'start_cluster', 'state_path', 'stop_cluster', 'tls_dir', 'worker_info'),
-    'dasktrain.cluster.local')
+_EXPORTS = {
+    **dict.fromkeys((
+        'ClusterError', 'HOME_ENV', 'MONITOR', 'cluster_status', 'connect',
+        'default_security', 'detect_gpus', 'exposure_warning', 'home',
+        'read_state', 'restore_default_scheduler', 'security_from',
+        'start_cluster', 'state_path', 'stop_cluster', 'tls_dir',
+        'worker_info'), 'dasktrain.cluster.local'),
+    **dict.fromkeys(('local_device_workers', 'local_workers'),
+                    'dasktrain.cluster.workers'),
+}
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

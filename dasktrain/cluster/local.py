@@ -15,10 +15,14 @@ private CA (:mod:`dasktrain.cluster.tls`, files only the owner can read) at both
 ends of every connection, and every dasktrain client uses them;
 ``insecure=True`` drops that, loudly. Every listener (scheduler, worker,
 nanny, both dashboards) binds the host given, 127.0.0.1 by default.
+
+Owns the recorded cluster and the clients to it; throwaway workers for
+one run are :mod:`dasktrain.cluster.workers`'. May not touch training.
 """
 import contextlib
 import ipaddress
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -29,6 +33,8 @@ from pathlib import Path
 from dasktrain.cluster import tls as _tls
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
+
+logger = logging.getLogger(__name__)
 
 HOME_ENV = 'DASKTRAIN_HOME'
 MONITOR = 'dasktrain.monitor'  # preloaded by the scheduler and the worker
@@ -227,7 +233,7 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         tls = _tls.ensure_certificates(tls_dir(), host)
     warning = exposure_warning(host, tls is not None)
     if warning:
-        print(warning, file=sys.stderr)
+        logger.warning(warning)
     gpus = detect_gpus() if gpus is None else gpus
     # CPU slots on every machine: a GPU server runs CPU jobs (--gpus 0) too.
     resources = f'GPU={gpus} CPU={cpu_slots}' if gpus else f'CPU={cpu_slots}'

@@ -24,7 +24,6 @@ from dasktrain.errors import UserError
 from dasktrain.files import atomic_write
 
 CA, CA_KEY, CERT, KEY = 'ca.pem', 'ca-key.pem', 'node.pem', 'node-key.pem'
-JOINING = (CA, CERT, KEY)  # what another machine needs
 CA_DAYS, CERT_DAYS, RENEW_DAYS = 3650, 825, 30
 
 

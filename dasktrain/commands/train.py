@@ -31,7 +31,7 @@ class Train(Command):
         add_arguments(parser)
 
     def run(self, args):
-        from dasktrain.cluster.scaleout import train
+        from dasktrain.launch import train
         config = config_from_args(args)
         summary = train(config)
         final = summary['final']

@@ -190,7 +190,7 @@ def run_child(folder, callbacks=()):
     if config.workers is not None:
         # Across workers each rank takes its worker's free GPUs itself.
         config = config.replace(scheduler=spec['scheduler'])
-    from dasktrain.cluster.scaleout import train  # Chainer: the child only
+    from dasktrain.launch import train  # Chainer: the child only
     try:
         if spec['gpus'] and config.workers is None:
             # CUDA_VISIBLE_DEVICES shows this job its GPUs as 0..k-1.

@@ -1,15 +1,24 @@
-"""Training in one process: the loop behind ``dasktrain train``
-(:mod:`~dasktrain.training.loop`), the models (``models``), the run's
-output folder (``outdir``) and tables and figures of runs (``report``).
+"""One rank's training: THE loop (:mod:`~dasktrain.training.loop`), what
+it shows (``progress``), its checkpoints and model files
+(``checkpoint``), test-set evaluation (``evaluate``), early stopping
+(``stopping``), the models (``models``) and the run's output folder
+(``outdir``). Where it runs is :mod:`dasktrain.launch`'s.
 
 Each name below imports its module (and Chainer) on first use.
 """
 from dasktrain._lazy import exports
 
-_EXPORTS = dict.fromkeys((
-    'CHECKPOINT', 'READ_EVERY', 'EarlyStopping', 'TrainingDiverged',
-    'default_devices', 'describe_devices', 'evaluate', 'load_checkpoint',
-    'make_optimizer', 'prepare_out', 'run_group', 'save_checkpoint',
-    'save_model', 'seed_everything', 'train'), 'dasktrain.training.loop')
+_EXPORTS = {
+    **dict.fromkeys(('READ_EVERY', 'EpochSums', 'TrainingDiverged',
+                     'make_optimizer', 'run', 'seed_everything'),
+                    'dasktrain.training.loop'),
+    **dict.fromkeys(('Progress', 'describe_devices'),
+                    'dasktrain.training.progress'),
+    **dict.fromkeys(('CHECKPOINT', 'load_checkpoint', 'prepare_out',
+                     'save_checkpoint', 'save_model'),
+                    'dasktrain.training.checkpoint'),
+    'load_test_share': 'dasktrain.training.evaluate',
+    'EarlyStopping': 'dasktrain.training.stopping',
+}
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

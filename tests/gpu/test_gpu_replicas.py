@@ -147,7 +147,7 @@ def test_nothing_is_allocated_on_a_gpu_outside_the_list():
 
 
 def test_evaluation_on_gpu_equals_cpu():
-    from dasktrain.training import evaluate
+    from dasktrain.training.evaluate import evaluate
     x, t = batch(64, 5)
     results = []
     for device in ('@numpy', '@cupy:0'):
@@ -163,7 +163,7 @@ def data_dir(make_cifar_dir):
 
 def train_gpu(data_dir, out, **kw):
     from dasktrain.config import TrainConfig
-    from dasktrain.training import train
+    from dasktrain.launch import train
     base = dict(model='cifar10', devices=('@cupy:0', '@cupy:0'), epochs=2,
                 batch_size=20, data_dir=str(data_dir), out=str(out),
                 progress=False, deterministic=True)

@@ -115,13 +115,12 @@ def _pool_bytes():
 def test_two_gpu_workers_equal_one_process_with_two_gpus(
         gpu_cluster, data_dir, tmp_path, mode, extra):
     from dasktrain.config import TrainConfig
-    from dasktrain.cluster.scaleout import train
-    from dasktrain.training import train as train_here
+    from dasktrain.launch import train
     base = TrainConfig(model='resnet20', mode=mode, epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
                        deterministic=True, **extra)
-    one = train_here(base.replace(out=str(tmp_path / 'one'),
-                                  devices=('@cupy:0', '@cupy:1')))
+    one = train(base.replace(out=str(tmp_path / 'one'),
+                             devices=('@cupy:0', '@cupy:1'), in_process=True))
     client, _ = two_workers(gpu_cluster)
     with client:
         two = train(base.replace(out=str(tmp_path / 'two'), workers=2,
@@ -161,7 +160,7 @@ def test_one_worker_process_per_gpu_equals_one_process(data_dir, tmp_path):
     # `dasktrain train --devices 0,1`: one worker per GPU (each sees its
     # own as @cupy:0), NCCL between them; the same as --in-process.
     from dasktrain.config import TrainConfig
-    from dasktrain.cluster.scaleout import train
+    from dasktrain.launch import train
     base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
                        deterministic=True, devices=('@cupy:0', '@cupy:1'))
@@ -179,7 +178,7 @@ def test_buckets_overlapped_on_two_gpus_sum_what_one_all_reduce_sums(
     # all-reduces on the side stream during each backward pass. Two ranks
     # add two numbers per element whatever the chunking: the same bits.
     from dasktrain.config import TrainConfig
-    from dasktrain.cluster.scaleout import train
+    from dasktrain.launch import train
     base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
                        deterministic=True, devices=('@cupy:0', '@cupy:1'))

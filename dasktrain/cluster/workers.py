@@ -1,0 +1,95 @@
+"""Throwaway Dask workers on this machine, for one run: ``local_workers``
+(N CPU worker processes) and ``local_device_workers`` (one worker process
+per device, each seeing only its GPU).
+
+Unlike the recorded cluster of :mod:`dasktrain.cluster.local`, these live
+as long as a ``with`` block: every listener on 127.0.0.1, TLS with
+throwaway certificates (other users of the machine cannot run code in the
+workers), gone on exit. Owns the workers' processes and environment; may
+not touch training (what runs on them is the caller's).
+"""
+import contextlib
+import os
+
+from dasktrain.cluster.local import restore_default_scheduler
+from dasktrain.parallel.devices import gpu_count
+from dasktrain.parallel.gpus import gpu_ids, visible_gpus
+
+_BLAS_THREADS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
+
+
+@contextlib.contextmanager
+def local_device_workers(devices, blas_threads=1):
+    """A Client to one new worker process per device of ``devices``, closed
+    on exit: for GPUs each worker sees exactly its GPU
+    (``CUDA_VISIBLE_DEVICES``, as dask-cuda's LocalCUDACluster does) and
+    offers it as ``GPU=1``; for ``'@numpy'`` replicas, CPU workers with
+    ``blas_threads`` BLAS threads each (:func:`local_workers`).
+
+    Examples
+    --------
+    >>> with local_device_workers(('@cupy:0', '@cupy:1')) as client:  # doctest: +SKIP
+    ...     train(TrainConfig(workers=2, devices=('@cupy:0',)),
+    ...           client=client)
+    """
+    ids = gpu_ids(devices)
+    if not ids:
+        with local_workers(len(devices), blas_threads) as client:
+            yield client
+        return
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+    from distributed.security import Security
+    count, _ = gpu_count()
+    entries = visible_gpus(count=count)  # this process's ordinal -> entry
+    env = {k: str(blas_threads) for k in _BLAS_THREADS}
+    # As local_workers: 127.0.0.1 only, TLS with throwaway certificates.
+    security = Security.temporary()
+    common = {'host': '127.0.0.1', 'protocol': 'tls', 'security': security}
+    workers = {f'gpu{i}': {'cls': Nanny, 'options': dict(
+        common, nthreads=1, resources={'GPU': 1},
+        dashboard_address='127.0.0.1:0',
+        env=dict(env, CUDA_VISIBLE_DEVICES=entries[i]))} for i in ids}
+    scheduler = {'cls': Scheduler, 'options': dict(
+        common, dashboard_address='127.0.0.1:0')}
+    with restore_default_scheduler(always=True), SpecCluster(
+            workers=workers, scheduler=scheduler,
+            security=security) as cluster:
+        with Client(cluster, security=security,
+                    set_as_default=False) as client:
+            client.wait_for_workers(len(ids))
+            yield client
+
+
+@contextlib.contextmanager
+def local_workers(n, blas_threads=1):
+    """A Client to ``n`` new Dask worker processes on this machine, each
+    with ``blas_threads`` BLAS threads, closed on exit: CPU scale-out
+    without a cluster (one thread each, N workers use N cores).
+
+    Examples
+    --------
+    >>> with local_workers(2) as client:  # doctest: +SKIP
+    ...     train(TrainConfig(workers=2, mode='ipm', mix_every=10),
+    ...           client=client)
+    """
+    from distributed import Client, LocalCluster
+    env = {k: str(blas_threads) for k in _BLAS_THREADS}
+    # BLAS reads these once, when it loads: set before the workers spawn.
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        # Every listener on 127.0.0.1 (':0' would put the dashboard on
+        # every interface); TLS with throwaway certificates, so that other
+        # users of the machine cannot run code in the workers.
+        with restore_default_scheduler(always=True), LocalCluster(
+                n_workers=n, threads_per_worker=1, processes=True,
+                host='127.0.0.1', dashboard_address='127.0.0.1:0',
+                security=True, env=env) as cluster:
+            with Client(cluster, set_as_default=False) as client:
+                yield client
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,328 @@
+"""THE ``train(config)``: where a run trains, decided once, and the one
+per-rank loop run there.
+
+:func:`train` asks :func:`dasktrain.parallel.placement.place` where
+``config`` trains, and runs :func:`dasktrain.training.loop.run`:
+
+* here, in this process (a job of one rank);
+* one process per device: a job of as many ranks on throwaway worker
+  processes (:func:`~dasktrain.cluster.workers.local_device_workers`);
+* ``workers=N``: a job of N ranks on a running Dask cluster.
+
+A job of ranks: this process (the driver) picks the workers and starts one
+long task on each, a *rank*, which joins the others
+(:class:`~dasktrain.parallel.collective.DaskComm`, NCCL between GPUs
+where every rank can use it) and runs the loop on that worker's devices
+and its replicas' shards of the data: dg sums the gradients every step,
+ipm averages parameters at every mix. Dask starts, places and watches the
+processes; no MPI, no ``mpiexec``. The driver only relays progress (rank
+0 logs Dask events) and reacts to failures: if a worker dies, the job goes
+on from its last checkpoint with the workers left
+(``on_worker_loss='continue'``) or once enough are back (``'wait'``); any
+other error ends the job with that error. A rank that hangs makes the
+others fail after ``collective_timeout`` seconds, never wait forever.
+
+Every worker must see ``out`` and ``data_dir`` at the same paths (one
+machine, or a shared filesystem): rank 0 writes the log and checkpoint,
+and after a lost worker the new ranks resume from it.
+
+Owns running the loop where placement says, the ranks, the relay and the
+retries; may not touch job folders (:mod:`dasktrain.jobs` runs a job by
+calling :func:`train`).
+"""
+import logging
+import os
+import time
+import uuid
+
+import chainer
+
+from dasktrain.cluster.local import (connect, restore_default_scheduler,
+                                     worker_info)
+from dasktrain.cluster.workers import local_device_workers
+from dasktrain.config import TrainConfig
+from dasktrain.data.download import download_cifar10
+from dasktrain.errors import UserError
+from dasktrain.parallel.collective import CollectiveError, DaskComm
+from dasktrain.parallel.devices import free_gpu_memory, resolve_devices
+from dasktrain.parallel.gpus import (NCCL_MISSING, GpuPool, gpu_ids,
+                                     place_devices, use_nccl)
+from dasktrain.parallel.nccl import NcclComm
+from dasktrain.parallel.placement import (HERE, PER_DEVICE, able_workers,
+                                          gpus_per_rank, place,
+                                          rank_resources)
+from dasktrain.training.checkpoint import prepare_out
+from dasktrain.training.loop import run
+from dasktrain.training.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+POLL = 0.2  # s between looks at the ranks' futures and events
+
+
+class ScaleOutError(UserError):
+    """The cluster cannot run the job as asked."""
+
+
+class RankCancelled(Exception):
+    """Raised inside a rank whose task was cancelled."""
+
+
+def train(config=None, callbacks=(), client=None, **overrides):
+    """Train as ``config`` says, where it says; return the summary.
+
+    Parameters
+    ----------
+    config : TrainConfig, optional
+        Default ``TrainConfig()``; keyword ``overrides`` replace fields.
+        ``workers=N`` runs N ranks on a Dask cluster; else several devices
+        train as one process each, unless ``in_process``.
+    callbacks : sequence of callables, default ()
+        Each is called as ``callback(row)`` after an epoch's log row and
+        checkpoint are written (e.g. to plot live in a notebook).
+    client : distributed.Client, optional
+        The cluster of ``workers=N``; default: connect to
+        ``config.scheduler``, else the recorded cluster.
+
+    Returns
+    -------
+    dict
+        ``log`` (all rows), ``final`` (the last row), ``out``, ``devices``
+        and ``stopped_early``; for a job of ranks also ``attempts`` and
+        ``workers`` (the workers of the last attempt).
+
+    Examples
+    --------
+    >>> summary = train(TrainConfig(model='resnet20', epochs=5))  # doctest: +SKIP
+    >>> summary['final']['validation/main/accuracy']  # doctest: +SKIP
+    >>> train(TrainConfig(workers=2, mode='ipm', mix_every=10))  # doctest: +SKIP
+    """
+    config = (config or TrainConfig()).replace(**overrides)
+    progress = Progress(config.progress, config.epochs)
+    placement = place(config)  # asks CUDA, once, when no devices are named
+    if placement.where == HERE:
+        with prepare_out(config):
+            return run(config, devices=placement.devices,
+                       callbacks=callbacks, progress=progress)
+    if placement.where == PER_DEVICE:
+        # A missing GPU is one line, before any worker process starts.
+        resolve_devices(placement.devices)
+        progress.say(f'training on {placement.ranks} worker processes, one '
+                     'per device (--in-process: all in this one)')
+        with local_device_workers(placement.devices) as client:
+            return _job(config.replace(workers=placement.ranks,
+                                       devices=placement.rank_devices),
+                        callbacks, client, progress)
+    return _job(config, callbacks, client, progress)
+
+
+def _job(config, callbacks, client, progress):
+    """Run ``config.workers`` ranks on ``client``'s cluster (default:
+    ``config.scheduler``'s, else the recorded one)."""
+    # Ranks run elsewhere, in other working directories.
+    config = config.replace(out=os.path.abspath(config.out),
+                            data_dir=os.path.abspath(config.data_dir))
+    with prepare_out(config):  # locked here; rank 0 writes into it
+        download_cifar10(config.data_dir, url=config.url, md5=config.md5,
+                         progress=config.progress)  # once, not per rank
+        if client is not None:
+            return _drive(client, config, callbacks, progress)
+        with restore_default_scheduler(always=True):
+            with connect(config.scheduler) as client:
+                return _drive(client, config, callbacks, progress)
+
+
+# ------------------------------------------------------------ the ranks
+
+class _RankProgress(Progress):
+    """A rank's display: rank 0 relays its progress to the driver as Dask
+    events on ``topic``; every rank stops once its task is cancelled (the
+    driver gave up on it, or died): a running task's thread is not
+    stopped by Dask, and must not train on beside a rerun. Shows nothing
+    itself: the driver shows the run."""
+
+    def __init__(self, topic, relay, every=1.0):
+        from distributed import get_worker
+        from distributed.worker import thread_state
+        super().__init__(False, None)
+        self.worker, self.key = get_worker(), thread_state.key
+        self.topic, self.relay, self.every = topic, relay, every
+        self.seq, self.last, self.done = 0, 0.0, 0
+
+    def _send(self, kind, **data):
+        task = self.worker.state.tasks.get(self.key)
+        if task is None or task.state == 'cancelled':
+            raise RankCancelled(f'{self.key} was cancelled')
+        if self.relay:
+            self.seq += 1
+            self.worker.log_event(self.topic, dict(kind=kind, seq=self.seq,
+                                                   **data))
+
+    def warn(self, line):
+        """One line for the user, logged by the driver."""
+        self._send('warning', line=line)
+
+    def start(self, epoch, iterations):
+        self.done = 0
+        self._send('start', epoch=epoch, iterations=iterations)
+
+    def step(self, loss, accuracy, done=None):
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= self.every:  # spare the scheduler
+            self.last = now
+            self._send('step', done=self.done, loss=loss, accuracy=accuracy)
+
+    def end(self, row):
+        self._send('end', row=row)
+
+
+def _nccl_module():
+    """CuPy's NCCL module, or None where CuPy cannot be imported."""
+    try:
+        from cupy.cuda import nccl
+    except Exception:  # no CuPy, or a broken one: the Dask path serves
+        return None
+    return nccl
+
+
+def _rank(config, name, rank, size, gpus):
+    """The task body of rank ``rank``: join the others, train, report."""
+    held = GpuPool.acquire(gpus) if gpus else []
+    # The worker's free GPUs by their CUDA ordinals in this process.
+    devices = place_devices(config.devices, [g.index for g in held]) \
+        if held else config.devices or ('@numpy',)
+    try:
+        with DaskComm.rendezvous(name, rank, size,
+                                 config.collective_timeout) as host:
+            comm = host
+            progress = _RankProgress(name, relay=rank == 0)
+            # NCCL only if every rank can use it: the ranks must agree.
+            nccl = use_nccl(devices, _nccl_module())
+            if all(host.allgather(nccl)):
+                comm = NcclComm(host, gpu_ids(devices)[0])
+            elif gpu_ids(devices) and not nccl:
+                progress.warn(NCCL_MISSING)
+            try:
+                with chainer.using_device(chainer.get_device(devices[0])):
+                    summary = run(config, comm=comm, devices=devices,
+                                  progress=progress)
+            finally:
+                if comm is not host:
+                    comm.close()
+            return summary if rank == 0 else None
+    finally:
+        free_gpu_memory(gpu_ids(devices))  # before the next job gets them
+        GpuPool.release(held)
+
+
+# ------------------------------------------------------------ the driver
+
+def _drive(client, config, callbacks, progress):
+    """Run the job's ranks until they end, again from the checkpoint after
+    a lost worker; the summary of rank 0."""
+    from distributed import Variable
+    gpus = gpus_per_rank(config.devices, worker_info(client).values())
+    job = uuid.uuid4().hex[:8]
+    wanted = minimum = config.workers
+    patience, attempt = config.collective_timeout, 0
+    while True:
+        attempt += 1
+        workers = _choose(client, config, gpus, wanted, minimum, patience)
+        name = f'dasktrain-{job}-{attempt}'
+        ranks = config.replace(resume=config.resume or attempt > 1,
+                               progress=False)
+        futures = _launch(client, ranks, name, workers, gpus)
+        try:
+            outcome, value = _watch(client, futures, workers, name,
+                                    progress, callbacks)
+        finally:
+            client.cancel(futures, force=True)
+            for rank in range(len(workers)):
+                Variable(f'{name}/rank{rank}', client=client).delete()
+        if outcome == 'done':
+            value.update(attempts=attempt, workers=workers)
+            return value
+        then = 'waiting for replacements, then ' \
+            if config.on_worker_loss == 'wait' else ''
+        logger.warning('worker(s) %s lost; %sresuming from the last '
+                       'checkpoint', ', '.join(value), then)
+        if config.on_worker_loss == 'continue':
+            wanted, minimum = max(1, len(workers) - len(value)), 1
+        else:
+            patience = float('inf')
+
+
+def _choose(client, config, gpus, wanted, minimum, patience):
+    """Addresses of up to ``wanted`` workers able to host a rank, once at
+    least ``minimum`` are; ScaleOutError after ``patience`` seconds."""
+    deadline = time.monotonic() + patience
+    announced = False
+    while True:
+        able = able_workers(worker_info(client), gpus)
+        if len(able) >= minimum:
+            return able[:wanted]
+        if time.monotonic() > deadline:
+            raise ScaleOutError(
+                f'--workers {config.workers} needs {minimum} Dask workers'
+                f'{f" with {gpus} GPUs each" if gpus else ""}; the cluster '
+                f'has {len(able)} after {patience:g} s; add workers (`dask '
+                'worker ADDRESS`) or lower --workers')
+        if not announced:
+            logger.warning('waiting for %d workers (have %d)', minimum,
+                           len(able))
+            announced = True
+        time.sleep(1.0)
+
+
+def _launch(client, config, name, workers, gpus):
+    """One rank's task on each of ``workers``, holding its resources."""
+    infos = worker_info(client)
+    return [client.submit(
+        _rank, config, name, rank, len(workers), gpus,
+        key=f'{name}-rank{rank}', workers=[address],
+        allow_other_workers=False,
+        resources=rank_resources(gpus, infos[address]), pure=False)
+        for rank, address in enumerate(workers)]
+
+
+def _watch(client, futures, workers, topic, progress, callbacks):
+    """Relay progress until the ranks end. Returns ('done', summary) or
+    ('lost', addresses); raises the root error of a failed job."""
+    seen = 0  # the scheduler keeps every event of the topic: skip old ones
+    failed_since = None
+    while True:
+        for _, event in client.get_events(topic):
+            if event['seq'] <= seen:
+                continue
+            seen = event['seq']
+            if event['kind'] == 'warning':
+                progress.warn(event['line'])
+            elif event['kind'] == 'start':
+                progress.start(event['epoch'], event['iterations'])
+            elif event['kind'] == 'step':
+                progress.step(event['loss'], event['accuracy'],
+                              done=event['done'])
+            else:
+                progress.end(event['row'])
+                for callback in callbacks:
+                    callback(event['row'])
+        states = [f.status for f in futures]
+        if all(s == 'finished' for s in states):
+            return 'done', futures[0].result()
+        alive = set(worker_info(client))
+        lost = [w for w in workers if w not in alive]
+        if lost:
+            return 'lost', lost
+        if 'error' in states:
+            errors = [f.exception() for f in futures if f.status == 'error']
+            root = [e for e in errors if not isinstance(e, CollectiveError)]
+            if root:
+                raise root[0]
+            # A peer's failure shows first as a broken connection; give
+            # the scheduler a moment to notice a dead worker.
+            failed_since = failed_since or time.monotonic()
+            if time.monotonic() - failed_since > 5.0 or \
+                    all(s in ('error', 'finished') for s in states):
+                raise errors[0]
+        time.sleep(POLL)

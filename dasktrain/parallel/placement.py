@@ -1,0 +1,156 @@
+"""Where a run trains: the decisions, without processes or CUDA.
+
+A run trains in one of three placements (:func:`place`):
+
+* ``here``: every replica in this process, on its devices (one device,
+  ``in_process``, or devices one process each cannot serve);
+* ``per-device``: one new local worker process per device, each a rank of
+  one job (several CPU replicas, or several distinct GPUs);
+* ``ranks``: ``workers`` ranks on a Dask cluster, each on the devices its
+  worker gives it.
+
+For ranks on a cluster, :func:`gpus_per_rank`, :func:`able_workers` and
+:func:`rank_resources` decide what each rank holds and which workers can
+host one, from the workers' advertised resources.
+
+Everything here is a pure function of what it is given (the config, the
+devices this process sees, the workers' resources), so the tests check
+the decisions without a GPU or a cluster. Owns the decisions; may not
+start processes (:mod:`dasktrain.launch` does, as decided here).
+"""
+from typing import NamedTuple, Optional
+
+from dasktrain.parallel.gpus import gpu_ids
+
+HERE, PER_DEVICE, RANKS = 'here', 'per-device', 'ranks'
+
+
+class Placement(NamedTuple):
+    """Where a run trains (see :func:`place`)."""
+    where: str                   # HERE, PER_DEVICE or RANKS
+    devices: Optional[tuple]     # here: this process's devices; per-device:
+    #                              one per worker process; ranks: each
+    #                              rank's as named (None: its worker's)
+    ranks: Optional[int] = None  # processes of the job (None: here)
+    rank_devices: Optional[tuple] = None  # per-device: each worker's own,
+    #                                       as that worker sees it
+
+
+def default_devices(available=None):
+    """Every GPU among ``available``, else one CPU replica.
+
+    ``available``: the Chainer specifiers this process can use (default:
+    asked of CUDA, :func:`dasktrain.parallel.devices.available_devices`).
+
+    >>> default_devices(['@numpy', '@cupy:0', '@cupy:1'])
+    ('@cupy:0', '@cupy:1')
+    >>> default_devices(['@numpy'])
+    ('@numpy',)
+    """
+    if available is None:
+        # Only the default asks CUDA: the decisions above import no Chainer.
+        from dasktrain.parallel.devices import available_devices
+        available = available_devices()
+    gpus = [d for d in available if d.startswith('@cupy')]
+    return tuple(gpus) or ('@numpy',)
+
+
+def per_device_plan(devices):
+    """(workers, each one's device) to train ``devices`` as one process
+    per device, or None to keep them in one process: a single device, or
+    a list with a GPU named twice or CPU and GPUs mixed.
+
+    >>> per_device_plan(('@numpy', '@numpy'))
+    (2, '@numpy')
+    >>> per_device_plan(('@cupy:2', '@cupy:0'))
+    (2, '@cupy:0')
+    >>> per_device_plan(('@cupy:1', '@cupy:1')) is None
+    True
+    """
+    devices = tuple(devices)
+    if len(devices) < 2:
+        return None
+    if all(d == '@numpy' for d in devices):
+        return len(devices), '@numpy'
+    if len(gpu_ids(devices)) == len(devices):  # distinct GPUs only
+        return len(devices), '@cupy:0'  # each worker sees its GPU as 0
+    return None
+
+
+def place(config, available=None):
+    """Where ``config`` trains: ranks on a cluster with ``config.workers``;
+    else on ``config.devices`` (default :func:`default_devices` of
+    ``available``), one process per device where
+    :func:`per_device_plan` allows it and ``config.in_process`` is off,
+    else here.
+
+    >>> from dasktrain.config import TrainConfig
+    >>> place(TrainConfig(), available=['@numpy'])
+    ... # doctest: +NORMALIZE_WHITESPACE
+    Placement(where='here', devices=('@numpy',), ranks=None,
+              rank_devices=None)
+    >>> place(TrainConfig(devices=('@numpy',) * 2))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    Placement(where='per-device', devices=('@numpy', '@numpy'), ranks=2,
+              rank_devices=('@numpy',))
+    >>> place(TrainConfig(devices=('@numpy',) * 2, in_process=True)).where
+    'here'
+    >>> place(TrainConfig(workers=3, devices=('@cupy:0',)))[:3]
+    ('ranks', ('@cupy:0',), 3)
+    """
+    if config.workers is not None:
+        return Placement(RANKS, config.devices, config.workers)
+    devices = tuple(config.devices or default_devices(available))
+    plan = None if config.in_process else per_device_plan(devices)
+    if plan is None:
+        return Placement(HERE, devices)
+    workers, device = plan
+    return Placement(PER_DEVICE, devices, workers, (device,))
+
+
+def gpus_per_rank(devices, workers):
+    """GPUs each rank of a job on a cluster holds: as many as ``devices``
+    names; with none named, one where any of ``workers`` (their info
+    dicts, with the ``resources`` they advertise) has GPUs, else none.
+
+    >>> gpus_per_rank(None, [{'resources': {'GPU': 2}}, {'resources': {}}])
+    1
+    >>> gpus_per_rank(None, [{'resources': {'CPU': 1}}])
+    0
+    >>> gpus_per_rank(('@cupy:0', '@cupy:1'), [])
+    2
+    """
+    if devices is None:
+        return 1 if any(w.get('resources', {}).get('GPU') for w in workers) \
+            else 0
+    return len(gpu_ids(devices))
+
+
+def able_workers(workers, gpus):
+    """The addresses, sorted, of the ``workers`` (``{address: info}``)
+    that advertise at least ``gpus`` GPUs.
+
+    >>> able_workers({'b': {'resources': {'GPU': 2}}, 'a': {}}, 0)
+    ['a', 'b']
+    >>> able_workers({'b': {'resources': {'GPU': 2}}, 'a': {}}, 1)
+    ['b']
+    """
+    return sorted(a for a, w in workers.items()
+                  if w.get('resources', {}).get('GPU', 0) >= gpus)
+
+
+def rank_resources(gpus, worker):
+    """The Dask resources a rank holds on ``worker`` (its info dict):
+    its GPUs; without GPUs, one CPU slot where the worker has slots (a
+    ``dasktrain cluster start`` worker), else none.
+
+    >>> rank_resources(2, {'resources': {'GPU': 4}})
+    {'GPU': 2}
+    >>> rank_resources(0, {'resources': {'CPU': 1}})
+    {'CPU': 1}
+    >>> rank_resources(0, {}) is None
+    True
+    """
+    if gpus:
+        return {'GPU': gpus}
+    return {'CPU': 1} if worker.get('resources', {}).get('CPU') else None
