@@ -178,70 +178,49 @@ def _run(config, comm, devices, callbacks, progress):
                    default_devices())
     if lead and progress.enabled:
         _say_devices(progress, model, named=bool(config.devices))
-    model.setup(make_optimizer(config))
-    if config.weight_decay:
-        model.add_hook(chainer.optimizer_hooks.WeightDecay(
-            config.weight_decay))
     _check(config, model, n_train)
-    views, test_labels = load_test_share(cifar, n_test, config.tta,
-                                         comm.rank, comm.size)
+    test = load_test_share(cifar, n_test, config.tta, comm.rank, comm.size)
     state = _start(config, model, out, lead)
     stopper = EarlyStopping(config.early_stop_monitor,
                             config.early_stop_patience,
                             mode=config.early_stop_mode,
                             **state['early_stop'])
-    loader = EpochLoader(
-        cifar.train_images[:n_train],
-        cifar.train_labels[:n_train].compute(scheduler='threads'),
-        config.batch_size * model.total_replicas, seed=config.seed,
-        augment_options={} if config.augment else None,
-        epochs=config.epochs, parts=model.total_replicas,
-        own=range(model.offset, model.offset + len(model)), cache=True,
-        client=client)
     stopped = stopper.stopped()
-    started = time.perf_counter() - state['elapsed']
-    with loader:
+    with _loader(config, cifar, n_train, model, client) as loader:
+        # The run's clock, as it stood at its last checkpoint; the data
+        # read into memory, not counted.
+        started = time.perf_counter() - state['elapsed']
         for epoch in range(state['epoch'],
                            state['epoch'] if stopped else config.epochs):
-            mixes = len(model.drifts)  # ipm's mixes before this epoch
-            sums = _train_epoch(config, model, loader, epoch, progress,
-                                last=(out / CHECKPOINT, state['epoch']))
-            evaluators = model.evaluators()
-            loss, accuracy = evaluate(evaluators, views, test_labels,
-                                      max(100, config.batch_size))
-            sums.val_loss = loss * len(test_labels)
-            sums.val_accuracy = accuracy * len(test_labels)
-            sums.val_images = len(test_labels)
-            sums.elapsed = time.perf_counter() - started if lead else 0.0
-            row = _row(config, model, sums.summed(comm), comm.size, epoch,
-                       model.drifts[mixes:])
+            row, evaluated = _epoch(config, model, loader, test, epoch,
+                                    progress, started,
+                                    last=(out / CHECKPOINT, state['epoch']))
             stopped = stopper.update(row)
-            if stopper.count == 0 and lead:  # improved on the monitor
-                save_model(out / 'model_best.npz', evaluators[0][0])
-            state.update(epoch=epoch + 1, elapsed=row['elapsed_time'],
-                         early_stop=stopper.state())
-            state['log'].append(row)
-            if lead:
-                write_json(out / 'log', state['log'])
-            save_checkpoint(out / CHECKPOINT, model, state)
+            _save(out, model, state, row, stopper, evaluated)
             progress.end(row)
             for callback in callbacks:
                 callback(row)
             if stopped:
                 break
-    return _finish(model, out, lead, state, stopped)
+    return _finish(model, out, state, stopped)
 
 
 def _model(config, comm, devices):
-    """The rank's replicas on ``devices``, from rank 0's initial weights."""
+    """The rank's replicas on ``devices``, from rank 0's initial weights,
+    with their optimizers."""
     np.random.seed(config.seed)  # the initial weights
-    return GPUDistributedGradient(
+    model = GPUDistributedGradient(
         get_model(config.model), devices, mode=config.mode,
         mix_every=config.mix_every,
         mix_optimizer_state=config.mix_optimizer_state, comm=comm,
         comm_dtype=config.comm_dtype,
         double_buffering=config.double_buffering,
         bucket_mb=config.bucket_mb)
+    model.setup(make_optimizer(config))
+    if config.weight_decay:
+        model.add_hook(chainer.optimizer_hooks.WeightDecay(
+            config.weight_decay))
+    return model
 
 
 def _say_devices(progress, model, named):
@@ -286,6 +265,39 @@ def _start(config, model, out, lead):
     return state
 
 
+def _loader(config, cifar, n_train, model, client):
+    """The loader of the shards of the first ``n_train`` training images
+    that the rank's replicas own; ``client``: see :class:`EpochLoader`."""
+    return EpochLoader(
+        cifar.train_images[:n_train],
+        cifar.train_labels[:n_train].compute(scheduler='threads'),
+        config.batch_size * model.total_replicas, seed=config.seed,
+        augment_options={} if config.augment else None,
+        epochs=config.epochs, parts=model.total_replicas,
+        own=range(model.offset, model.offset + len(model)), cache=True,
+        client=client)
+
+
+def _epoch(config, model, loader, test, epoch, progress, started, last):
+    """Train and evaluate ``epoch``: its log row, the same on every rank,
+    and the link evaluated. ``test``: (views, labels) of the rank's test
+    images; ``started``: when the run began (``time.perf_counter``)."""
+    mixes = len(model.drifts)  # ipm's mixes before this epoch
+    sums = _train_epoch(config, model, loader, epoch, progress, last)
+    evaluators = model.evaluators()
+    views, labels = test
+    loss, accuracy = evaluate(evaluators, views, labels,
+                              max(100, config.batch_size))
+    sums.val_loss = loss * len(labels)
+    sums.val_accuracy = accuracy * len(labels)
+    sums.val_images = len(labels)
+    if model.comm.rank == 0:
+        sums.elapsed = time.perf_counter() - started
+    row = _row(config, model, sums.summed(model.comm), epoch,
+               model.drifts[mixes:])
+    return row, evaluators[0][0]
+
+
 def _train_epoch(config, model, loader, epoch, progress, last):
     """Train ``epoch``; its training sums (loss, accuracy, images, times).
     ``last``: (checkpoint path, its epoch), named if the loss diverges."""
@@ -325,11 +337,11 @@ def _diverged(config, model, epoch, loss, checkpoint, saved):
         f'{config.learning_rate:g})')
 
 
-def _row(config, model, sums, ranks, epoch, drifts):
-    """Epoch ``epoch``'s log row, from the sums over all ``ranks``;
+def _row(config, model, sums, epoch, drifts):
+    """Epoch ``epoch``'s log row, from the sums over all ranks;
     ``drifts``: the replicas' distances before this epoch's ipm mixes."""
     row = {'epoch': epoch + 1, 'iteration': model.iteration,
-           **sums.row(ranks), 'lr': config.learning_rate}
+           **sums.row(model.comm.size), 'lr': config.learning_rate}
     if model.mode == 'ipm' and model.total_replicas > 1:
         # Mean distance before this epoch's mixes; with none (one-shot,
         # or long intervals), how far apart they are now.
@@ -338,11 +350,25 @@ def _row(config, model, sums, ranks, epoch, drifts):
     return row
 
 
-def _finish(model, out, lead, state, stopped):
+def _save(out, model, state, row, stopper, evaluated):
+    """After an epoch: the model evaluated as the best (when the monitor
+    improved), the log and the checkpoint; rank 0 writes them."""
+    lead = model.comm.rank == 0
+    if stopper.count == 0 and lead:  # improved on the monitor
+        save_model(out / 'model_best.npz', evaluated)
+    state.update(epoch=row['epoch'], elapsed=row['elapsed_time'],
+                 early_stop=stopper.state())
+    state['log'].append(row)
+    if lead:
+        write_json(out / 'log', state['log'])
+    save_checkpoint(out / CHECKPOINT, model, state)
+
+
+def _finish(model, out, state, stopped):
     """The final mix, the final model (and, in ipm, the checkpoint with
     it); the run's summary."""
     model.finalize()
-    if lead:
+    if model.comm.rank == 0:
         save_model(out / 'model_final.npz', model.master)
     if model.mode == 'ipm':  # the checkpoint holds the final mix too
         save_checkpoint(out / CHECKPOINT, model, state)
