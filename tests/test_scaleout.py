@@ -14,7 +14,7 @@ import pytest
 
 from dasktrain.data.augment import EpochLoader, shard_batches
 from dasktrain.cli import main
-from dasktrain.parallel.collective import CollectiveError, DaskComm
+from dasktrain.parallel.comm import CollectiveError, DaskComm
 from dasktrain.config import TrainConfig
 from dasktrain.cluster.scaleout import ScaleOutError, train
 from dasktrain.training import train as train_here
@@ -142,7 +142,7 @@ def _both_paths(name, rank, size):
             i = np.arange(7, dtype=np.int32) * (rank + 1)
             comm.allreduce([a, base[:, ::2], i])  # a non-contiguous view
             comm.allreduce([a])  # the other result segment
-            out[shared] = (a, base, i, comm._shm is not None)
+            out[shared] = (a, base, i, comm.shared_memory)
     return out
 
 

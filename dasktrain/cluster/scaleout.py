@@ -28,12 +28,12 @@ import uuid
 
 from dasktrain.cluster.local import (connect, restore_default_scheduler,
                                      worker_info)
-from dasktrain.parallel.collective import CollectiveError, DaskComm
+from dasktrain.parallel.comm import CollectiveError, DaskComm
 from dasktrain.parallel.devices import (free_gpu_memory, gpu_count,
                                         resolve_devices)
 from dasktrain.parallel.gpus import (NCCL_MISSING, GpuPool, gpu_ids,
                                      place_devices, use_nccl, visible_gpus)
-from dasktrain.parallel.nccl import NcclComm
+from dasktrain.parallel.comm import NcclComm
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
 from dasktrain.training.loop import (_Progress, default_devices, prepare_out,

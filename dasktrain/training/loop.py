@@ -20,7 +20,7 @@ from chainer.serializers import DictionarySerializer
 from tqdm import tqdm  # plain: tqdm.auto warns in a notebook without ipywidgets
 
 from dasktrain.data.augment import EpochLoader, shard_bounds, tta_views
-from dasktrain.parallel.collective import Solo
+from dasktrain.parallel.comm import Solo
 from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
 from dasktrain.data.cifar import load_cifar10
 from dasktrain.errors import UserError
