@@ -17,7 +17,7 @@ from dasktrain.commands.cluster import Cluster
 from dasktrain.commands.jobs import Cancel, Jobs, Logs, Result, Submit
 from dasktrain.commands.train import Download, Train
 from dasktrain.commands.tune import Tune
-from dasktrain.errors import UserError
+from dasktrain.errors import Error
 
 COMMANDS = (Download, Train, Cluster, Submit, Jobs, Logs, Cancel, Result,
             Tune, Bench)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         return args.command_obj.run(args)
     except SystemExit as e:  # --help, --version and usage errors
         return e.code if isinstance(e.code, int) else 2
-    except UserError as e:
+    except Error as e:
         print(f'dasktrain {args.command}: error: {e}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ per-rank loop run there.
 
 A job of ranks: this process (the driver) picks the workers and starts one
 long task on each, a *rank*, which joins the others
-(:class:`~dasktrain.parallel.collective.DaskComm`, NCCL between GPUs
+(:class:`~dasktrain.parallel.comm.dask.DaskComm`, NCCL between GPUs
 where every rank can use it) and runs the loop on that worker's devices
 and its replicas' shards of the data: dg sums the gradients every step,
 ipm averages parameters at every mix. Dask starts, places and watches the
@@ -43,11 +43,10 @@ from dasktrain.cluster.workers import local_device_workers
 from dasktrain.config import TrainConfig
 from dasktrain.data.download import download_cifar10
 from dasktrain.errors import UserError
-from dasktrain.parallel.collective import CollectiveError, DaskComm
+from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
 from dasktrain.parallel.devices import free_gpu_memory, resolve_devices
 from dasktrain.parallel.gpus import (NCCL_MISSING, GpuPool, gpu_ids,
                                      place_devices, use_nccl)
-from dasktrain.parallel.nccl import NcclComm
 from dasktrain.parallel.placement import (HERE, PER_DEVICE, able_workers,
                                           gpus_per_rank, place,
                                           rank_resources)

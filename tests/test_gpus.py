@@ -7,8 +7,8 @@ import types
 import numpy as np
 import pytest
 
-from dasktrain.parallel.collective import CollectiveError, poll, signature
-from dasktrain.parallel.nccl import NcclComm
+from dasktrain.parallel.comm import CollectiveError, poll, signature
+from dasktrain.parallel.comm import NcclComm
 from dasktrain.config import TrainConfig
 from dasktrain.parallel.devices import format_uuid, unused_gpus_message
 from dasktrain.parallel.gpus import (NCCL_MISSING, Gpu, GpuError, GpuPool,

@@ -13,7 +13,7 @@ import pytest
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 from dasktrain.launch import ScaleOutError, train
-from dasktrain.parallel.collective import CollectiveError
+from dasktrain.parallel.comm import CollectiveError
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
              'comm_time'}

@@ -129,8 +129,8 @@ def test_chainer_imports_first_after_a_normal_install(tmp_path):
 
 # ----------------------------------------------- the package's subpackages
 
-SUBPACKAGES = ('data', 'parallel', 'training', 'cluster', 'jobs', 'tuning',
-               'bench')
+SUBPACKAGES = ('data', 'parallel', 'parallel.comm', 'training', 'cluster',
+               'jobs', 'tuning', 'bench')
 HEAVY = ('chainer', 'dask', 'distributed', 'optuna', 'requests', 'tornado')
 
 

@@ -1,4 +1,5 @@
 import re
+import time
 
 import chainer
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 from dasktrain.training.models import get_model
 from dasktrain.parallel.devices import cuda_unavailable_reason, gpu_count
 from dasktrain.parallel import DeviceError, GPUDistributedGradient
+from dasktrain.parallel.comm import Communicator
 
 
 def batch(n, seed=0):
@@ -286,11 +288,17 @@ def test_replicas_draw_dropout_from_their_own_streams():
     assert first == again and first[0] != first[1]
 
 
-class Mirror:
-    """A job of two ranks whose other rank sends what this one sends."""
-    rank, size = 0, 2
+class Mirror(Communicator):
+    """A job of two ranks whose other rank sends what this one sends
+    (after ``delay`` seconds: a slow peer)."""
+    solo, sums_on_device = False, False
+
+    def __init__(self, delay=0.0):
+        super().__init__(0, 2, None)
+        self.delay = delay
 
     def allreduce(self, arrays, check=False):
+        time.sleep(self.delay)
         for a in arrays:
             a *= 2
         return arrays
@@ -298,15 +306,24 @@ class Mirror:
     def allgather(self, obj):
         return [obj, obj]
 
+    def gather(self, obj):
+        return [obj, obj]
+
     def bcast(self, obj):
         return obj
 
+    def close(self):
+        pass
 
-@pytest.mark.parametrize('double_buffering', [False, True])
+
+@pytest.mark.parametrize('double_buffering,delay', [
+    (False, 0.0), (True, 0.0),
+    (True, 0.05),  # the sums arrive after the step has gone on
+])
 def test_double_buffering_applies_the_previous_step_s_gradient(
-        double_buffering):
+        double_buffering, delay):
     batches = [batch(6, seed) for seed in range(4)]
-    model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(),
+    model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(delay),
                                    double_buffering=double_buffering)
     model.setup(chainer.optimizers.SGD(lr=0.1))
     for x, t in batches:  # each rank's half: weighted 1/2, summed x2

@@ -10,7 +10,7 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from dasktrain.parallel.collective import CollectiveError, DaskComm
+from dasktrain.parallel.comm import CollectiveError, DaskComm
 
 # The ranks' test functions below travel to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -56,7 +56,7 @@ def _both_paths(name, rank, size):
             i = np.arange(7, dtype=np.int32) * (rank + 1)
             comm.allreduce([a, base[:, ::2], i])  # a non-contiguous view
             comm.allreduce([a])  # the other result segment
-            out[shared] = (a, base, i, comm._shm is not None)
+            out[shared] = (a, base, i, comm.shared_memory)
     return out
 
 

@@ -44,7 +44,7 @@ if comm.rank == 0:
 
 def _dask_times(name, rank, size, n, iterations, shared):
     """On a worker: ``iterations`` timed all-reduces after a warm-up."""
-    from dasktrain.parallel.collective import DaskComm
+    from dasktrain.parallel.comm import DaskComm
     with DaskComm.rendezvous(name, rank, size, timeout=60,
                              shared_memory=shared) as comm:
         buf = np.zeros(n, np.float32)
@@ -130,7 +130,7 @@ def _overlap_times(name, rank, size, model, batch, buckets, steps, rounds,
     exposed communication per step (s)."""
     import chainer
 
-    from dasktrain.parallel.collective import DaskComm
+    from dasktrain.parallel.comm import DaskComm
     from dasktrain.training.models import get_model
     from dasktrain.parallel import GPUDistributedGradient
     rng = np.random.RandomState(rank)

@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 from dasktrain.config import TrainConfig
-from dasktrain.errors import UserError
+from dasktrain.errors import Error
 from dasktrain.jobs.records import (DONE, EVENTS, PRUNED, Job, Pruned,
                                     update_status)
 from dasktrain.parallel.gpus import (VISIBLE, GpuPool, job_environment,
@@ -201,7 +201,7 @@ def run_child(folder, callbacks=()):
     except Pruned as e:
         print(f'pruned: {e}', flush=True)
         return PRUNED
-    except UserError as e:
+    except Error as e:  # the user's mistake or a fault: one line
         print(f'error: {e}', flush=True)
         return 1
     except Exception:

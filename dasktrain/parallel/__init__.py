@@ -1,9 +1,10 @@
 """Data-parallel training on several devices: ``GPUDistributedGradient``
-(:mod:`~dasktrain.parallel.gradient`) and what it stands on: devices
-(``devices``) and GPU numbering (``gpus``), the replicas' arrays
-(``replicas``), collectives among processes (``collective``, with ``shm``
-on one machine and ``nccl`` between GPUs), and how dg's gradients travel
-(``gradcomm``, overlapped with ``backprop``'s backward pass).
+(:mod:`~dasktrain.parallel.gradient`, the update, dg and ipm, mixing) and
+what it stands on: devices (``devices``) and GPU numbering (``gpus``), a
+model's replicas on the devices (``replicas``), the communicators among
+a job's processes (``comm``: over Dask, through shared memory on one
+machine, NCCL between GPUs) and how dg's gradients are summed between them
+(``exchange``, overlapped with ``backprop``'s backward pass).
 
 Each name below imports its module (and Chainer) on first use.
 """
@@ -14,6 +15,8 @@ _EXPORTS = {
                     'dasktrain.parallel.gradient'),
     **dict.fromkeys(('DeviceError', 'resolve_devices'),
                     'dasktrain.parallel.devices'),
+    **dict.fromkeys(('CollectiveError', 'Communicator', 'Solo'),
+                    'dasktrain.parallel.comm.base'),
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

@@ -1,6 +1,7 @@
 """Which devices this process can train on, by Chainer specifier, and the
 few CUDA calls the rest of the package makes about them (synchronise,
-free memory, say why CuPy cannot be used).
+streams and events, free memory, say why CuPy cannot be used), and a
+:class:`Clock` that times work with the GPUs synchronised around it.
 
 Decisions about *which* GPU ids a worker, job or rank gets live in
 :mod:`dasktrain.parallel.gpus` (no CUDA needed); this module asks CuPy
@@ -9,6 +10,7 @@ what is there.
 import contextlib
 import shutil
 import subprocess
+import time
 
 import chainer
 import numpy as np
@@ -102,6 +104,27 @@ def synchronize(devices):
     GPU's arrays are read from another."""
     for gpu in gpus_of(devices):
         gpu.synchronize()
+
+
+class Clock:
+    """Seconds spent in the work handed to :meth:`timed`, summed in
+    :attr:`total` (communication time: merging gradients, syncing and
+    mixing replicas). GPUs are synchronised before and after each: CUDA
+    calls return before the work is done, and the work queued before is
+    not the timed work."""
+
+    def __init__(self, devices):
+        self.devices = devices
+        self.total = 0.0
+
+    def timed(self, work):
+        """``work()``'s result, its time added to :attr:`total`."""
+        synchronize(self.devices)
+        began = time.perf_counter()
+        result = work()
+        synchronize(self.devices)
+        self.total += time.perf_counter() - began
+        return result
 
 
 def mark(device):

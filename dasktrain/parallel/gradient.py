@@ -5,25 +5,21 @@ Chainer 7: the same ``with model as m: m(xs, ts)`` protocol, plus a
 one-call :meth:`GPUDistributedGradient.step`, a mean (not summed) merged
 gradient, and an iterative-parameter-mixture mode.
 
-On GPUs every operation across replicas runs with the device of the array
-it writes current, reads another GPU's arrays only after that GPU finished
-its queued work, and moves a replica's arrays as one flat buffer
-(:func:`dasktrain.parallel.devices.transfer`), as Chainer's
-MultiprocessParallelUpdater gathers gradients; nothing is computed on a GPU
-the user did not list.
+It owns the update, dg and ipm, and mixing; the replicas on their devices
+(and how arrays move between GPUs) are :mod:`~dasktrain.parallel.replicas`'
+and the sums between processes :mod:`~dasktrain.parallel.exchange`'s. It
+starts no process and writes no file (a checkpoint's arrays come and go
+through :meth:`~GPUDistributedGradient.serialize` and ``restore``).
 """
 import copy
-import time
 
 import chainer
 import numpy as np
 
-from dasktrain.parallel.collective import Solo
-from dasktrain.parallel.devices import (DeviceError,  # noqa: F401
-                                        resolve_devices, synchronize,
-                                        transfer)
-from dasktrain.parallel.gradcomm import GradientExchange, gradients
-from dasktrain.parallel.replicas import ReplicaArrays, ReplicaRandom, restore
+from dasktrain.parallel.comm.base import Solo
+from dasktrain.parallel.devices import Clock, resolve_devices, transfer
+from dasktrain.parallel.exchange import GradientExchange, gradients
+from dasktrain.parallel.replicas import Replicas, load, saved_replicas
 
 MODES = ('dg', 'ipm')
 
@@ -59,17 +55,16 @@ class GPUDistributedGradient:
     double_buffering : bool, default False
         dg across processes: each step applies the previous step's summed
         gradient while this step's is summed on a communication thread
-        (ChainerMN's double buffering): updates are one step stale; the
-        first step of an epoch applies none and :meth:`end_epoch` applies
+        (ChainerMN's): updates are one step stale; :meth:`end_epoch` applies
         the last, so every epoch makes as many updates as exact dg.
     bucket_mb : float, default 0
         dg across processes with one replica here: all-reduce the
         gradients in buckets of about this many MiB, each as soon as the
         backward pass has computed it, on a communication thread, while
-        back-propagation goes on (:mod:`dasktrain.parallel.gradcomm`); over
+        back-propagation goes on (:mod:`dasktrain.parallel.exchange`); over
         Dask's comms and shared memory (and NCCL between two ranks) the
         sums are the same bits. 0: one all-reduce after the backward pass.
-    comm : dasktrain.parallel.collective.DaskComm or NcclComm, optional
+    comm : dasktrain.parallel.comm.base.Communicator, optional
         Make this one replica group of a job across processes: every group
         starts from rank 0's weights, dg sums the masters' gradients over
         ``comm`` every step, ipm averages over all groups' replicas; the
@@ -106,38 +101,32 @@ class GPUDistributedGradient:
         if comm_dtype not in (None, 'float16', 'float32'):
             raise ValueError(f"comm_dtype must be None, 'float16' or "
                              f"'float32', got {comm_dtype!r}")
-        self.devices = resolve_devices(devices)
+        devices = resolve_devices(devices)
         self.mode = mode
         if isinstance(bucket_mb, bool) or not isinstance(
                 bucket_mb, (int, float)) or not bucket_mb >= 0:
             raise ValueError(f'bucket_mb must be a number >= 0, got '
                              f'{bucket_mb!r}')
-        self.exchange = GradientExchange(
-            self, None if comm_dtype in (None, 'float32') else
-            np.dtype(comm_dtype), bool(double_buffering), float(bucket_mb))
         self.mix_every = mix_every
         self.mix_optimizer_state = mix_optimizer_state
-        copies = [chain.copy(mode='copy') for _ in self.devices[1:]]
-        self.replicas = [chain] + copies
-        for replica, device in zip(self.replicas, self.devices):
-            replica.to_device(device)
         self.comm = comm or Solo()
-        self.arrays = ReplicaArrays(self)
-        counts = self.comm.allgather(len(self.replicas))
-        self.offset = sum(counts[:self.comm.rank])  # global replica index
-        self.total_replicas = sum(counts)
-        if self.comm.size > 1:
-            self._start_from_rank0()
-        self.random = ReplicaRandom(self.devices)
+        self.group = Replicas(chain, devices, self.comm)  # rank 0's weights
+        self.devices = self.group.devices
+        self.replicas = self.group.links
+        self.offset = self.group.offset  # global replica index
+        self.total_replicas = self.group.total
+        self.clock = Clock(self.devices)  # merging, syncing and mixing
+        self.exchange = GradientExchange(
+            self.group, self.clock,
+            None if comm_dtype in (None, 'float32') else
+            np.dtype(comm_dtype), bool(double_buffering), float(bucket_mb))
         self.optimizers = []
         self.iteration = 0
-        self.comm_time = 0.0   # s merging gradients, syncing and mixing
         self.drift = None      # RMS distance of replicas from their mean
         self.drifts = []       # ... before each mix so far
         self._losses = []
         self._sizes = []
         self._total = 0
-        self._metrics = [None] * len(self.replicas)  # on-device sums
 
     def __len__(self):
         return len(self.replicas)
@@ -151,17 +140,14 @@ class GPUDistributedGradient:
     def optimizer(self):
         return self.optimizers[0] if self.optimizers else None
 
-    # ------------------------------------------------------------- set-up
+    @property
+    def comm_time(self):
+        """Seconds spent merging gradients, syncing and mixing so far."""
+        return self.clock.total
 
-    def _start_from_rank0(self):
-        # Each process drew its own initial weights; summing gradients of
-        # different models would go unnoticed. Rank 0's win everywhere.
-        master = self.devices[0]
-        mine = [chainer.backends.cuda.to_cpu(a)
-                for (a,) in self.arrays.groups([self.master])]
-        start = self.comm.bcast(mine if self.comm.rank == 0 else None)
-        self.arrays.write(self.arrays.groups(self.replicas),
-                        [master.send(a) for a in start])
+    @comm_time.setter
+    def comm_time(self, seconds):
+        self.clock.total = seconds
 
     def setup(self, optimizer):
         """Attach ``optimizer`` (not yet set up): dg to the master, ipm to
@@ -186,10 +172,9 @@ class GPUDistributedGradient:
 
     def seed(self, seed, epoch):
         """Seed each replica's own random numbers (dropout) from (``seed``,
-        ``epoch``, its global index): the same draws wherever it runs, and
-        two replicas on one GPU no longer share CuPy's one generator per
-        device."""
-        self.random.seed(seed, epoch, self.offset)
+        ``epoch``, its global index): the same draws wherever it runs, even
+        two replicas on one GPU (CuPy has one generator per device)."""
+        self.group.random.seed(seed, epoch, self.offset)
 
     # ------------------------------------------------- the seed's protocol
 
@@ -209,15 +194,7 @@ class GPUDistributedGradient:
                              f'got {len(parts)}')
         self._sizes = [len(part[0]) for part in parts]
         self._total = sum(self._sizes) if total is None else total
-        self._losses = []
-        for i, (replica, device, part, size) in enumerate(zip(
-                self.replicas, self.devices, parts, self._sizes)):
-            with chainer.using_device(device):
-                if not size:
-                    self._losses.append(None)
-                    continue
-                with self.random.drawing(i):
-                    self._losses.append(replica(*part))
+        self._losses = self.group.forward(parts)
         return self._losses[0]
 
     def backward(self, overlap=False):
@@ -232,21 +209,10 @@ class GPUDistributedGradient:
             with chainer.using_device(device):
                 if loss is not None and self.mode == 'dg' and size != total:
                     loss = loss * (size / total)
-                if i == 0 and overlap:  # with or without a loss: in step
-                    self.exchange.backward(loss)
+                if i == 0 and overlap and self.mode == 'dg':
+                    self.exchange.backward(loss)  # with or without a loss
                 elif loss is not None:
                     loss.backward()
-
-    def timed(self, work):
-        """Run ``work()`` and add its time to :attr:`comm_time`. GPUs are
-        synchronised before and after: CUDA calls return before the work
-        is done, and the backward pass is not communication."""
-        synchronize(self.devices)
-        began = time.perf_counter()
-        result = work()
-        synchronize(self.devices)
-        self.comm_time += time.perf_counter() - began
-        return result
 
     def syncgrads(self):
         """Add every other replica's gradients into the master's (one
@@ -262,7 +228,7 @@ class GPUDistributedGradient:
                         for target, g in zip(targets, moved):
                             target += g
         if len(self.replicas) > 1:
-            self.timed(merge)
+            self.clock.timed(merge)
 
     def __enter__(self):
         self.cleargrads()
@@ -278,34 +244,37 @@ class GPUDistributedGradient:
     def flush(self):
         """Apply the gradient still travelling (double buffering): at every
         epoch end, so that checkpoints hold no step in flight."""
-        self.exchange.flush()
+        self._apply(self.exchange.flush())
+
+    def _apply(self, summed):
+        """dg's update after an exchange (``summed``: None, none yet)."""
+        if summed is not None:
+            with chainer.using_device(self.devices[0]):
+                self.optimizer.update()
+            self.sync_replicas(summed.groups, summed.means)
 
     def sync_replicas(self, groups, means):
         """Write averaged statistics and copy the master's parameters."""
         def sync():
-            self.arrays.write(groups, means)
-            self.arrays.copy_master(persistents=False)
-        self.timed(sync)
+            self.group.write(groups, means)
+            self.group.copy_master(persistents=False)
+        self.clock.timed(sync)
 
     def syncparams(self):
         """Copy the master's parameters to every replica; persistent values
         (BatchNorm statistics) are averaged over replicas first."""
         if self.total_replicas == 1:
             return
-
-        groups = self.arrays.groups(self.replicas, params=False)
-        self.sync_replicas(groups, self.timed(
-            lambda: self.arrays.means(groups)))
+        groups = self.group.groups(self.replicas, params=False)
+        self.sync_replicas(groups, self.clock.timed(
+            lambda: self.group.means(groups)))
 
     # -------------------------------------------------------- one call
 
     def split(self, x, t):
         """Split a batch into near-equal parts, each sent to its device
         (the larger first, as the sharded loader hands them out)."""
-        xs = np.array_split(np.asarray(x), len(self))
-        ts = np.array_split(np.asarray(t), len(self))
-        return ([d.send(a) for d, a in zip(self.devices, xs)],
-                [d.send(a) for d, a in zip(self.devices, ts)])
+        return self.group.split(x), self.group.split(t)
 
     def update(self):
         """Apply one iteration's gradients: dg updates the master and syncs
@@ -314,7 +283,7 @@ class GPUDistributedGradient:
             raise RuntimeError('call setup(optimizer) before update()')
         if self.mode == 'dg':
             if self.comm.size > 1 or self.exchange.double_buffering:
-                self.exchange.step()  # one message per step
+                self._apply(self.exchange.step())  # one message per step
             else:
                 with chainer.using_device(self.devices[0]):
                     self.optimizer.update()
@@ -353,47 +322,19 @@ class GPUDistributedGradient:
         if self.mode == 'dg':
             self.syncgrads()
         self.update()
-        self._accumulate()
+        self.group.accumulate(self._sizes)
         return self.observed() if observe else None
-
-    def _accumulate(self):
-        # Summed on each replica's device; read once per take_metrics().
-        for i, (replica, device, size) in enumerate(zip(
-                self.replicas, self.devices, self._sizes)):
-            if size:
-                with chainer.using_device(device):
-                    xp = device.xp
-                    values = xp.stack([replica.loss.array,
-                                       replica.accuracy.array])
-                    values = values.astype(np.float64) * size
-                    sums = self._metrics[i]
-                    self._metrics[i] = (values, size) if sums is None else \
-                        (sums[0] + values, sums[1] + size)
 
     def take_metrics(self):
         """(loss sum, accuracy sum, images) over the steps since the last
         call, each loss and accuracy weighted by its images: one read per
         replica, whatever the number of steps."""
-        loss = accuracy = images = 0.0
-        for i, sums in enumerate(self._metrics):
-            if sums is not None:
-                values = chainer.backends.cuda.to_cpu(sums[0])
-                loss += float(values[0])
-                accuracy += float(values[1])
-                images += sums[1]
-        self._metrics = [None] * len(self.replicas)
-        return loss, accuracy, images
+        return self.group.take_metrics()
 
     def observed(self):
         """Batch-weighted mean of the replicas' last ``loss`` and
         ``accuracy`` (as ``L.Classifier`` records them)."""
-        total = sum(self._sizes) or 1
-        loss = accuracy = 0.0
-        for replica, size in zip(self.replicas, self._sizes):
-            if size:
-                loss += float(replica.loss.array) * size / total
-                accuracy += float(replica.accuracy.array) * size / total
-        return loss, accuracy
+        return self.group.observed(self._sizes)
 
     # -------------------------------------------------------- mixing
 
@@ -402,28 +343,15 @@ class GPUDistributedGradient:
         ``mix_optimizer_state``) over replicas and write the mean back to
         all of them. Sets :attr:`drift`, the replicas' RMS distance from
         their mean just before the mix."""
-        def work():
-            n_params = sum(1 for _, p in self.master.namedparams()
-                           if p.array is not None)
-            groups = self.arrays.groups(self.replicas,
-                                  states=self.mix_optimizer_state)
-            means, arrived = self.arrays.means(
-                groups, keep=True, check=self.mix_optimizer_state)
-            squared = self.arrays.squared_distance(
-                [a[:n_params] for a in arrived], means[:n_params])
-            self.arrays.write(groups, means)
-            return squared
-        squared = self.timed(work)
+        squared = self.clock.timed(
+            lambda: self.group.mix(self.mix_optimizer_state))
         self.drift = (squared / self.total_replicas) ** 0.5
         self.drifts.append(self.drift)
 
     def spread(self):
         """The replicas' RMS distance from their mean now, without mixing
         (0 right after a mix or a sync)."""
-        groups = self.arrays.groups(self.replicas, persistents=False)
-        means, arrived = self.arrays.means(groups, keep=True)
-        squared = self.arrays.squared_distance(arrived, means)
-        return (squared / self.total_replicas) ** 0.5
+        return (self.group.spread() / self.total_replicas) ** 0.5
 
     def end_epoch(self):
         """Mix if ``mix_every == 'epoch'``; apply a gradient in flight;
@@ -443,35 +371,15 @@ class GPUDistributedGradient:
         mid-training in ipm mode. In dg mode, the master itself."""
         if self.mode == 'dg' or self.total_replicas == 1:
             return self.master
-        snapshot = self.master.copy(mode='copy')
-        means = self.arrays.means(self.arrays.groups(self.replicas))
-        with chainer.using_device(self.devices[0]):
-            for (target,), mean in zip(self.arrays.groups([snapshot]), means):
-                target[...] = mean.astype(target.dtype)
-        return snapshot
+        return self.group.mean_copy()
 
     def evaluators(self):
         """(link, device) to evaluate with, one per distinct device: the
         replicas themselves in dg (equal after every sync), copies of
         :meth:`averaged` in ipm."""
         evaluated = self.averaged()
-        found = {}
-        for replica, device in zip(self.replicas, self.devices):
-            if str(device) in found:
-                continue
-            if evaluated is not self.master:
-                replica = evaluated
-                if device != self.devices[0]:
-                    with chainer.using_device(self.devices[0]):
-                        replica = evaluated.copy(mode='copy')
-                    synchronize(self.devices[:1])  # before another reads
-                    with chainer.using_device(device):
-                        replica.to_device(device)
-                    synchronize([device])  # the copies read the master's
-            found[str(device)] = (replica, device)
-        return list(found.values())
-
-    # -------------------------------------------------------- checkpoints
+        return self.group.per_device(
+            None if evaluated is self.master else evaluated)
 
     def serialize(self, serializer):
         """This group's replicas and optimizers, numbered by their index in
@@ -488,4 +396,10 @@ class GPUDistributedGradient:
         are equal); ipm takes each replica's own state when the numbers
         match, else starts every replica from the saved replicas' mean, a
         mix."""
-        restore(self, npz, path)
+        self.iteration = int(npz[f'{path}iteration'])
+        self.group.restore(npz, path, each=self.mode == 'ipm')
+        saved = saved_replicas(npz, path)
+        for i, optimizer in enumerate(self.optimizers):
+            index = self.offset + i if self.mode == 'ipm' else 0
+            load(optimizer, npz, f'optimizer{index if index < saved else 0}',
+                 path)

@@ -1,23 +1,21 @@
-"""The arrays of a model's replicas, across devices and processes.
+"""A model's replicas on this process's devices, given a communicator.
 
-:class:`ReplicaArrays` does what every cross-replica operation of
-:class:`~dasktrain.parallel.GPUDistributedGradient` needs: list each value
-(parameter, persistent such as BatchNorm's statistics, optimizer state) as
-its array in every replica, in one fixed order (a *group*); average groups
-over all of a job's replicas, summed in float64 here and then across
-processes in rank order; measure the replicas' squared distance from their
-mean; write values back into every replica.
+:class:`Replicas` copies a model onto devices (the first copy, the
+*master*, is the model itself), numbers the copies in the whole job, starts
+them from rank 0's weights, runs each on its part of a batch with its own
+random stream (:class:`ReplicaRandom`) and restores them from a checkpoint.
+Across replicas it lists each value (parameter, persistent such as
+BatchNorm's statistics, optimizer state) as its array in every replica, in
+one fixed order (a *group*), averages groups over all of a job's replicas
+(in float64, here and then across processes in rank order) and writes
+values back into every replica.
 
-On GPUs each of these runs with the device of the array it writes current
-(CuPy launches a kernel on the current device; one reading another GPU's
-memory needs peer access), reads a GPU's arrays only after that GPU has
-finished its queued work, and moves one replica's arrays as one flat buffer
-(:func:`dasktrain.parallel.devices.transfer`): nothing lands on a GPU the user did
-not list, and a step costs one transfer per replica, not one per array.
-
-:class:`ReplicaRandom` gives each replica its own random stream, and
-:func:`restore` loads a checkpoint into the replicas, also one written with
-another number of them.
+On GPUs each of these runs with the device of the array it writes current,
+reads a GPU's arrays only after that GPU has finished its queued work, and
+moves one replica's arrays as one flat buffer
+(:func:`dasktrain.parallel.devices.transfer`): nothing lands on a GPU the
+user did not list. It knows no optimizer (an optimizer's state is only
+handed in as arrays) and no update.
 """
 import contextlib
 import copy
@@ -26,7 +24,7 @@ import chainer
 import numpy as np
 from chainer.serializers import NpzDeserializer
 
-from dasktrain.parallel.devices import copy_into, transfer
+from dasktrain.parallel.devices import copy_into, synchronize, transfer
 
 
 def _persistents(link):
@@ -36,13 +34,115 @@ def _persistents(link):
             yield sub, name
 
 
-class ReplicaArrays:
-    """The arrays of ``model``'s replicas (a GPUDistributedGradient: its
-    ``replicas``, ``devices``, ``master``, ``comm`` and ``total_replicas``
-    are read at each call)."""
+def load(target, npz, name, path=''):
+    """Load entry ``name`` of a checkpoint's ``npz`` (under ``path``) into
+    ``target``, a link or an optimizer."""
+    target.serialize(NpzDeserializer(npz, path=f'{path}{name}/'))
 
-    def __init__(self, model):
-        self.model = model
+
+def saved_replicas(npz, path=''):
+    """How many replicas a checkpoint's ``npz`` holds (under ``path``)."""
+    return len({key[len(path):].split('/')[0] for key in npz.files
+                if key.startswith(f'{path}replica')})
+
+
+class Replicas:
+    """Copies of ``chain`` (the master, moved to the first device) on
+    ``devices`` (Chainer devices, which may repeat): one replica group of
+    the job of ``comm``'s ranks, each rank making one.
+
+    ``links`` are the replicas, the master first; ``offset`` is the
+    master's index among the job's ``total`` replicas; ``random`` their
+    random streams.
+    """
+
+    def __init__(self, chain, devices, comm):
+        self.devices, self.comm = list(devices), comm
+        copies = [chain.copy(mode='copy') for _ in self.devices[1:]]
+        self.links = [chain] + copies
+        for link, device in zip(self.links, self.devices):
+            link.to_device(device)
+        counts = comm.allgather(len(self.links))
+        self.offset = sum(counts[:comm.rank])  # global replica index
+        self.total = sum(counts)
+        if comm.size > 1:
+            self.start_from_rank0()
+        self.random = ReplicaRandom(self.devices)
+        self._metrics = [None] * len(self.links)  # on-device sums
+
+    def __len__(self):
+        return len(self.links)
+
+    @property
+    def master(self):
+        """The first replica, on the first device."""
+        return self.links[0]
+
+    def start_from_rank0(self):
+        """Every replica := rank 0's master. Each process drew its own
+        initial weights; summing gradients of different models would go
+        unnoticed."""
+        mine = [chainer.backends.cuda.to_cpu(a)
+                for (a,) in self.groups([self.master])]
+        start = self.comm.bcast(mine if self.comm.rank == 0 else None)
+        self.write(self.groups(self.links),
+                   [self.devices[0].send(a) for a in start])
+
+    def split(self, x):
+        """``x`` in near-equal parts, the larger first, each sent to its
+        replica's device."""
+        parts = np.array_split(np.asarray(x), len(self))
+        return [d.send(a) for d, a in zip(self.devices, parts)]
+
+    def forward(self, parts):
+        """Each replica's loss on its part (a tuple of arguments; None if
+        empty), with its device current, drawing from its own stream."""
+        losses = []
+        for i, (replica, device, part) in enumerate(zip(
+                self.links, self.devices, parts)):
+            with chainer.using_device(device):
+                if not len(part[0]):
+                    losses.append(None)
+                    continue
+                with self.random.drawing(i):
+                    losses.append(replica(*part))
+        return losses
+
+    def accumulate(self, sizes):
+        """Add each replica's last loss and accuracy (``L.Classifier``'s),
+        times its part's ``sizes``, to sums on its device."""
+        for i, (replica, device, size) in enumerate(zip(
+                self.links, self.devices, sizes)):
+            if size:
+                with chainer.using_device(device):
+                    values = device.xp.stack([replica.loss.array,
+                                              replica.accuracy.array])
+                    values = values.astype(np.float64) * size
+                    sums = self._metrics[i]
+                    self._metrics[i] = (values, size) if sums is None else \
+                        (sums[0] + values, sums[1] + size)
+
+    def take_metrics(self):
+        """(loss sum, accuracy sum, images) since the last call."""
+        loss = accuracy = images = 0.0
+        for sums in self._metrics:
+            if sums is not None:
+                values = chainer.backends.cuda.to_cpu(sums[0])
+                loss += float(values[0])
+                accuracy += float(values[1])
+                images += sums[1]
+        self._metrics = [None] * len(self.links)
+        return loss, accuracy, images
+
+    def observed(self, sizes):
+        """The replicas' last loss and accuracy, weighted by ``sizes``."""
+        total = sum(sizes) or 1
+        loss = accuracy = 0.0
+        for replica, size in zip(self.links, sizes):
+            if size:
+                loss += float(replica.loss.array) * size / total
+                accuracy += float(replica.accuracy.array) * size / total
+        return loss, accuracy
 
     def groups(self, replicas, params=True, persistents=True, states=False):
         """For each averaged value, its array in every replica, in one fixed
@@ -69,9 +169,9 @@ class ReplicaArrays:
         """Each group's float64 sum over this process's replicas, on the
         master's device (new arrays); with ``keep``, also every replica's
         arrays as they arrived there."""
-        master = self.model.devices[0]
+        master = self.devices[0]
         arrived, sums = [], [] if not groups else None
-        for i, device in enumerate(self.model.devices if groups else ()):
+        for i, device in enumerate(self.devices if groups else ()):
             moved = transfer([g[i] for g in groups], device, master)
             with chainer.using_device(master):
                 if sums is None:
@@ -88,11 +188,22 @@ class ReplicaArrays:
         processes in rank order (with ``also``, more arrays on the
         master's device summed in place in the same all-reduce: one
         message, not two), then divided."""
-        with chainer.using_device(self.model.devices[0]):
+        with chainer.using_device(self.devices[0]):
             # Optimizer state may differ between ranks: ``check`` compares.
-            self.model.comm.allreduce(list(also) + sums, check=check)
+            self.comm.allreduce(list(also) + sums, check=check)
+        return self._divide(sums)
+
+    def ireduce(self, sums, also=()):
+        """:meth:`reduce` of these ``sums`` and ``also`` (bound now), on a
+        communication thread: returns at once a handle whose ``wait()``
+        returns the means (the same arrays, divided once)."""
+        return _Reduction(self.comm.iallreduce(list(also) + sums),
+                          lambda: self._divide(sums))
+
+    def _divide(self, sums):
+        with chainer.using_device(self.devices[0]):
             for acc in sums:
-                acc /= self.model.total_replicas
+                acc /= self.total
         return sums
 
     def means(self, groups, keep=False, check=False, also=()):
@@ -110,7 +221,7 @@ class ReplicaArrays:
     def squared_distance(self, arrived, means):
         """Sum over all replicas of their squared L2 distance from
         ``means``, summed on the master's device and read once."""
-        master = self.model.devices[0]
+        master = self.devices[0]
         with chainer.using_device(master):
             local = master.xp.zeros((), np.float64)
             for k, mean in enumerate(means):
@@ -118,13 +229,13 @@ class ReplicaArrays:
                     d = (arrays[k] - mean).ravel()
                     local += d @ d  # BLAS dot: no squared temporary
             local = chainer.backends.cuda.to_cpu(local).reshape(1)
-        return float(self.model.comm.allreduce([local])[0][0])
+        return float(self.comm.allreduce([local])[0][0])
 
     def broadcast(self, groups, values):
         """Write ``values`` (on the master's device) into every replica's
         array of each group, cast to its dtype, each on its own device."""
-        master = self.model.devices[0]
-        for i, device in enumerate(self.model.devices):
+        master = self.devices[0]
+        for i, device in enumerate(self.devices):
             targets = [g[i] for g in groups]
             sources = [v for g, v in zip(groups, values)]
             if i == 0 and all(t is s for t, s in zip(targets, sources)):
@@ -134,11 +245,11 @@ class ReplicaArrays:
     def copy_master(self, persistents=True):
         """The master's parameters (and persistent arrays) into every other
         replica; persistent Python values (BatchNorm's N) always."""
-        groups = self.groups(self.model.replicas, persistents=persistents)
+        groups = self.groups(self.links, persistents=persistents)
         self.broadcast(groups, [g[0] for g in groups])
-        for replica in self.model.replicas[1:]:
+        for replica in self.links[1:]:
             for (dst, name), (src, _) in zip(_persistents(replica),
-                                             _persistents(self.model.master)):
+                                             _persistents(self.master)):
                 value = getattr(src, name)
                 if not hasattr(value, 'dtype'):
                     setattr(dst, name, copy.deepcopy(value))
@@ -146,10 +257,100 @@ class ReplicaArrays:
     def write(self, groups, means):
         """Every replica's arrays of ``groups`` := ``means`` (float64 on
         the master's device), rounded once to each array's dtype."""
-        with chainer.using_device(self.model.devices[0]):
+        with chainer.using_device(self.devices[0]):
             rounded = [m.astype(g[0].dtype, copy=False)
                        for g, m in zip(groups, means)]
         self.broadcast(groups, rounded)
+
+    def mix(self, states=False):
+        """Every replica := the mean of the job's replicas (parameters,
+        persistents and with ``states`` optimizer state); returns the sum
+        of their parameters' squared distances from it before."""
+        n_params = sum(1 for _, p in self.master.namedparams()
+                       if p.array is not None)
+        groups = self.groups(self.links, states=states)
+        means, arrived = self.means(groups, keep=True, check=states)
+        squared = self.squared_distance(
+            [a[:n_params] for a in arrived], means[:n_params])
+        self.write(groups, means)
+        return squared
+
+    def spread(self):
+        """The sum of the replicas' squared distances from their mean
+        parameters, changing nothing."""
+        groups = self.groups(self.links, persistents=False)
+        means, arrived = self.means(groups, keep=True)
+        return self.squared_distance(arrived, means)
+
+    def mean_copy(self):
+        """A copy of the master holding the replicas' mean parameters and
+        persistents, leaving the replicas untouched."""
+        snapshot = self.master.copy(mode='copy')
+        means = self.means(self.groups(self.links))
+        with chainer.using_device(self.devices[0]):
+            for (target,), mean in zip(self.groups([snapshot]), means):
+                target[...] = mean.astype(target.dtype)
+        return snapshot
+
+    def per_device(self, link=None):
+        """(link, device) once per distinct device: the replica there, or
+        with ``link`` (on the master's device), a copy of it moved there."""
+        found = {}
+        for replica, device in zip(self.links, self.devices):
+            if str(device) in found:
+                continue
+            if link is not None:
+                replica = link
+                if device != self.devices[0]:
+                    with chainer.using_device(self.devices[0]):
+                        replica = link.copy(mode='copy')
+                    synchronize(self.devices[:1])  # before another reads
+                    with chainer.using_device(device):
+                        replica.to_device(device)
+                    synchronize([device])  # the copies read the master's
+            found[str(device)] = (replica, device)
+        return list(found.values())
+
+    def restore(self, npz, path='', each=True):
+        """Load the replicas from a checkpoint's ``replica{i}`` (under
+        ``path``), also one of another number of them. Without ``each``
+        (all equal: dg), replica 0 into every one; with it, each its own
+        where the numbers match, else all the saved ones' mean, a mix."""
+        if not each:
+            load(self.master, npz, 'replica0', path)
+            self.copy_master()
+            return
+        saved = saved_replicas(npz, path)
+        if saved == self.total:
+            for i, replica in enumerate(self.links):
+                load(replica, npz, f'replica{self.offset + i}', path)
+            return
+        scratch = self.master.copy(mode='copy')
+        master = self.devices[0]
+        sums = None
+        for i in range(saved):
+            load(scratch, npz, f'replica{i}', path)
+            with chainer.using_device(master):
+                arrays = [g[0].astype(np.float64)
+                          for g in self.groups([scratch])]
+                sums = arrays if sums is None else \
+                    [a + b for a, b in zip(sums, arrays)]
+        with chainer.using_device(master):
+            means = [total / saved for total in sums]
+        self.write(self.groups(self.links), means)
+
+
+class _Reduction:
+    """:meth:`Replicas.ireduce`'s handle: the means, finished once."""
+
+    def __init__(self, pending, finish):
+        self._pending, self._finish, self._means = pending, finish, None
+
+    def wait(self):
+        if self._means is None:
+            self._pending.wait()
+            self._means = self._finish()
+        return self._means
 
 
 class ReplicaRandom:
@@ -200,42 +401,3 @@ class ReplicaRandom:
             finally:
                 random.set_random_state(outer)
 
-
-def restore(model, npz, path=''):
-    """Load what ``model.serialize`` wrote into ``model`` (a
-    GPUDistributedGradient), also from a job with another number of
-    replicas (after a lost worker): dg takes replica 0 (all are equal); ipm
-    takes each replica's own state when the numbers match, else starts
-    every replica from the saved replicas' mean, a mix."""
-    def load(target, name):
-        target.serialize(NpzDeserializer(npz, path=f'{path}{name}/'))
-    saved = len({key[len(path):].split('/')[0] for key in npz.files
-                 if key.startswith(f'{path}replica')})
-    model.iteration = int(npz[f'{path}iteration'])
-    if model.mode == 'dg':
-        load(model.master, 'replica0')
-        load(model.optimizer, 'optimizer0')
-        model.arrays.copy_master()
-        return
-    if saved == model.total_replicas:
-        for i, (replica, optimizer) in enumerate(zip(model.replicas,
-                                                     model.optimizers)):
-            load(replica, f'replica{model.offset + i}')
-            load(optimizer, f'optimizer{model.offset + i}')
-        return
-    scratch = model.master.copy(mode='copy')
-    master = model.devices[0]
-    sums = None
-    for i in range(saved):
-        load(scratch, f'replica{i}')
-        with chainer.using_device(master):
-            arrays = [g[0].astype(np.float64)
-                      for g in model.arrays.groups([scratch])]
-            sums = arrays if sums is None else \
-                [a + b for a, b in zip(sums, arrays)]
-    with chainer.using_device(master):
-        means = [total / saved for total in sums]
-    model.arrays.write(model.arrays.groups(model.replicas), means)
-    for i, optimizer in enumerate(model.optimizers):
-        index = model.offset + i
-        load(optimizer, f'optimizer{index if index < saved else 0}')

@@ -27,7 +27,7 @@ from dasktrain.data.cifar import load_cifar10
 from dasktrain.data.loader import EpochLoader
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
-from dasktrain.parallel.collective import Solo
+from dasktrain.parallel.comm import Solo
 from dasktrain.parallel.devices import (gpu_count, nvidia_smi_lines,
                                         synchronize, unused_gpus_message)
 from dasktrain.parallel.gradient import GPUDistributedGradient
@@ -124,7 +124,7 @@ def run(config, comm=None, devices=None, callbacks=(), progress=None):
         (:func:`~dasktrain.training.checkpoint.prepare_out`).
     comm : communicator, optional
         This rank's, in a job across processes (see
-        :mod:`dasktrain.parallel.collective`): the rank reads and augments
+        :mod:`dasktrain.parallel.comm`): the rank reads and augments
         only its replicas' shards of the data and evaluates its share of
         the test set; rank 0 writes the files. Default: a run in this
         process alone, whose data may be computed on the active Dask

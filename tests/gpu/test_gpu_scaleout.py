@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from distributed import Client
 
-from dasktrain.parallel.collective import CollectiveError
+from dasktrain.parallel.comm import CollectiveError
 from gpu_marks import needs, needs_nccl
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -18,8 +18,8 @@ pytestmark = [needs(2)]
 def _sums(name, rank, size):
     import cupy
 
-    from dasktrain.parallel.collective import DaskComm
-    from dasktrain.parallel.nccl import NcclComm
+    from dasktrain.parallel.comm import DaskComm
+    from dasktrain.parallel.comm import NcclComm
     with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
         comm = NcclComm(host, 0)
         try:
@@ -41,8 +41,8 @@ def _sums(name, rank, size):
 def _skipper(name, rank, size):
     import cupy
 
-    from dasktrain.parallel.collective import DaskComm
-    from dasktrain.parallel.nccl import NcclComm
+    from dasktrain.parallel.comm import DaskComm
+    from dasktrain.parallel.comm import NcclComm
     with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
         comm = NcclComm(host, 0)
         host.timeout = 5.0  # the all-reduce's deadline

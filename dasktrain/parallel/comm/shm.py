@@ -8,13 +8,13 @@ pickle framing per message; MPI and NCCL use shared memory instead. So does
 1. every rank copies (packs) its arrays into its own input segment;
 2. a barrier: all inputs are written;
 3. rank r sums the r-th slice of every input, in rank order (for the same
-   bits on every rank and as :class:`~dasktrain.parallel.collective.DaskComm` sums),
-   into that slice of a result segment: a reduce-scatter, in place;
+   bits on every rank and as :class:`~dasktrain.parallel.comm.dask.DaskComm`
+   sums), into that slice of a result segment: a reduce-scatter, in place;
 4. a barrier: all slices are summed;
 5. every rank copies the whole result back into its arrays (the
    all-gather is a read).
 
-The barriers are small messages over the ranks' :class:`DaskComm`, which
+The barriers are small messages over the ranks' ``DaskComm``, which
 also carry each rank's signature (dtypes and sizes), so ranks that are out
 of step fail instead of reading garbage. Two result segments alternate
 between calls: a fast rank writing call k+1's sums never overwrites call
@@ -25,12 +25,17 @@ each buffer size and *unlinked as soon as every rank has mapped them*: the
 mappings live on, the names are gone, so nothing is left behind when a
 process exits, even by SIGKILL. Linux only; elsewhere, or for ranks on
 several hosts, DaskComm sends over TCP as before.
+
+Host arrays only, and no sockets of its own: the caller copies GPU arrays
+here and back, and the barriers go over the caller's communicator.
 """
 import mmap
 import os
 import uuid
 
 import numpy as np
+
+from dasktrain.parallel.comm.base import CollectiveError
 
 SHM_DIR = '/dev/shm'
 ALIGN = 64  # bytes: each dtype's region starts on a cache line
@@ -97,22 +102,20 @@ class SharedMemoryReducer:
 
     Parameters
     ----------
-    comm : DaskComm
+    comm : Communicator
         The ranks' connections, for the barriers and the segment names.
     token : str
         Names this job's segments (the same on every rank).
-    error : exception class
-        Raised when the ranks' signatures differ.
     """
 
-    def __init__(self, comm, token, error):
-        self.comm, self._token, self._error = comm, token, error
+    def __init__(self, comm, token):
+        self.comm, self._token = comm, token
         self.rank, self.size = comm.rank, comm.size
         self._segments = {}  # total bytes -> (inputs by rank, 2 results)
         self._calls = 0
 
     @classmethod
-    def connect(cls, comm, error):
+    def connect(cls, comm):
         """A reducer for ``comm``'s ranks, or None where they do not share
         one ``/dev/shm``: rank 0 makes a probe file there, every rank
         looks for it."""
@@ -122,12 +125,12 @@ class SharedMemoryReducer:
             os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_RDWR,
                              0o600))
         try:
-            comm.allgather(None)  # the probe exists, if it can
+            comm.barrier()  # the probe exists, if it can
             seen = comm.allgather(available() and os.path.exists(probe))
         finally:
             if comm.rank == 0 and os.path.exists(probe):
                 os.unlink(probe)
-        return cls(comm, token, error) if all(seen) else None
+        return cls(comm, token) if all(seen) else None
 
     def _path(self, what, nbytes):
         return os.path.join(SHM_DIR, f'dasktrain-{self._token}-{what}-'
@@ -145,14 +148,14 @@ class SharedMemoryReducer:
         try:
             for path in mine:
                 made.append(_Segment(path, nbytes, create=True))
-            self.comm.allgather(None)  # every segment exists
+            self.comm.barrier()  # every segment exists
             ins = [made[0] if r == self.rank else
                    _Segment(self._path(f'in{r}', nbytes), nbytes, False)
                    for r in range(self.size)]
             outs = made[1:] if self.rank == 0 else \
                 [_Segment(self._path(f'out{i}', nbytes), nbytes, False)
                  for i in (0, 1)]
-            self.comm.allgather(None)  # every rank has mapped them all
+            self.comm.barrier()  # every rank has mapped them all
         finally:
             for segment in made:  # the names go; the mappings stay
                 try:
@@ -166,7 +169,7 @@ class SharedMemoryReducer:
         """Sum, in place, ``groups`` = {dtype str: [arrays]} (host arrays,
         any shapes, contiguous or not) over the ranks; ``signature`` is
         compared across ranks at the first barrier (a mismatch raises
-        what ``check`` raises)."""
+        CollectiveError)."""
         counts = {k: sum(a.size for a in arrays)
                   for k, arrays in groups.items()}
         regions, nbytes = layout(counts)
@@ -181,7 +184,7 @@ class SharedMemoryReducer:
         theirs = self.comm.allgather(signature)  # 2. inputs written
         for peer, other in enumerate(theirs):
             if other != signature:
-                raise self._error(
+                raise CollectiveError(
                     f'rank {peer} sums {len(other)} arrays where rank '
                     f'{self.rank} sums {len(signature)} (or of other '
                     'sizes): the ranks are out of step (different models '
@@ -193,7 +196,7 @@ class SharedMemoryReducer:
                 acc[...] = ins[0].view(dtype, offset, count)[lo:hi]
                 for peer in ins[1:]:
                     acc += peer.view(dtype, offset, count)[lo:hi]
-        self.comm.allgather(None)  # 4. every slice summed
+        self.comm.barrier()  # 4. every slice summed
         for key, dtype, offset, count in regions:  # 5. read the result
             flat, start = result.view(dtype, offset, count), 0
             for a in groups[key]:

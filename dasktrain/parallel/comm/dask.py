@@ -11,14 +11,19 @@ receives the other ranks' pieces of it, adds them in rank order (so the
 result is the same on every rank, and for two ranks bit-identical to one
 process adding the two), and sends the sum back. Per call each rank sends
 and receives 2 (N - 1) / N of the buffer, as in a ring all-reduce, in
-2 (N - 1) messages. :class:`dasktrain.parallel.nccl.NcclComm` does the array part with
-NCCL through CuPy on GPUs, its unique id handed out over a
-:class:`DaskComm`. Between ranks of one machine, :mod:`dasktrain.parallel.shm`
-sums through shared memory instead of sockets.
+2 (N - 1) messages. :class:`~dasktrain.parallel.comm.nccl.NcclComm` does
+the array part with NCCL through CuPy on GPUs, its unique id handed out
+over a :class:`DaskComm`. Between ranks of one machine,
+:mod:`~dasktrain.parallel.comm.shm` sums through shared memory instead of
+sockets.
 
 Every wait has a deadline: a rank that died closes its connections, and a
-rank that hangs stops answering; both raise :class:`CollectiveError` on
-the others instead of blocking forever.
+rank that hangs stops answering; both raise
+:class:`~dasktrain.parallel.comm.base.CollectiveError` on the others
+instead of blocking forever.
+
+GPU arrays are copied to the host and back here (each with its own device
+current); NCCL is :mod:`~dasktrain.parallel.comm.nccl`'s.
 """
 import asyncio
 import threading
@@ -26,37 +31,13 @@ import time
 
 import numpy as np
 
-from dasktrain.errors import UserError
-from dasktrain.parallel.shm import SharedMemoryReducer
-
-
-class CollectiveError(UserError, RuntimeError):
-    """A peer died, hung past the timeout, or fell out of step."""
+from dasktrain.parallel.comm.base import (CollectiveError, Communicator,
+                                          signature)
+from dasktrain.parallel.comm.shm import SharedMemoryReducer
 
 
 class PeerLost(CollectiveError):
     """A peer's connection closed."""
-
-
-class Solo:
-    """The communicator of a job that runs in one process."""
-    rank = 0
-    size = 1
-
-    def allreduce(self, arrays, check=False):
-        return arrays
-
-    def allgather(self, obj):
-        return [obj]
-
-    def gather(self, obj):
-        return [obj]
-
-    def bcast(self, obj):
-        return obj
-
-    def close(self):
-        pass
 
 
 def _pack(arrays):
@@ -88,28 +69,7 @@ def _unpack(packed, results):
                 a[...] = part
 
 
-def signature(arrays, where=False):
-    """What an all-reduce of ``arrays`` sums, for comparing ranks: each
-    array's dtype and size, and with ``where`` whether it is on a GPU
-    (NcclComm sums those apart from host arrays)."""
-    return [(np.dtype(a.dtype).str, int(a.size)) +
-            ((not isinstance(a, np.ndarray),) if where else ())
-            for a in arrays]
-
-
-def poll(check, deadline, what, abort, sleep=1e-4):
-    """Call ``check()`` until it returns True; it raises the real error of
-    a failed operation. After ``deadline`` (time.monotonic()), ``abort()``
-    and raise CollectiveError: no rank waits forever on a peer or a GPU."""
-    while not check():
-        if time.monotonic() > deadline:
-            abort()
-            raise CollectiveError(f'{what} did not finish within the '
-                                  'collective_timeout: a peer died or hangs')
-        time.sleep(sleep)
-
-
-class DaskComm:
+class DaskComm(Communicator):
     """All-reduce, all-gather, gather and broadcast among ``size`` ranks.
 
     Create one per rank with :meth:`rendezvous` (inside Dask tasks); the
@@ -126,9 +86,11 @@ class DaskComm:
         Seconds any one collective may wait for a peer.
     """
 
+    solo = False
+    sums_on_device = False
+
     def __init__(self, rank, size, comms, loop, thread, listener, timeout):
-        self.rank, self.size = rank, size
-        self.timeout = timeout
+        super().__init__(rank, size, timeout)
         self._comms, self._loop, self._thread = comms, loop, thread
         self._listener = listener
         self._calls = 0
@@ -145,7 +107,7 @@ class DaskComm:
         Dask Variable ``{name}/rank{r}``; a rank dials every lower rank.
         Raises CollectiveError after ``timeout`` seconds without them all.
         With ``shared_memory`` and every rank on this machine, all-reduces
-        go through shared memory (:mod:`dasktrain.parallel.shm`).
+        go through shared memory (:mod:`~dasktrain.parallel.comm.shm`).
         """
         from distributed import Variable, get_client, get_worker
         from distributed.comm import connect, listen
@@ -213,11 +175,17 @@ class DaskComm:
                         f'ranks {missing} did not connect within {timeout:g}'
                         ' s (collective_timeout)') from None
             if shared_memory and size > 1:
-                self._shm = SharedMemoryReducer.connect(self, CollectiveError)
+                self._shm = SharedMemoryReducer.connect(self)
         except BaseException:
             self.close()
             raise
         return self
+
+    @property
+    def shared_memory(self):
+        """Whether all-reduces go through shared memory (every rank on
+        this machine) rather than over the sockets."""
+        return self._shm is not None
 
     def close(self):
         """Drop the connections at once: peers still waiting fail fast."""
@@ -303,11 +271,11 @@ class DaskComm:
 
     # -------------------------------------------------------- collectives
 
-    def allreduce(self, arrays, check=True):
+    def allreduce(self, arrays, check=False):
         """Sum ``arrays`` (NumPy or CuPy) over ranks, in place, and return
         them. Each dtype is summed in its own precision, in rank order.
         Ranks whose arrays differ in dtype or size raise CollectiveError
-        (the comparison rides with the data; ``check`` is always on)."""
+        whatever ``check`` says (the comparison rides with the data)."""
         if self.size == 1:
             return arrays
         if self._shm is not None:
@@ -388,26 +356,3 @@ class DaskComm:
     def _others(self):
         return [p for p in range(self.size) if p != self.rank]
 
-
-class Inflight:
-    """``work()`` running on a thread of its own until :meth:`wait`, which
-    returns ``payload`` or raises what the work raised. One per step: the
-    thread never outlives its step."""
-
-    def __init__(self, work, payload):
-        self.payload, self.error = payload, None
-
-        def run():
-            try:
-                work()
-            except BaseException as e:  # re-raised in the caller's thread
-                self.error = e
-        self.thread = threading.Thread(target=run, daemon=True,
-                                       name='dasktrain-allreduce')
-        self.thread.start()
-
-    def wait(self):
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.payload

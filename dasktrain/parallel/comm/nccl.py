@@ -1,29 +1,33 @@
 """NCCL among the GPU ranks of a job, through CuPy.
 
 :class:`NcclComm` sums a rank's GPU arrays with NCCL (one communicator per
-rank, bound to its GPU) and passes everything else to the rank's
-:class:`~dasktrain.parallel.collective.DaskComm`, which also hands out NCCL's unique
-id. Every wait is bounded (see the class), as every DaskComm wait is.
+rank, bound to its GPU) and passes everything else (host arrays, Python
+objects) to the rank's host communicator, a
+:class:`~dasktrain.parallel.comm.dask.DaskComm`, which also hands out
+NCCL's unique id. Every wait is bounded (see the class), as every DaskComm
+wait is.
 """
 import time
 
-from dasktrain.parallel.collective import CollectiveError, poll, signature
+from dasktrain.parallel.comm.base import (CollectiveError, Communicator,
+                                          poll, signature)
 
 # ncclResult_t values (nccl.h) that CuPy's NcclError carries as .status.
 NCCL_IN_PROGRESS = 7  # a non-blocking communicator is still working
 CUDA_NOT_READY = 600  # cudaErrorNotReady: a stream query while work runs
 
 
-class NcclComm:
+class NcclComm(Communicator):
     """Arrays on one GPU summed with NCCL; everything else over ``host``.
 
     The NCCL unique id is made on rank 0 and handed to the others through
-    the :class:`DaskComm` ``host``. The communicator belongs to GPU
+    the communicator ``host``. The communicator belongs to GPU
     ``device`` (a CUDA ordinal of this process), which every call makes
     current, whatever the caller's current device.
 
     It is created non-blocking (``NCCL_COMM_BLOCKING=0``, set for the
-    process, and inside an NCCL group): set-up and every call return at once, and this process polls the
+    process, and inside an NCCL group): set-up and every call return at
+    once, and this process polls the
     communicator's asynchronous error (``check_async_error``, which raises
     the real NCCL error) and the CUDA stream (whose query reports a CUDA
     error) until the work is done; at ``host.timeout`` it aborts the
@@ -32,6 +36,8 @@ class NcclComm:
     rather than blocking it, and its GPU, in ``ncclCommInitRank`` forever.
     """
 
+    solo = False
+    sums_on_device = True
     _TYPES = {'float16': 'NCCL_FLOAT16', 'float32': 'NCCL_FLOAT32',
               'float64': 'NCCL_FLOAT64', 'int32': 'NCCL_INT32',
               'int64': 'NCCL_INT64'}
@@ -41,9 +47,8 @@ class NcclComm:
 
         import cupy
         from cupy.cuda import nccl
+        super().__init__(host.rank, host.size, host.timeout)
         self.host, self.device = host, int(device)
-        self.rank, self.size = host.rank, host.size
-        self.timeout = host.timeout
         self._nccl, self._cupy = nccl, cupy
         # NCCL reads this once per process (its parameters are cached), so
         # it is set for good: every dasktrain communicator is non-blocking
@@ -187,6 +192,9 @@ class NcclComm:
 
     def bcast(self, obj):
         return self.host.bcast(obj)
+
+    def barrier(self):
+        self.host.barrier()
 
     def close(self):
         """Free the NCCL communicator (``host`` is closed by its owner)."""

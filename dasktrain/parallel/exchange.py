@@ -1,10 +1,14 @@
-"""How dg's gradients travel between the processes of one job.
+"""How dg's gradients travel between the processes of one job: gradient
+buckets in, sums out.
 
 In dg mode across processes each step sums the masters' gradients (each
 already weighted by its share of the job's batch, so the sum is the mean
 gradient) and, in the same messages, the BatchNorm statistics, over the
 job's communicator; then every process applies the same update.
-:class:`GradientExchange` does this in one of three ways:
+:class:`GradientExchange` sums, in one of three ways, and hands back what
+the update needs; the update (the optimizer, and copying its result into
+every replica) is
+:class:`~dasktrain.parallel.gradient.GPUDistributedGradient`'s:
 
 - **exact, overlapped** (the default with one replica per process):
   gradient *buckets* of about ``bucket_mb`` are all-reduced on a
@@ -23,8 +27,10 @@ job's communicator; then every process applies the same update.
   size, the same bits only for two ranks (one addition per element).
 - **exact, after the backward pass** (``bucket_mb=0``, several replicas in
   one process, or the first step): one all-reduce of everything.
-- **double-buffered** (ChainerMN's): the step applies the previous step's
-  sum while this step's travels on a communication thread; one step stale.
+- **double-buffered** (ChainerMN's): the step hands back the previous
+  step's sum, to apply while this step's travels on a communication thread
+  (:meth:`~dasktrain.parallel.comm.base.Communicator.iallreduce`); one step
+  stale.
 
 ``comm_dtype='float16'`` works with the first two: each array travels
 scaled by its own power of two (the same on every rank), so the sum cannot
@@ -45,12 +51,13 @@ the training thread.
 import math
 import queue
 import threading
+from typing import NamedTuple
 
 import chainer
 import numpy as np
 
 from dasktrain.parallel.backprop import backward_reporting
-from dasktrain.parallel.collective import CollectiveError, Inflight
+from dasktrain.parallel.comm.base import CollectiveError
 from dasktrain.parallel.devices import SideStream, mark, synchronize
 
 
@@ -141,16 +148,27 @@ class _Courier:
             raise self.error
 
 
-class GradientExchange:
-    """Sums ``model``'s master gradients and BatchNorm statistics over
-    ``model.comm`` each dg step (a GPUDistributedGradient, whose
-    ``master``, ``devices``, ``comm``, ``arrays``, ``optimizer`` and
-    ``replicas`` are read at each call). See the module docstring for the
-    three ways and their guarantees."""
+class Summed(NamedTuple):
+    """What a step's exchange hands back beside the summed gradients
+    (written into the master's): the persistent values (BatchNorm's
+    statistics) as groups across this process's replicas, and their means
+    over the job's replicas, to write into every replica."""
+    groups: list
+    means: list
 
-    def __init__(self, model, comm_dtype=None, double_buffering=False,
-                 bucket_mb=0.0):
-        self.model = model
+
+class GradientExchange:
+    """Sums the master gradients and the BatchNorm statistics of
+    ``replicas`` (:class:`~dasktrain.parallel.replicas.Replicas`) over their
+    communicator each dg step; ``clock`` counts the time the training
+    thread waits. ``comm_dtype`` (a NumPy dtype or None),
+    ``double_buffering`` and ``bucket_mb`` are GPUDistributedGradient's
+    options. See the module docstring for the ways and their guarantees.
+    """
+
+    def __init__(self, replicas, clock, comm_dtype=None,
+                 double_buffering=False, bucket_mb=0.0):
+        self.replicas, self.clock = replicas, clock
         self.comm_dtype = comm_dtype
         self.double_buffering = double_buffering
         self.bucket_bytes = bucket_mb * 2 ** 20
@@ -163,14 +181,22 @@ class GradientExchange:
         # a stream made per step would strand each step's cache.
         self._side = None
 
+    @property
+    def comm(self):
+        return self.replicas.comm
+
+    @property
+    def device(self):  # the master's, where gradients are summed
+        return self.replicas.devices[0]
+
     # ------------------------------------------------------ the pieces
 
     def _params(self):
-        return parameters(self.model.master)
+        return parameters(self.replicas.master)
 
     def grads(self, indices=None):
         """The master's gradients (those of the parameters ``indices``)."""
-        return gradients(self.model.master, self.model.devices[0], indices)
+        return gradients(self.replicas.master, self.device, indices)
 
     def _encode(self, grads, copy=False):
         """The arrays that travel for ``grads`` and their scales: in
@@ -178,16 +204,15 @@ class GradientExchange:
         every rank (one small all-gather of each array's largest
         magnitude), so the largest sum sits just below float16's maximum;
         else the arrays themselves (or copies, with ``copy``)."""
-        model = self.model
-        with chainer.using_device(model.devices[0]):
+        with chainer.using_device(self.device):
             if self.comm_dtype is None:
                 return ([g.copy() for g in grads] if copy else grads), 1.0
-            xp = model.devices[0].xp
+            xp = self.device.xp
             local = [float(xp.abs(g).max()) for g in grads]
             top = float(np.finfo(self.comm_dtype).max) / \
-                (2 * model.comm.size)
+                (2 * self.comm.size)
             scale = [_power_of_two(top, m) for m in
-                     np.max(model.comm.allgather(local), axis=0)] \
+                     np.max(self.comm.allgather(local), axis=0)] \
                 if grads else []
             return [(g * s).astype(self.comm_dtype)
                     for g, s in zip(grads, scale)], scale
@@ -197,31 +222,25 @@ class GradientExchange:
         if sent is grads:
             return
         scales = scale if isinstance(scale, list) else [scale] * len(grads)
-        with chainer.using_device(self.model.devices[0]):
+        with chainer.using_device(self.device):
             for g, summed, s in zip(grads, sent, scales):
-                self.model.devices[0].xp.copyto(g, summed, casting='unsafe')
+                self.device.xp.copyto(g, summed, casting='unsafe')
                 if s != 1.0:
                     g /= s  # a power of two: exact
 
     def _statistics(self):
-        arrays = self.model.arrays
-        groups = arrays.groups(self.model.replicas, params=False)
-        return groups, arrays.local_sums(groups)[0]
-
-    def _update(self, groups, means):
-        with chainer.using_device(self.model.devices[0]):
-            self.model.optimizer.update()
-        self.model.sync_replicas(groups, means)
+        replicas = self.replicas
+        groups = replicas.groups(replicas.links, params=False)
+        return groups, replicas.local_sums(groups)[0]
 
     # ------------------------------------------------------ one step
 
     def overlapping(self):
         """Whether this step's buckets leave during the backward pass."""
-        model = self.model
         return (self.bucket_bytes > 0 and not self.double_buffering and
-                model.mode == 'dg' and model.comm.size > 1 and
+                self.comm.size > 1 and
                 # one replica in every process (known alike on all ranks)
-                model.total_replicas == model.comm.size)
+                self.replicas.total == self.comm.size)
 
     def backward(self, loss):
         """Back-propagate the master's ``loss`` (None: this rank has no
@@ -243,7 +262,7 @@ class GradientExchange:
         left = [len(b) for b in self.plan]
         where = {i: k for k, b in enumerate(self.plan) for i in b}
         if self._side is None:
-            self._side = SideStream(self.model.devices[0])
+            self._side = SideStream(self.device)
         results = []  # (grads, summed copies, scales) per bucket, in order
         courier = _Courier(lambda *bucket: self._send(results, *bucket))
         self._step = state = {'courier': courier, 'next': 0,
@@ -264,8 +283,7 @@ class GradientExchange:
                 backward_reporting(loss, ready)
         except BaseException:
             self._step = None
-            courier.close(getattr(self.model.comm, 'timeout', None),
-                          quiet=True)
+            courier.close(self.comm.timeout, quiet=True)
             raise
 
     def _launch(self, k, statistics=None):
@@ -275,8 +293,7 @@ class GradientExchange:
         # over: a parameter's gradient may be the very array still flowing
         # to earlier layers (Chainer's Add passes its output's gradient on
         # as is, e.g. to a bias of the output's shape).
-        self._step['courier'].put(grads, mark(self.model.devices[0]),
-                                  statistics)
+        self._step['courier'].put(grads, mark(self.device), statistics)
 
     def _send(self, results, grads, event, statistics):
         """On the communication thread: sum copies of one bucket over the
@@ -285,13 +302,21 @@ class GradientExchange:
         with self._side.after(event):
             sent, scale = self._encode(grads, copy=True)
             if statistics is None:
-                self.model.comm.allreduce(sent)
+                self.comm.allreduce(sent)
             else:
-                self.model.arrays.reduce(statistics, also=sent)
+                self.replicas.reduce(statistics, also=sent)
             results.append((grads, sent, scale))
 
     def step(self):
-        """Sum this step's gradients and statistics, then update."""
+        """Sum this step's gradients (into the master's) and statistics.
+
+        Returns
+        -------
+        Summed or None
+            The statistics' means to apply with the update now: this
+            step's, or with double buffering the previous step's (None on
+            the first step, which has none to apply).
+        """
         if self.double_buffering:
             return self._double_buffered()
         state = self._step
@@ -299,8 +324,7 @@ class GradientExchange:
         if state is None:  # everything after the backward pass
             grads = self.grads()
             sent, scale = self._encode(grads)
-            self.model.timed(lambda: self.model.arrays.reduce(
-                sums, also=sent))
+            self.clock.timed(lambda: self.replicas.reduce(sums, also=sent))
             self._decode(grads, sent, scale)
             if self._order is not None:
                 self._agree()
@@ -309,10 +333,10 @@ class GradientExchange:
                 self._launch(k)  # parameters no gradient reached: zeros
             self._launch(len(self.plan) - 1, sums)
             self._step = None
-            self.model.timed(state['courier'].close)
+            self.clock.timed(state['courier'].close)
             for grads, sent, scale in state['results']:
                 self._decode(grads, sent, scale)
-        self._update(groups, sums)
+        return Summed(groups, sums)
 
     def _agree(self):
         """Fix the buckets from the first step's order, the same on every
@@ -323,7 +347,7 @@ class GradientExchange:
             sizes = [p.array.nbytes for p in self._params()]
             mine = plan_buckets(self._order, sizes, self.bucket_bytes)
         self._order = None
-        plans = self.model.comm.allgather(mine)
+        plans = self.comm.allgather(mine)
         agreed = next((p for p in plans if p is not None), None)
         for rank, theirs in enumerate(plans):
             if theirs is not None and theirs != agreed:
@@ -334,28 +358,35 @@ class GradientExchange:
         self.plan = agreed
 
     def _double_buffered(self):
-        """Apply the previous step's sums while this step's travel."""
-        model = self.model
+        """Start this step's sums; hand back the previous step's."""
         previous = self._inflight
         if previous is not None:  # one collective at a time, same order
-            model.timed(previous.wait)
+            self.clock.timed(previous[0].wait)
         grads = self.grads()
         sent, scale = self._encode(grads, copy=True)
         groups, sums = self._statistics()
-        synchronize(model.devices)  # the copies are made before they travel
-        self._inflight = Inflight(
-            lambda: model.arrays.reduce(sums, also=sent),
-            (sent, groups, sums, scale))
-        if previous is not None:
-            sent, groups, sums, scale = previous.wait()
-            self._decode(grads, sent, scale)
-            self._update(groups, sums)
+        # The copies are made before they travel.
+        synchronize(self.replicas.devices)
+        self._inflight = (self.replicas.ireduce(sums, also=sent), groups,
+                          sent, scale)
+        if previous is None:
+            return None
+        return self._arrived(previous, grads)
+
+    def _arrived(self, inflight, grads):
+        """Write a finished double-buffered step's sums into ``grads``."""
+        reduction, groups, sent, scale = inflight
+        means = reduction.wait()
+        self._decode(grads, sent, scale)
+        return Summed(groups, means)
 
     def flush(self):
-        """Double buffering: apply the gradient still travelling (at every
-        epoch end, so that checkpoints hold no step in flight)."""
+        """Double buffering: the sums still travelling, written into the
+        master's gradients, and their :class:`Summed` to apply (at every
+        epoch end, so that checkpoints hold no step in flight); None when
+        none travel."""
         inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            sent, groups, sums, scale = self.model.timed(inflight.wait)
-            self._decode(self.grads(), sent, scale)
-            self._update(groups, sums)
+        if inflight is None:
+            return None
+        self.clock.timed(inflight[0].wait)
+        return self._arrived(inflight, self.grads())

@@ -1,0 +1,208 @@
+"""The contract every communicator keeps, and the job of one process.
+
+A *communicator* joins the ranks (processes) of one training job: it sums
+arrays over them and hands Python objects between them. Every one
+implements :class:`Communicator`: :class:`Solo` (the job is this process),
+:class:`~dasktrain.parallel.comm.dask.DaskComm` (ranks talking over Dask's
+comms, or through shared memory on one host) and
+:class:`~dasktrain.parallel.comm.nccl.NcclComm` (NCCL between GPUs). A
+caller uses only what :class:`Communicator` declares; what differs between
+them (one process or several, sums on the GPU or through the host) is a
+declared attribute, never a probe of the type.
+
+Also here: :class:`CollectiveError` (a fault among the ranks, which is not
+the user's mistake), :func:`poll` (a wait with a deadline) and
+:func:`signature` (what an all-reduce sums, for comparing ranks).
+
+This module knows no devices: it never imports CuPy or Chainer.
+"""
+import abc
+import threading
+import time
+
+import numpy as np
+
+from dasktrain.errors import Error
+
+
+class CollectiveError(Error, RuntimeError):
+    """A peer died, hung past the timeout, or fell out of step."""
+
+
+class Communicator(abc.ABC):
+    """What every communicator offers: the collectives of a job's ranks.
+
+    Every rank must make the same calls in the same order. Arrays are
+    NumPy or CuPy arrays, summed in place.
+
+    An abstract base class rather than a :class:`typing.Protocol`: every
+    communicator derives from it, so a class that lacks a collective fails
+    when it is made, not in the middle of training; and they all inherit
+    the one :meth:`iallreduce` and :meth:`barrier`.
+
+    Parameters
+    ----------
+    rank : int
+        This process's index in the job, 0 to ``size - 1``.
+    size : int
+        The job's number of ranks.
+    timeout : float or None
+        Seconds any one collective may wait for a peer (None: it waits
+        for nothing, as in a job of one process).
+
+    Attributes
+    ----------
+    solo : bool
+        True where this process is the whole job, started on its own
+        (not a task of a Dask worker): no peers to wait for.
+    sums_on_device : bool
+        True where GPU arrays are summed where they lie (NCCL), False where
+        they are copied to the host, summed there and copied back.
+    """
+
+    #: Every member a communicator has, for checking one (tests).
+    MEMBERS = ('rank', 'size', 'timeout', 'solo', 'sums_on_device',
+               'allreduce', 'iallreduce', 'allgather', 'gather', 'bcast',
+               'barrier', 'close')
+    solo: bool
+    sums_on_device: bool
+
+    def __init__(self, rank, size, timeout):
+        self.rank, self.size, self.timeout = rank, size, timeout
+
+    @abc.abstractmethod
+    def allreduce(self, arrays, check=False):
+        """Sum ``arrays`` over the ranks, in place, and return them. With
+        ``check``, ranks whose arrays differ in dtype or size raise
+        :class:`CollectiveError` instead of summing the wrong elements."""
+
+    def iallreduce(self, arrays, check=False):
+        """Start :meth:`allreduce` of ``arrays`` on a thread of its own and
+        return at once; the handle's ``wait()`` returns the summed arrays.
+
+        The arrays are bound now: the caller may rebind its names or reuse
+        its list right after the call, and the sum is still of these
+        arrays. The caller must not read or write them before ``wait()``,
+        nor start another collective in between (every rank makes the same
+        calls in the same order).
+
+        Examples
+        --------
+        >>> comm = Solo()
+        >>> a = np.ones(3)
+        >>> pending = comm.iallreduce([a])
+        >>> a = None  # rebinding the name changes nothing
+        >>> pending.wait()
+        [array([1., 1., 1.])]
+        """
+        return Pending(self.allreduce, list(arrays), check)
+
+    @abc.abstractmethod
+    def allgather(self, obj):
+        """Every rank's ``obj``, in rank order, on every rank."""
+
+    @abc.abstractmethod
+    def gather(self, obj):
+        """Every rank's ``obj`` in rank order on rank 0; None elsewhere."""
+
+    @abc.abstractmethod
+    def bcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+
+    def barrier(self):
+        """Return once every rank has called it."""
+        self.allgather(None)
+
+    @abc.abstractmethod
+    def close(self):
+        """Free what the communicator holds (connections, NCCL's)."""
+
+
+class Pending:
+    """An all-reduce running on a thread of its own, from
+    :meth:`Communicator.iallreduce`. The thread never outlives the step
+    that waits for it."""
+
+    def __init__(self, allreduce, arrays, check):
+        self._result, self._error = None, None
+
+        def run():
+            try:
+                self._result = allreduce(arrays, check=check)
+            except BaseException as e:  # re-raised in the caller's thread
+                self._error = e
+        self._thread = threading.Thread(target=run, daemon=True,
+                                        name='dasktrain-allreduce')
+        self._thread.start()
+
+    def wait(self):
+        """The summed arrays once the all-reduce is done; raises what it
+        raised. May be called again: the same answer."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class Solo(Communicator):
+    """The communicator of a job that runs in one process.
+
+    Examples
+    --------
+    >>> comm = Solo()
+    >>> comm.rank, comm.size, comm.allgather('me')
+    (0, 1, ['me'])
+    """
+    solo = True
+    sums_on_device = True  # nothing leaves the device
+
+    def __init__(self):
+        super().__init__(0, 1, None)
+
+    def allreduce(self, arrays, check=False):
+        return arrays
+
+    def allgather(self, obj):
+        return [obj]
+
+    def gather(self, obj):
+        return [obj]
+
+    def bcast(self, obj):
+        return obj
+
+    def close(self):
+        pass
+
+
+def signature(arrays, where=False):
+    """What an all-reduce of ``arrays`` sums, for comparing ranks: each
+    array's dtype and size, and with ``where`` whether it is on a GPU
+    (NcclComm sums those apart from host arrays).
+
+    Examples
+    --------
+    >>> signature([np.zeros(3, np.float32)], where=True)
+    [('<f4', 3, False)]
+    """
+    return [(np.dtype(a.dtype).str, int(a.size)) +
+            ((not isinstance(a, np.ndarray),) if where else ())
+            for a in arrays]
+
+
+def poll(check, deadline, what, abort, sleep=1e-4):
+    """Call ``check()`` until it returns True; it raises the real error of
+    a failed operation. After ``deadline`` (``time.monotonic()``),
+    ``abort()`` and raise :class:`CollectiveError`: no rank waits forever
+    on a peer or a GPU.
+
+    Examples
+    --------
+    >>> poll(lambda: True, time.monotonic() + 1, 'nothing', lambda: None)
+    """
+    while not check():
+        if time.monotonic() > deadline:
+            abort()
+            raise CollectiveError(f'{what} did not finish within the '
+                                  'collective_timeout: a peer died or hangs')
+        time.sleep(sleep)

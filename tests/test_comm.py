@@ -1,0 +1,118 @@
+"""The communicator contract: every communicator declares all of it, and
+the asynchronous all-reduce sums the arrays it was handed. No GPU, no
+cluster: the classes are inspected, and a stand-in peer sums."""
+import inspect
+import threading
+
+import numpy as np
+import pytest
+
+from dasktrain.errors import Error, UserError
+from dasktrain.parallel.comm import (CollectiveError, Communicator, DaskComm,
+                                     NcclComm, PeerLost, Solo)
+
+
+def _parameters(method):
+    return [(p.name, p.default)
+            for p in inspect.signature(method).parameters.values()]
+
+
+@pytest.mark.parametrize('cls', [Solo, DaskComm, NcclComm],
+                         ids=lambda cls: cls.__name__)
+def test_every_communicator_declares_every_member(cls):
+    assert issubclass(cls, Communicator)
+    assert not cls.__abstractmethods__  # every collective is implemented
+    for name in Communicator.MEMBERS:
+        declared = getattr(Communicator, name, None)
+        if callable(declared):  # called alike on every communicator
+            assert callable(getattr(cls, name)), name
+            assert _parameters(getattr(cls, name)) == \
+                _parameters(declared), name
+        elif name in ('rank', 'size', 'timeout'):  # Communicator.__init__
+            assert 'super().__init__(' in inspect.getsource(cls.__init__)
+        else:  # a capability: each class states its own
+            assert isinstance(cls.__dict__.get(name), bool), name
+
+
+def test_solo_is_a_whole_job_of_one():
+    comm = Solo()
+    assert (comm.rank, comm.size, comm.timeout, comm.solo) == (0, 1, None,
+                                                               True)
+    a = np.arange(3.0)
+    assert comm.allreduce([a])[0] is a
+    assert comm.iallreduce([a]).wait()[0] is a
+    assert comm.allgather(1) == comm.gather(1) == [1]
+    assert comm.bcast('x') == 'x'
+    comm.barrier()
+    comm.close()
+    assert not DaskComm.solo and not NcclComm.solo
+
+
+def test_a_collective_fault_is_one_line_but_not_the_user_s_mistake():
+    assert issubclass(CollectiveError, Error)
+    assert issubclass(CollectiveError, RuntimeError)
+    assert not issubclass(CollectiveError, UserError)
+    assert issubclass(PeerLost, CollectiveError)
+
+
+class Late(Communicator):
+    """Rank 0 of two whose peer sends what it sends; the sum starts only
+    once ``go`` is set, as a communication thread that starts late."""
+    solo, sums_on_device = False, False
+
+    def __init__(self, go=True):
+        super().__init__(0, 2, 5.0)
+        self.go = threading.Event()
+        if go:
+            self.go.set()
+
+    def allreduce(self, arrays, check=False):
+        assert self.go.wait(10)
+        for a in arrays:
+            a += a.copy()  # the peer's equal part
+        return arrays
+
+    def allgather(self, obj):
+        return [obj, obj]
+
+    def gather(self, obj):
+        return [obj, obj]
+
+    def bcast(self, obj):
+        return obj
+
+    def close(self):
+        pass
+
+
+def test_iallreduce_sums_the_arrays_it_was_given_whatever_comes_after():
+    rng = np.random.default_rng(0)
+    first = rng.standard_normal(5)
+    second = rng.standard_normal((2, 3)).astype(np.float32)
+    expected = Late().allreduce([first.copy(), second.copy()])
+    arrays = [first, second]
+    given = tuple(arrays)
+    comm = Late(go=False)
+    pending = comm.iallreduce(arrays)
+    # The caller goes on at once: it rebinds its names and reuses its list
+    # (a next step's arrays) before the sum has even started.
+    first, second = np.zeros(5), None
+    arrays[0] = np.full(5, 7.0)
+    arrays.append(np.ones(3))
+    comm.go.set()
+    summed = pending.wait()
+    assert len(summed) == 2 and all(s is g for s, g in zip(summed, given))
+    for got, want in zip(given, expected):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(arrays[0], np.full(5, 7.0))
+    np.testing.assert_array_equal(arrays[2], np.ones(3))
+    assert pending.wait() is summed  # waiting again: the same answer
+
+
+def test_iallreduce_raises_its_error_in_the_waiting_thread():
+    class Failing(Late):
+        def allreduce(self, arrays, check=False):
+            raise CollectiveError('rank 1 closed its connection')
+    pending = Failing().iallreduce([np.zeros(2)])
+    with pytest.raises(CollectiveError, match='closed its connection'):
+        pending.wait()
