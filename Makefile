@@ -29,7 +29,7 @@ RUNS ?= results
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: train test test-gpu notebooks install browser chainerui chainerui-env clean
+.PHONY: train test lint test-gpu notebooks install browser chainerui chainerui-env clean
 
 install: $(STAMP)
 
@@ -43,8 +43,12 @@ $(STAMP): pyproject.toml constraints.txt
 train: $(STAMP)
 	$(BIN)/dasktrain train $(ARGS)
 
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff: lint and import order ([tool.ruff] in pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check dasktrain tests bench
 
 # The jobs page's test loads it in a headless Chromium (chromium or
 # chromium-browser on PATH); without one that test skips and says why.

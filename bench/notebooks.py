@@ -86,7 +86,8 @@ def main(argv=None):
             return 1
         for figure in figures:
             png = figure.read_bytes()
-            atomic_write(args.figures / figure.name, lambda f: f.write(png))
+            atomic_write(args.figures / figure.name,
+                         lambda f, png=png: f.write(png))
         print(f'{name}: {len(figures)} figures in '
               f'{time.perf_counter() - start:.0f} s', flush=True)
     return 0

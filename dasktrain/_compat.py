@@ -33,7 +33,7 @@ def patch():
     warnings.filterwarnings('ignore', message='pkg_resources is deprecated',
                             category=UserWarning)
     try:
-        numpy.sctypes
+        numpy.sctypes  # noqa: B018  (raises on NumPy 2)
     except AttributeError:
         # The exact table NumPy 1.26 exposed on 64-bit Linux.
         numpy.sctypes = {

@@ -9,8 +9,9 @@ import json
 import math
 import numbers
 import os
+import types
 import typing
-from typing import Optional, Tuple, Union
+from typing import Union
 
 from dasktrain.errors import UserError
 
@@ -34,11 +35,14 @@ def flag(field):
     return '--' + field.replace('_', '-')
 
 
+_UNIONS = (Union, types.UnionType)  # Optional[int] and int | None
+
+
 def _has_type(value, annotation):
     """Whether ``value`` fits a field's annotation (ints pass for floats;
     bools pass for nothing but bool)."""
     origin = typing.get_origin(annotation)
-    if origin is Union:
+    if origin in _UNIONS:
         return any(_has_type(value, a) for a in typing.get_args(annotation))
     if origin is tuple:
         kind = typing.get_args(annotation)[0]
@@ -60,7 +64,7 @@ def _has_type(value, annotation):
 def _type_words(annotation):
     names = {int: 'an int', float: 'a number', str: 'a string',
              bool: 'True or False', type(None): 'None'}
-    if typing.get_origin(annotation) is Union:
+    if typing.get_origin(annotation) in _UNIONS:
         return ' or '.join(_type_words(a)
                            for a in typing.get_args(annotation))
     if typing.get_origin(annotation) is tuple:
@@ -72,14 +76,14 @@ def _type_words(annotation):
 class TrainConfig:
     model: str = 'cifar10'          # the seed post's network; see models.py
     mode: str = 'dg'                # 'dg': mean gradient; 'ipm': mix params
-    mix_every: Union[int, str, None] = None  # ipm: iterations, 'epoch', or
+    mix_every: int | str | None = None  # ipm: iterations, 'epoch', or
     #                                 None = one-shot (mix only at the end)
     mix_optimizer_state: bool = False  # ipm: average Adam moments too
-    devices: Optional[Tuple[str, ...]] = None  # None: every GPU, else 1 CPU
+    devices: tuple[str, ...] | None = None  # None: every GPU, else 1 CPU
     batch_size: int = 100           # per replica, as in the seed post
     epochs: int = 20                # the seed post's run length
     optimizer: str = 'adam'
-    lr: Optional[float] = None      # None: 1e-3 for Adam (alpha), 0.05 for
+    lr: float | None = None         # None: 1e-3 for Adam (alpha), 0.05 for
     #                                 momentum SGD (momentum 0.9)
     weight_decay: float = 0.0       # L2 factor; 5e-4 suits ResNets
     seed: int = 0                   # fixes init, order, augmentation, dropout
@@ -89,13 +93,13 @@ class TrainConfig:
     #                                 the CPU is deterministic either way
     out: str = 'results'            # log, args, checkpoint, models
     data_dir: str = 'data'          # CIFAR-10 cache
-    url: Optional[str] = None       # archive mirror (else $DASKTRAIN_CIFAR10_URL)
-    md5: Optional[str] = None       # the mirror archive's MD5
+    url: str | None = None          # mirror (else $DASKTRAIN_CIFAR10_URL)
+    md5: str | None = None          # the mirror archive's MD5
     augment: bool = True            # crop 4px + flip; False: normalise only
-    train_size: Optional[int] = None  # first N training images (quick runs)
-    test_size: Optional[int] = None   # first N test images (quick runs)
+    train_size: int | None = None   # first N training images (quick runs)
+    test_size: int | None = None    # first N test images (quick runs)
     tta: int = 1                    # test-time views averaged (1: none)
-    early_stop_patience: Optional[int] = None  # epochs without improvement
+    early_stop_patience: int | None = None  # epochs without improvement
     early_stop_monitor: str = 'validation/main/loss'
     early_stop_mode: str = 'auto'   # 'max' or 'min': which way the monitor
     #                                 improves; 'auto' reads it off the name
@@ -106,12 +110,12 @@ class TrainConfig:
     #                                 process (the seed's design) instead of
     #                                 one worker process per device
     # Scale-out (scaleout.py): one job as replica groups on Dask workers.
-    workers: Optional[int] = None   # groups, one per worker; None: here
-    scheduler: Optional[str] = None  # None: the `cluster start` cluster
+    workers: int | None = None      # groups, one per worker; None: here
+    scheduler: str | None = None    # None: the `cluster start` cluster
     on_worker_loss: str = 'continue'  # or 'wait' for a replacement worker
     collective_timeout: float = 300.0  # s a rank waits for the others: a
     #                                 hung peer fails the job, not hangs it
-    comm_dtype: Optional[str] = None  # dg across processes: 'float16'
+    comm_dtype: str | None = None  # dg across processes: 'float16'
     #                                 halves the bytes of each all-reduce
     double_buffering: bool = False  # dg across processes: apply the last
     #                                 step's sum while this one's travels

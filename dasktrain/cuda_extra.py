@@ -27,7 +27,8 @@ OVERRIDE = 'override: make install CUDA=none|12|13'
 def cuda_version(smi_output):
     """``'12.4'`` from ``nvidia-smi``'s output, or None if it names none.
 
-    >>> cuda_version('| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4  |')
+    >>> cuda_version('| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   '
+    ...              'CUDA Version: 12.4  |')
     '12.4'
     """
     found = re.search(r'CUDA Version\s*:\s*(\d+)\.(\d+)', smi_output or '')

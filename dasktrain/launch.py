@@ -37,19 +37,32 @@ import uuid
 
 import chainer
 
-from dasktrain.cluster.local import (connect, restore_default_scheduler,
-                                     worker_info)
+from dasktrain.cluster.local import (
+    connect,
+    restore_default_scheduler,
+    worker_info,
+)
 from dasktrain.cluster.workers import local_device_workers
 from dasktrain.config import TrainConfig
 from dasktrain.data.download import download_cifar10
 from dasktrain.errors import UserError
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
 from dasktrain.parallel.devices import free_gpu_memory, resolve_devices
-from dasktrain.parallel.gpus import (NCCL_MISSING, GpuPool, gpu_ids,
-                                     place_devices, use_nccl)
-from dasktrain.parallel.placement import (HERE, PER_DEVICE, able_workers,
-                                          gpus_per_rank, place,
-                                          rank_resources)
+from dasktrain.parallel.gpus import (
+    NCCL_MISSING,
+    GpuPool,
+    gpu_ids,
+    place_devices,
+    use_nccl,
+)
+from dasktrain.parallel.placement import (
+    HERE,
+    PER_DEVICE,
+    able_workers,
+    gpus_per_rank,
+    place,
+    rank_resources,
+)
 from dasktrain.training.checkpoint import prepare_out
 from dasktrain.training.loop import run
 from dasktrain.training.progress import Progress
@@ -92,9 +105,9 @@ def train(config=None, callbacks=(), client=None, **overrides):
 
     Examples
     --------
-    >>> summary = train(TrainConfig(model='resnet20', epochs=5))  # doctest: +SKIP
+    >>> summary = train(TrainConfig(epochs=5))  # doctest: +SKIP
     >>> summary['final']['validation/main/accuracy']  # doctest: +SKIP
-    >>> train(TrainConfig(workers=2, mode='ipm', mix_every=10))  # doctest: +SKIP
+    >>> train(TrainConfig(workers=2, mode='ipm'))  # doctest: +SKIP
     """
     config = (config or TrainConfig()).replace(**overrides)
     progress = Progress(config.progress, config.epochs)

@@ -9,7 +9,8 @@ relative path given as a parameter means what it means where it was typed
 every figure it drew as ``<notebook>-<n>.png``.
 
     python -m dasktrain.nbrun --out notebooks/executed notebooks/*.ipynb
-    python -m dasktrain.nbrun -p epochs=1 -p train_size=500 notebooks/01_single_vs_multi_gpu.ipynb
+    python -m dasktrain.nbrun -p epochs=1 -p train_size=500 \\
+        notebooks/01_single_vs_multi_gpu.ipynb
 """
 import argparse
 import ast
@@ -84,7 +85,7 @@ def run_notebook(path, out_dir, parameters=None, timeout=3600, cwd=None):
             if 'image/png' in data:
                 figure = out_dir / f'{path.stem}-{len(figures) + 1}.png'
                 png = base64.b64decode(data['image/png'])
-                atomic_write(figure, lambda f: f.write(png))
+                atomic_write(figure, lambda f, png=png: f.write(png))
                 figures.append(figure)
     return executed, figures
 

@@ -165,7 +165,8 @@ class ArchiveServer:
                         return
                     self.send_response(206)
                     self.send_header('Content-Range',
-                                     f'bytes {start}-{len(data) - 1}/{len(data)}')
+                                     f'bytes {start}-{len(data) - 1}/'
+                                     f'{len(data)}')
                 else:
                     self.send_response(200)
                 body = data[start:]

@@ -1,8 +1,8 @@
 import pytest
+from cifar_fixture import ArchiveServer, make_batches, write_archive
 
 import dasktrain  # noqa: F401  (restores numpy.sctypes before chainer)
 from dasktrain.data import extract_archive
-from cifar_fixture import ArchiveServer, make_batches, write_archive
 
 
 @pytest.fixture(scope='session')

@@ -2,9 +2,15 @@ import dask.array as da
 import numpy as np
 import pytest
 
-from dasktrain.data.augment import (CIFAR10_MEAN, CIFAR10_STD, MAX_TTA_VIEWS,
-                                    augment, image_hashes, normalize,
-                                    tta_views)
+from dasktrain.data.augment import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    MAX_TTA_VIEWS,
+    augment,
+    image_hashes,
+    normalize,
+    tta_views,
+)
 
 MEAN = np.array(CIFAR10_MEAN, np.float32).reshape(1, 3, 1, 1)
 STD = np.array(CIFAR10_STD, np.float32).reshape(1, 3, 1, 1)
@@ -172,7 +178,8 @@ def test_tta_views():
     np.testing.assert_allclose(views[0], plain, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(views[1], plain[..., ::-1], rtol=1e-6,
                                atol=1e-6)
-    # View 2 is shifted by (-2, -2): output pixel (y, x) shows input (y-2, x-2).
+    # View 2 is shifted by (-2, -2): output pixel (y, x) shows input
+    # (y-2, x-2).
     np.testing.assert_allclose(views[2][:, :, 2:, 2:], plain[:, :, :-2, :-2],
                                rtol=1e-6, atol=1e-6)
     assert len({v.tobytes() for v in views}) == MAX_TTA_VIEWS

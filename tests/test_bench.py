@@ -12,7 +12,8 @@ def test_bench_augment_prints_a_table_of_real_measurements(capsys):
     rates = [float(v.replace(',', '')) for v in
              re.findall(r'\| ([\d,.]+) \| images/s \|', out)]
     assert len(rates) == 4 and all(r > 0 for r in rates)
-    assert re.search(r'parallel efficiency vs Dask with 1 worker \| \d+ %', out)
+    assert re.search(r'parallel efficiency vs Dask with 1 worker \| \d+ %',
+                     out)
 
 
 def test_bench_train_compares_plain_chainer_and_the_wrapper(capsys):

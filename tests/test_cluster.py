@@ -249,8 +249,12 @@ def test_stop_never_signals_a_process_that_reuses_a_recorded_pid(
                                    capture_output=True).returncode,
                     reason='needs the openssl command to make certificates')
 def test_tls_cluster(tmp_path, monkeypatch, data_dir):
-    from dasktrain.cluster import (connect, start_cluster, stop_cluster,
-                                   cluster_status)
+    from dasktrain.cluster import (
+        cluster_status,
+        connect,
+        start_cluster,
+        stop_cluster,
+    )
     cert, key = tmp_path / 'cert.pem', tmp_path / 'key.pem'
     subprocess.run(['openssl', 'req', '-x509', '-newkey', 'rsa:2048',
                     '-nodes', '-keyout', str(key), '-out', str(cert),

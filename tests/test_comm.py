@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 
 from dasktrain.errors import Error, UserError
-from dasktrain.parallel.comm import (CollectiveError, Communicator, DaskComm,
-                                     NcclComm, PeerLost, Solo)
+from dasktrain.parallel.comm import (
+    CollectiveError,
+    Communicator,
+    DaskComm,
+    NcclComm,
+    PeerLost,
+    Solo,
+)
 
 
 def _parameters(method):

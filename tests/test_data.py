@@ -5,12 +5,18 @@ from pathlib import Path
 import dask
 import numpy as np
 import pytest
+from cifar_fixture import batch_file, make_batches, py2_pickle, write_archive
 
-from cifar_fixture import (batch_file, make_batches,
-                           py2_pickle, write_archive)
 from dasktrain.cli import main
-from dasktrain.data import (ARCHIVE_NAME, BATCHES_DIR, CIFAR10_MD5, DataError,
-                            download_cifar10, extract_archive, load_cifar10)
+from dasktrain.data import (
+    ARCHIVE_NAME,
+    BATCHES_DIR,
+    CIFAR10_MD5,
+    DataError,
+    download_cifar10,
+    extract_archive,
+    load_cifar10,
+)
 
 FAST = dict(backoff=0.01, progress=False)
 
@@ -349,6 +355,7 @@ def test_missing_batch_file(cifar_dir):
 def test_equals_chainer_get_cifar10(tmp_path, monkeypatch):
     """Image for image what chainer reads from the same (full-size) archive."""
     import hashlib
+
     import chainer
     from chainer.datasets import cifar as chainer_cifar
     batches = make_batches(n_train=(10000,) * 5, n_test=10000, seed=1)

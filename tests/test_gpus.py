@@ -7,15 +7,22 @@ import types
 import numpy as np
 import pytest
 
-from dasktrain.parallel.comm import CollectiveError, poll, signature
-from dasktrain.parallel.comm import NcclComm
 from dasktrain.config import TrainConfig
-from dasktrain.parallel.devices import format_uuid, unused_gpus_message
-from dasktrain.parallel.gpus import (NCCL_MISSING, Gpu, GpuError, GpuPool,
-                                     gpu_ids, job_environment, place_devices,
-                                     use_nccl, visible_gpus)
 from dasktrain.jobs.records import JobError
 from dasktrain.jobs.submit import check_devices
+from dasktrain.parallel.comm import CollectiveError, NcclComm, poll, signature
+from dasktrain.parallel.devices import format_uuid, unused_gpus_message
+from dasktrain.parallel.gpus import (
+    NCCL_MISSING,
+    Gpu,
+    GpuError,
+    GpuPool,
+    gpu_ids,
+    job_environment,
+    place_devices,
+    use_nccl,
+    visible_gpus,
+)
 
 
 @pytest.mark.parametrize('value,count,expected', [

@@ -51,11 +51,12 @@ def _grads_both_ways(model, x, t):
         np.random.seed(5)  # the same dropout masks both times
         loss = model(x, t)
         if reporting:
-            def ready(p):
+            names = {id(p): n for n, p in model.namedparams()}
+
+            def ready(p, names=names):
                 missing = [n for n, q in model.namedparams()
                            if q.grad is None]
                 reports.append((names[id(p)], missing, count.done))
-            names = {id(p): n for n, p in model.namedparams()}
             with count:
                 backward_reporting(loss, ready)
         else:

@@ -9,13 +9,13 @@ import time
 
 import pytest
 from distributed import Client
+from test_cluster import Processes, job_config, wait_until
 
 from dasktrain.cli import main
 from dasktrain.jobs.records import Job, JobError
 from dasktrain.jobs.submit import submit
 from dasktrain.jobs.worker import FORMER_CHILDREN, child_module
 from dasktrain.launch import train
-from test_cluster import Processes, job_config, wait_until
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
              'comm_time'}
@@ -82,7 +82,8 @@ def test_a_submitted_job_across_two_cpu_workers(cluster, data_dir,
         job = submit(job_config(data_dir, workers=2, mode='ipm',
                                 mix_every=2), gpus=0, client=client,
                      path=tmp_path / 'jobs')
-        with pytest.raises(JobError, match='--workers 3 needs as many Dask workers with a CPU slot'):
+        with pytest.raises(JobError, match='--workers 3 needs as many Dask '
+                           'workers with a CPU slot'):
             submit(job_config(data_dir, workers=3), gpus=0, client=client,
                    path=tmp_path / 'jobs')
     result = job.result(timeout=180)

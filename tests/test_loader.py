@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from dasktrain.data.augment import CIFAR10_MEAN, CIFAR10_STD, augment
-from dasktrain.data.loader import (EpochLoader, minibatch_indices,
-                                   shard_batches)
+from dasktrain.data.loader import EpochLoader, minibatch_indices, shard_batches
 
 MEAN = np.array(CIFAR10_MEAN, np.float32).reshape(1, 3, 1, 1)
 STD = np.array(CIFAR10_STD, np.float32).reshape(1, 3, 1, 1)

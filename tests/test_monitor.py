@@ -11,7 +11,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -22,14 +21,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from children import child
 from prometheus_client.parser import text_string_to_metric_families
+from test_cluster import job_config, wait_until
 
 from dasktrain.cli import main
 from dasktrain.cluster import connect, start_cluster, stop_cluster
 from dasktrain.jobs.submit import cancel, submit
 from dasktrain.monitor import gpu_readings
-from children import child
-from test_cluster import job_config, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAFANA = ROOT / 'docs' / 'grafana'
@@ -75,8 +74,9 @@ def scrape(base):
 
 
 def of_job(samples, name, job_id, **labels):
-    return [v for l, v in samples[name] if l.get('job_id') == job_id and
-            all(l.get(k) == w for k, w in labels.items())]
+    return [v for have, v in samples[name]
+            if have.get('job_id') == job_id and
+            all(have.get(k) == w for k, w in labels.items())]
 
 
 def submitted(config, name):
@@ -91,8 +91,8 @@ def test_metrics_follow_a_training_job(cluster, data_dir):
 
     def expect(samples, row, previous):
         def one(name, **extra):
-            values = [v for l, v in samples[name]
-                      if l == dict(labels, **extra)]
+            values = [v for have, v in samples[name]
+                      if have == dict(labels, **extra)]
             assert len(values) == 1, (name, samples[name])
             return values[0]
         assert one('dasktrain_job_epoch') == row['epoch']
@@ -148,10 +148,11 @@ def test_workers_export_cpu_and_memory_and_no_gpu_series(cluster):
     samples, families = scrape(cluster['base'])
     with connect() as client:
         (worker,) = client.scheduler_info()['workers']
-    memory = [v for l, v in samples['dasktrain_worker_memory_bytes']
-              if l == {'worker': worker}]
+    memory = [v for have, v in samples['dasktrain_worker_memory_bytes']
+              if have == {'worker': worker}]
     assert len(memory) == 1 and memory[0] > 10 * 2 ** 20  # a Python's RSS
-    assert [l for l, _ in samples['dasktrain_worker_busy_cpu_cores']] == \
+    assert [labels for labels, _ in
+            samples['dasktrain_worker_busy_cpu_cores']] == \
         [{'worker': worker}]
     assert samples['dasktrain_worker_gpus'] == [({'worker': worker}, 0.0)]
     # Declared for Grafana, but no series: the worker has no GPU to read.
@@ -256,17 +257,18 @@ def test_jobs_watch_refreshes_until_interrupted(cluster, data_dir, capsys):
     assert '--interval must be > 0, got 0' in capsys.readouterr().err
     with child('jobs', '--watch', '--interval', '0.3') as watch:
         lines = watch.lines
-        wait_until(lambda: sum(l.startswith('ID ') for l in lines) >= 1, 60,
-                   'the first table')
+        wait_until(lambda: sum(line.startswith('ID ') for line in lines)
+                   >= 1, 60, 'the first table')
         job = submitted(job_config(data_dir, epochs=1), 'watched')
-        wait_until(lambda: any(l.startswith(job.id) and ' finished ' in l
-                               for l in lines), 120, 'the job to finish')
+        wait_until(lambda: any(line.startswith(job.id) and
+                               ' finished ' in line for line in lines),
+                   120, 'the job to finish')
         watch.signal(signal.SIGINT)
         assert watch.wait(10) == 0, watch.stderr()
     assert 'Traceback' not in watch.stderr()
-    states = [l.split()[1] for l in lines if l.startswith(job.id)]
+    states = [line.split()[1] for line in lines if line.startswith(job.id)]
     assert states[0] in ('queued', 'running') and states[-1] == 'finished'
-    assert sum(l.startswith('ID ') for l in lines) >= 3  # refreshed
+    assert sum(line.startswith('ID ') for line in lines) >= 3  # refreshed
 
 
 def test_jobs_watch_ends_on_ctrl_c_while_the_scheduler_does_not_answer(
@@ -294,15 +296,17 @@ def test_jobs_watch_ends_on_ctrl_c_while_the_scheduler_does_not_answer(
         for tables in (1, 4):  # early in the connect, and well into it
             with child('jobs', '--watch', '--interval', '0.2',
                        '--jobs-dir', str(tmp_path / 'jobs')) as watch:
-                wait_until(lambda: sum(l.startswith('stuck-1 ')
-                                       for l in watch.lines) >= tables,
+                wait_until(lambda tables=tables: sum(
+                    line.startswith('stuck-1 ')
+                    for line in watch.lines) >= tables,
                            60, f'{tables} tables')
                 watch.signal(signal.SIGINT)
                 started = time.monotonic()
                 assert watch.wait(10) == 0, watch.stderr()
                 assert time.monotonic() - started < 1.5
             assert 'Traceback' not in watch.stderr()
-            row = [l for l in watch.lines if l.startswith('stuck-1 ')][-1]
+            row = [line for line in watch.lines
+                   if line.startswith('stuck-1 ')][-1]
             assert row.split()[1] == 'queued'
     finally:
         server.close()

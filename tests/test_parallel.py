@@ -5,10 +5,10 @@ import chainer
 import numpy as np
 import pytest
 
-from dasktrain.training.models import get_model
-from dasktrain.parallel.devices import cuda_unavailable_reason, gpu_count
 from dasktrain.parallel import DeviceError, GPUDistributedGradient
 from dasktrain.parallel.comm import Communicator
+from dasktrain.parallel.devices import cuda_unavailable_reason, gpu_count
+from dasktrain.training.models import get_model
 
 
 def batch(n, seed=0):
@@ -226,7 +226,7 @@ def test_exceptions_in_the_with_block_propagate():
     model = GPUDistributedGradient(fresh(), ['@numpy'])
     with pytest.raises(ZeroDivisionError):
         with model:
-            1 / 0
+            1 / 0  # noqa: B018  (the error under test)
 
 
 def test_spread_measures_without_mixing():

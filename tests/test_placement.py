@@ -7,10 +7,17 @@ import pytest
 
 from dasktrain.config import TrainConfig
 from dasktrain.parallel import placement
-from dasktrain.parallel.placement import (HERE, PER_DEVICE, RANKS,
-                                          able_workers, default_devices,
-                                          gpus_per_rank, per_device_plan,
-                                          place, rank_resources)
+from dasktrain.parallel.placement import (
+    HERE,
+    PER_DEVICE,
+    RANKS,
+    able_workers,
+    default_devices,
+    gpus_per_rank,
+    per_device_plan,
+    place,
+    rank_resources,
+)
 
 
 def test_the_examples_hold():

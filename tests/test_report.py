@@ -5,9 +5,9 @@ import matplotlib
 import pytest
 
 matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from dasktrain import report  # noqa: E402
+from dasktrain import report
 
 
 def log(rates, accuracies, comm=0.0):
@@ -56,10 +56,12 @@ def test_summary_table_final_best_and_communication():
 def test_curves_are_titled_labelled_and_in_a_legend():
     runs = {'one': log([1, 1], [0.2, 0.4]), 'two': log([1, 1], [0.3, 0.5])}
     ax = report.plot_curves(runs, x='elapsed_time')
-    assert ax.get_title() == 'test accuracy (fraction) against elapsed time (s)'
+    assert ax.get_title() == \
+        'test accuracy (fraction) against elapsed time (s)'
     assert (ax.get_xlabel(), ax.get_ylabel()) == (
         'elapsed time (s)', 'test accuracy (fraction)')
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ['one', 'two']
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == \
+        ['one', 'two']
     assert list(ax.lines[1].get_ydata()) == [0.3, 0.5]
 
 
@@ -67,7 +69,8 @@ def test_scaling_plot_draws_the_ideal_line_and_keeps_its_title():
     ax = report.plot_scaling({1: log([0, 100.0], [0, 0]),
                               2: log([0, 150.0], [0, 0])},
                              title='Throughput (CPU)', label='one process')
-    report.plot_scaling({1: log([0, 80.0], [0, 0]), 2: log([0, 160.0], [0, 0])},
+    report.plot_scaling({1: log([0, 80.0], [0, 0]),
+                         2: log([0, 160.0], [0, 0])},
                         ax=ax, label='workers', ideal=False)
     ideal, measured, workers = ax.lines
     assert list(ideal.get_ydata()) == [100.0, 200.0]

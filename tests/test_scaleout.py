@@ -5,7 +5,7 @@ import sys
 import time
 
 import chainer
-import chainer.links  # noqa: F401
+import chainer.links
 import cloudpickle
 import numpy as np
 import pytest
@@ -77,8 +77,8 @@ def test_shared_memory_sums_the_bits_tcp_sums(dask_client):
 
 
 def _start_weights(name, rank, size):
-    from dasktrain.training.models import get_model
     from dasktrain.parallel import GPUDistributedGradient
+    from dasktrain.training.models import get_model
     np.random.seed(100 + rank)  # each process draws other initial weights
     drawn = get_model('resnet20')
     before = drawn.predictor.fc.W.array.copy()
@@ -133,15 +133,15 @@ def test_a_missing_rank_fails_the_rendezvous_after_the_timeout(dask_client):
 # ------------------------------------------------------- gradient exchange
 
 def _overlapped(name, rank, size, bucket_mb):
-    from dasktrain.training.models import get_model
     from dasktrain.parallel import GPUDistributedGradient
+    from dasktrain.training.models import get_model
     np.random.seed(0)
     with DaskComm.rendezvous(name, rank, size, timeout=30) as comm:
         model = GPUDistributedGradient(get_model('cifar10'), ['@numpy'],
                                        comm=comm, bucket_mb=bucket_mb)
         model.setup(chainer.optimizers.MomentumSGD(lr=0.01))
         rng = np.random.RandomState(rank)
-        for step in range(3):
+        for _ in range(3):
             x = rng.randn(4, 3, 32, 32).astype(np.float32)
             t = rng.randint(0, 10, 4).astype(np.int32)
             model.step(x, t, total=8)

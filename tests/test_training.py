@@ -4,16 +4,15 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Optional
 
 import numpy as np
 import pytest
 
 from dasktrain.cli import build_parser, main
-from dasktrain.parallel.devices import gpu_count
 from dasktrain.config import ConfigError, TrainConfig, parse_devices
 from dasktrain.errors import UserError
 from dasktrain.launch import train
+from dasktrain.parallel.devices import gpu_count
 from dasktrain.training.loop import TrainingDiverged
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
@@ -201,8 +200,8 @@ def _wrong_type(field):
     """A value of the wrong type for each field's annotation."""
     if field.name == 'mix_every':  # an int, 'epoch' or None
         return 2.5
-    return 'seven' if field.type in (int, float, Optional[int],
-                                     Optional[float]) else 7
+    return 'seven' if field.type in (int, float, int | None,
+                                     float | None) else 7
 
 
 @pytest.mark.parametrize('field', dataclasses.fields(TrainConfig),

@@ -13,14 +13,14 @@ import optuna
 import pytest
 from distributed import Client
 from optuna.trial import TrialState
+from test_cluster import Processes, wait_until
 
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
 from dasktrain.jobs.records import list_jobs
-from dasktrain.tuning.trials import open_storage
 from dasktrain.tuning import tune
-from test_cluster import Processes, wait_until
+from dasktrain.tuning.trials import open_storage
 
 METRIC = 'validation/main/accuracy'
 

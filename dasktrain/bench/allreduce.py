@@ -130,9 +130,9 @@ def _overlap_times(name, rank, size, model, batch, buckets, steps, rounds,
     exposed communication per step (s)."""
     import chainer
 
+    from dasktrain.parallel import GPUDistributedGradient
     from dasktrain.parallel.comm import DaskComm
     from dasktrain.training.models import get_model
-    from dasktrain.parallel import GPUDistributedGradient
     rng = np.random.RandomState(rank)
     x = rng.rand(batch, 3, 32, 32).astype(np.float32)
     t = rng.randint(0, 10, batch).astype(np.int32)

@@ -183,9 +183,9 @@ def bench_train(model='cifar10', devices=None, batch_size=100, iterations=10,
 
     from dasktrain.data.loader import EpochLoader
     from dasktrain.parallel.devices import synchronize
-    from dasktrain.training.models import get_model
     from dasktrain.parallel.gradient import GPUDistributedGradient
     from dasktrain.parallel.placement import default_devices
+    from dasktrain.training.models import get_model
 
     found = default_devices()
     devices = tuple(devices or (('@numpy',) * 2 if found == ('@numpy',)

@@ -19,8 +19,8 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     and the single process using every core, on the same data and epochs.
     """
     from dasktrain.cluster.workers import local_workers
-    from dasktrain.launch import train
     from dasktrain.config import TrainConfig
+    from dasktrain.launch import train
     scratch = Path(out or tempfile.mkdtemp(prefix='dasktrain-bench-'))
     if data_dir is None:
         data_dir = scratch / 'data'
@@ -55,7 +55,8 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     for mode in ('dg', 'ipm'):
         summary = train(base.replace(
             out=str(scratch / f'single-{mode}'), devices=('@numpy',) * most,
-            in_process=True, mode=mode, mix_every=mix_every if mode == 'ipm' else None))
+            in_process=True, mode=mode,
+            mix_every=mix_every if mode == 'ipm' else None))
         reference[mode] = summary['final']['validation/main/accuracy']
     for n in workers:
         for mode in (('dg',) if n == 1 else ('dg', 'ipm')):

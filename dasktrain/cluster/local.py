@@ -11,7 +11,8 @@ standard ``dask worker ADDRESS --resources GPU=n`` and the TLS files.
 Dask runs pickled code sent by any client: whoever reaches the scheduler can
 run code as the user who started it, and on a shared server every user
 reaches 127.0.0.1. So the cluster requires TLS with certificates of its own
-private CA (:mod:`dasktrain.cluster.tls`, files only the owner can read) at both
+private CA (:mod:`dasktrain.cluster.tls`, files only the owner can read) at
+both
 ends of every connection, and every dasktrain client uses them;
 ``insecure=True`` drops that, loudly. Every listener (scheduler, worker,
 nanny, both dashboards) binds the host given, 127.0.0.1 by default.

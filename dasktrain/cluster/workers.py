@@ -28,7 +28,8 @@ def local_device_workers(devices, blas_threads=1):
 
     Examples
     --------
-    >>> with local_device_workers(('@cupy:0', '@cupy:1')) as client:  # doctest: +SKIP
+    >>> gpus = ('@cupy:0', '@cupy:1')
+    >>> with local_device_workers(gpus) as client:  # doctest: +SKIP
     ...     train(TrainConfig(workers=2, devices=('@cupy:0',)),
     ...           client=client)
     """

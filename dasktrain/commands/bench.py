@@ -132,7 +132,8 @@ class Bench(Command):
         p.add_argument('--batch-size', type=int, default=100,
                        help='images per worker per step (default: '
                             '%(default)s)')
-        p.add_argument('--buckets', type=_mib_list, default=(0, 0.25, 1, 4, 16),
+        p.add_argument('--buckets', type=_mib_list,
+                       default=(0, 0.25, 1, 4, 16),
                        metavar='LIST', help='bucket sizes in MiB, 0: after '
                        'the backward pass (default: 0,0.25,1,4,16)')
         p.add_argument('--steps', type=int, default=6,

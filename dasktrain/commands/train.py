@@ -50,5 +50,6 @@ def _where(summary):
     devices = ', '.join(summary['devices'])
     if 'workers' not in summary:
         return devices
+    attempts = summary['attempts']
     return (f"{len(summary['workers'])} workers ({devices} each"
-            f"{', %d attempts' % summary['attempts'] if summary['attempts'] > 1 else ''})")
+            f"{f', {attempts} attempts' if attempts > 1 else ''})")

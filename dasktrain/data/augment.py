@@ -146,7 +146,8 @@ def _block_with_location(block, block_info=None, offset=0, **kwargs):
 
 def augment(x, seed, epoch, *, pad=4, padding='zero', flip=True,
             cutout=0, mean=CIFAR10_MEAN, std=CIFAR10_STD, offset=0):
-    """Lazily augment uint8 images: crop after padding, flip, cutout, normalise.
+    """Lazily augment uint8 images: crop after padding, flip, cutout,
+    normalise.
 
     One task per chunk of ``x``; the result computes on whatever scheduler
     is in effect (the threaded one by default, a ``distributed.Client``

@@ -16,9 +16,15 @@ import dask.array as da
 import numpy as np
 
 # Re-exported: dasktrain.data is where users look for the whole data layer.
-from dasktrain.data.download import (ARCHIVE_NAME, BATCHES_DIR,  # noqa: F401
-                                     CIFAR10_MD5, CIFAR10_URL, URL_ENV,
-                                     download_cifar10, extract_archive)
+from dasktrain.data.download import (
+    ARCHIVE_NAME,
+    BATCHES_DIR,
+    CIFAR10_MD5,
+    CIFAR10_URL,
+    URL_ENV,
+    download_cifar10,
+    extract_archive,
+)
 
 __all__ = ['ARCHIVE_NAME', 'BATCHES_DIR', 'CIFAR10', 'CIFAR10_MD5',
            'CIFAR10_URL', 'DataError', 'URL_ENV', 'download_cifar10',
@@ -140,7 +146,8 @@ def _unpickle(path, skip_pixels=False):
 
 
 def _batch_arrays(path, skip_pixels=False):
-    """Validated (images (N, 3, 32, 32) uint8, labels (N,) int32) of a batch."""
+    """Validated (images (N, 3, 32, 32) uint8, labels (N,) int32) of a
+    batch."""
     batch = _unpickle(path, skip_pixels)
     for key in ('data', 'labels'):
         if key not in batch:
@@ -183,7 +190,8 @@ def _lazy_split(batches_dir, names):
         path = batches_dir / name
         _, meta_labels = _batch_arrays(path, skip_pixels=True)
         count = len(meta_labels)
-        token = dask.base.tokenize(str(path.resolve()), path.stat().st_mtime_ns)
+        token = dask.base.tokenize(str(path.resolve()),
+                                   path.stat().st_mtime_ns)
         task = dask.delayed(_load_images, pure=True)(
             str(path), count, dask_key_name=f'cifar10-{name}-{token}')
         images.append(da.from_delayed(task, (count,) + IMAGE_SHAPE,
@@ -217,7 +225,7 @@ def load_cifar10(data_dir='data', download=True, url=None, md5=None):
     --------
     >>> cifar = load_cifar10('data')  # doctest: +SKIP
     >>> cifar.train_images
-    dask.array<concatenate, shape=(50000, 3, 32, 32), dtype=uint8, chunksize=(10000, 3, 32, 32), chunktype=numpy.ndarray>
+    dask.array<concatenate, shape=(50000, 3, 32, 32), dtype=uint8, ...>
     """
     data_dir = Path(data_dir)
     batches = data_dir / BATCHES_DIR

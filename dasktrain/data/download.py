@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import requests
 import urllib3.exceptions
 from requests.adapters import HTTPAdapter
+
 # The plain bar: tqdm.auto wants ipywidgets in a notebook and warns without.
 from tqdm import tqdm
 from urllib3.util.retry import Retry
@@ -76,7 +77,8 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
 
     Examples
     --------
-    >>> download_cifar10('data', url='http://mirror.lab/cifar-10-python.tar.gz')  # doctest: +SKIP
+    >>> mirror = 'http://mirror.lab/cifar-10-python.tar.gz'
+    >>> download_cifar10('data', url=mirror)  # doctest: +SKIP
     PosixPath('data/cifar-10-batches-py')
     """
     if retries < 0:
@@ -117,7 +119,8 @@ def _make_dir(path):
         probe.close()
     except OSError as e:
         raise DataError(f'data dir {path} is not writable ({e.strerror}); '
-                        'pass --data-dir with a folder you can write to') from None
+                        'pass --data-dir with a folder you can write to'
+                        ) from None
 
 
 def _md5sum(path):

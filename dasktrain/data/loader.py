@@ -17,8 +17,7 @@ import time
 import dask.array as da
 import numpy as np
 
-from dasktrain.data.augment import (DEFAULT_CHUNK, as_images, augment,
-                                    normalize)
+from dasktrain.data.augment import DEFAULT_CHUNK, as_images, augment, normalize
 
 
 def epoch_permutation(n, seed, epoch):
@@ -126,7 +125,8 @@ class EpochLoader:
 
     Examples
     --------
-    >>> loader = EpochLoader(cifar.train_images, cifar.train_labels, 128)  # doctest: +SKIP
+    >>> loader = EpochLoader(cifar.train_images, cifar.train_labels,
+    ...                      128)  # doctest: +SKIP
     >>> for x, t in loader.epoch(0):  # doctest: +SKIP
     ...     model.step(x, t)
     """

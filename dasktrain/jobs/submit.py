@@ -24,8 +24,14 @@ import uuid
 from dasktrain.cluster.local import connect, worker_info
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
-from dasktrain.jobs.records import (DONE, KEY_PREFIX, Job, JobError, jobs_dir,
-                                    update_status)
+from dasktrain.jobs.records import (
+    DONE,
+    KEY_PREFIX,
+    Job,
+    JobError,
+    jobs_dir,
+    update_status,
+)
 from dasktrain.jobs.worker import announce, run_job
 from dasktrain.parallel.gpus import GpuError, place_devices
 

@@ -28,10 +28,20 @@ from pathlib import Path
 
 from dasktrain.config import TrainConfig
 from dasktrain.errors import Error
-from dasktrain.jobs.records import (DONE, EVENTS, PRUNED, Job, Pruned,
-                                    update_status)
-from dasktrain.parallel.gpus import (VISIBLE, GpuPool, job_environment,
-                                     place_devices)
+from dasktrain.jobs.records import (
+    DONE,
+    EVENTS,
+    PRUNED,
+    Job,
+    Pruned,
+    update_status,
+)
+from dasktrain.parallel.gpus import (
+    VISIBLE,
+    GpuPool,
+    job_environment,
+    place_devices,
+)
 
 CHILD = 'dasktrain.jobs.worker'  # the child module of a plain job
 # Child modules that job folders written by earlier versions name, and
@@ -115,12 +125,15 @@ def run_job(folder):
     seen = _mtime(log_path)
     # The child sees exactly its GPUs (as 0..k-1), or none at all.
     env = job_environment(dict(os.environ, PYTHONUNBUFFERED='1'), gpus)
+    start = f'resuming after epoch {rows[-1]["epoch"]}' if rows else \
+        'starting'
     try:
         with open(folder / 'output.log', 'ab') as log:
             log.write(f'=== attempt {attempt} on {worker}, GPUs '
                       f'{",".join(ids) or "none"} '
-                      f'(CUDA_VISIBLE_DEVICES={env["CUDA_VISIBLE_DEVICES"]!r}), '
-                      f'{"resuming after epoch %d" % rows[-1]["epoch"] if rows else "starting"}'
+                      f'(CUDA_VISIBLE_DEVICES='
+                      f'{env["CUDA_VISIBLE_DEVICES"]!r}), '
+                      f'{start}'
                       f' ===\n'.encode())
             log.flush()
             child = subprocess.Popen(

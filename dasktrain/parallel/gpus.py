@@ -85,7 +85,8 @@ def job_environment(env, gpus):
 
     >>> job_environment({}, [Gpu(0, '2'), Gpu(1, '3')])['CUDA_VISIBLE_DEVICES']
     '2,3'
-    >>> job_environment({'CUDA_VISIBLE_DEVICES': '0,1'}, [])['CUDA_VISIBLE_DEVICES']
+    >>> env = job_environment({'CUDA_VISIBLE_DEVICES': '0,1'}, [])
+    >>> env['CUDA_VISIBLE_DEVICES']
     ''
     """
     env = dict(env)

@@ -73,7 +73,8 @@ class GPUDistributedGradient:
 
     Examples
     --------
-    >>> model = GPUDistributedGradient(L.Classifier(net), [0, 1, 2, 3])  # doctest: +SKIP
+    >>> model = GPUDistributedGradient(L.Classifier(net),
+    ...                                [0, 1, 2, 3])  # doctest: +SKIP
     >>> model.setup(chainer.optimizers.Adam())  # doctest: +SKIP
     >>> loss, accuracy = model.step(x, t)  # doctest: +SKIP
 

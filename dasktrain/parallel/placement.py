@@ -18,7 +18,7 @@ devices this process sees, the workers' resources), so the tests check
 the decisions without a GPU or a cluster. Owns the decisions; may not
 start processes (:mod:`dasktrain.launch` does, as decided here).
 """
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from dasktrain.parallel.gpus import gpu_ids
 
@@ -28,11 +28,11 @@ HERE, PER_DEVICE, RANKS = 'here', 'per-device', 'ranks'
 class Placement(NamedTuple):
     """Where a run trains (see :func:`place`)."""
     where: str                   # HERE, PER_DEVICE or RANKS
-    devices: Optional[tuple]     # here: this process's devices; per-device:
+    devices: tuple | None     # here: this process's devices; per-device:
     #                              one per worker process; ranks: each
     #                              rank's as named (None: its worker's)
-    ranks: Optional[int] = None  # processes of the job (None: here)
-    rank_devices: Optional[tuple] = None  # per-device: each worker's own,
+    ranks: int | None = None  # processes of the job (None: here)
+    rank_devices: tuple | None = None  # per-device: each worker's own,
     #                                       as that worker sees it
 
 

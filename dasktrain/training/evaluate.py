@@ -31,7 +31,8 @@ def evaluate(evaluators, views, labels, batch_size):
 
     Examples
     --------
-    >>> loss, accuracy = evaluate(model.evaluators(), views, labels, 100)  # doctest: +SKIP
+    >>> loss, accuracy = evaluate(model.evaluators(), views, labels,
+    ...                           100)  # doctest: +SKIP
     """
     probs = 0
     for view in views:

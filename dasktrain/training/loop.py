@@ -28,12 +28,20 @@ from dasktrain.data.loader import EpochLoader
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
 from dasktrain.parallel.comm import Solo
-from dasktrain.parallel.devices import (gpu_count, nvidia_smi_lines,
-                                        synchronize, unused_gpus_message)
+from dasktrain.parallel.devices import (
+    gpu_count,
+    nvidia_smi_lines,
+    synchronize,
+    unused_gpus_message,
+)
 from dasktrain.parallel.gradient import GPUDistributedGradient
 from dasktrain.parallel.placement import default_devices
-from dasktrain.training.checkpoint import (CHECKPOINT, load_checkpoint,
-                                           save_checkpoint, save_model)
+from dasktrain.training.checkpoint import (
+    CHECKPOINT,
+    load_checkpoint,
+    save_checkpoint,
+    save_model,
+)
 from dasktrain.training.evaluate import evaluate, load_test_share
 from dasktrain.training.models import get_model
 from dasktrain.training.outdir import record_args

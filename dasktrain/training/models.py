@@ -163,7 +163,8 @@ def load_model(path, model='cifar10'):
 
     Examples
     --------
-    >>> chain = load_model('results/model_best.npz', 'resnet20')  # doctest: +SKIP
+    >>> chain = load_model('results/model_best.npz',
+    ...                    'resnet20')  # doctest: +SKIP
     >>> chain.predictor(x)  # doctest: +SKIP
     """
     chain = get_model(model)

@@ -21,6 +21,7 @@ from the job's files. ``--trials`` counts every trial of the study.
 """
 import dataclasses
 import json
+import logging
 import re
 import sys
 import time
@@ -31,12 +32,24 @@ from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
 from dasktrain.jobs.records import DONE, jobs_dir, list_jobs
-from dasktrain.jobs.submit import (check_devices, check_resources, requeue,
-                                   scheduler_states, submit)
+from dasktrain.jobs.submit import (
+    check_devices,
+    check_resources,
+    requeue,
+    scheduler_states,
+    submit,
+)
 from dasktrain.tuning.space import config_for, load_space, suggest
-from dasktrain.tuning.trials import (describe_best, finish, make_pruner,
-                                     open_storage, outcome, params_text)
+from dasktrain.tuning.trials import (
+    describe_best,
+    finish,
+    make_pruner,
+    open_storage,
+    outcome,
+    params_text,
+)
 
+logger = logging.getLogger(__name__)
 DIRECTIONS = {'maximize': 'max', 'minimize': 'min'}
 PRUNERS = ('median', 'asha', 'none')
 SAMPLERS = ('tpe', 'random')
@@ -298,9 +311,9 @@ class _Search:
                     break
                 time.sleep(poll)
         except KeyboardInterrupt:
-            print('interrupted: the running trials go on as jobs (`dasktrain'
-                  ' jobs`); run the same command to carry on with the study',
-                  file=sys.stderr)
+            logger.warning('interrupted: the running trials go on as jobs '
+                           '(`dasktrain jobs`); run the same command to carry '
+                           'on with the study')
             raise
         # A trial ends (its child tells) a moment before its job does.
         deadline = time.monotonic() + 60

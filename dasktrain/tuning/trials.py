@@ -1,7 +1,8 @@
 """One trial of a study, run as a dasktrain job, and what it tells Optuna.
 
 A trial's job runs this module as its child process (``python -m
-dasktrain.tuning.trials FOLDER``, see :func:`dasktrain.jobs.submit.submit`'s ``extra``).
+dasktrain.tuning.trials FOLDER``, see
+:func:`dasktrain.jobs.submit.submit`'s ``extra``).
 The training calls :class:`Reporter` after every epoch: it reports the
 metric to the study's storage (``trial.report(value, epoch)``) and asks the
 study's pruner (``trial.should_prune()``); when the pruner says so it

@@ -3,11 +3,11 @@
 import time
 import urllib.request
 
+from gpu_marks import needs
 from prometheus_client.parser import text_string_to_metric_families
 
 from dasktrain.cluster import start_cluster, stop_cluster
 from dasktrain.monitor import gpu_readings
-from gpu_marks import needs
 
 
 def _check(reading):

@@ -9,10 +9,10 @@ import warnings
 import chainer
 import numpy as np
 import pytest
-
-from dasktrain.training.models import get_model
-from dasktrain.parallel import GPUDistributedGradient
 from gpu_marks import COUNT, needs
+
+from dasktrain.parallel import GPUDistributedGradient
+from dasktrain.training.models import get_model
 
 pytestmark = needs(1)
 
@@ -214,7 +214,7 @@ def test_bench_train_on_gpu_gives_finite_rows_and_says_if_cudnn_is_on():
                        iterations=2, repeats=1, epoch_images=200)
     names = [r[0] for r in rows]
     assert names[0] == 'cuDNN' and rows[0][1] in ('on', 'off')
-    for name, value, unit in rows:
+    for name, value, _ in rows:
         if isinstance(value, float):
             assert np.isfinite(value), name
 

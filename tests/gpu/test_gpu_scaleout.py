@@ -7,9 +7,9 @@ import cloudpickle
 import numpy as np
 import pytest
 from distributed import Client
+from gpu_marks import needs, needs_nccl
 
 from dasktrain.parallel.comm import CollectiveError
-from gpu_marks import needs, needs_nccl
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [needs(2)]
@@ -18,8 +18,7 @@ pytestmark = [needs(2)]
 def _sums(name, rank, size):
     import cupy
 
-    from dasktrain.parallel.comm import DaskComm
-    from dasktrain.parallel.comm import NcclComm
+    from dasktrain.parallel.comm import DaskComm, NcclComm
     with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
         comm = NcclComm(host, 0)
         try:
@@ -41,8 +40,7 @@ def _sums(name, rank, size):
 def _skipper(name, rank, size):
     import cupy
 
-    from dasktrain.parallel.comm import DaskComm
-    from dasktrain.parallel.comm import NcclComm
+    from dasktrain.parallel.comm import DaskComm, NcclComm
     with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
         comm = NcclComm(host, 0)
         host.timeout = 5.0  # the all-reduce's deadline

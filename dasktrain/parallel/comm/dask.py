@@ -31,8 +31,11 @@ import time
 
 import numpy as np
 
-from dasktrain.parallel.comm.base import (CollectiveError, Communicator,
-                                          signature)
+from dasktrain.parallel.comm.base import (
+    CollectiveError,
+    Communicator,
+    signature,
+)
 from dasktrain.parallel.comm.shm import SharedMemoryReducer
 
 
@@ -111,8 +114,7 @@ class DaskComm(Communicator):
         """
         from distributed import Variable, get_client, get_worker
         from distributed.comm import connect, listen
-        from distributed.comm.addressing import get_address_host, \
-            parse_address
+        from distributed.comm.addressing import get_address_host, parse_address
         if client is None:
             client = get_client()
         if listen_host is None or security is None:

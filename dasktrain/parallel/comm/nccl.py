@@ -9,8 +9,12 @@ wait is.
 """
 import time
 
-from dasktrain.parallel.comm.base import (CollectiveError, Communicator,
-                                          poll, signature)
+from dasktrain.parallel.comm.base import (
+    CollectiveError,
+    Communicator,
+    poll,
+    signature,
+)
 
 # ncclResult_t values (nccl.h) that CuPy's NcclError carries as .status.
 NCCL_IN_PROGRESS = 7  # a non-blocking communicator is still working

@@ -189,7 +189,7 @@ class SharedMemoryReducer:
                     f'{self.rank} sums {len(signature)} (or of other '
                     'sizes): the ranks are out of step (different models '
                     'or optimizer state)')
-        for key, dtype, offset, count in regions:  # 3. my slice's sums
+        for _, dtype, offset, count in regions:  # 3. my slice's sums
             lo, hi = bounds(count, self.size)[self.rank]
             if hi > lo:
                 acc = result.view(dtype, offset, count)[lo:hi]
