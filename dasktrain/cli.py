@@ -17,7 +17,7 @@ from dasktrain.commands.cluster import Cluster
 from dasktrain.commands.jobs import Cancel, Jobs, Logs, Result, Submit
 from dasktrain.commands.train import Download, Train
 from dasktrain.commands.tune import Tune
-from dasktrain.errors import Error
+from dasktrain.errors import Error, flag_names
 
 COMMANDS = (Download, Train, Cluster, Submit, Jobs, Logs, Cancel, Result,
             Tune, Bench)
@@ -78,6 +78,13 @@ def main(argv=None) -> int:
     """
     show_logs()
     parser = build_parser()
+    # Library messages name arguments (`lr`); here they name flags (`--lr`).
+    with flag_names():
+        return _run(parser, argv)
+
+
+def _run(parser, argv):
+    args = None
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # report against the subcommand, with its help
@@ -93,7 +100,8 @@ def main(argv=None) -> int:
         print(f'dasktrain {args.command}: error: {e}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f'dasktrain {args.command}: interrupted', file=sys.stderr)
+        where = f' {args.command}' if args is not None else ''
+        print(f'dasktrain{where}: interrupted', file=sys.stderr)
         return 130
 
 

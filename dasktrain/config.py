@@ -3,7 +3,6 @@
 It flows unchanged from the CLI (each ``--flag`` is one field) through job
 submission to the workers, and is written to ``OUT/args``.
 """
-import argparse
 import dataclasses
 import json
 import math
@@ -13,7 +12,7 @@ import types
 import typing
 from typing import Union
 
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 
 MODELS = ('cifar10', 'resnet20', 'resnet32', 'resnet56', 'tiny')
 OPTIMIZERS = ('adam', 'momentum-sgd')
@@ -28,11 +27,6 @@ IPM_KEYS = ('drift',)  # logged by ipm runs with several replicas
 
 class ConfigError(UserError, ValueError):
     """A setting with a value it cannot take."""
-
-
-def flag(field):
-    """The command-line flag of a TrainConfig field: ``--mix-every``."""
-    return '--' + field.replace('_', '-')
 
 
 _UNIONS = (Union, types.UnionType)  # Optional[int] and int | None
@@ -128,7 +122,7 @@ class TrainConfig:
     def __post_init__(self):
         def fail(field, expected):
             value = getattr(self, field)
-            raise ConfigError(f'{flag(field)} must be {expected}, got '
+            raise ConfigError(f'{argument(field)} must be {expected}, got '
                               f'{value!r}')
 
         for name in ('out', 'data_dir'):  # a pathlib.Path is fine too
@@ -138,7 +132,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if not _has_type(value, f.type):
                 # A bool has a --no-... flag or none: name the field.
-                name = f.name if f.type is bool else flag(f.name)
+                name = f.name if f.type is bool else argument(f.name)
                 raise ConfigError(f'{name} must be {_type_words(f.type)}, '
                                   f'got {value!r}')
 
@@ -157,9 +151,11 @@ class TrainConfig:
             fail('mode', "'dg' or 'ipm'")
         if self.mix_every is not None:
             if self.mode != 'ipm':
-                raise ConfigError(f'--mix-every applies to --mode ipm only, '
-                                  f'got --mix-every {self.mix_every} with '
-                                  f'--mode {self.mode}')
+                raise ConfigError(f'{argument("mix_every")} applies to '
+                                  f'{argument("mode")} ipm only, '
+                                  f'got {argument("mix_every")} '
+                                  f'{self.mix_every} with '
+                                  f'{argument("mode")} {self.mode}')
             if self.mix_every != 'epoch':
                 positive('mix_every')
         if self.devices is not None:
@@ -181,9 +177,11 @@ class TrainConfig:
                                        f'{", ".join(monitors)}')
         positive('workers', allow_none=True)
         if self.scheduler is not None and self.workers is None:
-            raise ConfigError(f'--scheduler applies with --workers only, got '
-                              f'--scheduler {self.scheduler} without '
-                              '--workers')
+            raise ConfigError(f'{argument("scheduler")} applies with '
+                              f'{argument("workers")} only, got '
+                              f'{argument("scheduler")} {self.scheduler} '
+                              'without '
+                              f'{argument("workers")}')
         if self.early_stop_mode not in ('auto', 'min', 'max'):
             fail('early_stop_mode', "'auto', 'min' or 'max'")
         if self.on_worker_loss not in ('continue', 'wait'):
@@ -261,131 +259,3 @@ def better(key):
     if key.endswith('loss'):
         return 'min'
     return None
-
-
-# ------------------------------------------------------------ CLI flags
-
-def add_data_arguments(parser):
-    parser.add_argument('--data-dir', default='data', metavar='DIR',
-                        help='CIFAR-10 cache folder (default: %(default)s)')
-    parser.add_argument('--url', default=None,
-                        help='archive URL, e.g. a lab mirror (default: '
-                             '$DASKTRAIN_CIFAR10_URL, else the official one)')
-    parser.add_argument('--md5', default=None,
-                        help="expected MD5 of the mirror's archive "
-                             '(default: $DASKTRAIN_CIFAR10_MD5, else the '
-                             'official archive\'s)')
-
-
-def _mix_every_type(text):
-    if text == 'epoch':
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an int or 'epoch', got {text!r}") from None
-
-
-def devices_type(text):
-    try:
-        return parse_devices(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_arguments(parser):
-    """One flag per TrainConfig field; defaults come from TrainConfig."""
-    d = TrainConfig()
-    add = parser.add_argument
-    add('--model', choices=MODELS, default=d.model,
-        help='network (default: %(default)s, the seed post\'s)')
-    add('--mode', choices=('dg', 'ipm'), default=d.mode,
-        help='dg: average gradients every step; ipm: each replica trains, '
-             'parameters are averaged every --mix-every (default: '
-             '%(default)s)')
-    add('--mix-every', type=_mix_every_type, default=d.mix_every, metavar='K',
-        help="ipm: iterations between mixes, or 'epoch' (default: mix only "
-             'at the end)')
-    add('--mix-optimizer-state', action='store_true',
-        help='ipm: average optimizer state (Adam moments) too')
-    add('--devices', type=devices_type, default=d.devices, metavar='LIST',
-        help="GPU ids '0,1,2,3', 'cpu' or 'cpu:N' replicas (default: all "
-             'GPUs, else one CPU replica)')
-    add('--batch-size', type=int, default=d.batch_size, metavar='N',
-        help='images per replica per step (default: %(default)s)')
-    add('--epochs', type=int, default=d.epochs, metavar='N',
-        help='(default: %(default)s)')
-    add('--optimizer', choices=OPTIMIZERS, default=d.optimizer,
-        help='(default: %(default)s)')
-    add('--lr', type=float, default=d.lr,
-        help='learning rate (default: 1e-3 for adam, 0.05 for momentum-sgd)')
-    add('--weight-decay', type=float, default=d.weight_decay, metavar='W',
-        help='L2 weight decay (default: %(default)s)')
-    add('--seed', type=int, default=d.seed, help='(default: %(default)s)')
-    add('--deterministic', action='store_true',
-        help='on GPUs: bit-identical runs and resumes for one seed '
-             '(deterministic cuDNN, seeded dropout; slower)')
-    add('--out', default=d.out, metavar='DIR',
-        help='log, args, checkpoint and models (default: %(default)s)')
-    add_data_arguments(parser)
-    add('--no-augment', dest='augment', action='store_false',
-        help='no crop/flip augmentation, normalisation only')
-    add('--train-size', type=int, default=d.train_size, metavar='N',
-        help='train on the first N images only (quick runs)')
-    add('--test-size', type=int, default=d.test_size, metavar='N',
-        help='evaluate on the first N test images only')
-    add('--tta', type=int, default=d.tta, metavar='K',
-        help='test-time augmentation views (default: %(default)s = none)')
-    add('--early-stop-patience', type=int, default=d.early_stop_patience,
-        metavar='P', help='stop after P epochs without improvement')
-    add('--early-stop-monitor', default=d.early_stop_monitor, metavar='KEY',
-        help='log key watched for early stopping and the best model '
-             '(default: %(default)s)')
-    add('--early-stop-mode', choices=('auto', 'min', 'max'),
-        default=d.early_stop_mode,
-        help='whether the monitor improves going down (min) or up (max); '
-             'auto: max for accuracies, min for losses, any other key must '
-             'say (default: %(default)s)')
-    add('--resume', action='store_true',
-        help='continue the run in --out from its last checkpoint')
-    add('--no-progress', dest='progress', action='store_false',
-        help='print nothing while training')
-    add('--in-process', action='store_true',
-        help='several devices: every replica in this one process (the seed '
-             "post's design) rather than one worker process per device")
-    group = parser.add_argument_group(
-        'across Dask workers', 'one job as N replica groups, one per worker '
-        '(each on its own --devices); --out and --data-dir must be paths '
-        'every worker sees')
-    group.add_argument(
-        '--workers', type=int, default=d.workers, metavar='N',
-        help='replica groups, one per Dask worker (default: this process)')
-    group.add_argument(
-        '--scheduler', default=d.scheduler, metavar='ADDR',
-        help='Dask scheduler address (default: the cluster of `dasktrain '
-             'cluster start`)')
-    group.add_argument(
-        '--on-worker-loss', choices=('continue', 'wait'),
-        default=d.on_worker_loss,
-        help='when a worker dies: go on from the last checkpoint with the '
-             'workers left, or wait for a replacement (default: '
-             '%(default)s)')
-    group.add_argument(
-        '--comm-dtype', choices=('float32', 'float16'), default=d.comm_dtype,
-        help='dg: dtype the gradients travel and are summed in; float16 '
-             'halves the bytes (default: float32, exact)')
-    group.add_argument(
-        '--double-buffering', action='store_true',
-        help='dg: apply the previous step\'s summed gradient while this '
-             "step's travels (one step stale; ChainerMN's)")
-    group.add_argument(
-        '--bucket-mb', type=float, default=d.bucket_mb, metavar='MB',
-        help='dg with one device per worker: all-reduce the gradients in '
-             'buckets of MB MiB during the backward pass, overlapping '
-             'communication with computation (0: after it; default: '
-             '%(default)s)')
-    group.add_argument(
-        '--collective-timeout', type=float, default=d.collective_timeout,
-        metavar='S', help='seconds a worker waits for the others before '
-                          'the job fails (default: %(default)s)')

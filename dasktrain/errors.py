@@ -5,7 +5,11 @@ without a traceback; :class:`UserError` is the user's mistake (the message
 says what was wrong and how to fix it). A fault that is not the user's (a
 peer that died, a network that failed) derives from :class:`Error` but not
 from :class:`UserError`.
+
+Messages name arguments with :func:`argument`: the argument's name for
+Python callers, its flag under the CLI (:func:`flag_names`).
 """
+import contextlib
 
 
 class Error(Exception):
@@ -18,3 +22,35 @@ class UserError(Error):
 
 class DataError(UserError):
     """A problem with the data a user can fix; the message says how."""
+
+
+# Messages name an argument as the caller gave it: `lr` to a Python
+# caller, `--lr` under the `dasktrain` command, which switches this on.
+_FLAG_NAMES = False
+
+
+def argument(name):
+    """How a message names the argument ``name`` (a TrainConfig field or a
+    function's parameter): ``name`` itself, or under
+    :func:`flag_names` its command-line flag.
+
+    Examples
+    --------
+    >>> argument('batch_size')
+    'batch_size'
+    >>> with flag_names():
+    ...     argument('batch_size')
+    '--batch-size'
+    """
+    return '--' + name.replace('_', '-') if _FLAG_NAMES else name
+
+
+@contextlib.contextmanager
+def flag_names():
+    """Within: messages built by :func:`argument` name flags (the CLI)."""
+    global _FLAG_NAMES
+    before, _FLAG_NAMES = _FLAG_NAMES, True
+    try:
+        yield
+    finally:
+        _FLAG_NAMES = before

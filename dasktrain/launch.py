@@ -45,7 +45,7 @@ from dasktrain.cluster.local import (
 from dasktrain.cluster.workers import local_device_workers
 from dasktrain.config import TrainConfig
 from dasktrain.data.download import download_cifar10
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
 from dasktrain.parallel.devices import free_gpu_memory, resolve_devices
 from dasktrain.parallel.gpus import (
@@ -120,7 +120,7 @@ def train(config=None, callbacks=(), client=None, **overrides):
         # A missing GPU is one line, before any worker process starts.
         resolve_devices(placement.devices)
         progress.say(f'training on {placement.ranks} worker processes, one '
-                     'per device (--in-process: all in this one)')
+                     f'per device ({argument("in_process")}: all in this one)')
         with local_device_workers(placement.devices) as client:
             return _job(config.replace(workers=placement.ranks,
                                        devices=placement.rank_devices),
@@ -276,10 +276,11 @@ def _choose(client, config, gpus, wanted, minimum, patience):
             return able[:wanted]
         if time.monotonic() > deadline:
             raise ScaleOutError(
-                f'--workers {config.workers} needs {minimum} Dask workers'
+                f'{argument("workers")} {config.workers} needs {minimum} Dask '
+                'workers'
                 f'{f" with {gpus} GPUs each" if gpus else ""}; the cluster '
                 f'has {len(able)} after {patience:g} s; add workers (`dask '
-                'worker ADDRESS`) or lower --workers')
+                f'worker ADDRESS`) or lower {argument("workers")}')
         if not announced:
             logger.warning('waiting for %d workers (have %d)', minimum,
                            len(able))

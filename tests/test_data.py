@@ -114,7 +114,7 @@ def test_gives_up_after_retries(tmp_path, archive_server, cifar_archive):
     archive_server.faults = [503] * 10
     with pytest.raises(DataError, match=r': the server kept failing \(too '
                                         r'many 503 error responses\); use a '
-                                        r'mirror \(--url'):
+                                        r'mirror \(url'):
         download_cifar10(tmp_path, url=archive_server.url(),
                          md5=cifar_archive[1], retries=2, **FAST)
     assert len(archive_server.requests) == 3
@@ -122,7 +122,7 @@ def test_gives_up_after_retries(tmp_path, archive_server, cifar_archive):
 
 
 def test_http_404_is_one_clear_error(tmp_path, archive_server):
-    with pytest.raises(DataError, match=r'HTTP 404.*--url'):
+    with pytest.raises(DataError, match=r'HTTP 404.*url'):
         download_cifar10(tmp_path, url=archive_server.url('nope.tar.gz'),
                          **FAST)
     assert list(tmp_path.iterdir()) == []
@@ -135,7 +135,7 @@ def test_no_network_is_one_clear_error(tmp_path):
     # What failed, in words; not urllib3's nested reprs.
     assert str(error.value) == (
         'cannot download http://127.0.0.1:9/x.tar.gz: 127.0.0.1:9 refused '
-        'the connection; use a mirror (--url, or $DASKTRAIN_CIFAR10_URL) or '
+        'the connection; use a mirror (url, or $DASKTRAIN_CIFAR10_URL) or '
         'put cifar-10-python.tar.gz into the data dir')
 
 
@@ -157,7 +157,7 @@ def test_md5_mismatch_removes_the_file(tmp_path, archive_server):
 
 def test_md5_mismatch_of_a_local_archive(tmp_path, cifar_archive):
     (tmp_path / ARCHIVE_NAME).write_bytes(cifar_archive[0].read_bytes())
-    with pytest.raises(DataError, match='--md5'):
+    with pytest.raises(DataError, match='pass md5'):
         download_cifar10(tmp_path, url='http://127.0.0.1:9/', **FAST)
     assert not (tmp_path / BATCHES_DIR).exists()
 
@@ -165,7 +165,7 @@ def test_md5_mismatch_of_a_local_archive(tmp_path, cifar_archive):
 def test_unwritable_data_dir(tmp_path):
     blocker = tmp_path / 'file'
     blocker.write_text('not a folder')
-    with pytest.raises(DataError, match='not writable.*--data-dir'):
+    with pytest.raises(DataError, match='not writable.*data_dir'):
         download_cifar10(blocker / 'data', **FAST)
 
 

@@ -98,7 +98,7 @@ def test_devices_are_renumbered_onto_the_given_gpus(devices, given,
 
 
 def test_devices_naming_other_gpus_than_reserved_are_refused():
-    with pytest.raises(GpuError, match=r'--devices 2,3,4 names 3 GPU\(s\) '
+    with pytest.raises(GpuError, match=r'devices 2,3,4 names 3 GPU\(s\) '
                                        r'but 2 were reserved'):
         place_devices(('@cupy:2', '@cupy:3', '@cupy:4'), [0, 1])
     with pytest.raises(JobError, match='names 2 GPU'):

@@ -82,7 +82,7 @@ def test_a_submitted_job_across_two_cpu_workers(cluster, data_dir,
         job = submit(job_config(data_dir, workers=2, mode='ipm',
                                 mix_every=2), gpus=0, client=client,
                      path=tmp_path / 'jobs')
-        with pytest.raises(JobError, match='--workers 3 needs as many Dask '
+        with pytest.raises(JobError, match='workers 3 needs as many Dask '
                            'workers with a CPU slot'):
             submit(job_config(data_dir, workers=3), gpus=0, client=client,
                    path=tmp_path / 'jobs')

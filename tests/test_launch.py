@@ -206,7 +206,7 @@ def test_a_hung_worker_fails_the_job_after_the_collective_timeout(
 
 def test_asking_for_more_workers_than_the_cluster_has(dask_client, data_dir,
                                                       tmp_path):
-    with pytest.raises(ScaleOutError, match='--workers 3 needs 3 Dask workers'
+    with pytest.raises(ScaleOutError, match='workers 3 needs 3 Dask workers'
                                             r'.*has 2'):
         train(config(data_dir, tmp_path / 'x', workers=3,
                      collective_timeout=1), client=dask_client)

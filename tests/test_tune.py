@@ -332,7 +332,7 @@ def test_bad_input_is_one_line_before_anything_is_written(
 def test_early_stopping_mode_is_stated_not_guessed(data_dir, tmp_path,
                                                    capsys):
     from dasktrain.training import EarlyStopping
-    with pytest.raises(UserError, match='pass --early-stop-mode max or min'):
+    with pytest.raises(UserError, match='pass early_stop_mode max or min'):
         EarlyStopping('elapsed_time', 2)
     assert EarlyStopping('elapsed_time', 2, mode='max').maximize
     assert EarlyStopping('validation/main/accuracy', 2).maximize

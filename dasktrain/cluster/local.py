@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from dasktrain.cluster import tls as _tls
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 
 logger = logging.getLogger(__name__)
@@ -88,8 +88,9 @@ def security_from(tls_ca_file=None, tls_cert=None, tls_key=None):
     if not any(given):
         return None
     if not all(given):
-        raise ClusterError('TLS needs all of --tls-ca-file, --tls-cert and '
-                           '--tls-key')
+        raise ClusterError(f'TLS needs all of {argument("tls_ca_file")}, '
+                           f'{argument("tls_cert")} and '
+                           f'{argument("tls_key")}')
     from distributed.security import Security
     return Security(tls_ca_file=tls_ca_file, tls_client_cert=tls_cert,
                     tls_client_key=tls_key, require_encryption=True)
@@ -103,7 +104,7 @@ def connect(address=None, security=None, timeout=10):
         if state is None:
             raise ClusterError('no cluster is recorded; start one with '
                                '`dasktrain cluster start` or pass '
-                               '--scheduler ADDRESS')
+                               f'{argument("scheduler")} ADDRESS')
         address = state['scheduler']
     if security is None:
         security = default_security(address, state)
@@ -175,9 +176,11 @@ def exposure_warning(host, tls):
     if tls:
         return None
     if _is_loopback(host):
-        return ('warning: --insecure: no TLS; every user of this machine '
+        return (f'warning: {argument("insecure")}: no TLS; every user of this '
+                'machine '
                 'can connect to the cluster and run any code as you')
-    return (f'warning: --insecure: binding to {host} without TLS; anyone '
+    return (f'warning: {argument("insecure")}: binding to {host} without TLS; '
+            'anyone '
             'who can reach this port can run any code as you')
 
 
@@ -217,7 +220,8 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
     """
     given = any((tls_ca_file, tls_cert, tls_key))
     if insecure and given:
-        raise ClusterError('--insecure and --tls-* contradict each other; '
+        raise ClusterError(f'{argument("insecure")} and the TLS files '
+                           'contradict each other; '
                            'pass one or the other')
     state = read_state()
     if state is not None and _running(state):

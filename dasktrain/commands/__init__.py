@@ -14,7 +14,8 @@ stays fast.
 import argparse
 import dataclasses
 
-from dasktrain.config import ConfigError, TrainConfig, add_arguments
+from dasktrain.commands.options import add_arguments
+from dasktrain.config import ConfigError, TrainConfig
 
 
 class Command:

@@ -6,7 +6,8 @@ on use.
 import argparse
 
 from dasktrain.commands import Command, Parser
-from dasktrain.config import MODELS, devices_type
+from dasktrain.commands.options import devices_type
+from dasktrain.config import MODELS
 
 
 def _mib_list(text):

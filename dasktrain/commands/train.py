@@ -1,7 +1,7 @@
 """``dasktrain download`` and ``dasktrain train``: the data, and one run
 here or across ``--workers N`` Dask workers."""
 from dasktrain.commands import Command, config_from_args
-from dasktrain.config import add_arguments, add_data_arguments
+from dasktrain.commands.options import add_arguments, add_data_arguments
 
 
 class Download(Command):

@@ -29,7 +29,7 @@ from dasktrain.data.download import (
 __all__ = ['ARCHIVE_NAME', 'BATCHES_DIR', 'CIFAR10', 'CIFAR10_MD5',
            'CIFAR10_URL', 'DataError', 'URL_ENV', 'download_cifar10',
            'extract_archive', 'load_cifar10']
-from dasktrain.errors import DataError
+from dasktrain.errors import DataError, argument
 
 TRAIN_BATCHES = tuple(f'data_batch_{i}' for i in range(1, 6))
 TEST_BATCH = 'test_batch'
@@ -233,7 +233,8 @@ def load_cifar10(data_dir='data', download=True, url=None, md5=None):
         batches = download_cifar10(data_dir, url=url, md5=md5)
     elif not batches.is_dir():
         raise DataError(f'{batches} not found; run `dasktrain download '
-                        f'--data-dir {data_dir}` or pass download=True')
+                        f'{argument("data_dir")} {data_dir}` or pass '
+                        'download=True')
     meta = _unpickle(batches / META_FILE)
     names = meta.get('label_names')
     if not isinstance(names, list) or len(names) != NUM_CLASSES:

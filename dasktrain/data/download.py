@@ -26,7 +26,7 @@ from requests.adapters import HTTPAdapter
 from tqdm import tqdm
 from urllib3.util.retry import Retry
 
-from dasktrain.errors import DataError
+from dasktrain.errors import DataError, argument
 
 CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz'
 CIFAR10_MD5 = 'c58f30108f718f92721af3b95e74349a'
@@ -35,8 +35,12 @@ MD5_ENV = 'DASKTRAIN_CIFAR10_MD5'
 ARCHIVE_NAME = 'cifar-10-python.tar.gz'
 BATCHES_DIR = 'cifar-10-batches-py'
 
-_MIRROR_HINT = (f'use a mirror (--url, or ${URL_ENV}) or put {ARCHIVE_NAME} '
-                'into the data dir')
+
+
+def _mirror_hint():
+    return (f'use a mirror ({argument("url")}, or ${URL_ENV}) or put '
+            f'{ARCHIVE_NAME} into the data dir')
+
 _CHUNK = 1 << 16
 
 
@@ -102,7 +106,8 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
         if got != md5:
             raise DataError(
                 f'{archive}: MD5 {got} does not match the expected {md5}; '
-                'delete the file to download it again, or pass --md5 (or set '
+                'delete the file to download it again, or pass '
+                f'{argument("md5")} (or set '
                 f'{MD5_ENV}) if it comes from a mirror with another archive')
     else:
         url = url or os.environ.get(URL_ENV) or CIFAR10_URL
@@ -119,7 +124,8 @@ def _make_dir(path):
         probe.close()
     except OSError as e:
         raise DataError(f'data dir {path} is not writable ({e.strerror}); '
-                        'pass --data-dir with a folder you can write to'
+                        f'pass {argument("data_dir")} with a folder you can '
+                        'write to'
                         ) from None
 
 
@@ -161,12 +167,13 @@ def _fetch(url, dest, md5, *, retries, backoff, timeout, progress):
                 time.sleep(backoff * 2 ** attempt)
         else:
             raise DataError(f'download of {url} kept breaking off '
-                            f'({failure}); {_MIRROR_HINT}')
+                            f'({failure}); {_mirror_hint()}')
     got = _md5sum(part)
     if got != md5:
         part.unlink()
         raise DataError(f'{url}: MD5 {got} does not match the expected {md5}; '
-                        'the file was removed. Pass --md5 (or set '
+                        f'the file was removed. Pass {argument("md5")} (or '
+                        'set '
                         f'{MD5_ENV}) if the mirror serves another archive on '
                         'purpose')
     os.replace(part, dest)
@@ -181,7 +188,7 @@ def _stream_once(session, url, part, timeout, progress):
                                headers=headers)
     except requests.RequestException as e:
         raise DataError(f'cannot download {url}: {_reason(e, url, timeout)}; '
-                        f'{_MIRROR_HINT}') from None
+                        f'{_mirror_hint()}') from None
     with response:
         if response.status_code == 416:  # the .part is not a prefix we know
             part.unlink()
@@ -189,7 +196,7 @@ def _stream_once(session, url, part, timeout, progress):
         if response.status_code >= 400:
             raise DataError(f'cannot download {url} (HTTP '
                             f'{response.status_code} {response.reason}); '
-                            f'{_MIRROR_HINT}')
+                            f'{_mirror_hint()}')
         resumed = (offset and response.status_code == 206 and
                    response.headers.get('Content-Range', '')
                    .startswith(f'bytes {offset}-'))

@@ -22,7 +22,7 @@ import time
 import uuid
 
 from dasktrain.cluster.local import connect, worker_info
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.jobs.records import (
     DONE,
@@ -65,14 +65,17 @@ def check_resources(client, config, gpus):
         able = sum(1 for n in have.values() if n >= gpus)
         if able < config.workers:
             each = f'{gpus} GPUs' if gpus else 'a CPU slot'
-            raise JobError(f'--workers {config.workers} needs as many '
+            raise JobError(f'{argument("workers")} {config.workers} needs as '
+                           'many '
                            f'Dask workers with {each}; the cluster has '
-                           f'{able}; add workers or lower --workers')
+                           f'{able}; add workers or lower '
+                           f'{argument("workers")}')
     elif not have or max(have.values()) < need:
         largest = max(have.values(), default=0)
         slots = sum(w.get('resources', {}).get('CPU', 0)
                     for w in workers.values())
-        instead = (f'pass --gpus 0 to take one of the {slots:g} CPU '
+        instead = (f'pass {argument("gpus")} 0 to take one of the {slots:g} '
+                   'CPU '
                    f'slot{"s" * (slots != 1)} the workers offer, '
                    if gpus and slots else 'ask for fewer, ')
         raise JobError(f'no worker has {need} {resource} (largest: '

@@ -56,6 +56,7 @@ from typing import NamedTuple
 import chainer
 import numpy as np
 
+from dasktrain.errors import argument
 from dasktrain.parallel.backprop import backward_reporting
 from dasktrain.parallel.comm.base import CollectiveError
 from dasktrain.parallel.devices import SideStream, mark, synchronize
@@ -354,7 +355,8 @@ class GradientExchange:
                 raise CollectiveError(
                     f'rank {rank} back-propagates its parameters in another '
                     f'order than rank {plans.index(agreed)}: different '
-                    'models? (--bucket-mb 0 sends after the backward pass)')
+                    f'models? ({argument("bucket_mb")} 0 sends after the '
+                    'backward pass)')
         self.plan = agreed
 
     def _double_buffered(self):

@@ -25,7 +25,7 @@ import collections
 import os
 import threading
 
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 
 VISIBLE = 'CUDA_VISIBLE_DEVICES'
 
@@ -109,7 +109,7 @@ def gpu_ids(devices):
     return ids
 
 
-def place_devices(devices, indices, flag='--devices'):
+def place_devices(devices, indices):
     """Renumber a device tuple onto the CUDA ordinals ``indices`` given.
 
     Parameters
@@ -141,10 +141,11 @@ def place_devices(devices, indices, flag='--devices'):
     if not named:
         return devices
     if len(named) != len(indices):
+        flag = argument('devices')
         raise GpuError(
             f'{flag} {",".join(str(i) for i in named)} names '
             f'{len(named)} GPU(s) but {len(indices)} were reserved; the '
-            'cluster picks the GPUs: pass --gpus '
+            f'cluster picks the GPUs: pass {argument("gpus")} '
             f'{len(named)}, or drop {flag} to use the reserved ones')
     mapping = dict(zip(named, indices))
     return tuple(f'@cupy:{mapping[int(str(d).split(":")[1])]}'

@@ -17,7 +17,7 @@ import chainer
 import numpy as np
 from chainer.serializers import DictionarySerializer
 
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 from dasktrain.files import atomic_write
 from dasktrain.training.models import read_npz
 from dasktrain.training.outdir import claim
@@ -74,6 +74,7 @@ def prepare_out(config):
             as out:
         if (out / CHECKPOINT).exists() and not config.resume:
             raise UserError(f'{out} already holds a run ({CHECKPOINT}); pass'
-                            ' --resume to continue it, or choose another '
-                            '--out')
+                            f' {argument("resume")} to continue it, or choose '
+                            'another '
+                            f'{argument("out")}')
         yield out

@@ -25,7 +25,7 @@ import numpy as np
 
 from dasktrain.data.cifar import load_cifar10
 from dasktrain.data.loader import EpochLoader
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.parallel.comm import Solo
 from dasktrain.parallel.devices import (
@@ -250,10 +250,11 @@ def _check(config, model, n_train):
     replicas = model.total_replicas
     if replicas > n_train:
         raise UserError(f'{replicas} replicas need at least as many training '
-                        f'images, got --train-size {n_train}')
+                        f'images, got {argument("train_size")} {n_train}')
     if config.early_stop_monitor == 'drift' and \
             not (model.mode == 'ipm' and replicas > 1):
-        raise UserError('--early-stop-monitor drift needs --mode ipm with '
+        raise UserError(f'{argument("early_stop_monitor")} drift needs '
+                        f'{argument("mode")} ipm with '
                         f'several replicas; this run has {replicas} in '
                         f'mode {model.mode}')
 
@@ -266,7 +267,8 @@ def _start(config, model, out, lead):
     resumed = config.resume and (out / CHECKPOINT).exists()
     if resumed:
         state = load_checkpoint(out / CHECKPOINT, model,
-                                f'this run (--model {config.model})')
+                                f'this run ({argument("model")} '
+                                f'{config.model})')
     if lead:
         record_args(out, json.loads(config.to_json()),
                     state['epoch'] if resumed else None)
@@ -341,7 +343,7 @@ def _diverged(config, model, epoch, loss, checkpoint, saved):
             else 'no checkpoint was written yet')
     return TrainingDiverged(
         f'loss became {loss} at epoch {epoch + 1}, iteration '
-        f'{model.iteration}; stopped ({kept}). Lower --lr (now '
+        f'{model.iteration}; stopped ({kept}). Lower {argument("lr")} (now '
         f'{config.learning_rate:g})')
 
 

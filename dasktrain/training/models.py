@@ -17,7 +17,7 @@ import chainer.functions as F
 import chainer.links as L
 import numpy as np
 
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 
 
 def dropout(x, ratio):
@@ -168,7 +168,7 @@ def load_model(path, model='cifar10'):
     >>> chain.predictor(x)  # doctest: +SKIP
     """
     chain = get_model(model)
-    with read_npz(path, f'--model {model}') as npz:
+    with read_npz(path, f'{argument("model")} {model}') as npz:
         chainer.serializers.NpzDeserializer(npz).load(chain)
     return chain
 

@@ -20,7 +20,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 
 LOCK = 'run.lock'
@@ -56,8 +56,9 @@ def claim(out, keep=lambda out: True):
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise OutputError(f'cannot create --out {out} ({e.strerror}); choose '
-                          'another --out') from None
+        raise OutputError(f'cannot create {argument("out")} {out} '
+                          f'({e.strerror}); choose '
+                          f'another {argument("out")}') from None
     lock = None
     try:
         lock = _lock(out)
@@ -80,8 +81,9 @@ def _lock(out):
     """The open, locked ``OUT/run.lock``; OutputError if ``out`` cannot be
     written or another run holds it."""
     def unwritable(e):
-        return OutputError(f'--out {out} is not writable ({e.strerror}); '
-                           'choose another --out')
+        return OutputError(f'{argument("out")} {out} is not writable '
+                           f'({e.strerror}); '
+                           f'choose another {argument("out")}')
     try:
         lock = open(os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o666), 'r+')
     except OSError as e:
@@ -93,8 +95,10 @@ def _lock(out):
     except BlockingIOError:
         holder = lock.read().strip() or 'a process that did not say which'
         lock.close()
-        raise OutputError(f'--out {out} is in use by another run ({holder})'
-                          '; wait for it to end, or choose another --out') \
+        raise OutputError(f'{argument("out")} {out} is in use by another run '
+                          f'({holder})'
+                          '; wait for it to end, or choose another '
+                          f'{argument("out")}') \
             from None
     except OSError as e:
         lock.close()

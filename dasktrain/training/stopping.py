@@ -9,7 +9,7 @@ Owns the rule; may not touch the loop or files.
 import math
 
 from dasktrain.config import IPM_KEYS, LOG_KEYS, better
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 
 
 class EarlyStopping:
@@ -31,13 +31,15 @@ class EarlyStopping:
         self.monitor, self.patience = monitor, patience
         keys = LOG_KEYS + IPM_KEYS
         if monitor not in keys:
-            raise UserError(f'--early-stop-monitor {monitor} is not in the '
+            raise UserError(f'{argument("early_stop_monitor")} {monitor} is '
+                            'not in the '
                             f'log; choose one of {", ".join(keys)}')
         mode = better(monitor) if mode == 'auto' else mode
         if mode is None:
-            raise UserError(f'--early-stop-monitor {monitor}: whether it '
+            raise UserError(f'{argument("early_stop_monitor")} {monitor}: '
+                            'whether it '
                             'improves up or down is not in its name; pass '
-                            '--early-stop-mode max or min')
+                            f'{argument("early_stop_mode")} max or min')
         self.maximize = mode == 'max'
         self.best = best if best is not None else \
             (-math.inf if self.maximize else math.inf)

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from dasktrain.config import ConfigError, TrainConfig
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 
 KINDS = {'float': {'low', 'high', 'log', 'step'},
          'int': {'low', 'high', 'log', 'step'},
@@ -167,7 +167,8 @@ def load_space(source, base):
     for field in IPM_ONLY:
         if field in space and 'ipm' not in modes:
             raise SpaceError(f'{name}: {field} applies to mode ipm only; add '
-                             'ipm to mode in the space, or pass --mode ipm')
+                             'ipm to mode in the space, or pass '
+                             f'{argument("mode")} ipm')
     for field, dist in space.items():  # the edges must make valid runs
         for value in _values(dist):
             try:

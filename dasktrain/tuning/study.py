@@ -29,7 +29,7 @@ from pathlib import Path
 
 from dasktrain.cluster.local import connect
 from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.jobs.records import DONE, jobs_dir, list_jobs
 from dasktrain.jobs.submit import (
@@ -71,23 +71,28 @@ def check_metric(metric, direction, modes):
     if set(modes) != {'ipm'}:
         usable.remove('drift')  # only ipm runs log it
     if metric not in usable:
-        raise TuneError(f'--metric {metric} is never in the training log of '
+        raise TuneError(f'{argument("metric")} {metric} is never in the '
+                        'training log of '
                         f'these trials; choose one of {", ".join(usable)}')
     if direction is not None and direction not in DIRECTIONS:
-        raise TuneError(f'--direction must be maximize or minimize, got '
+        raise TuneError(f'{argument("direction")} must be maximize or '
+                        'minimize, got '
                         f'{direction!r}')
     implied = better(metric)
     if direction is None:
         if implied is None:
-            raise TuneError(f'--metric {metric}: whether higher or lower is '
-                            'better is not in its name; pass --direction '
+            raise TuneError(f'{argument("metric")} {metric}: whether higher '
+                            'or lower is '
+                            'better is not in its name; pass '
+                            f'{argument("direction")} '
                             'maximize or minimize')
         return 'maximize' if implied == 'max' else 'minimize'
     if implied is not None and DIRECTIONS[direction] != implied:
-        raise TuneError(f'--direction {direction} contradicts --metric '
+        raise TuneError(f'{argument("direction")} {direction} contradicts '
+                        f'{argument("metric")} '
                         f'{metric}, which is better '
                         f'{"higher" if implied == "max" else "lower"}; drop '
-                        '--direction')
+                        f'{argument("direction")}')
     return direction
 
 
@@ -102,14 +107,17 @@ def _state_early_stopping(base, metric, direction):
     if monitor == metric:
         wanted = DIRECTIONS[direction]
         if mode not in ('auto', wanted):
-            raise TuneError(f'--early-stop-mode {mode} contradicts '
-                            f'--direction {direction} for {metric}')
+            raise TuneError(f'{argument("early_stop_mode")} {mode} '
+                            'contradicts '
+                            f'{argument("direction")} {direction} for '
+                            f'{metric}')
         return base.replace(early_stop_mode=wanted)
     if mode == 'auto' and monitor in LOG_KEYS + IPM_KEYS:
         mode = better(monitor)
         if mode is None:
-            raise TuneError(f'--early-stop-monitor {monitor}: pass '
-                            '--early-stop-mode max or min')
+            raise TuneError(f'{argument("early_stop_monitor")} {monitor}: '
+                            'pass '
+                            f'{argument("early_stop_mode")} max or min')
     return base.replace(early_stop_mode=mode)
 
 
@@ -130,7 +138,7 @@ def _check_numbers(**values):
         low = lows.get(name, 0)
         if not isinstance(value, int) or isinstance(value, bool) or \
                 value < low:
-            raise TuneError(f'--{name.replace("_", "-")} must be an int >= '
+            raise TuneError(f'{argument(name)} must be an int >= '
                             f'{low}, got {value!r}')
 
 
@@ -192,18 +200,21 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     base = base_config or TrainConfig()
     name = study or ('tune' if isinstance(space, dict) else Path(space).stem)
     if not re.fullmatch(r'[A-Za-z0-9_.-]+', name):
-        raise TuneError(f'--study must be letters, digits, _ . or -, got '
+        raise TuneError(f'{argument("study")} must be letters, digits, _ . or '
+                        '-, got '
                         f'{name!r}')
     _check_numbers(trials=trials, parallel=parallel, gpus=gpus,
                    startup_trials=startup_trials,
                    warmup_epochs=warmup_epochs)
-    for flag, value, choices in (('--pruner', pruner, PRUNERS),
-                                 ('--sampler', sampler, SAMPLERS)):
+    for which, value, choices in (('pruner', pruner, PRUNERS),
+                                  ('sampler', sampler, SAMPLERS)):
         if value not in choices:
-            raise TuneError(f'{flag} must be one of {", ".join(choices)}, '
+            raise TuneError(f'{argument(which)} must be one of '
+                            f'{", ".join(choices)}, '
                             f'got {value!r}')
     if timeout is not None and not timeout > 0:
-        raise TuneError(f'--timeout must be > 0 seconds, got {timeout!r}')
+        raise TuneError(f'{argument("timeout")} must be > 0 seconds, got '
+                        f'{timeout!r}')
     distributions = load_space(space, base)
     modes = distributions.get('mode', {}).get('choices', [base.mode])
     direction = check_metric(metric, direction, modes)
@@ -229,7 +240,8 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
         if recorded.get(key) != settings[key]:
             raise TuneError(f'study {name!r} was started with another {key} '
                             f'({folder / "study.json"}); run it with the '
-                            'same settings, or pass another --study')
+                            'same settings, or pass another '
+                            f'{argument("study")}')
     owned = client is None
     client = client or connect(scheduler)
     try:
@@ -239,10 +251,11 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
             if name in optuna.get_all_study_names(opened) and not recorded:
                 found = optuna.load_study(study_name=name, storage=opened)
                 if found.direction.name.lower() != direction:
-                    raise TuneError(f'--storage {storage} holds a study '
+                    raise TuneError(f'{argument("storage")} {storage} holds a '
+                                    'study '
                                     f'{name!r} that is to '
                                     f'{found.direction.name.lower()}; pass '
-                                    'another --study')
+                                    f'another {argument("study")}')
         folder.mkdir(parents=True, exist_ok=True)
         opened = open_storage(storage) if default_storage else opened
         write_json(folder / 'study.json', settings)
@@ -399,11 +412,12 @@ def load(name, path=None, storage=None):
     settings = _read_json(folder / 'study.json')
     if settings is None and storage is None:
         raise TuneError(f'no study {name!r} in {folder.parent}; pass '
-                        '--jobs-dir or --storage')
+                        f'{argument("jobs_dir")} or {argument("storage")}')
     storage = storage or settings['storage']
     try:
         return optuna.load_study(study_name=name,
                                  storage=open_storage(storage))
     except KeyError:
-        raise TuneError(f'no study {name!r} in --storage {storage}') \
+        raise TuneError(f'no study {name!r} in {argument("storage")} '
+                        f'{storage}') \
             from None

@@ -27,7 +27,7 @@ import math
 import sys
 from pathlib import Path
 
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, argument
 from dasktrain.jobs.records import PRUNED, Job, Pruned
 from dasktrain.jobs.worker import run_child
 
@@ -50,7 +50,8 @@ def open_storage(url):
         return optuna.storages.JournalStorage(JournalFileBackend(url))
     except Exception as e:  # drivers, paths, servers: all mean unreachable
         lines = str(e).strip().splitlines() or ['']
-        raise StorageError(f'cannot open --storage {url} ({type(e).__name__}'
+        raise StorageError(f'cannot open {argument("storage")} {url} '
+                           f'({type(e).__name__}'
                            f': {lines[0]})') from None
 
 
@@ -129,10 +130,12 @@ class Reporter:
     def __call__(self, row):
         value = row.get(self.metric)
         if value is None:
-            raise UserError(f'--metric {self.metric} is not in the log; it '
+            raise UserError(f'{argument("metric")} {self.metric} is not in '
+                            'the log; it '
                             f'has {", ".join(row)}')
         if not math.isfinite(value):
-            raise UserError(f'--metric {self.metric} became {value} at '
+            raise UserError(f'{argument("metric")} {self.metric} became '
+                            f'{value} at '
                             f"epoch {row['epoch']}")
         self.trial.report(value, row['epoch'])
         if self.trial.should_prune():
