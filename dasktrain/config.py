@@ -14,6 +14,9 @@ from typing import Union
 
 from dasktrain.errors import UserError, argument
 
+# Test-time augmentation averages up to this many views (data/augment.py
+# holds them: the image, its flip, and 8 shifts of 2 pixels).
+MAX_TTA_VIEWS = 10
 MODELS = ('cifar10', 'resnet20', 'resnet32', 'resnet56', 'tiny')
 OPTIMIZERS = ('adam', 'momentum-sgd')
 # The keys of a log row (training/loop.py writes them), which
@@ -152,10 +155,9 @@ class TrainConfig:
         if self.mix_every is not None:
             if self.mode != 'ipm':
                 raise ConfigError(f'{argument("mix_every")} applies to '
-                                  f'{argument("mode")} ipm only, '
-                                  f'got {argument("mix_every")} '
-                                  f'{self.mix_every} with '
-                                  f'{argument("mode")} {self.mode}')
+                                  f'{argument("mode")} ipm only, got '
+                                  f'{argument("mix_every")} {self.mix_every} '
+                                  f'with {argument("mode")} {self.mode}')
             if self.mix_every != 'epoch':
                 positive('mix_every')
         if self.devices is not None:
@@ -180,8 +182,7 @@ class TrainConfig:
             raise ConfigError(f'{argument("scheduler")} applies with '
                               f'{argument("workers")} only, got '
                               f'{argument("scheduler")} {self.scheduler} '
-                              'without '
-                              f'{argument("workers")}')
+                              f'without {argument("workers")}')
         if self.early_stop_mode not in ('auto', 'min', 'max'):
             fail('early_stop_mode', "'auto', 'min' or 'max'")
         if self.on_worker_loss not in ('continue', 'wait'):
@@ -193,7 +194,6 @@ class TrainConfig:
             fail('collective_timeout', 'a number of seconds > 0')
         if not self.bucket_mb >= 0:  # also refuses nan
             fail('bucket_mb', 'a number of MiB >= 0')
-        from dasktrain.data.augment import MAX_TTA_VIEWS
         if not isinstance(self.tta, int) or not 1 <= self.tta <= \
                 MAX_TTA_VIEWS:
             fail('tta', f'an int in 1..{MAX_TTA_VIEWS}')

@@ -89,8 +89,7 @@ def security_from(tls_ca_file=None, tls_cert=None, tls_key=None):
         return None
     if not all(given):
         raise ClusterError(f'TLS needs all of {argument("tls_ca_file")}, '
-                           f'{argument("tls_cert")} and '
-                           f'{argument("tls_key")}')
+                           f'{argument("tls_cert")} and {argument("tls_key")}')
     from distributed.security import Security
     return Security(tls_ca_file=tls_ca_file, tls_client_cert=tls_cert,
                     tls_client_key=tls_key, require_encryption=True)
@@ -177,11 +176,9 @@ def exposure_warning(host, tls):
         return None
     if _is_loopback(host):
         return (f'warning: {argument("insecure")}: no TLS; every user of this '
-                'machine '
-                'can connect to the cluster and run any code as you')
+                'machine can connect to the cluster and run any code as you')
     return (f'warning: {argument("insecure")}: binding to {host} without TLS; '
-            'anyone '
-            'who can reach this port can run any code as you')
+            'anyone who can reach this port can run any code as you')
 
 
 def _with_port(host, port):
@@ -221,8 +218,7 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
     given = any((tls_ca_file, tls_cert, tls_key))
     if insecure and given:
         raise ClusterError(f'{argument("insecure")} and the TLS files '
-                           'contradict each other; '
-                           'pass one or the other')
+                           'contradict each other; pass one or the other')
     state = read_state()
     if state is not None and _running(state):
         raise ClusterError(f"a cluster is already running at "

@@ -47,8 +47,7 @@ class Parser(argparse.ArgumentParser):
         if usage.count('\n') > 3:  # every option of `train`: a screenful
             usage = f'usage: {self.prog} [options]\n'
         see = self.help_command or f'{self.prog} --help'
-        self.exit(2, f'{usage}{self.prog}: error: {message}\n'
-                     f'see `{see}`\n')
+        self.exit(2, f'{usage}{self.prog}: error: {message}\nsee `{see}`\n')
 
 
 def config_from_args(args):

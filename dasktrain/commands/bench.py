@@ -56,8 +56,7 @@ class Bench(Command):
         p.add_argument('--chunk', type=int, default=2500,
                        help='images per Dask task (default: %(default)s)')
         p.add_argument('--repeats', type=int, default=3,
-                       help='timed runs, best reported (default: '
-                            '%(default)s)')
+                       help='timed runs, best reported (default: %(default)s)')
         p.add_argument('--cores', type=int, default=None,
                        help='workers (default: all cores)')
         p.add_argument('--padding', choices=('zero', 'reflect'),
@@ -91,8 +90,7 @@ class Bench(Command):
                              'Dask worker processes: dg vs ipm, '
                              'communication, accuracy')
         p.add_argument('--workers', type=int, default=2,
-                       help='largest number of workers (default: '
-                            '%(default)s)')
+                       help='largest number of workers (default: %(default)s)')
         p.add_argument('--model', default='cifar10',
                        help='network (default: %(default)s)')
         p.add_argument('--batch-size', type=int, default=100,

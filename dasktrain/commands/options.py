@@ -120,8 +120,7 @@ def add_arguments(parser):
         '--on-worker-loss', choices=('continue', 'wait'),
         default=d.on_worker_loss,
         help='when a worker dies: go on from the last checkpoint with the '
-             'workers left, or wait for a replacement (default: '
-             '%(default)s)')
+             'workers left, or wait for a replacement (default: %(default)s)')
     group.add_argument(
         '--comm-dtype', choices=('float32', 'float16'), default=d.comm_dtype,
         help='dg: dtype the gradients travel and are summed in; float16 '

@@ -13,6 +13,8 @@ import dask
 import dask.array as da
 import numpy as np
 
+from dasktrain.config import MAX_TTA_VIEWS
+
 # Per-channel statistics of the 50,000 CIFAR-10 training images, in uint8
 # units, so normalisation is one multiply-add from the raw pixels.
 CIFAR10_MEAN = (125.307, 122.950, 113.865)
@@ -23,7 +25,7 @@ CIFAR10_STD = (62.993, 62.089, 66.705)
 _TTA_VIEWS = ((0, 0, False), (0, 0, True), (-2, -2, False), (2, 2, False),
               (-2, 2, False), (2, -2, False), (-2, -2, True), (2, 2, True),
               (-2, 2, True), (2, -2, True))
-MAX_TTA_VIEWS = len(_TTA_VIEWS)
+assert len(_TTA_VIEWS) == MAX_TTA_VIEWS  # what TrainConfig accepts
 
 # Images per task for in-memory inputs: 20 tasks for CIFAR-10's 50,000 keep
 # every core busy to the end, and 2,500 images amortise a task's overhead.

@@ -173,9 +173,8 @@ def _fetch(url, dest, md5, *, retries, backoff, timeout, progress):
         part.unlink()
         raise DataError(f'{url}: MD5 {got} does not match the expected {md5}; '
                         f'the file was removed. Pass {argument("md5")} (or '
-                        'set '
-                        f'{MD5_ENV}) if the mirror serves another archive on '
-                        'purpose')
+                        f'set {MD5_ENV}) if the mirror serves another archive '
+                        'on purpose')
     os.replace(part, dest)
 
 

@@ -36,8 +36,7 @@ def shard_bounds(n, parts):
 def _shard_plan(n, batch_size, parts, drop_last):
     """Validate; return (images per part per step, shard sizes, steps)."""
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f'batch_size must be an int >= 1, got '
-                         f'{batch_size!r}')
+        raise ValueError(f'batch_size must be an int >= 1, got {batch_size!r}')
     if not isinstance(parts, (int, np.integer)) or not 1 <= parts <= \
             max(1, min(n, batch_size)) or batch_size % parts:
         raise ValueError(f'parts must be an int >= 1 that divides batch_size'

@@ -66,8 +66,7 @@ def check_resources(client, config, gpus):
         if able < config.workers:
             each = f'{gpus} GPUs' if gpus else 'a CPU slot'
             raise JobError(f'{argument("workers")} {config.workers} needs as '
-                           'many '
-                           f'Dask workers with {each}; the cluster has '
+                           f'many Dask workers with {each}; the cluster has '
                            f'{able}; add workers or lower '
                            f'{argument("workers")}')
     elif not have or max(have.values()) < need:
@@ -75,8 +74,7 @@ def check_resources(client, config, gpus):
         slots = sum(w.get('resources', {}).get('CPU', 0)
                     for w in workers.values())
         instead = (f'pass {argument("gpus")} 0 to take one of the {slots:g} '
-                   'CPU '
-                   f'slot{"s" * (slots != 1)} the workers offer, '
+                   f'CPU slot{"s" * (slots != 1)} the workers offer, '
                    if gpus and slots else 'ask for fewer, ')
         raise JobError(f'no worker has {need} {resource} (largest: '
                        f'{largest:g} among {len(have)} workers); '

@@ -73,8 +73,7 @@ def prepare_out(config):
     with claim(config.out, keep=lambda out: (out / CHECKPOINT).exists()) \
             as out:
         if (out / CHECKPOINT).exists() and not config.resume:
-            raise UserError(f'{out} already holds a run ({CHECKPOINT}); pass'
-                            f' {argument("resume")} to continue it, or choose '
-                            'another '
-                            f'{argument("out")}')
+            raise UserError(f'{out} already holds a run ({CHECKPOINT}); pass '
+                            f'{argument("resume")} to continue it, or choose '
+                            f'another {argument("out")}')
         yield out

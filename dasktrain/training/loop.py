@@ -254,9 +254,8 @@ def _check(config, model, n_train):
     if config.early_stop_monitor == 'drift' and \
             not (model.mode == 'ipm' and replicas > 1):
         raise UserError(f'{argument("early_stop_monitor")} drift needs '
-                        f'{argument("mode")} ipm with '
-                        f'several replicas; this run has {replicas} in '
-                        f'mode {model.mode}')
+                        f'{argument("mode")} ipm with several replicas; this '
+                        f'run has {replicas} in mode {model.mode}')
 
 
 def _start(config, model, out, lead):

@@ -82,8 +82,7 @@ def _lock(out):
     written or another run holds it."""
     def unwritable(e):
         return OutputError(f'{argument("out")} {out} is not writable '
-                           f'({e.strerror}); '
-                           f'choose another {argument("out")}')
+                           f'({e.strerror}); choose another {argument("out")}')
     try:
         lock = open(os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o666), 'r+')
     except OSError as e:
@@ -96,8 +95,7 @@ def _lock(out):
         holder = lock.read().strip() or 'a process that did not say which'
         lock.close()
         raise OutputError(f'{argument("out")} {out} is in use by another run '
-                          f'({holder})'
-                          '; wait for it to end, or choose another '
+                          f'({holder}); wait for it to end, or choose another '
                           f'{argument("out")}') \
             from None
     except OSError as e:

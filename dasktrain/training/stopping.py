@@ -32,8 +32,7 @@ class EarlyStopping:
         keys = LOG_KEYS + IPM_KEYS
         if monitor not in keys:
             raise UserError(f'{argument("early_stop_monitor")} {monitor} is '
-                            'not in the '
-                            f'log; choose one of {", ".join(keys)}')
+                            f'not in the log; choose one of {", ".join(keys)}')
         mode = better(monitor) if mode == 'auto' else mode
         if mode is None:
             raise UserError(f'{argument("early_stop_monitor")} {monitor}: '

@@ -76,21 +76,17 @@ def check_metric(metric, direction, modes):
                         f'these trials; choose one of {", ".join(usable)}')
     if direction is not None and direction not in DIRECTIONS:
         raise TuneError(f'{argument("direction")} must be maximize or '
-                        'minimize, got '
-                        f'{direction!r}')
+                        f'minimize, got {direction!r}')
     implied = better(metric)
     if direction is None:
         if implied is None:
             raise TuneError(f'{argument("metric")} {metric}: whether higher '
-                            'or lower is '
-                            'better is not in its name; pass '
-                            f'{argument("direction")} '
-                            'maximize or minimize')
+                            'or lower is better is not in its name; pass '
+                            f'{argument("direction")} maximize or minimize')
         return 'maximize' if implied == 'max' else 'minimize'
     if implied is not None and DIRECTIONS[direction] != implied:
         raise TuneError(f'{argument("direction")} {direction} contradicts '
-                        f'{argument("metric")} '
-                        f'{metric}, which is better '
+                        f'{argument("metric")} {metric}, which is better '
                         f'{"higher" if implied == "max" else "lower"}; drop '
                         f'{argument("direction")}')
     return direction
@@ -108,16 +104,14 @@ def _state_early_stopping(base, metric, direction):
         wanted = DIRECTIONS[direction]
         if mode not in ('auto', wanted):
             raise TuneError(f'{argument("early_stop_mode")} {mode} '
-                            'contradicts '
-                            f'{argument("direction")} {direction} for '
-                            f'{metric}')
+                            f'contradicts {argument("direction")} {direction} '
+                            f'for {metric}')
         return base.replace(early_stop_mode=wanted)
     if mode == 'auto' and monitor in LOG_KEYS + IPM_KEYS:
         mode = better(monitor)
         if mode is None:
             raise TuneError(f'{argument("early_stop_monitor")} {monitor}: '
-                            'pass '
-                            f'{argument("early_stop_mode")} max or min')
+                            f'pass {argument("early_stop_mode")} max or min')
     return base.replace(early_stop_mode=mode)
 
 
@@ -201,8 +195,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     name = study or ('tune' if isinstance(space, dict) else Path(space).stem)
     if not re.fullmatch(r'[A-Za-z0-9_.-]+', name):
         raise TuneError(f'{argument("study")} must be letters, digits, _ . or '
-                        '-, got '
-                        f'{name!r}')
+                        f'-, got {name!r}')
     _check_numbers(trials=trials, parallel=parallel, gpus=gpus,
                    startup_trials=startup_trials,
                    warmup_epochs=warmup_epochs)
@@ -210,8 +203,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
                                   ('sampler', sampler, SAMPLERS)):
         if value not in choices:
             raise TuneError(f'{argument(which)} must be one of '
-                            f'{", ".join(choices)}, '
-                            f'got {value!r}')
+                            f'{", ".join(choices)}, got {value!r}')
     if timeout is not None and not timeout > 0:
         raise TuneError(f'{argument("timeout")} must be > 0 seconds, got '
                         f'{timeout!r}')
@@ -239,9 +231,8 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     for key in IDENTITY if recorded else ():
         if recorded.get(key) != settings[key]:
             raise TuneError(f'study {name!r} was started with another {key} '
-                            f'({folder / "study.json"}); run it with the '
-                            'same settings, or pass another '
-                            f'{argument("study")}')
+                            f'({folder / "study.json"}); run it with the same '
+                            f'settings, or pass another {argument("study")}')
     owned = client is None
     client = client or connect(scheduler)
     try:
@@ -252,8 +243,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
                 found = optuna.load_study(study_name=name, storage=opened)
                 if found.direction.name.lower() != direction:
                     raise TuneError(f'{argument("storage")} {storage} holds a '
-                                    'study '
-                                    f'{name!r} that is to '
+                                    f'study {name!r} that is to '
                                     f'{found.direction.name.lower()}; pass '
                                     f'another {argument("study")}')
         folder.mkdir(parents=True, exist_ok=True)

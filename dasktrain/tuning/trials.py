@@ -51,8 +51,7 @@ def open_storage(url):
     except Exception as e:  # drivers, paths, servers: all mean unreachable
         lines = str(e).strip().splitlines() or ['']
         raise StorageError(f'cannot open {argument("storage")} {url} '
-                           f'({type(e).__name__}'
-                           f': {lines[0]})') from None
+                           f'({type(e).__name__}: {lines[0]})') from None
 
 
 def make_pruner(name, startup_trials=5, warmup_epochs=0):
@@ -131,8 +130,7 @@ class Reporter:
         value = row.get(self.metric)
         if value is None:
             raise UserError(f'{argument("metric")} {self.metric} is not in '
-                            'the log; it '
-                            f'has {", ".join(row)}')
+                            f'the log; it has {", ".join(row)}')
         if not math.isfinite(value):
             raise UserError(f'{argument("metric")} {self.metric} became '
                             f'{value} at '
