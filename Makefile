@@ -43,8 +43,18 @@ $(STAMP): pyproject.toml constraints.txt
 train: $(STAMP)
 	$(BIN)/dasktrain train $(ARGS)
 
+# Then the equivalence tests (N replicas vs one device, N processes vs one)
+# again under two other OpenBLAS kernels: they must prove the maths on any
+# CPU, not only on this one's kernel (float64, see tests/conftest.py).
+KERNELS ?= Prescott SandyBridge
+
 test: $(STAMP) browser lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@for kernel in $(KERNELS); do \
+	  echo "equivalence tests under OPENBLAS_CORETYPE=$$kernel"; \
+	  OPENBLAS_CORETYPE=$$kernel $(BIN)/python -m pytest -q -m equivalence \
+	    -p no:cacheprovider $(PYTEST_ARGS) || exit 1; \
+	done
 
 # ruff: lint and import order ([tool.ruff] in pyproject.toml).
 lint: $(STAMP)

@@ -14,13 +14,20 @@ from dasktrain import __version__
 from dasktrain.commands import Parser
 from dasktrain.commands.bench import Bench
 from dasktrain.commands.cluster import Cluster
-from dasktrain.commands.jobs import Cancel, Jobs, Logs, Result, Submit
+from dasktrain.commands.jobs import (
+    Cancel,
+    Jobs,
+    Logs,
+    Requeue,
+    Result,
+    Submit,
+)
 from dasktrain.commands.train import Download, Train
 from dasktrain.commands.tune import Tune
 from dasktrain.errors import Error, flag_names
 
-COMMANDS = (Download, Train, Cluster, Submit, Jobs, Logs, Cancel, Result,
-            Tune, Bench)
+COMMANDS = (Download, Train, Cluster, Submit, Jobs, Logs, Cancel, Requeue,
+            Result, Tune, Bench)
 
 
 class _Stderr(logging.StreamHandler):
@@ -93,6 +100,8 @@ def _run(parser, argv):
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
+        # What was typed, for a command that tells given from default.
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         return args.command_obj.run(args)
     except SystemExit as e:  # --help, --version and usage errors
         return e.code if isinstance(e.code, int) else 2

@@ -131,6 +131,15 @@ class TrainConfig:
         for name in ('out', 'data_dir'):  # a pathlib.Path is fine too
             if isinstance(getattr(self, name), os.PathLike):
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        # What the CLI's --devices takes ('0,1', 'cpu:2'), and a list.
+        if isinstance(self.devices, str):
+            try:
+                object.__setattr__(self, 'devices',
+                                   parse_devices(self.devices))
+            except ConfigError as e:
+                raise ConfigError(f'{argument("devices")}: {e}') from None
+        elif isinstance(self.devices, list):
+            object.__setattr__(self, 'devices', tuple(self.devices))
         for f in dataclasses.fields(self):  # types first: then values
             value = getattr(self, f.name)
             if not _has_type(value, f.type):

@@ -125,8 +125,8 @@ class JobBoard(SchedulerPlugin):
         for job in list_jobs(jobs_dir):
             try:
                 self.jobs[job.id] = job.summary()
-            except (OSError, ValueError, KeyError):  # half-written, foreign
-                continue
+            except Exception as e:  # damaged: one row that says why
+                self.jobs[job.id] = job.damaged(e)
 
     def log_event(self, topic, msg):
         # Whole summaries only: a scrape must never fail on a stray event.

@@ -1,8 +1,33 @@
+import chainer
+import numpy as np
 import pytest
 from cifar_fixture import ArchiveServer, make_batches, write_archive
 
 import dasktrain  # noqa: F401  (restores numpy.sctypes before chainer)
 from dasktrain.data import extract_archive
+
+
+@pytest.fixture
+def float64(monkeypatch):
+    """Chainer in float64 while the test runs: links made now get float64
+    parameters (``chainer.global_config.dtype``, which every thread sees),
+    and so do processes started now (``CHAINER_DTYPE``: Dask workers, job
+    children); inputs are cast to the model's dtype.
+
+    An equivalence test compares two orders of the same sums; in float32
+    they differ in the last bits with the BLAS kernel (OpenBLAS picks one
+    per CPU) and its thread count, and Adam, momentum and BatchNorm
+    magnify that past any fixed tolerance. In float64 the same
+    differences are ~1e-16 relative, so a tolerance of 1e-10 proves the
+    maths on any machine and still catches a wrong sum.
+    """
+    monkeypatch.setenv('CHAINER_DTYPE', 'float64')
+    before = chainer.global_config.dtype
+    chainer.global_config.dtype = np.dtype(np.float64)
+    try:
+        yield np.float64
+    finally:
+        chainer.global_config.dtype = before
 
 
 @pytest.fixture(scope='session')

@@ -93,8 +93,9 @@ def test_a_submitted_job_across_two_cpu_workers(cluster, data_dir,
     assert 'done: epoch 2' in job.logs()
 
 
+@pytest.mark.equivalence
 def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
-        cluster, data_dir, tmp_path, capsys):
+        cluster, data_dir, tmp_path, capsys, float64):
     config = job_config(data_dir, epochs=6, train_size=1000)
     worker = cluster.worker(gpus=1)
     with Client(cluster.address) as client:
@@ -107,7 +108,7 @@ def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
     assert done_before < 6, 'the job ended before the worker was killed'
     # No worker now: the file still says running, the scheduler knows why.
     wait_until(lambda: main(['jobs', '--jobs-dir', str(tmp_path / 'jobs')])
-               == 0 and 'no-worker' in capsys.readouterr().out, 30,
+               == 0 and 'no worker fits' in capsys.readouterr().out, 30,
                "the scheduler's view")
     cluster.worker(gpus=1)
     result = job.result(timeout=180)
@@ -119,12 +120,15 @@ def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
     assert '=== attempt 2 on' in text
     resumed = int(text.split('resuming after epoch ')[1].split()[0])
     assert resumed >= done_before
-    # It ends exactly where an uninterrupted run ends.
+    # It ends where an uninterrupted run ends: here, in this process, with
+    # its thread count (float64: BLAS's other order of sums stays ~1e-15
+    # apart; bit-identical holds within one process, see test_training).
     reference = train(config.replace(out=str(tmp_path / 'ref'),
                                      progress=False))
     for ours, theirs in zip(result['log'], reference['log'], strict=True):
         for key in set(ours) - TIME_KEYS:
-            assert ours[key] == theirs[key], key
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-9,
+                                              abs=1e-12), key
 
 
 def test_cancel_a_queued_and_a_running_job(cluster, data_dir, tmp_path,
@@ -188,7 +192,7 @@ def test_a_failing_job_is_marked_failed_and_others_finish(
     (jobs / 'blank' / 'job.json').write_text('{}')
     assert main(['jobs', '--jobs-dir', str(jobs)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    states = {line.split()[0]: line.split()[1] for line in lines[1:]
+    states = {line.split()[0]: line.split()[3] for line in lines[1:]
               if not line.startswith('unreadable:')}
     assert states == {bad.id: 'failed', good.id: 'finished',
                       'cut': 'unreadable', 'blank': 'unreadable'}

@@ -42,17 +42,17 @@ def log(out):
     return json.loads((out / 'log').read_text())
 
 
-def assert_same_logs(a, b, val_rtol=1e-6):
+def assert_same_logs(a, b):
+    """The same rows but for times. Runs compared here train in float64
+    (the ``float64`` fixture): processes and thread counts sum in other
+    orders (BLAS kernels split their work by thread), which float64 keeps
+    ~1e-15 apart where float32 drifts by 1e-7 and more after Adam or
+    BatchNorm; 1e-9 still catches any wrong sum."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert set(x) == set(y)
         for key in set(x) - TIME_KEYS:
-            if key.startswith('validation/'):  # test shards summed apart
-                assert y[key] == pytest.approx(x[key], rel=val_rtol), key
-            elif key == 'drift':  # per-replica distances summed apart
-                assert y[key] == pytest.approx(x[key], rel=1e-12), key
-            else:
-                assert y[key] == x[key], key
+            assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), key
 
 
 def npz(path):
@@ -62,6 +62,7 @@ def npz(path):
 
 # ------------------------------------------------------------ equivalence
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize('mode,model,local,extra', [
     ('dg', 'cifar10', 1, {}),                 # dropout: per-replica masks
     ('ipm', 'resnet20', 2, {'mix_every': 3,   # BatchNorm, 2 x 2 replicas
@@ -69,7 +70,7 @@ def npz(path):
                             'weight_decay': 5e-4}),
 ])
 def test_workers_give_the_results_of_one_process_with_as_many_replicas(
-        data_dir, tmp_path, mode, model, local, extra):
+        data_dir, tmp_path, mode, model, local, extra, float64):
     common = config(data_dir, tmp_path, model=model, mode=mode,
                     batch_size=4, **extra)
     single = train(common.replace(
@@ -87,15 +88,16 @@ def test_workers_give_the_results_of_one_process_with_as_many_replicas(
     assert_same_logs(single['log'], log(tmp_path / 'two'))
     one, two = (npz(tmp_path / d / 'model_final.npz') for d in ('one', 'two'))
     for key in one:
-        np.testing.assert_allclose(two[key], one[key], rtol=1e-6,
-                                   atol=1e-7, err_msg=key)
+        assert two[key].dtype.kind != 'f' or two[key].dtype == np.float64
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-9,
+                                   atol=1e-12, err_msg=key)
     if mode == 'ipm':  # every replica and optimizer state, gathered
         one, two = (npz(tmp_path / d / 'checkpoint.npz')
                     for d in ('one', 'two'))
         assert sorted(one) == sorted(two)
         for key in one:
-            np.testing.assert_allclose(two[key], one[key], rtol=1e-6,
-                                       atol=1e-7, err_msg=key)
+            np.testing.assert_allclose(two[key], one[key], rtol=1e-9,
+                                       atol=1e-12, err_msg=key)
 
 
 # ------------------------------------------------------------ failures
@@ -104,8 +106,9 @@ def _pids(client):
     return client.run(os.getpid)
 
 
+@pytest.mark.equivalence
 def test_several_devices_train_as_one_worker_process_each(data_dir,
-                                                          tmp_path):
+                                                          tmp_path, float64):
     # `dasktrain train --devices cpu:2`: two single-threaded worker
     # processes, the same results as the two replicas in one process.
     both = dict(devices=('@numpy',) * 2, mode='ipm', mix_every=3)
@@ -117,7 +120,9 @@ def test_several_devices_train_as_one_worker_process_each(data_dir,
     assert args['workers'] == 2 and args['devices'] == ['@numpy']
 
 
-def test_float16_and_double_buffered_communication(data_dir, tmp_path):
+@pytest.mark.equivalence
+def test_float16_and_double_buffered_communication(data_dir, tmp_path,
+                                                   float64):
     both = dict(devices=('@numpy',) * 2, epochs=2)
     exact = train(config(data_dir, tmp_path / 'exact', **both))['log']
     half = train(config(data_dir, tmp_path / 'half', comm_dtype='float16',
@@ -143,7 +148,7 @@ def test_float16_and_double_buffered_communication(data_dir, tmp_path):
 
 @pytest.mark.parametrize('policy', ['continue', 'wait'])
 def test_a_worker_killed_mid_job_and_the_job_goes_on(data_dir, tmp_path,
-                                                      policy):
+                                                      policy, float64):
     from distributed import Client
     common = config(data_dir, tmp_path, epochs=4, mode='ipm',
                     mix_every='epoch', workers=2, on_worker_loss=policy)
@@ -210,3 +215,24 @@ def test_asking_for_more_workers_than_the_cluster_has(dask_client, data_dir,
                                             r'.*has 2'):
         train(config(data_dir, tmp_path / 'x', workers=3,
                      collective_timeout=1), client=dask_client)
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(data_dir,
+                                                             tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / 'script.py'
+    script.write_text(
+        'import dasktrain\n'
+        f'dasktrain.train(dasktrain.TrainConfig(model="tiny", epochs=1, '
+        f'devices="cpu:2", data_dir={str(data_dir)!r}, '
+        f'out={str(tmp_path / "out")!r}, progress=False))\n')
+    done = subprocess.run([sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        f'dasktrain.errors.UserError: {script}, line 2, starts worker '
+        "processes from the script's top level: each would run the script "
+        "again. Put the calls under `if __name__ == '__main__':` (see "
+        'docs/training.md)')
+    assert not (tmp_path / 'out').exists()

@@ -27,7 +27,7 @@ from test_cluster import job_config, wait_until
 
 from dasktrain.cli import main
 from dasktrain.cluster import connect, start_cluster, stop_cluster
-from dasktrain.jobs.submit import cancel, submit
+from dasktrain.jobs.submit import submit
 from dasktrain.monitor import gpu_readings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,7 +266,7 @@ def test_jobs_watch_refreshes_until_interrupted(cluster, data_dir, capsys):
         watch.signal(signal.SIGINT)
         assert watch.wait(10) == 0, watch.stderr()
     assert 'Traceback' not in watch.stderr()
-    states = [line.split()[1] for line in lines if line.startswith(job.id)]
+    states = [line.split()[3] for line in lines if line.startswith(job.id)]
     assert states[0] in ('queued', 'running') and states[-1] == 'finished'
     assert sum(line.startswith('ID ') for line in lines) >= 3  # refreshed
 
@@ -307,7 +307,7 @@ def test_jobs_watch_ends_on_ctrl_c_while_the_scheduler_does_not_answer(
             assert 'Traceback' not in watch.stderr()
             row = [line for line in watch.lines
                    if line.startswith('stuck-1 ')][-1]
-            assert row.split()[1] == 'queued'
+            assert row.split()[3] == 'queued'
     finally:
         server.close()
 
@@ -372,7 +372,7 @@ def test_jobs_page_in_a_headless_browser_while_a_job_trains(
                        timeout=120)
         assert job.status()['state'] == 'running'
     finally:
-        cancel(job)
+        job.cancel()
     found = _Dom(dom)
     row = ''.join(found.text[('tr', job.id)])
     assert job.id in row and 'live-curves' in row and 'running' in row

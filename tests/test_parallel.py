@@ -12,8 +12,9 @@ from dasktrain.training.models import get_model
 
 
 def batch(n, seed=0):
+    """Inputs in Chainer's dtype (float64 under the ``float64`` fixture)."""
     rng = np.random.RandomState(seed)
-    return (rng.randn(n, 3, 32, 32).astype(np.float32),
+    return (rng.randn(n, 3, 32, 32).astype(chainer.get_dtype()),
             rng.randint(0, 10, n).astype(np.int32))
 
 
@@ -47,22 +48,24 @@ def single_device_run(kind, batches):
     return params(model)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize('kind', ['sgd', 'momentum', 'adam'])
 @pytest.mark.parametrize('n_replicas,batch_size', [(2, 12), (3, 12), (3, 10)])
 def test_dg_equals_one_device_on_the_whole_batch(kind, n_replicas,
-                                                 batch_size):
+                                                 batch_size, float64):
     batches = [batch(batch_size, seed) for seed in range(4)]
     model = GPUDistributedGradient(fresh(), ['@numpy'] * n_replicas)
     model.setup(make_optimizer(kind))
     for x, t in batches:
         model.step(x, t)
     expected = single_device_run(kind, batches)
-    # Only float32 summation order differs; Adam divides by sqrt(v) and so
-    # magnifies it for the rare near-zero gradient.
-    atol = 1e-5 if kind == 'adam' else 2e-6
+    # Only the order of the sums differs (float64: ~1e-16 relative per
+    # step); Adam divides by sqrt(v) and so magnifies it for the rare
+    # near-zero gradient, still far below 1e-10.
     for name, value in params(model.master).items():
-        np.testing.assert_allclose(value, expected[name], rtol=1e-5,
-                                   atol=atol, err_msg=name)
+        assert value.dtype == np.float64
+        np.testing.assert_allclose(value, expected[name], rtol=1e-10,
+                                   atol=1e-12, err_msg=name)
     # and the replicas follow the master exactly
     for replica in model.replicas[1:]:
         for name, value in params(replica).items():
@@ -86,7 +89,8 @@ def test_seed_protocol_equals_step():
         assert np.array_equal(value, params(b.master)[name])
 
 
-def test_ipm_mixing_every_iteration_with_sgd_equals_dg():
+@pytest.mark.equivalence
+def test_ipm_mixing_every_iteration_with_sgd_equals_dg(float64):
     batches = [batch(12, seed) for seed in range(4)]
     dg = GPUDistributedGradient(fresh(), ['@numpy'] * 3)
     dg.setup(chainer.optimizers.SGD(lr=0.1))
@@ -98,7 +102,7 @@ def test_ipm_mixing_every_iteration_with_sgd_equals_dg():
         ipm.step(x, t)
     for name, value in params(ipm.master).items():
         np.testing.assert_allclose(value, params(dg.master)[name],
-                                   rtol=1e-5, atol=2e-6, err_msg=name)
+                                   rtol=1e-10, atol=1e-12, err_msg=name)
 
 
 def test_a_mix_is_exactly_the_arithmetic_mean():
@@ -316,12 +320,13 @@ class Mirror(Communicator):
         pass
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize('double_buffering,delay', [
     (False, 0.0), (True, 0.0),
     (True, 0.05),  # the sums arrive after the step has gone on
 ])
 def test_double_buffering_applies_the_previous_step_s_gradient(
-        double_buffering, delay):
+        double_buffering, delay, float64):
     batches = [batch(6, seed) for seed in range(4)]
     model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(delay),
                                    double_buffering=double_buffering)
@@ -350,7 +355,7 @@ def test_double_buffering_applies_the_previous_step_s_gradient(
         optimizer.update()
     for key, value in params(ref).items():
         np.testing.assert_allclose(params(model.master)[key], value,
-                                   rtol=1e-6, atol=1e-7, err_msg=key)
+                                   rtol=1e-10, atol=1e-12, err_msg=key)
 
 
 def test_float16_communication_keeps_small_gradients():

@@ -225,6 +225,13 @@ def test_types_that_mean_the_same_pass():
                          devices=('@numpy',), mode='ipm', mix_every='epoch')
     assert (config.out, config.data_dir) == ('o', '/d')
     assert TrainConfig.from_json(config.to_json()) == config
+    # what `--devices` takes, and a list
+    assert TrainConfig(devices='cpu:2').devices == ('@numpy', '@numpy')
+    assert TrainConfig(devices='0,2').devices == ('@cupy:0', '@cupy:2')
+    assert TrainConfig(devices=['@numpy']).devices == ('@numpy',)
+    with pytest.raises(ConfigError, match=r"^devices: 'cpu:N' needs N >= 1, "
+                       r"got 'cpu:0'$"):
+        TrainConfig(devices='cpu:0')
 
 
 def test_missing_gpu_is_one_clear_line(data_dir, tmp_path, capsys):
@@ -273,6 +280,10 @@ def test_train_command_end_to_end(data_dir, tmp_path):
         'training on the CPU, 1 replica (@numpy)'  # says where, first
     assert 'epoch   1/1' in out.stdout and 'done: epoch 1' in out.stdout
     assert 'Traceback' not in out.stderr
+    # and the curves, as a picture
+    curves = tmp_path / 'r' / 'curves.png'
+    assert f'curves: {curves}' in out.stdout
+    assert curves.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
 # ------------------------------------------------- output folder and resume
@@ -411,3 +422,25 @@ def test_resume_keeps_the_original_args_and_appends_what_changed(
         {'epoch': 1, 'changed': {'epochs': 2}},
         {'epoch': 2, 'changed': {'epochs': 3, 'lr': 0.005}}]
     assert args == original and args['epochs'] == 1
+
+
+def test_resume_takes_every_option_from_out_args(data_dir, tmp_path,
+                                                 capsys):
+    out = tmp_path / 'r'
+    assert main(['train', '--model', 'tiny', '--devices', 'cpu',
+                 '--batch-size', '20', '--lr', '0.02', '--epochs', '1',
+                 '--train-size', '100', '--data-dir', str(data_dir),
+                 '--out', str(out), '--no-progress']) == 0
+    # only what changes: the model, sizes and lr come from OUT/args
+    assert main(['train', '--resume', '--out', str(out), '--epochs', '2',
+                 '--data-dir', str(data_dir)]) == 0
+    assert 'done: epoch 2' in capsys.readouterr().out
+    args = json.loads((out / 'args').read_text())
+    assert args['model'] == 'tiny' and args['batch_size'] == 20
+    assert args['resumed'] == [{'epoch': 1, 'changed': {'epochs': 2}}]
+    rows = json.loads((out / 'log').read_text())
+    assert [r['iteration'] for r in rows] == [5, 10]  # 100 images / 20
+    # a change that cannot resume is one line
+    assert main(['train', '--resume', '--out', str(out), '--epochs', '3',
+                 '--model', 'resnet20', '--data-dir', str(data_dir)]) == 1
+    one_line_error(capsys)

@@ -27,13 +27,13 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from dasktrain.cluster import tls as _tls
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
+from dasktrain.spawn import python
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,8 @@ def _with_port(host, port):
 
 def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
                   gpus=None, cpu_slots=1, tls_ca_file=None, tls_cert=None,
-                  tls_key=None, insecure=False, timeout=60):
+                  tls_key=None, insecure=False, timeout=60,
+                  dashboard_host=None):
     """Start a scheduler and a worker in the background; record them.
 
     Parameters
@@ -208,6 +209,11 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         No TLS (``tcp://``): anyone who reaches the port runs code as you.
     timeout : float, default 60
         Seconds to wait for the processes to come up.
+    dashboard_host : str, optional
+        Interface of the dashboard (with the jobs page, ``/metrics`` and
+        Dask's ``/info/logs``, served to whoever reaches it, without
+        TLS); default ``host``. E.g. ``'127.0.0.1'`` while the scheduler
+        listens on the network: reach it through an SSH tunnel.
 
     Returns
     -------
@@ -248,21 +254,21 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
                     tls['tls_cert'], '--tls-key', tls['tls_key']]
         # Nothing in these processes may fall back to plain TCP.
         env = dict(os.environ, DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION='1')
-    dask = [sys.executable, '-m', 'dask']
-    processes = [_spawn(dask + [
+    processes = [_spawn(python('dask',
         # dasktrain's metrics and jobs page on the dashboard's server
         'scheduler', '--preload', MONITOR, '--host', host,
         '--port', str(port),
-        '--dashboard-address', _with_port(host, dashboard_port),
+        '--dashboard-address', _with_port(dashboard_host or host,
+                                          dashboard_port),
         '--scheduler-file', str(scheduler_file),
-        *(['--protocol', 'tls'] if tls else []), *tls_args],
+        *(['--protocol', 'tls'] if tls else []), *tls_args),
         folder / 'logs' / 'scheduler.log', env)]
     try:
         info = _wait_for(lambda: json.loads(scheduler_file.read_text()),
                          timeout, 'the scheduler', processes)
         address = info['address']
-        processes.append(_spawn(dask + [
-            'worker', address, '--preload', MONITOR, '--nworkers', '1',
+        processes.append(_spawn(python(
+            'dask', 'worker', address, '--preload', MONITOR, '--nworkers', '1',
             # One thread more than slots: a scale-out job's driver holds
             # a thread (and no GPU) while its ranks hold the slots.
             '--nthreads', str(gpus + max(cpu_slots, 1) + 1),
@@ -271,7 +277,7 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
             # interface otherwise.
             '--dashboard-address', _with_port(host, 0),
             '--local-directory', str(folder / 'worker-space'),
-            *tls_args], folder / 'logs' / 'worker.log', env))
+            *tls_args), folder / 'logs' / 'worker.log', env))
         client = connect(address, security_from(**tls) if tls else None)
         with client:
             _wait_for(lambda: worker_info(client) or None,
@@ -295,8 +301,11 @@ def _spawn(argv, log_path, env=None):
     log = open(log_path, 'ab')
     # A session of its own: the cluster outlives the command that started
     # it, and a Ctrl-C there does not reach it.
+    # In the cluster's own folder: nothing where `cluster start` ran is
+    # importable (dasktrain.spawn).
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, env=env,
+                               cwd=log_path.parent.parent,
                                start_new_session=True)
     # With the pid, what tells this process from a later one that the
     # system gives the same pid.

@@ -14,6 +14,7 @@ import os
 from dasktrain.cluster.local import restore_default_scheduler
 from dasktrain.parallel.devices import gpu_count
 from dasktrain.parallel.gpus import gpu_ids, visible_gpus
+from dasktrain.spawn import check_main_guard
 
 _BLAS_THREADS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
 
@@ -74,6 +75,7 @@ def local_workers(n, blas_threads=1):
     ...           client=client)
     """
     from distributed import Client, LocalCluster
+    check_main_guard()  # before any process re-imports the script
     env = {k: str(blas_threads) for k in _BLAS_THREADS}
     # BLAS reads these once, when it loads: set before the workers spawn.
     saved = {k: os.environ.get(k) for k in env}

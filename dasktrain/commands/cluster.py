@@ -1,6 +1,6 @@
 """``dasktrain cluster start|status|stop``: a Dask cluster on this machine,
 with the links to its dashboard, jobs page and metrics."""
-from dasktrain.commands import Command, Parser
+from dasktrain.commands import Command, Parser, add_jobs_dir
 
 
 def _add_tls_arguments(parser):
@@ -35,6 +35,10 @@ class Cluster(Command):
         p.add_argument('--dashboard-port', type=int, default=8787,
                        help='dashboard port, 0 for any (default: '
                             '%(default)s)')
+        p.add_argument('--dashboard-host', default=None, metavar='HOST',
+                       help='interface of the dashboard, jobs page and '
+                            'metrics, which anyone who reaches it may read '
+                            '(default: --host)')
         p.add_argument('--gpus', type=int, default=None,
                        help='GPUs the worker advertises (default: all '
                             'found)')
@@ -42,6 +46,7 @@ class Cluster(Command):
                        help='jobs at once on a worker without GPUs '
                             '(default: %(default)s)')
         _add_tls_arguments(p)
+        add_jobs_dir(p)
         p.set_defaults(command_parser=p)
         p = actions.add_parser('status', help='the scheduler, dashboard and '
                                'workers')
@@ -49,8 +54,20 @@ class Cluster(Command):
                        help='default: the cluster `dasktrain cluster start` '
                             'recorded')
         p.set_defaults(command_parser=p)
-        actions.add_parser('stop', help='shut the cluster down') \
-            .set_defaults(command_parser=parser)
+        p = actions.add_parser(
+            'stop', help='shut the cluster down; its queued and running '
+            'jobs are cancelled (recorded so), unless --requeue or --wait')
+        how = p.add_mutually_exclusive_group()
+        how.add_argument('--requeue', action='store_true',
+                         help='leave its jobs queued: the next `cluster '
+                              'start` runs them (training resumes from its '
+                              'checkpoint)')
+        how.add_argument('--wait', nargs='?', type=float, const=-1.0,
+                         default=None, metavar='S',
+                         help='first wait until its jobs ended (at most S '
+                              'seconds, then stop as with --requeue)')
+        add_jobs_dir(p)
+        p.set_defaults(command_parser=p)
 
     def run(self, args):
         from dasktrain.cluster import local as cluster
@@ -60,7 +77,7 @@ class Cluster(Command):
                 dashboard_port=args.dashboard_port, gpus=args.gpus,
                 cpu_slots=args.cpu_slots, tls_ca_file=args.tls_ca_file,
                 tls_cert=args.tls_cert, tls_key=args.tls_key,
-                insecure=args.insecure)
+                insecure=args.insecure, dashboard_host=args.dashboard_host)
             from dasktrain.monitor import links
             tls = ', '.join(state['tls'].values()) if state['tls'] else \
                 'none (--insecure)'
@@ -70,6 +87,7 @@ class Cluster(Command):
                 print(f'{what}: {link}')
             print(f"worker resources: {state['resources']}\n"
                   f'TLS: {tls}\nrecorded in {cluster.state_path()}')
+            self.recover(state, args.jobs_dir)
         elif args.action == 'status':
             from dasktrain.monitor import links
             status = cluster.cluster_status(args.scheduler)
@@ -84,11 +102,42 @@ class Cluster(Command):
                       f"{resources or 'no resources'}, "
                       f"{worker['threads']} threads")
         else:
-            state = cluster.stop_cluster()
+            state = self.stop(cluster, args)
             if state['stale']:
                 print(f"no cluster was running at {state['scheduler']} (its "
                       'processes are gone); removed the stale record '
                       f'{cluster.state_path()}')
             else:
                 print(f"stopped the cluster at {state['scheduler']}")
+            for job_id, job_state in state['jobs'].items():
+                print(f'job {job_id}: {job_state}')
         return 0
+
+    @staticmethod
+    def recover(state, jobs_dir):
+        """Requeue the jobs a cluster that is gone left queued or
+        running (this user's, in the jobs dir)."""
+        from dasktrain.cluster.local import connect
+        from dasktrain.jobs.recover import recover
+        with connect(state['scheduler']) as client:
+            for job in recover(client, jobs_dir):
+                print(f'requeued job {job.id} (its cluster had gone)')
+
+    @staticmethod
+    def stop(cluster, args):
+        """Stop the cluster; then record what became of its jobs."""
+        from dasktrain.jobs.recover import live_jobs, settle
+        recorded = cluster.read_state()
+        jobs = live_jobs(args.jobs_dir, recorded and recorded['scheduler'])
+        ended = {}
+        if args.wait is not None and jobs:
+            print(f'waiting for {len(jobs)} job(s) to end')
+            ended = settle(jobs, 'wait',
+                           None if args.wait < 0 else args.wait)
+        state = cluster.stop_cluster()
+        left = [j for j in jobs if j.id not in ended or ended[j.id] in
+                ('queued', 'running')]
+        policy = 'requeue' if args.requeue or args.wait is not None else \
+            'cancel'
+        ended.update(settle(left, policy))
+        return dict(state, jobs=ended)

@@ -1,5 +1,5 @@
 """The job queue's commands: ``dasktrain submit``, ``jobs`` (the table,
-once or ``--watch``), ``logs``, ``cancel`` and ``result``."""
+once or ``--watch``), ``logs``, ``cancel``, ``requeue`` and ``result``."""
 import argparse
 import sys
 import time
@@ -38,6 +38,12 @@ class Submit(Command):
                      scheduler=args.scheduler, path=args.jobs_dir)
         print(job.id)
         return 0
+
+
+# Seconds between asking the scheduler whether a job it should hold is
+# still there (`logs --follow`, `result --wait`): cheap, and a lost job is
+# reported within this long.
+LOST_CHECK = 5.0
 
 
 def _when(seconds):
@@ -88,6 +94,7 @@ class Jobs(Command):
         of those job keys (None: unreachable); without it the table reads
         the job folders only."""
         from dasktrain.jobs.records import DONE, JobError, list_jobs
+        from dasktrain.jobs.submit import scheduler_view
         jobs, unreadable = [], []
         for job in list_jobs(jobs_dir):
             try:  # one bad job folder must not hide the others
@@ -98,20 +105,22 @@ class Jobs(Command):
         known = {}
         if live and ask is not None:
             known = ask([j.key for j, _ in live], live[0][1].get('scheduler'))
-        rows = [('ID', 'STATE', 'GPUS', 'PROGRESS', 'ACCURACY', 'SUBMITTED',
-                 'STARTED', 'ENDED', 'SCHEDULER')]
+        rows = [('ID', 'NAME', 'USER', 'STATE', 'GPUS', 'PROGRESS',
+                 'ACCURACY', 'SUBMITTED', 'STARTED', 'ENDED', 'SCHEDULER')]
         for job, spec, s in jobs:
             accuracy = f"{s['accuracy']:.4f}" if s['accuracy'] is not None \
                 else '-'
             gpus = ','.join(s['gpus']) if s.get('gpus') else \
                 str(spec.get('gpus', '-'))
             seen = '-' if s['state'] in DONE else 'unreachable' \
-                if known is None else known.get(job.key, 'unknown')
-            rows.append((job.id, s['state'], gpus,
+                if known is None else scheduler_view(
+                    s['state'], known.get(job.key))
+            rows.append((job.id, str(spec.get('name', '-')),
+                         str(spec.get('user', '-')), s['state'], gpus,
                          f"{s['epoch']}/{s['epochs']}", accuracy,
                          _when(spec['submitted']), _when(s.get('started')),
                          _when(s.get('ended')), seen))
-        rows += [(job.id, 'unreadable') + ('-',) * 7
+        rows += [(job.id, '-', '-', 'unreadable') + ('-',) * 7
                  for job, _ in unreadable]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
@@ -140,9 +149,10 @@ class Logs(_JobCommand):
                             help='keep printing until the job ends')
 
     def run(self, args):
-        from dasktrain.jobs.records import DONE
+        from dasktrain.jobs.records import DONE, JobError
+        from dasktrain.jobs.recover import lost_reason
         job = self.job(args)
-        shown = 0
+        shown, checked = 0, time.monotonic()
         while True:
             done = job.status()['state'] in DONE
             text = job.logs()
@@ -151,6 +161,11 @@ class Logs(_JobCommand):
             shown = len(text)
             if done or not args.follow:
                 return 0
+            if time.monotonic() - checked > LOST_CHECK:
+                checked = time.monotonic()
+                reason = lost_reason(job)
+                if reason:
+                    raise JobError(reason)
             time.sleep(0.5)
 
 
@@ -166,10 +181,9 @@ class Cancel(_JobCommand):
 
     def run(self, args):
         from dasktrain.jobs.records import DONE
-        from dasktrain.jobs.submit import cancel
         job = self.job(args)
         was = job.status()['state']
-        cancel(job)
+        job.cancel()
         deadline = time.monotonic() + args.timeout
         state = job.status()['state']
         while state not in DONE and time.monotonic() < deadline:
@@ -185,6 +199,34 @@ class Cancel(_JobCommand):
         return 0
 
 
+class Requeue(_JobCommand):
+    name = 'requeue'
+    help = ('hand a job its scheduler lost (a stopped or restarted '
+            'cluster) to the running cluster; it resumes from its '
+            'checkpoint')
+
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        parser.add_argument('--scheduler', default=None, metavar='ADDR',
+                            help='default: the cluster `dasktrain cluster '
+                                 'start` recorded')
+
+    def run(self, args):
+        from dasktrain.cluster.local import connect
+        from dasktrain.jobs.records import JobError
+        from dasktrain.jobs.recover import orphans, requeue
+        job = self.job(args)
+        state = job.status()['state']
+        if state in ('queued', 'running') and not orphans([job]):
+            raise JobError(f'job {job.id} is {state} on its scheduler '
+                           f"({job.spec().get('scheduler')}); nothing to "
+                           'requeue')
+        with connect(args.scheduler) as client:
+            requeue(job, client)
+            print(f'{job.id}: queued on {client.scheduler.address}')
+        return 0
+
+
 class Result(_JobCommand):
     name = 'result'
     help = "a finished job's final metrics and where its outputs are"
@@ -196,13 +238,27 @@ class Result(_JobCommand):
 
     def run(self, args):
         from dasktrain.jobs.records import DONE, JobError
+        from dasktrain.jobs.recover import lost_reason
         job = self.job(args)
         status = job.status()
         if status['state'] not in DONE and not args.wait:
             raise JobError(f"job {job.id} is {status['state']} (epoch "
                            f"{status['epoch']}/{status['epochs']}); pass "
                            '--wait to wait for it')
+        while status['state'] not in DONE:
+            reason = lost_reason(job)
+            if reason:
+                raise JobError(reason)
+            try:
+                job.result(timeout=LOST_CHECK)
+            except TimeoutError:
+                pass
+            status = job.status()
         summary = job.result()
+        if not summary['final']:
+            raise JobError(f'job {job.id} finished, but its log '
+                           f"{summary['out']}/log is missing or damaged; "
+                           f"its outputs: {summary['out']}")
         for key, value in summary['final'].items():
             print(f'{key}: {value:.6g}' if isinstance(value, float)
                   else f'{key}: {value}')

@@ -45,6 +45,28 @@ def devices_type(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def given_fields(argv):
+    """The TrainConfig fields that ``argv`` (``dasktrain train``'s options)
+    names explicitly, whatever their values: a resumed run takes the
+    others from ``OUT/args``.
+
+    Examples
+    --------
+    >>> sorted(given_fields(['--resume', '--out', 'r', '--epochs', '20']))
+    ['epochs', 'out', 'resume']
+    """
+    import dataclasses
+
+    from dasktrain.commands import Parser
+    unset = object()  # no string: argparse would convert it with `type`
+    probe = Parser(add_help=False)
+    add_arguments(probe)
+    probe.set_defaults(**{f.name: unset
+                          for f in dataclasses.fields(TrainConfig)})
+    known, _ = probe.parse_known_args(argv)
+    return {k for k, v in vars(known).items() if v is not unset}
+
+
 def add_arguments(parser):
     """One flag per TrainConfig field; defaults come from TrainConfig."""
     d = TrainConfig()

@@ -1,7 +1,14 @@
 """``dasktrain download`` and ``dasktrain train``: the data, and one run
 here or across ``--workers N`` Dask workers."""
+import dataclasses
+import json
+
 from dasktrain.commands import Command, config_from_args
-from dasktrain.commands.options import add_arguments, add_data_arguments
+from dasktrain.commands.options import (
+    add_arguments,
+    add_data_arguments,
+    given_fields,
+)
 
 
 class Download(Command):
@@ -31,6 +38,8 @@ class Train(Command):
     def run(self, args):
         from dasktrain.launch import train
         config = config_from_args(args)
+        if config.resume:
+            config = self.resumed(config, args)
         summary = train(config)
         final = summary['final']
         if final is None:
@@ -41,7 +50,44 @@ class Train(Command):
                   f"{final['validation/main/accuracy']:.4f}, on "
                   f"{_where(summary)}; outputs in "
                   f"{summary['out']}")
+            self.curves(summary['out'])
         return 0
+
+    @staticmethod
+    def curves(out):
+        """OUT/curves.png, where matplotlib is installed."""
+        try:
+            from dasktrain.report import save_curves
+            path = save_curves(out)
+        except ImportError:
+            print('curves: `pip install matplotlib` (or dasktrain'
+                  '[notebooks]) to get OUT/curves.png; or open OUT/log in '
+                  'ChainerUI')
+            return
+        if path is not None:
+            print(f'curves: {path}')
+
+
+    @staticmethod
+    def resumed(config, args):
+        """``--resume``: every option from ``OUT/args`` (the run as it was
+        started and last resumed), those given now overriding them."""
+        from dasktrain.config import ConfigError, TrainConfig
+        from dasktrain.training.outdir import recorded_settings
+        recorded = recorded_settings(config.out)
+        if recorded is None:
+            return config
+        given = given_fields(args.argv[1:])
+        names = {f.name for f in dataclasses.fields(TrainConfig)}
+        values = {k: v for k, v in recorded.items()
+                  if k in names and k not in given}
+        try:
+            kept = TrainConfig.from_json(json.dumps(values))
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f'{config.out}/args cannot be resumed from '
+                              f'({e}); give every option again') from None
+        return kept.replace(**{k: getattr(config, k) for k in given
+                               if k in names})
 
 
 def _where(summary):

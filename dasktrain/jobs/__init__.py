@@ -1,6 +1,7 @@
 """Training jobs on a Dask cluster, queued by GPUs: a job's folder and files
 (:mod:`~dasktrain.jobs.records`), checking and queueing it on the scheduler
-(:mod:`~dasktrain.jobs.submit`), running it on a worker
+(:mod:`~dasktrain.jobs.submit`), requeueing what a scheduler lost
+(:mod:`~dasktrain.jobs.recover`), running it on a worker
 (:mod:`~dasktrain.jobs.worker`) and the live jobs page
 (:mod:`~dasktrain.jobs.page`).
 
@@ -14,14 +15,19 @@ from dasktrain._lazy import exports
 _EXPORTS = {
     **dict.fromkeys((
         'DONE', 'EVENTS', 'JOBS_ENV', 'KEY_PREFIX', 'PRUNED', 'STATES', 'Job',
-        'JobError', 'Pruned', 'jobs_dir', 'list_jobs', 'update_status'),
+        'JobError', 'Pruned', 'current_user', 'jobs_dir', 'list_jobs',
+        'update_status'),
         'dasktrain.jobs.records'),
     **dict.fromkeys((
-        'SchedulerPoller', 'ask_scheduler', 'cancel', 'check_devices',
-        'check_resources', 'queue', 'requeue', 'scheduler_states'),
+        'SchedulerPoller', 'ask_scheduler', 'check_devices', 'check_owner',
+        'check_resources', 'queue', 'scheduler_states',
+        'scheduler_view'),
         'dasktrain.jobs.submit'),
     **dict.fromkeys((
-        'CHILD', 'announce', 'child_module', 'run_child', 'run_job'),
+        'STOP_POLICIES', 'live_jobs', 'lost_reason', 'orphans', 'recover',
+        'requeue', 'settle'), 'dasktrain.jobs.recover'),
+    **dict.fromkeys((
+        'CHILD', 'child_module', 'run_child', 'run_job'),
         'dasktrain.jobs.worker'),
 }
 

@@ -13,17 +13,21 @@ or ``pruned`` (its training was stopped by an epoch callback raising
 :class:`Pruned`: a hyperparameter search's pruner, see
 :mod:`dasktrain.tuning.trials`).
 
-Owns the files only: it never talks to Dask (queueing and cancelling are
+Owns the files, and the two things anyone holding a job may do with the
+scheduler: :meth:`Job.cancel` and :meth:`Job.announce` (queueing is
 :mod:`~dasktrain.jobs.submit`'s, running a job
-:mod:`~dasktrain.jobs.worker`'s).
+:mod:`~dasktrain.jobs.worker`'s). A job folder is made whole (in a
+hidden temp folder, then renamed): a folder without both files, or one
+whose name starts with a dot, is not a job yet.
 """
 import dataclasses
 import json
 import os
+import pwd
 import time
 from pathlib import Path
 
-from dasktrain.cluster.local import home
+from dasktrain.cluster.local import connect, home
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
 
@@ -42,6 +46,16 @@ class Pruned(Exception):
 
 class JobError(UserError):
     pass
+
+
+def current_user():
+    """The OS user this process runs as (from the password database, not
+    ``$USER``, which anyone can set); the uid where it has no entry."""
+    uid = os.getuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:  # containers: a uid with no passwd entry
+        return str(uid)
 
 
 def jobs_dir(path=None):
@@ -95,6 +109,14 @@ def _read(folder, name):
     if missing:
         raise JobError(f'job {folder.name}: {name} lacks '
                        f'{", ".join(missing)}')
+    if name == 'job.json' and (isinstance(data['submitted'], bool) or
+                               not isinstance(data['submitted'],
+                                              (int, float))):
+        raise JobError(f'job {folder.name}: {name} has submitted='
+                       f'{data["submitted"]!r}, not a time in seconds')
+    if name == 'status.json' and data['state'] not in STATES:
+        raise JobError(f'job {folder.name}: {name} has state='
+                       f'{data["state"]!r}, not one of {", ".join(STATES)}')
     return data
 
 
@@ -152,9 +174,10 @@ class Job:
 
     def summary(self):
         """What the monitor keeps of a job: its request, its status and
-        the last row of its log (all msgpack-able, for a Dask event)."""
+        the last row of its log (all msgpack-able, for a Dask event);
+        JobError if its files cannot be read."""
         spec = self.spec()
-        status = json.loads((self.folder / 'status.json').read_text())
+        status = _read(self.folder, 'status.json')
         rows = self.log_rows()
         # The last epoch's wall time: elapsed_time runs on across resumes.
         epoch_seconds = rows[-1]['elapsed_time'] - (
@@ -170,6 +193,76 @@ class Job:
                 'error': status['error'], 'attempts': status['attempts'],
                 'row': rows[-1] if rows else None,
                 'epoch_seconds': epoch_seconds}
+
+    def damaged(self, reason):
+        """A :meth:`summary` for a job whose files cannot be read: state
+        ``unreadable``, ``reason`` as its error (one row in the monitor
+        and the jobs page, beside every other job)."""
+        try:
+            when = self.folder.stat().st_mtime
+        except OSError:
+            when = 0.0
+        return {'id': self.id, 'folder': str(self.folder), 'name': self.id,
+                'user': '', 'gpus': 0, 'workers': None, 'epochs': 0,
+                'submitted': when, 'state': 'unreadable', 'held': [],
+                'worker': None, 'started': None, 'ended': None,
+                'error': str(reason), 'attempts': 0, 'row': None,
+                'epoch_seconds': None}
+
+    def announce(self, client=None):
+        """Send :meth:`summary` to the scheduler as an event (for the
+        monitor): from the worker this runs on, else through ``client``,
+        else not at all. Never raises: monitoring never stops a job."""
+        try:
+            summary = self.summary()
+            try:
+                from distributed import get_worker
+                get_worker().log_event(EVENTS, summary)
+            except ValueError:  # not on a worker
+                if client is not None:
+                    client.log_event(EVENTS, summary)
+        except Exception:
+            pass
+
+    def cancel(self, client=None):
+        """Cancel the job: dropped from the queue, or its training stopped
+        (within a second or so); nothing if it has ended. Only its
+        submitter may (JobError otherwise).
+
+        Parameters
+        ----------
+        client : distributed.Client, optional
+            Default: connect to the scheduler the job was submitted to; a
+            scheduler that is gone is no error (the job's flag file stops
+            it on its next run).
+
+        Examples
+        --------
+        >>> dasktrain.submit(config).cancel()  # doctest: +SKIP
+        """
+        if self.status()['state'] in DONE:
+            return
+        owner, me = self.spec().get('user'), current_user()
+        if owner not in (None, me):
+            raise JobError(f'job {self.id} was submitted by {owner}; only '
+                           f'{owner} can cancel it (you are {me})')
+        (self.folder / 'cancel').touch()
+        queued = self.status()['state'] == 'queued'
+        if queued:
+            update_status(self.folder, state='cancelled', ended=time.time())
+        try:
+            from distributed import Future
+            owned = client is None
+            client = client or connect(self.spec().get('scheduler'))
+            try:
+                client.cancel([Future(self.key, client)], force=True)
+                if queued:  # a running job's task announces its own end
+                    self.announce(client)
+            finally:
+                if owned:
+                    client.close()
+        except UserError:
+            pass  # scheduler gone: the flag file stops it on its next run
 
     def logs(self):
         try:
@@ -208,8 +301,10 @@ def list_jobs(path=None):
     root = jobs_dir(path)
     if not root.is_dir():
         return []
+    # A dot folder is one still being made (submit renames it whole).
     jobs = [Job(p.name, p) for p in root.iterdir()
-            if (p / 'status.json').exists() or (p / 'job.json').exists()]
+            if not p.name.startswith('.') and (
+                (p / 'status.json').exists() or (p / 'job.json').exists())]
 
     def submitted(job):
         try:

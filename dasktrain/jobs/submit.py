@@ -4,8 +4,9 @@ about the jobs it holds.
 :func:`submit` writes the job's folder (:mod:`~dasktrain.jobs.records`)
 and hands one task (:func:`~dasktrain.jobs.worker.run_job`) to the
 scheduler with ``resources={'GPU': K}``: Dask itself holds it until a worker
-has K free GPUs. :func:`cancel` drops a job from the queue or stops its
-training; :func:`requeue` hands the scheduler a job it lost.
+has K free GPUs. Cancelling is the job's own
+(:meth:`~dasktrain.jobs.records.Job.cancel`), requeueing a lost job
+:mod:`~dasktrain.jobs.recover`'s.
 :func:`scheduler_states`, :func:`ask_scheduler` and
 :class:`SchedulerPoller` say what the scheduler knows of jobs' tasks (what
 ``dasktrain jobs`` shows beside the files).
@@ -13,34 +14,27 @@ training; :func:`requeue` hands the scheduler a job it lost.
 Owns the submitter's side only: it never runs a job (that is
 :mod:`~dasktrain.jobs.worker`'s).
 """
-import getpass
 import json
 import os
+import pwd
 import re
+import shutil
 import threading
 import time
 import uuid
 
 from dasktrain.cluster.local import connect, worker_info
-from dasktrain.errors import UserError, argument
+from dasktrain.errors import argument
 from dasktrain.files import write_json
 from dasktrain.jobs.records import (
-    DONE,
     KEY_PREFIX,
     Job,
     JobError,
+    current_user,
     jobs_dir,
-    update_status,
 )
-from dasktrain.jobs.worker import announce, run_job
+from dasktrain.jobs.worker import run_job
 from dasktrain.parallel.gpus import GpuError, place_devices
-
-
-def _user():
-    try:
-        return getpass.getuser()
-    except Exception:  # no login name, no passwd entry (containers)
-        return str(os.getuid())
 
 
 def _slug(text):
@@ -148,34 +142,83 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     try:
         if check:
             check_resources(client, config, gpus)
+        check_owner(client)
         job_id = (f'{_slug(name or config.model)}-'
                   f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
-        folder = jobs_dir(path).resolve() / job_id
-        folder.mkdir(parents=True)
-        # Paths as the submitter meant them: the job runs in the worker's
-        # working directory.
+        root = jobs_dir(path).resolve()
+        folder = root / job_id
+        # Paths as the submitter meant them: the job runs in its folder.
         config = config.replace(out=str(folder / 'out'), resume=True,
                                 progress=True,
                                 data_dir=os.path.abspath(config.data_dir))
         spec = {
-            'id': job_id, 'name': name or config.model, 'user': _user(),
-            'gpus': gpus,
+            'id': job_id, 'name': name or config.model,
+            'user': current_user(), 'gpus': gpus,
             'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
             'submitted': time.time(), **(extra or {})}
-        write_json(folder / 'job.json', spec)
-        write_json(folder / 'status.json', {
-            'state': 'queued', 'attempts': 0, 'gpus': None, 'worker': None,
-            'started': None, 'ended': None, 'error': None})
+        _make_folder(root, folder, spec)
         job = Job(job_id, folder)
         # Before the task: the scheduler sees 'queued' before 'running'.
-        announce(job, client)
+        job.announce(client)
         queue(client, folder, spec)
         return job
     finally:
         if owned:
             client.close()
+
+
+def _make_folder(root, folder, spec):
+    """Write the job's folder whole: in a hidden temp folder, renamed into
+    place once both files are there (readers never see half a job), and
+    readable by its owner only (its logs and weights are the owner's);
+    a failure (a full disk) leaves nothing behind."""
+    tmp = root / f'.{folder.name}.tmp'
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(mode=0o700)
+        write_json(tmp / 'job.json', spec)
+        write_json(tmp / 'status.json', {
+            'state': 'queued', 'attempts': 0, 'gpus': None,
+            'worker': None, 'started': None, 'ended': None,
+            'error': None})
+        os.rename(tmp, folder)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise JobError(f'cannot write the job to {root}: {e.strerror} '
+                       f'({argument("path")} names the jobs dir)') from None
+
+
+def _uid():
+    return os.getuid()
+
+
+def _name(uid):
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f'uid {uid}'
+
+
+def check_owner(client, uid=None):
+    """Refuse a job the cluster could not run: its worker runs as the
+    user who started the cluster (uid ``client``'s scheduler runs as)
+    and must write the job's folder, which is private to its submitter
+    (``uid``, default this process's). One cluster per user: see
+    docs/security.md."""
+    uid = os.getuid() if uid is None else uid
+    try:
+        owner = client.run_on_scheduler(_uid)
+    except Exception:  # an older scheduler, a closed one: checked later
+        return
+    if owner != uid:
+        name = _name(owner)
+        raise JobError(
+            f'this cluster runs its jobs as {name}, not as you '
+            f'({_name(uid)}): it could not write your job\'s private '
+            f'folder. Start a cluster of your own (`dasktrain cluster '
+            f'start --port 0`), or ask {name} to submit it')
 
 
 def queue(client, folder, spec):
@@ -192,55 +235,35 @@ def queue(client, folder, spec):
     fire_and_forget(future)  # runs on after this client goes away
 
 
-def requeue(job, client):
-    """Hand a job the scheduler lost (a restarted cluster, a submitter
-    killed mid-submit) to it again; it resumes from its checkpoint."""
-    queue(client, job.folder, job.spec())
-
-
-def cancel(job, client=None):
-    """Cancel a job: dropped from the queue, or its training stopped
-    (within a second or so); nothing if it has ended.
-
-    Parameters
-    ----------
-    job : Job
-    client : distributed.Client, optional
-        Default: connect to the scheduler the job was submitted to; a
-        scheduler that is gone is no error (the job's flag file stops it
-        on its next run).
-
-    Examples
-    --------
-    >>> cancel(dasktrain.submit(config))  # doctest: +SKIP
-    """
-    if job.status()['state'] in DONE:
-        return
-    (job.folder / 'cancel').touch()
-    queued = job.status()['state'] == 'queued'
-    if queued:
-        update_status(job.folder, state='cancelled', ended=time.time())
-    try:
-        from distributed import Future
-        owned = client is None
-        client = client or connect(job.spec().get('scheduler'))
-        try:
-            client.cancel([Future(job.key, client)], force=True)
-            if queued:  # a running job's task announces its own end
-                announce(job, client)
-        finally:
-            if owned:
-                client.close()
-    except UserError:
-        pass  # scheduler gone: the flag file stops it on its next run
-
-
 def scheduler_states(keys, client):
     """What the scheduler knows of each job key ('no-worker', ...)."""
     def states(dask_scheduler, keys):
         return {k: dask_scheduler.tasks[k].state for k in keys
                 if k in dask_scheduler.tasks}
     return client.run_on_scheduler(states, keys=list(keys))
+
+
+def scheduler_view(state, task):
+    """What the scheduler's ``task`` state (None: it holds no such task)
+    means for a job whose files say ``state``, in the jobs table's words.
+
+    Examples
+    --------
+    >>> scheduler_view('queued', 'processing')  # on a worker, starting
+    'starting'
+    >>> scheduler_view('queued', 'no-worker')
+    'no worker fits'
+    >>> scheduler_view('running', None)
+    'lost: dasktrain requeue'
+    """
+    if task is None:
+        return 'lost: dasktrain requeue'
+    if task == 'processing':
+        return 'starting' if state == 'queued' else 'running'
+    return {'no-worker': 'no worker fits', 'queued': 'waiting',
+            'waiting': 'waiting', 'released': 'waiting',
+            'memory': 'ended', 'erred': 'ended',
+            'forgotten': 'ended'}.get(task, task)
 
 
 def ask_scheduler(keys, address, timeout=3):

@@ -10,7 +10,8 @@ child trains the job's config; what it prints goes to the job's
 
 Every change a job goes through (running, each epoch's log row, its end)
 is sent to the scheduler as a Dask event on
-:data:`~dasktrain.jobs.records.EVENTS` by :func:`announce`;
+:data:`~dasktrain.jobs.records.EVENTS` by
+:meth:`~dasktrain.jobs.records.Job.announce`;
 :mod:`dasktrain.monitor` turns them into metrics.
 
 Owns the worker's side only: it never submits a job (that is
@@ -30,7 +31,6 @@ from dasktrain.config import TrainConfig
 from dasktrain.errors import Error
 from dasktrain.jobs.records import (
     DONE,
-    EVENTS,
     PRUNED,
     Job,
     Pruned,
@@ -42,6 +42,7 @@ from dasktrain.parallel.gpus import (
     job_environment,
     place_devices,
 )
+from dasktrain.spawn import python
 
 CHILD = 'dasktrain.jobs.worker'  # the child module of a plain job
 # Child modules that job folders written by earlier versions name, and
@@ -68,27 +69,6 @@ def child_module(spec):
     """
     module = spec.get('child', CHILD)
     return FORMER_CHILDREN.get(module, module)
-
-
-def announce(job, client=None):
-    """Send the job's :meth:`~dasktrain.jobs.records.Job.summary` to the
-    scheduler as an event: from the worker this runs on, else through
-    ``client``, else not at all. Never raises.
-
-    Examples
-    --------
-    >>> announce(job, client)  # doctest: +SKIP
-    """
-    try:
-        summary = job.summary()
-        try:
-            from distributed import get_worker
-            get_worker().log_event(EVENTS, summary)
-        except ValueError:  # not on a worker
-            if client is not None:
-                client.log_event(EVENTS, summary)
-    except Exception:  # monitoring must never fail or stop a job
-        pass
 
 
 def _die_with_parent():
@@ -120,7 +100,7 @@ def run_job(folder):
     worker = get_worker().address
     update_status(folder, state='running', attempts=attempt, gpus=ids,
                   worker=worker, started=status['started'] or time.time())
-    announce(job)
+    job.announce()
     log_path = folder / 'out' / 'log'
     seen = _mtime(log_path)
     # The child sees exactly its GPUs (as 0..k-1), or none at all.
@@ -137,8 +117,8 @@ def run_job(folder):
                       f' ===\n'.encode())
             log.flush()
             child = subprocess.Popen(
-                [sys.executable, '-m', module, str(folder)],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
+                python(module, folder), cwd=folder, stdout=log,
+                stderr=subprocess.STDOUT, env=env,
                 stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
             while child.poll() is None:
                 if (folder / 'cancel').exists():
@@ -149,7 +129,7 @@ def run_job(folder):
                         child.kill()
                 if _mtime(log_path) != seen:  # an epoch ended: tell
                     seen = _mtime(log_path)   # the monitor
-                    announce(job)
+                    job.announce()
                 time.sleep(0.2)
         if (folder / 'cancel').exists():
             state, error = 'cancelled', None
@@ -163,7 +143,7 @@ def run_job(folder):
             error = lines[-1] if lines else f'exit code {child.returncode}'
         # Recorded before the GPUs are free: the next job starts after it.
         update_status(folder, state=state, error=error, ended=time.time())
-        announce(job)
+        job.announce()
     finally:
         GpuPool.release(gpus)
     return state

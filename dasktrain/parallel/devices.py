@@ -311,3 +311,19 @@ def copy_into(targets, sources, device):
     with chainer.using_device(device):
         for target, source in zip(targets, sources):
             device.xp.copyto(target, source, casting='unsafe')
+
+
+def input_dtype(link):
+    """The dtype floating inputs of ``link`` take: its parameters' (float64
+    under ``CHAINER_DTYPE=float64``), else Chainer's default dtype.
+
+    Examples
+    --------
+    >>> import chainer.links as L
+    >>> input_dtype(L.Linear(3, 2))
+    dtype('float32')
+    """
+    for param in link.params():
+        if param.array is not None and param.array.dtype.kind == 'f':
+            return param.array.dtype
+    return np.dtype(chainer.get_dtype())

@@ -24,7 +24,12 @@ import chainer
 import numpy as np
 from chainer.serializers import NpzDeserializer
 
-from dasktrain.parallel.devices import copy_into, synchronize, transfer
+from dasktrain.parallel.devices import (
+    copy_into,
+    input_dtype,
+    synchronize,
+    transfer,
+)
 
 
 def _persistents(link):
@@ -90,8 +95,11 @@ class Replicas:
 
     def split(self, x):
         """``x`` in near-equal parts, the larger first, each sent to its
-        replica's device."""
-        parts = np.array_split(np.asarray(x), len(self))
+        replica's device; floating inputs in the model's dtype."""
+        x = np.asarray(x)
+        if x.dtype.kind == 'f':
+            x = x.astype(input_dtype(self.links[0]), copy=False)
+        parts = np.array_split(x, len(self))
         return [d.send(a) for d, a in zip(self.devices, parts)]
 
     def forward(self, parts):

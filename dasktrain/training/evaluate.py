@@ -10,6 +10,7 @@ import numpy as np
 
 from dasktrain.data.augment import tta_views
 from dasktrain.data.loader import shard_bounds
+from dasktrain.parallel.devices import input_dtype
 
 
 def load_test_share(cifar, n_test, views, rank=0, size=1):
@@ -39,7 +40,8 @@ def evaluate(evaluators, views, labels, batch_size):
         parts = []
         for n, i in enumerate(range(0, len(labels), batch_size)):
             chain, device = evaluators[n % len(evaluators)]
-            x = device.send(view[i:i + batch_size])
+            x = device.send(view[i:i + batch_size].astype(
+                input_dtype(chain), copy=False))
             with chainer.using_config('train', False), \
                     chainer.no_backprop_mode(), chainer.using_device(device):
                 parts.append(F.softmax(chain.predictor(x)).array)

@@ -158,8 +158,10 @@ def get_model(name, n_classes=10):
 
 
 def load_model(path, model='cifar10'):
-    """The network saved in ``path`` (``OUT/model_final.npz`` or
-    ``model_best.npz``), in a fresh ``get_model(model)``; never unpickles.
+    """The model saved in ``path`` (``OUT/model_final.npz`` or
+    ``model_best.npz``), in a fresh ``get_model(model)``: an
+    ``L.Classifier`` whose ``.predictor`` is the bare network. Never
+    unpickles.
 
     Examples
     --------

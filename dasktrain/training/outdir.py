@@ -111,6 +111,23 @@ def _lock(out):
     return lock
 
 
+def recorded_settings(out):
+    """The settings ``OUT/args`` holds as they stand now (those the run
+    started with, each resume's changes applied), or None where there is
+    no such file or it cannot be read."""
+    try:
+        args = json.loads((Path(out) / 'args').read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(args, dict):
+        return None
+    current = {k: v for k, v in args.items() if k != 'resumed'}
+    for resume in args.get('resumed', ()):
+        if isinstance(resume, dict):
+            current.update(resume.get('changed', {}))
+    return current
+
+
 def record_args(out, settings, resumed_at=None):
     """Write ``OUT/args``: the run's ``settings`` (a dict, TrainConfig's
     fields). A run resumed after epoch ``resumed_at`` keeps the settings it

@@ -32,10 +32,10 @@ from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.jobs.records import DONE, jobs_dir, list_jobs
+from dasktrain.jobs.recover import requeue
 from dasktrain.jobs.submit import (
     check_devices,
     check_resources,
-    requeue,
     scheduler_states,
     submit,
 )
