@@ -7,8 +7,11 @@ prints the usage line, the error and where the help is (as git and pip
 do); a :class:`~dasktrain.errors.UserError` prints one line; neither a
 traceback.
 """
+import contextlib
 import logging
+import signal
 import sys
+import threading
 
 from dasktrain import __version__
 from dasktrain.commands import Parser
@@ -56,6 +59,31 @@ def show_logs():
         logger.setLevel(logging.INFO)
 
 
+@contextlib.contextmanager
+def quiet_on_interrupt():
+    """Ctrl-C ends a command with one line (:func:`main` prints it): from
+    the first SIGINT on, Dask's threads and processes shutting down half
+    started (a cluster interrupted while it starts) log and print
+    nothing. The handler before is back on leaving; main thread only."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not \
+            signal.default_int_handler:
+        yield
+        return
+
+    def interrupted(signum, frame):
+        logging.disable(logging.CRITICAL)
+        threading.excepthook = lambda args: None
+        sys.unraisablehook = lambda unraisable: None
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def build_parser():
     """The ``dasktrain`` parser: one subparser per entry of
     :data:`COMMANDS`, each knowing its command (``command_obj``) and its
@@ -86,7 +114,7 @@ def main(argv=None) -> int:
     show_logs()
     parser = build_parser()
     # Library messages name arguments (`lr`); here they name flags (`--lr`).
-    with flag_names():
+    with flag_names(), quiet_on_interrupt():
         return _run(parser, argv)
 
 

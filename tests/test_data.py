@@ -169,6 +169,24 @@ def test_unwritable_data_dir(tmp_path):
         download_cifar10(blocker / 'data', **FAST)
 
 
+def test_a_read_only_data_dir_that_holds_the_batches_is_used(cifar_dir,
+                                                              tmp_path):
+    import subprocess
+    ro = tmp_path / 'ro'
+    ro.mkdir()
+    if subprocess.run(['mount', '--bind', '-o', 'ro', str(cifar_dir),
+                       str(ro)], capture_output=True).returncode != 0:
+        pytest.skip('cannot make a read-only bind mount here (needs root)')
+    try:
+        with pytest.raises(OSError):  # read-only indeed, even for root
+            (ro / 'probe').write_text('')
+        assert download_cifar10(ro, url='http://127.0.0.1:9/', **FAST) == \
+            ro / BATCHES_DIR
+        assert load_cifar10(ro, download=True).train_images.shape[0] == 100
+    finally:
+        subprocess.run(['umount', '-l', str(ro)], check=False)
+
+
 @pytest.mark.parametrize('kind', ['archive is a folder',
                                   'batches folder is a file'])
 def test_something_else_in_the_place_of_the_data(tmp_path, archive_server,

@@ -236,3 +236,26 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(data_dir,
         "again. Put the calls under `if __name__ == '__main__':` (see "
         'docs/training.md)')
     assert not (tmp_path / 'out').exists()
+
+
+def test_ctrl_c_in_a_terminal_ends_a_multi_process_run_in_one_line(
+        data_dir, tmp_path):
+    # A terminal's Ctrl-C reaches every process of its group: the command
+    # and its local workers. One line, promptly, no worker tracebacks.
+    import sys
+
+    from children import child
+    from test_cluster import wait_until
+    argv = [sys.executable, '-m', 'dasktrain.cli', 'train', '--model',
+            'tiny', '--epochs', '50', '--devices', 'cpu:2', '--data-dir',
+            str(data_dir), '--out', str(tmp_path / 'r')]
+    with child(argv) as run:
+        wait_until(lambda: any('epoch   1/50' in line for line in run.lines),
+                   120, 'the first epoch')
+        os.killpg(run.proc.pid, signal.SIGINT)
+        started = time.monotonic()
+        assert run.wait(10) == 130
+        assert time.monotonic() - started < 5
+        err = run.stderr()
+    assert 'Traceback' not in err
+    assert err.strip().splitlines()[-1] == 'dasktrain train: interrupted'

@@ -21,6 +21,7 @@ LAYERS = [
     {'monitor', 'tuning'},
     {'report'},
     {'bench', 'nbrun', 'commands', 'cli'},
+    {'entry'},
 ]
 MAX_LINES = 420  # "about 400"
 

@@ -161,3 +161,44 @@ def test_result_of_a_job_whose_log_is_gone_is_one_line(home, capsys):
     assert len(err) == 1 and 'its log' in err[0] and \
         'missing or damaged' in err[0]
     assert Job.find('nolog').status()['state'] == 'finished'
+
+
+def _ours(home):
+    """Processes whose command line names ``home`` (its scheduler's and
+    worker's)."""
+    import psutil
+    found = []
+    for p in psutil.process_iter(['cmdline']):
+        if any(str(home) in part for part in p.info['cmdline'] or ()):
+            found.append(p)
+    return found
+
+
+def test_one_cluster_start_at_a_time_and_a_stopped_start_leaves_nothing(
+        home, capsys):
+    import sys
+
+    from children import child
+    lock = home / 'start.lock'
+    argv = [sys.executable, '-m', 'dasktrain.cli', *START]
+    with child(argv) as first:
+        wait_until(lambda: lock.exists() and 'pid' in lock.read_text(), 60,
+                   'the first start to take the lock')
+        assert main(START) == 1
+        err = capsys.readouterr().err
+        assert err.count('\n') == 1 and \
+            'another `dasktrain cluster start` (pid ' in err
+        assert first.wait(120) == 0, first.stderr()
+    assert read_state() is not None
+    assert main(['cluster', 'stop']) == 0
+    # SIGTERM once the scheduler is spawned: the start ends what it began
+    wait_until(lambda: not _ours(home), 30, 'the stopped cluster to end')
+    log = home / 'logs' / 'scheduler.log'
+    log.unlink()
+    with child(argv) as second:
+        wait_until(log.exists, 60, 'the scheduler to be spawned')
+        second.signal(signal.SIGTERM)
+        assert second.wait(60) == 130
+        assert 'interrupted' in second.stderr()
+    wait_until(lambda: not _ours(home), 30, 'its processes to end')
+    assert read_state() is None or not _ours(home)

@@ -173,7 +173,9 @@ def test_a_pruned_trial_stops_at_once_and_its_slot_is_reused(
     assert study.best_trial.state == TrialState.COMPLETE  # never a pruned one
     assert main(['jobs', '--jobs-dir', str(tmp_path / 'jobs')]) == 0
     listing = capsys.readouterr().out
-    assert f'{jobs[1].id}  pruned    0     1/3' in listing
+    row, = [line.split() for line in listing.splitlines()
+            if line.startswith(jobs[1].id)]
+    assert row[3:6] == ['pruned', '0', '1/3']  # STATE GPUS PROGRESS
 
 
 def test_killing_tune_and_its_cluster_then_running_it_again(
@@ -348,3 +350,37 @@ def test_early_stopping_mode_is_stated_not_guessed(data_dir, tmp_path,
     assert ('--early-stop-mode min contradicts --direction maximize for '
             f'{METRIC}') in capsys.readouterr().err
     assert not (tmp_path / 'jobs').exists()
+
+
+def test_a_study_keeps_its_metric_and_direction(slots, data_dir, tmp_path,
+                                                capsys):
+    import optuna
+
+    from dasktrain.tuning.trials import open_storage
+    path = tmp_path / 'space.json'
+    path.write_text('{"lr": [0.1]}')
+    folder = tmp_path / 'jobs' / 'studies' / 's'
+    folder.mkdir(parents=True)
+    # A study that ranks accuracies, its study.json deleted since
+    kept = optuna.create_study(study_name='s', direction='maximize',
+                               storage=open_storage(
+                                   str(folder / 'journal.log')))
+    kept.set_user_attr('metric', 'validation/main/accuracy')
+
+    def tune(*flags):
+        return main(['tune', '--space', str(path), '--gpus', '0',
+                     '--scheduler', slots.address, '--study', 's',
+                     '--jobs-dir', str(tmp_path / 'jobs'), *flags, '--',
+                     *base_flags(data_dir)])
+    assert tune('--metric', 'main/loss') == 1
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and (
+        f"--storage {folder / 'journal.log'} holds study 's', which is to "
+        'maximize validation/main/accuracy, not to minimize main/loss') in err
+    assert sorted(p.name for p in folder.iterdir()) == ['journal.log']
+    # a damaged study.json is no study of another kind: one line
+    (folder / 'study.json').write_text('{"name": "s", "metr')
+    assert tune() == 1
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'study.json is damaged' in err
+    assert len(kept.trials) == 0  # nothing ran

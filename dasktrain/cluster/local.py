@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from dasktrain.cluster import tls as _tls
+from dasktrain.cluster.guard import starting
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.spawn import python
@@ -221,6 +222,14 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         What was recorded: scheduler and dashboard addresses, pids and
         their start times, resources, TLS files.
     """
+    with starting(home()):
+        return _start(host, port, dashboard_port, gpus, cpu_slots,
+                      tls_ca_file, tls_cert, tls_key, insecure, timeout,
+                      dashboard_host)
+
+
+def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
+           tls_cert, tls_key, insecure, timeout, dashboard_host):
     given = any((tls_ca_file, tls_cert, tls_key))
     if insecure and given:
         raise ClusterError(f'{argument("insecure")} and the TLS files '

@@ -84,10 +84,14 @@ def local_workers(n, blas_threads=1):
         # Every listener on 127.0.0.1 (':0' would put the dashboard on
         # every interface); TLS with throwaway certificates, so that other
         # users of the machine cannot run code in the workers.
+        # The preload: a terminal's Ctrl-C reaches every process of its
+        # group; the workers leave it to this process, which shuts them
+        # down, instead of each printing its own traceback.
         with restore_default_scheduler(always=True), LocalCluster(
                 n_workers=n, threads_per_worker=1, processes=True,
                 host='127.0.0.1', dashboard_address='127.0.0.1:0',
-                security=True, env=env) as cluster:
+                security=True, env=env,
+                preload=['dasktrain.cluster.calm']) as cluster:
             with Client(cluster, set_as_default=False) as client:
                 yield client
     finally:

@@ -88,10 +88,10 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
     if retries < 0:
         raise ValueError(f'retries must be >= 0, got {retries!r}')
     data_dir = Path(data_dir)
-    _make_dir(data_dir)
     batches = data_dir / BATCHES_DIR
-    if batches.is_dir():
+    if batches.is_dir():  # nothing to write: a read-only folder is fine
         return batches
+    _make_dir(data_dir)
     archive = data_dir / ARCHIVE_NAME
     # Something else in the place of either: say so, before any download.
     if batches.exists() or batches.is_symlink():  # and not a folder

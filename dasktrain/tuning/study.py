@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from dasktrain.cluster.local import connect
-from dasktrain.config import IPM_KEYS, LOG_KEYS, TrainConfig, better
+from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.jobs.records import DONE, jobs_dir, list_jobs
@@ -38,6 +38,14 @@ from dasktrain.jobs.submit import (
     check_resources,
     scheduler_states,
     submit,
+)
+from dasktrain.tuning.checks import (
+    TuneError,
+    check_metric,
+    check_numbers,
+    check_same_study,
+    read_study_file,
+    state_early_stopping,
 )
 from dasktrain.tuning.space import config_for, load_space, suggest
 from dasktrain.tuning.trials import (
@@ -50,69 +58,11 @@ from dasktrain.tuning.trials import (
 )
 
 logger = logging.getLogger(__name__)
-DIRECTIONS = {'maximize': 'max', 'minimize': 'min'}
 PRUNERS = ('median', 'asha', 'none')
 SAMPLERS = ('tpe', 'random')
 # What makes a study the same study: a rerun that differs is refused.
 IDENTITY = ('space', 'base', 'metric', 'direction', 'storage', 'gpus')
 PER_JOB = ('out', 'resume', 'progress')  # set by submit for each trial
-
-
-class TuneError(UserError):
-    pass
-
-
-def check_metric(metric, direction, modes):
-    """The study's direction for ``metric``: read off its name where that
-    is unambiguous (accuracy: maximize, loss: minimize), else ``direction``
-    must say; a ``direction`` contradicting the name is refused."""
-    usable = [k for k in LOG_KEYS + IPM_KEYS
-              if k not in ('epoch', 'iteration', 'lr')]
-    if set(modes) != {'ipm'}:
-        usable.remove('drift')  # only ipm runs log it
-    if metric not in usable:
-        raise TuneError(f'{argument("metric")} {metric} is never in the '
-                        'training log of '
-                        f'these trials; choose one of {", ".join(usable)}')
-    if direction is not None and direction not in DIRECTIONS:
-        raise TuneError(f'{argument("direction")} must be maximize or '
-                        f'minimize, got {direction!r}')
-    implied = better(metric)
-    if direction is None:
-        if implied is None:
-            raise TuneError(f'{argument("metric")} {metric}: whether higher '
-                            'or lower is better is not in its name; pass '
-                            f'{argument("direction")} maximize or minimize')
-        return 'maximize' if implied == 'max' else 'minimize'
-    if implied is not None and DIRECTIONS[direction] != implied:
-        raise TuneError(f'{argument("direction")} {direction} contradicts '
-                        f'{argument("metric")} {metric}, which is better '
-                        f'{"higher" if implied == "max" else "lower"}; drop '
-                        f'{argument("direction")}')
-    return direction
-
-
-def _state_early_stopping(base, metric, direction):
-    """The trials' early stopping with its mode stated, never guessed:
-    the study's direction when it watches the study's metric. Without
-    early stopping the monitor only picks ``model_best.npz``: it becomes
-    the metric, so that file holds the epoch the trial's value is from."""
-    if base.early_stop_patience is None:
-        base = base.replace(early_stop_monitor=metric)
-    monitor, mode = base.early_stop_monitor, base.early_stop_mode
-    if monitor == metric:
-        wanted = DIRECTIONS[direction]
-        if mode not in ('auto', wanted):
-            raise TuneError(f'{argument("early_stop_mode")} {mode} '
-                            f'contradicts {argument("direction")} {direction} '
-                            f'for {metric}')
-        return base.replace(early_stop_mode=wanted)
-    if mode == 'auto' and monitor in LOG_KEYS + IPM_KEYS:
-        mode = better(monitor)
-        if mode is None:
-            raise TuneError(f'{argument("early_stop_monitor")} {monitor}: '
-                            f'pass {argument("early_stop_mode")} max or min')
-    return base.replace(early_stop_mode=mode)
 
 
 def make_sampler(name, seed=None):
@@ -124,23 +74,6 @@ def make_sampler(name, seed=None):
         warnings.simplefilter('ignore', optuna.exceptions.ExperimentalWarning)
         # Running trials count as bad guesses: parallel trials spread out.
         return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
-
-
-def _check_numbers(**values):
-    lows = {'trials': 1, 'parallel': 1}
-    for name, value in values.items():
-        low = lows.get(name, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or \
-                value < low:
-            raise TuneError(f'{argument(name)} must be an int >= '
-                            f'{low}, got {value!r}')
-
-
-def _read_json(path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
@@ -196,7 +129,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     if not re.fullmatch(r'[A-Za-z0-9_.-]+', name):
         raise TuneError(f'{argument("study")} must be letters, digits, _ . or '
                         f'-, got {name!r}')
-    _check_numbers(trials=trials, parallel=parallel, gpus=gpus,
+    check_numbers(trials=trials, parallel=parallel, gpus=gpus,
                    startup_trials=startup_trials,
                    warmup_epochs=warmup_epochs)
     for which, value, choices in (('pruner', pruner, PRUNERS),
@@ -210,7 +143,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     distributions = load_space(space, base)
     modes = distributions.get('mode', {}).get('choices', [base.mode])
     direction = check_metric(metric, direction, modes)
-    base = _state_early_stopping(base, metric, direction)
+    base = state_early_stopping(base, metric, direction)
     check_devices(base, gpus)
     folder = jobs_dir(path).resolve() / 'studies' / name
     default_storage = storage is None
@@ -227,7 +160,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
         'name': name, 'space': distributions, 'base': base_fields,
         'metric': metric, 'direction': direction, 'storage': storage,
         'gpus': gpus}))
-    recorded = _read_json(folder / 'study.json')
+    recorded = read_study_file(folder / 'study.json')
     for key in IDENTITY if recorded else ():
         if recorded.get(key) != settings[key]:
             raise TuneError(f'study {name!r} was started with another {key} '
@@ -237,17 +170,18 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     client = client or connect(scheduler)
     try:
         check_resources(client, base, gpus)
-        if not default_storage:  # before anything is written
+        # Before anything is written: a study the storage already holds
+        # (study.json deleted, or another folder's) must rank the same
+        # metric the same way.
+        opened = None
+        if not default_storage or Path(storage).exists():
             opened = open_storage(storage)
-            if name in optuna.get_all_study_names(opened) and not recorded:
-                found = optuna.load_study(study_name=name, storage=opened)
-                if found.direction.name.lower() != direction:
-                    raise TuneError(f'{argument("storage")} {storage} holds a '
-                                    f'study {name!r} that is to '
-                                    f'{found.direction.name.lower()}; pass '
-                                    f'another {argument("study")}')
+            if name in optuna.get_all_study_names(opened):
+                check_same_study(optuna.load_study(
+                    study_name=name, storage=opened), metric, direction,
+                    storage)
         folder.mkdir(parents=True, exist_ok=True)
-        opened = open_storage(storage) if default_storage else opened
+        opened = opened or open_storage(storage)
         write_json(folder / 'study.json', settings)
         pruning = {'name': pruner, 'startup_trials': startup_trials,
                    'warmup_epochs': warmup_epochs}
@@ -345,6 +279,10 @@ class _Search:
         trial = optuna.trial.Trial(self.study, trial_id)  # to annotate it
         trial.set_user_attr('job', job.id)
         trial.set_user_attr('out', str(job.folder / 'out'))
+        # What its value means, beside the value: a study that ranks
+        # another metric is refused (_check_same_study).
+        trial.set_user_attr('metric', self.settings['metric'])
+        trial.set_user_attr('direction', self.settings['direction'])
         self.say(f'trial {number}: job {job.id} ({params_text(params)})')
 
     def watch(self, running):
@@ -399,7 +337,7 @@ def load(name, path=None, storage=None):
     ``PATH/studies/NAME/study.json``)."""
     import optuna
     folder = jobs_dir(path) / 'studies' / name
-    settings = _read_json(folder / 'study.json')
+    settings = read_study_file(folder / 'study.json')
     if settings is None and storage is None:
         raise TuneError(f'no study {name!r} in {folder.parent}; pass '
                         f'{argument("jobs_dir")} or {argument("storage")}')
