@@ -7,6 +7,11 @@ under noise, see ``dasktrain.bench.synthetic_cifar10``), for machines that
 cannot fetch CIFAR-10; the figures are then about speed and the methods'
 behaviour, not about CIFAR-10 accuracy. `make notebooks` runs them at full
 size instead.
+
+With ``--commit`` the executed notebooks replace those in ``notebooks/``,
+each with a note first saying where and on what it ran: the committed
+notebooks show their tables and figures before anyone runs them (running
+one again starts from its source: ``dasktrain.nbrun.clean``).
 """
 import argparse
 import sys
@@ -46,6 +51,9 @@ def main(argv=None):
                              'temporary folder)')
     parser.add_argument('--figures', type=Path, default=Path('docs/figures'),
                         help='where the PNGs go (default: %(default)s)')
+    parser.add_argument('--commit', action='store_true',
+                        help='write the executed notebooks over those in '
+                             'notebooks/, with a note on how they ran')
     args = parser.parse_args(argv)
 
     work = args.work or Path(tempfile.mkdtemp(prefix='dasktrain-figures-'))
@@ -73,17 +81,33 @@ def main(argv=None):
         synthetic_cifar10(data_dir, n_train=args.train_size,
                           n_test=args.test_size)
     print(f'machine: {machine()}; work folder {work}', flush=True)
+    data = ('CIFAR-10 from ' + args.data_dir if args.data_dir else
+            f'a **synthetic** CIFAR-format set ({args.train_size:,} training '
+            f'and {args.test_size:,} test images: class colour patterns '
+            'under noise, `dasktrain.bench.synthetic_cifar10`)')
+    note = (f'*Executed by `python bench/notebooks.py --commit` on '
+            f'{machine()}, on {data}, at the parameters in the cell after '
+            'the defaults'
+            + ('' if args.data_dir else
+               ': the figures show what this notebook draws and how the '
+               'methods behave on an easy task, not CIFAR-10 results')
+            + '. `make notebooks` runs it on CIFAR-10 at its defaults.*')
     args.figures.mkdir(parents=True, exist_ok=True)
     for name, values in parameters.items():
         if args.only and name not in args.only:
             continue
         start = time.perf_counter()
         try:
-            _, figures = run_notebook(NOTEBOOKS / f'{name}.ipynb',
-                                      work / 'executed', values)
+            executed, figures = run_notebook(
+                NOTEBOOKS / f'{name}.ipynb', work / 'executed', values,
+                note=note if args.commit else None)
         except UserError as e:
             print(f'error: {e}', file=sys.stderr)
             return 1
+        if args.commit:
+            text = executed.read_bytes()
+            atomic_write(NOTEBOOKS / executed.name,
+                         lambda f, text=text: f.write(text))
         for figure in figures:
             png = figure.read_bytes()
             atomic_write(args.figures / figure.name,

@@ -26,6 +26,30 @@ class NotebookError(UserError):
     pass
 
 
+GENERATED = ('injected-parameters', 'execution-note')  # cells we insert
+
+
+def clean(nb):
+    """``nb`` as its author wrote it: no outputs, no execution counts, and
+    none of the cells a run inserted (a committed notebook is executed:
+    running it again starts from its source)."""
+    nb.cells = [c for c in nb.cells if not set(GENERATED) &
+                set(c.get('metadata', {}).get('tags', ()))]
+    for cell in nb.cells:
+        if cell.cell_type == 'code':
+            cell.outputs, cell.execution_count = [], None
+    return nb
+
+
+def add_note(nb, text):
+    """Put ``text`` (markdown) first, tagged ``execution-note``."""
+    import nbformat
+    cell = nbformat.v4.new_markdown_cell(text)
+    cell.metadata['tags'] = ['execution-note']
+    nb.cells.insert(0, cell)
+    return nb
+
+
 def inject_parameters(nb, parameters):
     """Insert a cell assigning ``parameters`` after the ``parameters`` cell."""
     import nbformat
@@ -43,9 +67,11 @@ def inject_parameters(nb, parameters):
     return nb
 
 
-def run_notebook(path, out_dir, parameters=None, timeout=3600, cwd=None):
-    """Execute ``path`` in ``cwd`` (default: the working directory); write
-    the executed copy and its PNGs to ``out_dir``.
+def run_notebook(path, out_dir, parameters=None, timeout=3600, cwd=None,
+                 note=None):
+    """Execute ``path`` (:func:`clean` first) in ``cwd`` (default: the
+    working directory); write the executed copy, with ``note`` (markdown)
+    first if given, and its PNGs to ``out_dir``.
 
     Returns
     -------
@@ -63,7 +89,8 @@ def run_notebook(path, out_dir, parameters=None, timeout=3600, cwd=None):
 
     path, out_dir = Path(path), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    nb = inject_parameters(nbformat.read(path, as_version=4), parameters)
+    nb = inject_parameters(clean(nbformat.read(path, as_version=4)),
+                           parameters)
     client = NotebookClient(nb, timeout=timeout, kernel_name='python3',
                             resources={'metadata': {
                                 'path': str(cwd or Path.cwd())}})
@@ -72,6 +99,8 @@ def run_notebook(path, out_dir, parameters=None, timeout=3600, cwd=None):
         client.execute()
     except CellExecutionError as e:
         failure = e
+    if note:
+        add_note(nb, note)
     executed = out_dir / path.name
     atomic_write(executed, lambda f: f.write(nbformat.writes(nb).encode()))
     if failure is not None:

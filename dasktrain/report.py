@@ -252,6 +252,8 @@ def plot_bars(runs, y='comm_time', ax=None, title=None):
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()  # the first run on top, as in the legends
     ax.margins(x=0.15)  # room for the value labels
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(4))  # tiny values: long ticks
     ax.set_xlabel(AXIS_LABELS.get(y, y))
     ax.set_title(title or f'{AXIS_LABELS.get(y, y)}, mean over epochs')
     ax.grid(alpha=0.3, axis='x')

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 
 from dasktrain.files import repository_path
-from dasktrain.nbrun import run_notebook
+from dasktrain.nbrun import clean, run_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))
@@ -30,14 +30,28 @@ def test_the_notebooks_exist():
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
-def test_saved_without_outputs_and_with_parameters(path):
+def test_committed_executed_with_their_figures_and_parameters(path):
+    """Committed as tools/execute_notebooks.py leaves them: a reader sees
+    tables and figures before running anything, and is told on what."""
     nb = nbformat.read(path, as_version=4)
-    tagged = [c for c in nb.cells if 'parameters' in
-              c.get('metadata', {}).get('tags', ())]
-    assert len(tagged) == 1
-    for cell in nb.cells:
-        if cell.cell_type == 'code':
-            assert cell.outputs == [] and cell.execution_count is None
+    tags = [c.get('metadata', {}).get('tags', []) for c in nb.cells]
+    assert tags[0] == ['execution-note']
+    assert 'synthetic' in nb.cells[0].source
+    at = tags.index(['parameters'])
+    assert tags[at + 1] == ['injected-parameters']
+    assert sum('parameters' in t for t in tags) == 1
+    outputs = [o for c in nb.cells if c.cell_type == 'code'
+               for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == 'error']
+    assert all(c.execution_count for c in nb.cells if c.cell_type == 'code')
+    figures = [o for o in outputs if 'image/png' in o.get('data', {})]
+    assert len(figures) == FIGURES[path.stem[:2]]
+    # run again, it starts from the source (no old outputs or injections)
+    source = clean(nbformat.read(path, as_version=4))
+    assert [c for c in source.cells if c.cell_type == 'code' and
+            c.outputs] == []
+    assert len(source.cells) == len(nb.cells) - 2
+    tagged = [source.cells[at - 1]]
     # nbformat 4.5 wants an id on every cell, saved in the file (reading
     # makes up missing ones, with a warning today, an error in future
     # nbformat versions)

@@ -1,8 +1,9 @@
 """Dask clusters: the recorded cluster on this machine, its state and
 clients (:mod:`~dasktrain.cluster.local`, TLS by ``tls``), and throwaway
-local workers for one run (``workers``). A run across workers is
-:mod:`dasktrain.launch`'s, the job queue :mod:`dasktrain.jobs`, the
-scheduler's metrics :mod:`dasktrain.monitor`.
+local workers for one run (``workers``), and a notebook's cluster
+(``reuse``: the one given or running, else a new one it stops again).
+A run across workers is :mod:`dasktrain.launch`'s, the job queue
+:mod:`dasktrain.jobs`, the scheduler's metrics :mod:`dasktrain.monitor`.
 
 Each name below imports its module on first use (importing the package
 loads no dask.distributed).
@@ -18,6 +19,8 @@ _EXPORTS = {
         'worker_info'), 'dasktrain.cluster.local'),
     **dict.fromkeys(('local_device_workers', 'local_workers'),
                     'dasktrain.cluster.workers'),
+    **dict.fromkeys(('ensure_cluster', 'release_cluster'),
+                    'dasktrain.cluster.reuse'),
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

@@ -140,9 +140,9 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     owned = client is None
     client = client or connect(scheduler)
     try:
+        check_owner(client)
         if check:
             check_resources(client, config, gpus)
-        check_owner(client)
         job_id = (f'{_slug(name or config.model)}-'
                   f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
         root = jobs_dir(path).resolve()
