@@ -109,6 +109,9 @@ class TrainConfig:
     # Scale-out (scaleout.py): one job as replica groups on Dask workers.
     workers: int | None = None      # groups, one per worker; None: here
     scheduler: str | None = None    # None: the `cluster start` cluster
+    gpus_per_worker: int | None = None  # GPUs each rank holds (0: none);
+    #                                 None: as many as devices names, else
+    #                                 1 where the workers have GPUs
     on_worker_loss: str = 'continue'  # or 'wait' for a replacement worker
     collective_timeout: float = 300.0  # s a rank waits for the others: a
     #                                 hung peer fails the job, not hangs it
@@ -192,6 +195,14 @@ class TrainConfig:
                               f'{argument("workers")} only, got '
                               f'{argument("scheduler")} {self.scheduler} '
                               f'without {argument("workers")}')
+        if self.gpus_per_worker is not None:
+            if self.workers is None:
+                raise ConfigError(f'{argument("gpus_per_worker")} applies '
+                                  f'with {argument("workers")} only')
+            if not isinstance(self.gpus_per_worker, int) or \
+                    isinstance(self.gpus_per_worker, bool) or \
+                    self.gpus_per_worker < 0:
+                fail('gpus_per_worker', 'an int >= 0 or None')
         if self.early_stop_mode not in ('auto', 'min', 'max'):
             fail('early_stop_mode', "'auto', 'min' or 'max'")
         if self.on_worker_loss not in ('continue', 'wait'):

@@ -234,7 +234,8 @@ def _drive(client, config, callbacks, progress):
     """Run the job's ranks until they end, again from the checkpoint after
     a lost worker; the summary of rank 0."""
     from distributed import Variable
-    gpus = gpus_per_rank(config.devices, worker_info(client).values())
+    gpus = gpus_per_rank(config.devices, worker_info(client).values(),
+                         config.gpus_per_worker)
     job = uuid.uuid4().hex[:8]
     wanted = minimum = config.workers
     patience, attempt = config.collective_timeout, 0

@@ -93,6 +93,43 @@ def test_a_submitted_job_across_two_cpu_workers(cluster, data_dir,
     assert 'done: epoch 2' in job.logs()
 
 
+def test_a_job_across_workers_holds_its_gpus_on_every_rank(cluster,
+                                                          data_dir,
+                                                          tmp_path):
+    def _rank_restrictions(dask_scheduler):  # local: sent by value
+        return {str(k): dict(ts.resource_restrictions or {})
+                for k, ts in dask_scheduler.tasks.items()
+                if str(k).startswith('dasktrain-') and '-rank' in str(k)}
+
+    # `submit --gpus 2 -- --workers 2`: 2 x 2 GPUs, one value from submit
+    # to every rank (the ranks train on the CPU here: devices say so).
+    for ids in ('GPU-a,GPU-b', 'GPU-c,GPU-d'):
+        cluster.worker(gpus=2, nthreads=3, visible=ids)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(2)
+        with pytest.raises(JobError, match=r'gpus_per_worker 1 contradicts '
+                           r'gpus 2'):
+            submit(job_config(data_dir, workers=2, gpus_per_worker=1),
+                   gpus=2, client=client, path=tmp_path / 'jobs')
+        seen = {}
+        for gpus in (2, 0):
+            job = submit(job_config(data_dir, workers=2, epochs=30),
+                         gpus=gpus, client=client, path=tmp_path / 'jobs')
+            assert job.spec()['config']['gpus_per_worker'] == gpus
+
+            def ranks(gpus=gpus):
+                seen[gpus] = client.run_on_scheduler(_rank_restrictions)
+                return len(seen[gpus]) == 2
+            wait_until(ranks, 120, 'both ranks')
+            job.cancel(client)
+            wait_until(lambda job=job: job.status()['state'] == 'cancelled',
+                       60, 'the cancel')
+            wait_until(lambda: not client.run_on_scheduler(
+                _rank_restrictions), 120, 'the ranks to go')
+    assert list(seen[2].values()) == [{'GPU': 2}] * 2
+    assert list(seen[0].values()) == [{}] * 2  # no GPU, no CPU slot here
+
+
 @pytest.mark.equivalence
 def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
         cluster, data_dir, tmp_path, capsys, float64):

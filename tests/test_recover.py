@@ -161,6 +161,18 @@ def test_result_of_a_job_whose_log_is_gone_is_one_line(home, capsys):
     assert len(err) == 1 and 'its log' in err[0] and \
         'missing or damaged' in err[0]
     assert Job.find('nolog').status()['state'] == 'finished'
+    # a log whose accuracy is no number: shown as it is, listed as none
+    out = home / 'jobs' / 'nolog' / 'out'
+    out.mkdir()
+    (out / 'log').write_text(json.dumps([
+        {'epoch': 1, 'elapsed_time': 1.0,
+         'validation/main/accuracy': 'high'}]))
+    assert main(['result', 'nolog']) == 0
+    assert 'validation/main/accuracy: high' in capsys.readouterr().out
+    assert main(['jobs']) == 0
+    row, = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith('nolog')]
+    assert row.split()[5:7] == ['1/1', '-']  # PROGRESS, ACCURACY
 
 
 def _ours(home):

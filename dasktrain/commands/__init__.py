@@ -78,6 +78,13 @@ def train_config(train_args, prog):
     return config_from_args(train_parser.parse_args(train_args))
 
 
+def add_scheduler(parser):
+    """``--scheduler``, for every command that talks to a cluster."""
+    parser.add_argument('--scheduler', default=None, metavar='ADDR',
+                        help='default: the cluster `dasktrain cluster start` '
+                             'recorded')
+
+
 def add_jobs_dir(parser):
     """``--jobs-dir``, for every command that reads or writes job folders."""
     parser.add_argument('--jobs-dir', default=None, metavar='DIR',

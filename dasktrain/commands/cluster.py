@@ -1,6 +1,6 @@
 """``dasktrain cluster start|status|stop``: a Dask cluster on this machine,
 with the links to its dashboard, jobs page and metrics."""
-from dasktrain.commands import Command, Parser, add_jobs_dir
+from dasktrain.commands import Command, Parser, add_jobs_dir, add_scheduler
 
 
 def _add_tls_arguments(parser):
@@ -50,9 +50,7 @@ class Cluster(Command):
         p.set_defaults(command_parser=p)
         p = actions.add_parser('status', help='the scheduler, dashboard and '
                                'workers')
-        p.add_argument('--scheduler', default=None, metavar='ADDR',
-                       help='default: the cluster `dasktrain cluster start` '
-                            'recorded')
+        add_scheduler(p)
         p.set_defaults(command_parser=p)
         p = actions.add_parser(
             'stop', help='shut the cluster down; its queued and running '

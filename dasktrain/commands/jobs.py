@@ -4,7 +4,12 @@ import argparse
 import sys
 import time
 
-from dasktrain.commands import Command, add_jobs_dir, train_config
+from dasktrain.commands import (
+    Command,
+    add_jobs_dir,
+    add_scheduler,
+    train_config,
+)
 
 
 class Submit(Command):
@@ -13,9 +18,7 @@ class Submit(Command):
             ' -- <dasktrain train options>')
 
     def add_arguments(self, parser):
-        parser.add_argument('--scheduler', default=None, metavar='ADDR',
-                            help='default: the cluster `dasktrain cluster '
-                                 'start` recorded')
+        add_scheduler(parser)
         parser.add_argument('--gpus', type=int, default=1,
                             help='GPUs the job reserves; with --workers in '
                                  'the train options, GPUs per worker; 0 '
@@ -207,9 +210,7 @@ class Requeue(_JobCommand):
 
     def add_arguments(self, parser):
         super().add_arguments(parser)
-        parser.add_argument('--scheduler', default=None, metavar='ADDR',
-                            help='default: the cluster `dasktrain cluster '
-                                 'start` recorded')
+        add_scheduler(parser)
 
     def run(self, args):
         from dasktrain.cluster.local import connect

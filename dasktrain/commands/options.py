@@ -139,6 +139,11 @@ def add_arguments(parser):
         help='Dask scheduler address (default: the cluster of `dasktrain '
              'cluster start`)')
     group.add_argument(
+        '--gpus-per-worker', type=int, default=d.gpus_per_worker,
+        metavar='K', help='GPUs each rank holds on its worker, 0 for none '
+        '(default: as many as --devices names, else 1 where the workers '
+        'have GPUs); `submit --gpus K` sets it')
+    group.add_argument(
         '--on-worker-loss', choices=('continue', 'wait'),
         default=d.on_worker_loss,
         help='when a worker dies: go on from the last checkpoint with the '

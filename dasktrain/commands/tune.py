@@ -2,7 +2,12 @@
 study's trials and its best (``--status``)."""
 import argparse
 
-from dasktrain.commands import Command, add_jobs_dir, train_config
+from dasktrain.commands import (
+    Command,
+    add_jobs_dir,
+    add_scheduler,
+    train_config,
+)
 
 
 class Tune(Command):
@@ -45,8 +50,7 @@ class Tune(Command):
         add('--study', metavar='NAME', help="default: the space file's name")
         add('--timeout', type=float, default=None, metavar='S',
             help='start no trial after S seconds (running ones finish)')
-        add('--scheduler', default=None, metavar='ADDR',
-            help='default: the cluster `dasktrain cluster start` recorded')
+        add_scheduler(parser)
         add_jobs_dir(parser)
         add('train_args', nargs=argparse.REMAINDER,
             help='options of `dasktrain train` every trial shares, after --')

@@ -168,8 +168,10 @@ class Job:
         rows = self.log_rows()
         status['epoch'] = rows[-1]['epoch'] if rows else 0
         status['epochs'] = self.spec()['config']['epochs']
-        status['accuracy'] = (rows[-1].get('validation/main/accuracy')
-                              if rows else None)
+        accuracy = rows[-1].get('validation/main/accuracy') if rows else None
+        # a log someone edited by hand: no number, no accuracy
+        status['accuracy'] = accuracy if isinstance(accuracy, (int, float)) \
+            and not isinstance(accuracy, bool) else None
         return status
 
     def summary(self):

@@ -88,9 +88,15 @@ def check_devices(config, gpus):
     ...
     dasktrain.jobs.records.JobError: --devices 0 names 1 GPU(s) but 0 were...
     """
-    if config.workers is not None or config.devices is None:
+    if config.workers is not None and \
+            config.gpus_per_worker not in (None, gpus):
+        raise JobError(f'{argument("gpus_per_worker")} '
+                       f'{config.gpus_per_worker} contradicts '
+                       f'{argument("gpus")} {gpus} (GPUs per worker of a '
+                       f'job across workers): pass one of them')
+    if config.devices is None:
         return
-    try:
+    try:  # with workers: per rank, each holding `gpus`
         place_devices(config.devices, range(gpus))
     except GpuError as e:
         raise JobError(str(e)) from None
@@ -151,6 +157,8 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         config = config.replace(out=str(folder / 'out'), resume=True,
                                 progress=True,
                                 data_dir=os.path.abspath(config.data_dir))
+        if config.workers is not None:  # every rank holds `gpus`
+            config = config.replace(gpus_per_worker=gpus)
         spec = {
             'id': job_id, 'name': name or config.model,
             'user': current_user(), 'gpus': gpus,

@@ -108,10 +108,17 @@ def place(config, available=None):
     return Placement(PER_DEVICE, devices, workers, (device,))
 
 
-def gpus_per_rank(devices, workers):
-    """GPUs each rank of a job on a cluster holds: as many as ``devices``
-    names; with none named, one where any of ``workers`` (their info
-    dicts, with the ``resources`` they advertise) has GPUs, else none.
+def gpus_per_rank(devices, workers, asked=None):
+    """GPUs each rank of a job on a cluster holds: ``asked`` where given
+    (``TrainConfig.gpus_per_worker``, which ``submit --gpus`` sets); else
+    as many as ``devices`` names; with none named, one where any of
+    ``workers`` (their info dicts, with the ``resources`` they advertise)
+    has GPUs, else none.
+
+    >>> gpus_per_rank(None, [{'resources': {'GPU': 4}}], asked=2)
+    2
+    >>> gpus_per_rank(('@numpy',), [{'resources': {'GPU': 4}}], asked=0)
+    0
 
     >>> gpus_per_rank(None, [{'resources': {'GPU': 2}}, {'resources': {}}])
     1
@@ -120,6 +127,8 @@ def gpus_per_rank(devices, workers):
     >>> gpus_per_rank(('@cupy:0', '@cupy:1'), [])
     2
     """
+    if asked is not None:
+        return asked
     if devices is None:
         return 1 if any(w.get('resources', {}).get('GPU') for w in workers) \
             else 0
