@@ -40,6 +40,7 @@ _EXPORTS = {
     'augment': 'dasktrain.data.augment',
     'EpochLoader': 'dasktrain.data.loader',
     'GPUDistributedGradient': 'dasktrain.parallel.gradient',
+    'DistributedUpdater': 'dasktrain.training.updater',
     'get_model': 'dasktrain.training.models',
     'load_model': 'dasktrain.training.models',
     'TrainConfig': 'dasktrain.config',

@@ -151,13 +151,21 @@ class GPUDistributedGradient:
         self.clock.total = seconds
 
     def setup(self, optimizer):
-        """Attach ``optimizer`` (not yet set up): dg to the master, ipm to
-        every replica (copies with the same hyperparameters)."""
-        if getattr(optimizer, 'target', None) is not None:
-            raise ValueError('optimizer is already set up on a link; pass a '
-                             'fresh one to GPUDistributedGradient.setup')
-        template = copy.deepcopy(optimizer)
-        optimizer.setup(self.master)
+        """Attach ``optimizer`` (fresh, or set up on the model this wraps,
+        hooks and all): dg to the master, ipm to every replica (copies
+        with the same hyperparameters and hooks)."""
+        target = getattr(optimizer, 'target', None)
+        if target is not None and target is not self.master:
+            raise ValueError('optimizer is already set up on another link; '
+                             'pass a fresh one to GPUDistributedGradient.'
+                             'setup')
+        optimizer.target = None  # the template: no model in the copy
+        try:
+            template = copy.deepcopy(optimizer)
+        finally:
+            optimizer.target = target
+        if target is None:
+            optimizer.setup(self.master)
         self.optimizers = [optimizer]
         if self.mode == 'ipm':
             for replica in self.replicas[1:]:

@@ -19,6 +19,7 @@ _EXPORTS = {
                     'dasktrain.training.checkpoint'),
     'load_test_share': 'dasktrain.training.evaluate',
     'EarlyStopping': 'dasktrain.training.stopping',
+    'DistributedUpdater': 'dasktrain.training.updater',
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)
