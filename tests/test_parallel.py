@@ -374,3 +374,52 @@ def test_float16_communication_keeps_small_gradients():
         assert np.abs(exact).max() < 1e-4
         error = np.abs(grads['float16'][key] - exact).max()
         assert error <= 2 ** -10 * np.abs(exact).max(), key
+
+
+class Lazy(chainer.Chain):
+    """The Chainer idiom: input sizes taken from the first batch."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = chainer.links.Linear(None, 16)
+            self.l2 = chainer.links.Linear(None, 10)
+
+    def forward(self, x):
+        return self.l2(chainer.functions.relu(self.l1(x)))
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize('mode', ['dg', 'ipm'])
+def test_a_lazily_initialised_model_starts_equal_everywhere(mode, float64):
+    x, t = batch(12)
+    model = GPUDistributedGradient(chainer.links.Classifier(Lazy()),
+                                   ['@numpy'] * 3, mode=mode)
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    np.random.seed(5)  # the draw the master makes at its first forward
+    with model as m:  # forward only: every replica as the master
+        m(*model.split(x, t))
+    first = params(model.master)
+    assert first and all(v is not None for v in first.values())
+    for replica in model.replicas[1:]:
+        theirs = params(replica)
+        for name in first:
+            assert np.array_equal(theirs[name], first[name]), name
+    if mode == 'ipm':
+        return
+    # and dg on 3 replicas equals one device on the whole batch
+    one = chainer.links.Classifier(Lazy())
+    optimizer = chainer.optimizers.SGD(lr=0.1)
+    optimizer.setup(one)
+    np.random.seed(5)
+    one(x[:1], t[:1])  # the same first draw, then the same updates
+    for name, p in sorted(one.namedparams()):
+        np.testing.assert_array_equal(p.array, first[name])
+    model.cleargrads()
+    for seed in range(3):
+        xs, ts = batch(12, seed)
+        model.step(xs, ts)
+        optimizer.update(one, xs, ts)
+    for name, value in params(one).items():
+        np.testing.assert_allclose(params(model.master)[name], value,
+                                   rtol=1e-10, atol=1e-12, err_msg=name)

@@ -203,6 +203,7 @@ class GPUDistributedGradient:
                              f'got {len(parts)}')
         self._sizes = [len(part[0]) for part in parts]
         self._total = sum(self._sizes) if total is None else total
+        self.group.initialize(parts)  # lazily initialised links, once
         self._losses = self.group.forward(parts)
         return self._losses[0]
 

@@ -17,7 +17,6 @@ moves one replica's arrays as one flat buffer
 user did not list. It knows no optimizer (an optimizer's state is only
 handed in as arrays) and no update.
 """
-import contextlib
 import copy
 
 import chainer
@@ -30,6 +29,7 @@ from dasktrain.parallel.devices import (
     synchronize,
     transfer,
 )
+from dasktrain.parallel.randomness import ReplicaRandom
 
 
 def _persistents(link):
@@ -92,6 +92,27 @@ class Replicas:
         start = self.comm.bcast(mine if self.comm.rank == 0 else None)
         self.write(self.groups(self.links),
                    [self.devices[0].send(a) for a in start])
+
+    def initialize(self, parts):
+        """Lazily initialised links (``L.Linear(None, n)``, the Chainer
+        idiom) take their shapes from the first batch, each replica and
+        rank drawing its own weights: initialise every replica on one
+        example of a non-empty part (test mode, no gradients), then the
+        master's weights everywhere and rank 0's on every rank (as at
+        construction). Nothing to do once every parameter has an array."""
+        if all(p.array is not None for p in self.master.params()):
+            return
+        sample = next((p for p in parts if len(p[0])), None)
+        with chainer.using_config('train', False), \
+                chainer.no_backprop_mode():
+            for link, device in zip(self.links, self.devices):
+                if sample is not None:
+                    with chainer.using_device(device):
+                        link(*[device.send(np.asarray(a)[:1])
+                               for a in sample])
+        self.copy_master()
+        if self.comm.size > 1:
+            self.start_from_rank0()
 
     def split(self, x):
         """``x`` in near-equal parts, the larger first, each sent to its
@@ -359,53 +380,3 @@ class _Reduction:
             self._pending.wait()
             self._means = self._finish()
         return self._means
-
-
-class ReplicaRandom:
-    """One random stream per replica, for what a replica draws (dropout).
-
-    NumPy's and CuPy's generators are global (CuPy's, one per device): two
-    replicas in one process, or on one GPU, would otherwise share one and
-    draw differently than the same replicas spread over processes. Inside
-    :meth:`drawing` the replica's own state is swapped in.
-    """
-
-    def __init__(self, devices):
-        self.devices = devices
-        self.states = [None] * len(devices)
-
-    def seed(self, seed, epoch, offset):
-        """States from (``seed``, ``epoch``, global replica index)."""
-        for i, device in enumerate(self.devices):
-            state = int(np.random.SeedSequence(
-                [seed, epoch, offset + i]).generate_state(1)[0])
-            if device.xp is np:
-                self.states[i] = np.random.RandomState(state).get_state()
-            else:
-                with chainer.using_device(device):
-                    self.states[i] = device.xp.random.RandomState(state)
-
-    @contextlib.contextmanager
-    def drawing(self, i):
-        """Replica ``i`` draws from its own stream inside the block (with
-        its device current)."""
-        mine, device = self.states[i], self.devices[i]
-        if mine is None:
-            yield
-        elif device.xp is np:
-            outer = np.random.get_state()
-            np.random.set_state(mine)
-            try:
-                yield
-            finally:
-                self.states[i] = np.random.get_state()
-                np.random.set_state(outer)
-        else:  # CuPy keeps one RandomState per device: swap ours in
-            random = device.xp.random
-            outer = random.get_random_state()
-            random.set_random_state(mine)
-            try:
-                yield
-            finally:
-                random.set_random_state(outer)
-
