@@ -72,6 +72,8 @@ def _type_words(annotation):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: str = 'cifar10'          # the seed post's network; see models.py
+    #                                 or your own: file.py:NAME, pkg.mod:NAME
+    model_args: dict | None = None  # keyword arguments of your own model
     mode: str = 'dg'                # 'dg': mean gradient; 'ipm': mix params
     mix_every: int | str | None = None  # ipm: iterations, 'epoch', or
     #                                 None = one-shot (mix only at the end)
@@ -160,8 +162,18 @@ class TrainConfig:
                 fail(field, 'an int >= 1' + (' or None' if allow_none
                                               else ''))
 
-        if self.model not in MODELS:
-            fail('model', f'one of {", ".join(MODELS)}')
+        if self.model not in MODELS and ':' not in self.model:
+            fail('model', f'one of {", ".join(MODELS)}, or your own model '
+                          'as path/to/file.py:NAME or package.module:NAME')
+        if self.model_args is not None:
+            if ':' not in self.model:
+                raise ConfigError(f'{argument("model_args")} apply to your '
+                                  f'own model ({argument("model")} '
+                                  f'file.py:NAME), not to {self.model}')
+            try:
+                json.dumps(self.model_args)
+            except (TypeError, ValueError):
+                fail('model_args', 'a dict of JSON values')
         if self.mode not in ('dg', 'ipm'):
             fail('mode', "'dg' or 'ipm'")
         if self.mix_every is not None:

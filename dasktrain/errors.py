@@ -42,7 +42,13 @@ def argument(name):
     ...     argument('batch_size')
     '--batch-size'
     """
-    return '--' + name.replace('_', '-') if _FLAG_NAMES else name
+    if not _FLAG_NAMES:
+        return name
+    return FLAGS.get(name) or '--' + name.replace('_', '-')
+
+
+# Arguments whose flag is not their name with dashes.
+FLAGS = {'model_args': '--model-arg'}
 
 
 @contextlib.contextmanager

@@ -65,7 +65,9 @@ from dasktrain.parallel.placement import (
 )
 from dasktrain.training.checkpoint import prepare_out
 from dasktrain.training.loop import run
+from dasktrain.training.models import get_model
 from dasktrain.training.progress import Progress
+from dasktrain.training.usermodel import absolute_spec, is_spec, spec_file
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,10 @@ def train(config=None, callbacks=(), client=None, **overrides):
     >>> train(TrainConfig(workers=2, mode='ipm'))  # doctest: +SKIP
     """
     config = (config or TrainConfig()).replace(**overrides)
+    if is_spec(config.model):  # the user's model: one line if it is wrong,
+        # before anything starts; ranks elsewhere find the same file
+        get_model(config.model, model_args=config.model_args)  # as typed
+        config = config.replace(model=absolute_spec(config.model))
     progress = Progress(config.progress, config.epochs)
     placement = place(config)  # asks CUDA, once, when no devices are named
     if placement.where == HERE:
@@ -126,6 +132,14 @@ def train(config=None, callbacks=(), client=None, **overrides):
                                        devices=placement.rank_devices),
                         callbacks, client, progress)
     return _job(config, callbacks, client, progress)
+
+
+def _send_model(client, config):
+    """A model file, to every worker (Dask's ``upload_file``): a worker on
+    another machine needs no copy of the user's folder."""
+    path = spec_file(config.model) if is_spec(config.model) else None
+    if path is not None:
+        client.upload_file(str(path), load=False)
 
 
 def _job(config, callbacks, client, progress):
@@ -234,6 +248,7 @@ def _drive(client, config, callbacks, progress):
     """Run the job's ranks until they end, again from the checkpoint after
     a lost worker; the summary of rank 0."""
     from distributed import Variable
+    _send_model(client, config)
     gpus = gpus_per_rank(config.devices, worker_info(client).values(),
                          config.gpus_per_worker)
     job = uuid.uuid4().hex[:8]

@@ -10,7 +10,7 @@ import pytest
 
 from dasktrain.cli import build_parser, main
 from dasktrain.config import ConfigError, TrainConfig, parse_devices
-from dasktrain.errors import UserError, flag_names
+from dasktrain.errors import FLAGS, UserError, flag_names
 from dasktrain.launch import train
 from dasktrain.parallel.devices import gpu_count
 from dasktrain.training.loop import TrainingDiverged
@@ -182,7 +182,12 @@ def test_flags_map_one_to_one_onto_config_fields():
                                 '0'),
     (['--scheduler', 'tcp://x:1'], '--scheduler applies with --workers '
                                    'only'),
-    (['--model', 'vgg'], "invalid choice: 'vgg'"),
+    (['--model', 'vgg'], "--model must be one of cifar10, resnet20, "
+                         "resnet32, resnet56, tiny, or your own model"),
+    (['--model-arg', 'n=1'], '--model-arg apply to your own model (--model '
+                             'file.py:NAME), not to cifar10'),
+    (['--model', 'm.py:M', '--model-arg', '1x'],
+     "argument --model-arg: expected KEY=VALUE, got '1x'"),
 ])
 def test_bad_option_values_are_usage_errors(argv, message, capsys):
     """The usage line, the error naming the flag, and where help is: no
@@ -213,7 +218,7 @@ def test_every_field_is_type_checked(field):
                                           f'{value!r}$'):
         TrainConfig(**{field.name: value})
     flag = field.name if field.type is bool else \
-        '--' + field.name.replace('_', '-')
+        FLAGS.get(field.name, '--' + field.name.replace('_', '-'))
     with flag_names(), pytest.raises(ConfigError, match=f'^{flag} must be'):
         TrainConfig(**{field.name: value})
 

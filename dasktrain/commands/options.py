@@ -6,6 +6,7 @@ Owns the command line's spelling of a run; the run itself is TrainConfig,
 which knows nothing of argparse.
 """
 import argparse
+import json
 
 from dasktrain.config import (
     MODELS,
@@ -36,6 +37,23 @@ def _mix_every_type(text):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected an int or 'epoch', got {text!r}") from None
+
+
+class _ModelArg(argparse.Action):
+    """``--model-arg KEY=VALUE``, repeatable, into one dict."""
+
+    def __call__(self, parser, namespace, text, option_string=None):
+        key, sep, value = text.partition('=')
+        if not sep or not key.isidentifier():
+            parser.error(f'argument --model-arg: expected KEY=VALUE, got '
+                         f'{text!r}')
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass  # a bare string
+        args = dict(getattr(namespace, self.dest) or {})
+        args[key] = value
+        setattr(namespace, self.dest, args)
 
 
 def devices_type(text):
@@ -71,8 +89,15 @@ def add_arguments(parser):
     """One flag per TrainConfig field; defaults come from TrainConfig."""
     d = TrainConfig()
     add = parser.add_argument
-    add('--model', choices=MODELS, default=d.model,
-        help='network (default: %(default)s, the seed post\'s)')
+    add('--model', default=d.model, metavar='MODEL',
+        help=f'network: {", ".join(MODELS)} (default: %(default)s, the seed '
+             "post's), or your own: path/to/file.py:NAME or "
+             'package.module:NAME, a Chain class or a function returning a '
+             'link from inputs to class scores (docs/models.md)')
+    add('--model-arg', dest='model_args', action=_ModelArg,
+        default=d.model_args, metavar='KEY=VALUE',
+        help='a keyword argument of your own model, repeatable; VALUE is '
+             'JSON (256, 0.5, true, [1,2]) or else a string')
     add('--mode', choices=('dg', 'ipm'), default=d.mode,
         help='dg: average gradients every step; ipm: each replica trains, '
              'parameters are averaged every --mix-every (default: '

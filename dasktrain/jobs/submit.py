@@ -35,6 +35,7 @@ from dasktrain.jobs.records import (
 )
 from dasktrain.jobs.worker import run_job
 from dasktrain.parallel.gpus import GpuError, place_devices
+from dasktrain.training.usermodel import absolute_spec, is_spec, spec_file
 
 
 def _slug(text):
@@ -143,16 +144,28 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     if not isinstance(gpus, int) or gpus < 0:
         raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
     check_devices(config, gpus)
+    if is_spec(config.model):  # the user's model: one line if wrong, here
+        from dasktrain.training.models import get_model  # Chainer: only now
+        get_model(config.model, model_args=config.model_args)  # as typed
+        config = config.replace(model=absolute_spec(config.model))
     owned = client is None
     client = client or connect(scheduler)
     try:
         check_owner(client)
         if check:
             check_resources(client, config, gpus)
-        job_id = (f'{_slug(name or config.model)}-'
+        label = name or config.model.rpartition(':')[2]
+        job_id = (f'{_slug(label)}-'
                   f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
         root = jobs_dir(path).resolve()
         folder = root / job_id
+        # A model file as it is now: editing it later changes no job.
+        files = {}
+        source = spec_file(config.model) if is_spec(config.model) else None
+        if source is not None:
+            files[f'model/{source.name}'] = source
+            config = config.replace(model=f'{folder / "model" / source.name}'
+                                          f':{config.model.rpartition(":")[2]}')
         # Paths as the submitter meant them: the job runs in its folder.
         config = config.replace(out=str(folder / 'out'), resume=True,
                                 progress=True,
@@ -160,13 +173,13 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         if config.workers is not None:  # every rank holds `gpus`
             config = config.replace(gpus_per_worker=gpus)
         spec = {
-            'id': job_id, 'name': name or config.model,
+            'id': job_id, 'name': label,
             'user': current_user(), 'gpus': gpus,
             'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
             'submitted': time.time(), **(extra or {})}
-        _make_folder(root, folder, spec)
+        _make_folder(root, folder, spec, files)
         job = Job(job_id, folder)
         # Before the task: the scheduler sees 'queued' before 'running'.
         job.announce(client)
@@ -177,7 +190,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             client.close()
 
 
-def _make_folder(root, folder, spec):
+def _make_folder(root, folder, spec, files=None):
     """Write the job's folder whole: in a hidden temp folder, renamed into
     place once both files are there (readers never see half a job), and
     readable by its owner only (its logs and weights are the owner's);
@@ -186,6 +199,9 @@ def _make_folder(root, folder, spec):
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir(mode=0o700)
+        for name, source in (files or {}).items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, tmp / name)
         write_json(tmp / 'job.json', spec)
         write_json(tmp / 'status.json', {
             'state': 'queued', 'attempts': 0, 'gpus': None,

@@ -218,7 +218,8 @@ def _model(config, comm, devices):
     with their optimizers."""
     np.random.seed(config.seed)  # the initial weights
     model = GPUDistributedGradient(
-        get_model(config.model), devices, mode=config.mode,
+        get_model(config.model, model_args=config.model_args), devices,
+        mode=config.mode,
         mix_every=config.mix_every,
         mix_optimizer_state=config.mix_optimizer_state, comm=comm,
         comm_dtype=config.comm_dtype,

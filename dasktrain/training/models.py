@@ -18,6 +18,7 @@ import chainer.links as L
 import numpy as np
 
 from dasktrain.errors import UserError, argument
+from dasktrain.training.usermodel import build, is_spec
 
 
 def dropout(x, ratio):
@@ -149,15 +150,21 @@ MODELS = {
 }
 
 
-def get_model(name, n_classes=10):
-    """A fresh ``L.Classifier`` around the model registered as ``name``."""
+def get_model(name, n_classes=10, model_args=None):
+    """A fresh ``L.Classifier`` around the model registered as ``name``,
+    or the user's own model ``name`` names (``file.py:NAME``,
+    ``package.module:NAME``: :mod:`~dasktrain.training.usermodel`),
+    called with ``model_args``."""
+    if is_spec(name):
+        return build(name, n_classes, model_args)
     if name not in MODELS:
-        raise ValueError(f'model must be one of {", ".join(MODELS)}, got '
+        raise ValueError(f'model must be one of {", ".join(MODELS)}, or '
+                         f'file.py:NAME or package.module:NAME, got '
                          f'{name!r}')
     return L.Classifier(MODELS[name](n_classes))
 
 
-def load_model(path, model='cifar10'):
+def load_model(path, model='cifar10', model_args=None):
     """The model saved in ``path`` (``OUT/model_final.npz`` or
     ``model_best.npz``), in a fresh ``get_model(model)``: an
     ``L.Classifier`` whose ``.predictor`` is the bare network. Never
@@ -169,7 +176,7 @@ def load_model(path, model='cifar10'):
     ...                    'resnet20')  # doctest: +SKIP
     >>> chain.predictor(x)  # doctest: +SKIP
     """
-    chain = get_model(model)
+    chain = get_model(model, model_args=model_args)
     with read_npz(path, f'{argument("model")} {model}') as npz:
         chainer.serializers.NpzDeserializer(npz).load(chain)
     return chain
