@@ -33,6 +33,9 @@ def main(argv=None):
                         help='names of the notebooks to run, without '
                              '.ipynb (default: all)')
     parser.add_argument('--epochs', type=int, default=5)
+    parser.add_argument('--model', default=None,
+                        help="every notebook's network (default: each "
+                             "notebook's own; 04 always the small 'tiny')")
     parser.add_argument('--train-size', type=int, default=4000,
                         help='training images (default: %(default)s)')
     parser.add_argument('--test-size', type=int, default=1000,
@@ -59,7 +62,8 @@ def main(argv=None):
     work = args.work or Path(tempfile.mkdtemp(prefix='dasktrain-figures-'))
     data_dir = args.data_dir or str(work / 'data')
     size = dict(data_dir=data_dir, epochs=args.epochs,
-                train_size=args.train_size, test_size=args.test_size)
+                train_size=args.train_size, test_size=args.test_size,
+                **({'model': args.model} if args.model else {}))
     parameters = {
         '01_single_vs_multi_gpu': dict(size, out_dir=str(work / '01')),
         '02_distributed_gradient_vs_parameter_mixture': dict(
@@ -71,7 +75,7 @@ def main(argv=None):
         # (a 2-core CPU trains that at 20 images/s).
         '04_hyperparameter_search': dict(
             size, jobs_dir=str(work / '04-jobs'), port=0, dashboard_port=0,
-            model='tiny', trials=args.trials, startup_trials=3),
+            trials=args.trials, startup_trials=3, model='tiny'),
     }
     unknown = set(args.only) - set(parameters)
     if unknown:
