@@ -113,7 +113,10 @@ def test_a_job_across_workers_holds_its_gpus_on_every_rank(cluster,
                    gpus=2, client=client, path=tmp_path / 'jobs')
         seen = {}
         for gpus in (2, 0):
-            job = submit(job_config(data_dir, workers=2, epochs=30),
+            # A short collective timeout: a rank whose peer was cancelled
+            # first ends soon, unlinking what it made.
+            job = submit(job_config(data_dir, workers=2, epochs=30,
+                                    collective_timeout=10.0),
                          gpus=gpus, client=client, path=tmp_path / 'jobs')
             assert job.spec()['config']['gpus_per_worker'] == gpus
 

@@ -6,9 +6,10 @@
 (:mod:`~dasktrain.jobs.page`).
 
 Each name below imports its module on first use (importing the package
-loads no dask.distributed). ``submit`` itself is not among them: it would
-turn into the submodule of that name once that is imported; it is
-``dasktrain.submit`` (or ``dasktrain.jobs.submit.submit``).
+loads no dask.distributed). ``submit`` and ``recover`` are not among
+them: each would turn into the submodule of that name once that is
+imported; they are ``dasktrain.submit`` (or
+``dasktrain.jobs.submit.submit``) and ``dasktrain.jobs.recover.recover``.
 """
 from dasktrain._lazy import exports
 
@@ -24,8 +25,8 @@ _EXPORTS = {
         'scheduler_view'),
         'dasktrain.jobs.submit'),
     **dict.fromkeys((
-        'STOP_POLICIES', 'live_jobs', 'lost_reason', 'orphans', 'recover',
-        'requeue', 'settle'), 'dasktrain.jobs.recover'),
+        'STOP_POLICIES', 'live_jobs', 'lost_reason', 'orphans', 'requeue',
+        'settle'), 'dasktrain.jobs.recover'),
     **dict.fromkeys((
         'CHILD', 'child_module', 'run_child', 'run_job'),
         'dasktrain.jobs.worker'),
