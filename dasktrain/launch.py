@@ -65,9 +65,9 @@ from dasktrain.parallel.placement import (
 )
 from dasktrain.training.checkpoint import prepare_out
 from dasktrain.training.loop import run
-from dasktrain.training.models import get_model
+from dasktrain.training.models import resolve_model
 from dasktrain.training.progress import Progress
-from dasktrain.training.usermodel import absolute_spec, is_spec, spec_file
+from dasktrain.training.usermodel import is_spec, spec_file
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,10 @@ def train(config=None, callbacks=(), client=None, **overrides):
     >>> train(TrainConfig(workers=2, mode='ipm'))  # doctest: +SKIP
     """
     config = (config or TrainConfig()).replace(**overrides)
-    if is_spec(config.model):  # the user's model: one line if it is wrong,
-        # before anything starts; ranks elsewhere find the same file
-        get_model(config.model, model_args=config.model_args)  # as typed
-        config = config.replace(model=absolute_spec(config.model))
+    # The user's model: one line if it is wrong, before anything starts;
+    # ranks elsewhere find the same file.
+    config = config.replace(model=resolve_model(config.model,
+                                                config.model_args))
     progress = Progress(config.progress, config.epochs)
     placement = place(config)  # asks CUDA, once, when no devices are named
     if placement.where == HERE:

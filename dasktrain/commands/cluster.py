@@ -126,7 +126,9 @@ class Cluster(Command):
         """Stop the cluster; then record what became of its jobs."""
         from dasktrain.jobs.recover import live_jobs, settle
         recorded = cluster.read_state()
-        jobs = live_jobs(args.jobs_dir, recorded and recorded['scheduler'])
+        # no cluster recorded: stop_cluster says so; no job is touched
+        jobs = [] if recorded is None else \
+            live_jobs(args.jobs_dir, recorded['scheduler'])
         ended = {}
         if args.wait is not None and jobs:
             print(f'waiting for {len(jobs)} job(s) to end')

@@ -67,7 +67,6 @@ class Train(Command):
         if path is not None:
             print(f'curves: {path}')
 
-
     @staticmethod
     def resumed(config, args):
         """``--resume``: every option from ``OUT/args`` (the run as it was

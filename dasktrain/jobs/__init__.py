@@ -17,7 +17,7 @@ _EXPORTS = {
     **dict.fromkeys((
         'DONE', 'EVENTS', 'JOBS_ENV', 'KEY_PREFIX', 'PRUNED', 'STATES', 'Job',
         'JobError', 'Pruned', 'current_user', 'jobs_dir', 'list_jobs',
-        'update_status'),
+        'update_status', 'user_name'),
         'dasktrain.jobs.records'),
     **dict.fromkeys((
         'SchedulerPoller', 'ask_scheduler', 'check_devices', 'check_owner',

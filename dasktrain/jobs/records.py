@@ -48,14 +48,19 @@ class JobError(UserError):
     pass
 
 
-def current_user():
-    """The OS user this process runs as (from the password database, not
-    ``$USER``, which anyone can set); the uid where it has no entry."""
-    uid = os.getuid()
+def user_name(uid):
+    """The name of the OS user ``uid`` (from the password database); the
+    uid itself where it has no entry (containers)."""
     try:
         return pwd.getpwuid(uid).pw_name
-    except KeyError:  # containers: a uid with no passwd entry
+    except KeyError:
         return str(uid)
+
+
+def current_user():
+    """The OS user this process runs as (not ``$USER``, which anyone can
+    set)."""
+    return user_name(os.getuid())
 
 
 def jobs_dir(path=None):

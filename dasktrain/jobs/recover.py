@@ -33,13 +33,13 @@ STOP_POLICIES = ('cancel', 'requeue', 'wait')
 def live_jobs(path=None, scheduler=None):
     """This user's jobs that are queued or running (on ``scheduler``
     only, when given); unreadable folders are skipped."""
-    found = []
+    found, me = [], current_user()
     for job in list_jobs(path):
         try:
             spec, state = job.spec(), job.status()['state']
         except JobError:
             continue
-        if state in DONE or spec.get('user') != current_user():
+        if state in DONE or spec.get('user') != me:
             continue
         if scheduler is None or spec.get('scheduler') == scheduler:
             found.append(job)

@@ -16,7 +16,6 @@ Owns the submitter's side only: it never runs a job (that is
 """
 import json
 import os
-import pwd
 import re
 import shutil
 import threading
@@ -32,10 +31,11 @@ from dasktrain.jobs.records import (
     JobError,
     current_user,
     jobs_dir,
+    user_name,
 )
 from dasktrain.jobs.worker import run_job
 from dasktrain.parallel.gpus import GpuError, place_devices
-from dasktrain.training.usermodel import absolute_spec, is_spec, spec_file
+from dasktrain.training.usermodel import is_spec, spec_file, split_spec
 
 
 def _slug(text):
@@ -145,16 +145,18 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
     check_devices(config, gpus)
     if is_spec(config.model):  # the user's model: one line if wrong, here
-        from dasktrain.training.models import get_model  # Chainer: only now
-        get_model(config.model, model_args=config.model_args)  # as typed
-        config = config.replace(model=absolute_spec(config.model))
+        from dasktrain.training.models import resolve_model  # Chainer: now
+        config = config.replace(model=resolve_model(config.model,
+                                                    config.model_args))
     owned = client is None
     client = client or connect(scheduler)
     try:
         check_owner(client)
         if check:
             check_resources(client, config, gpus)
-        label = name or config.model.rpartition(':')[2]
+        model_name = split_spec(config.model)[1] \
+            if is_spec(config.model) else config.model
+        label = name or model_name
         job_id = (f'{_slug(label)}-'
                   f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
         root = jobs_dir(path).resolve()
@@ -164,8 +166,8 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         source = spec_file(config.model) if is_spec(config.model) else None
         if source is not None:
             files[f'model/{source.name}'] = source
-            config = config.replace(model=f'{folder / "model" / source.name}'
-                                          f':{config.model.rpartition(":")[2]}')
+            config = config.replace(
+                model=f'{folder / "model" / source.name}:{model_name}')
         # Paths as the submitter meant them: the job runs in its folder.
         config = config.replace(out=str(folder / 'out'), resume=True,
                                 progress=True,
@@ -218,13 +220,6 @@ def _uid():
     return os.getuid()
 
 
-def _name(uid):
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f'uid {uid}'
-
-
 def check_owner(client, uid=None):
     """Refuse a job the cluster could not run: its worker runs as the
     user who started the cluster (uid ``client``'s scheduler runs as)
@@ -237,10 +232,10 @@ def check_owner(client, uid=None):
     except Exception:  # an older scheduler, a closed one: checked later
         return
     if owner != uid:
-        name = _name(owner)
+        name = user_name(owner)
         raise JobError(
             f'this cluster runs its jobs as {name}, not as you '
-            f'({_name(uid)}): it could not write your job\'s private '
+            f'({user_name(uid)}): it could not write your job\'s private '
             f'folder. Start a cluster of your own (`dasktrain cluster '
             f'start --port 0`), or ask {name} to submit it')
 

@@ -18,7 +18,7 @@ import chainer.links as L
 import numpy as np
 
 from dasktrain.errors import UserError, argument
-from dasktrain.training.usermodel import build, is_spec
+from dasktrain.training.usermodel import absolute_spec, build, is_spec
 
 
 def dropout(x, ratio):
@@ -162,6 +162,17 @@ def get_model(name, n_classes=10, model_args=None):
                          f'file.py:NAME or package.module:NAME, got '
                          f'{name!r}')
     return L.Classifier(MODELS[name](n_classes))
+
+
+def resolve_model(model, model_args=None):
+    """``model`` as processes elsewhere must name it: a built-in name as
+    it is; the user's spec checked here first, by building it once (one
+    line naming the spec as typed if it is wrong), then with a relative
+    file made absolute."""
+    if not is_spec(model):
+        return model
+    get_model(model, model_args=model_args)
+    return absolute_spec(model)
 
 
 def load_model(path, model='cifar10', model_args=None):

@@ -111,6 +111,16 @@ def _lock(out):
     return lock
 
 
+def _applied(args):
+    """``OUT/args``'s settings as they stand now: those the run started
+    with, each resume's changes applied."""
+    current = {k: v for k, v in args.items() if k != 'resumed'}
+    for resume in args.get('resumed', ()):
+        if isinstance(resume, dict):
+            current.update(resume.get('changed', {}))
+    return current
+
+
 def recorded_settings(out):
     """The settings ``OUT/args`` holds as they stand now (those the run
     started with, each resume's changes applied), or None where there is
@@ -119,13 +129,7 @@ def recorded_settings(out):
         args = json.loads((Path(out) / 'args').read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(args, dict):
-        return None
-    current = {k: v for k, v in args.items() if k != 'resumed'}
-    for resume in args.get('resumed', ()):
-        if isinstance(resume, dict):
-            current.update(resume.get('changed', {}))
-    return current
+    return _applied(args) if isinstance(args, dict) else None
 
 
 def record_args(out, settings, resumed_at=None):
@@ -141,9 +145,7 @@ def record_args(out, settings, resumed_at=None):
     except (OSError, ValueError):
         args = None
     if isinstance(args, dict):
-        current = {k: v for k, v in args.items() if k != 'resumed'}
-        for resume in args.get('resumed', ()):
-            current.update(resume.get('changed', {}))
+        current = _applied(args)
         args.setdefault('resumed', []).append({
             'epoch': resumed_at,
             'changed': {k: v for k, v in settings.items()
