@@ -108,8 +108,9 @@ class Replicas:
             for link, device in zip(self.links, self.devices):
                 if sample is not None:
                     with chainer.using_device(device):
-                        link(*[device.send(np.asarray(a)[:1])
-                               for a in sample])
+                        # a part may already be on another GPU: send it,
+                        # never through np.asarray (CuPy refuses that)
+                        link(*[device.send(a[:1]) for a in sample])
         self.copy_master()
         if self.comm.size > 1:
             self.start_from_rank0()

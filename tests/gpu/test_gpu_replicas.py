@@ -244,3 +244,30 @@ def test_reporting_backward_on_gpu_gives_chainer_s_gradients(name):
     assert len(reported) == len(list(model.params()))
     for key in grads[0]:
         np.testing.assert_array_equal(grads[1][key], grads[0][key], key)
+
+
+@needs(2)
+def test_a_lazily_initialised_model_starts_equal_on_two_gpus():
+    # The parts are on their GPUs when the replicas first see them: each
+    # replica initialises from its own device's part, then takes the
+    # master's weights (Replicas.initialize).
+    class Lazy(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.l1 = chainer.links.Linear(None, 16)
+                self.l2 = chainer.links.Linear(None, 10)
+
+        def forward(self, x):
+            return self.l2(chainer.functions.relu(self.l1(x)))
+
+    model = GPUDistributedGradient(chainer.links.Classifier(Lazy()),
+                                   ['@cupy:0', '@cupy:1'])
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    x, t = batch(8)
+    with model as m:
+        m(*model.split(x, t))
+    first, second = (host(r) for r in model.replicas)
+    assert set(first) == set(second)
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name])
