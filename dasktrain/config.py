@@ -121,6 +121,10 @@ class TrainConfig:
     #                                 halves the bytes of each all-reduce
     double_buffering: bool = False  # dg across processes: apply the last
     #                                 step's sum while this one's travels
+    exact_warmup: int | str = 'epoch'  # double buffering: exact steps
+    #                                 first ('epoch': the first epoch);
+    #                                 stale from step 1, Adam can stall at
+    #                                 chance (bench/double_buffering.py)
     bucket_mb: float = 4.0          # dg, one replica per process: MiB of
     #                                 gradients all-reduced as one bucket
     #                                 while the backward pass goes on (0:
@@ -191,6 +195,11 @@ class TrainConfig:
             positive(field)
         for field in ('train_size', 'test_size', 'early_stop_patience'):
             positive(field, allow_none=True)
+        if self.exact_warmup != 'epoch' and not (
+                isinstance(self.exact_warmup, int) and
+                not isinstance(self.exact_warmup, bool) and
+                self.exact_warmup >= 0):
+            fail('exact_warmup', "an int >= 0 or 'epoch'")
         if self.optimizer not in OPTIMIZERS:
             fail('optimizer', f'one of {", ".join(OPTIMIZERS)}')
         if self.lr is not None and not (_finite(self.lr) and self.lr > 0):

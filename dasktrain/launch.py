@@ -49,9 +49,9 @@ from dasktrain.errors import UserError, argument
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
 from dasktrain.parallel.devices import free_gpu_memory, resolve_devices
 from dasktrain.parallel.gpus import (
-    NCCL_MISSING,
     GpuPool,
     gpu_ids,
+    nccl_problem,
     place_devices,
     use_nccl,
 )
@@ -224,11 +224,12 @@ def _rank(config, name, rank, size, gpus):
             comm = host
             progress = _RankProgress(name, relay=rank == 0)
             # NCCL only if every rank can use it: the ranks must agree.
-            nccl = use_nccl(devices, _nccl_module())
+            module = _nccl_module()
+            nccl = use_nccl(devices, module)
             if all(host.allgather(nccl)):
                 comm = NcclComm(host, gpu_ids(devices)[0])
             elif gpu_ids(devices) and not nccl:
-                progress.warn(NCCL_MISSING)
+                progress.warn(nccl_problem(module))
             try:
                 with chainer.using_device(chainer.get_device(devices[0])):
                     summary = run(config, comm=comm, devices=devices,

@@ -1,6 +1,7 @@
 """The communicator contract: every communicator declares all of it, and
 the asynchronous all-reduce sums the arrays it was handed. No GPU, no
 cluster: the classes are inspected, and a stand-in peer sums."""
+import contextlib
 import inspect
 import threading
 
@@ -113,6 +114,40 @@ def test_iallreduce_sums_the_arrays_it_was_given_whatever_comes_after():
     np.testing.assert_array_equal(arrays[0], np.full(5, 7.0))
     np.testing.assert_array_equal(arrays[2], np.ones(3))
     assert pending.wait() is summed  # waiting again: the same answer
+
+
+def test_iallreduce_runs_inside_its_context_on_its_own_thread():
+    # On GPUs the context is the side stream: entered by the thread that
+    # sums, left (the stream synchronised) before wait() returns.
+    events = []
+
+    class Recorded(Late):
+        def allreduce(self, arrays, check=False):
+            events.append(('sum', threading.current_thread().name))
+            return super().allreduce(arrays, check)
+
+    @contextlib.contextmanager
+    def around():
+        events.append(('enter', threading.current_thread().name))
+        try:
+            yield
+        finally:  # as SideStream.after: synchronised after an error too
+            events.append(('leave', threading.current_thread().name))
+    comm = Recorded(go=True)
+    pending = comm.iallreduce([np.ones(2)], around=around)
+    pending.wait()
+    assert [e[0] for e in events] == ['enter', 'sum', 'leave']
+    assert {e[1] for e in events} == {'dasktrain-allreduce'}
+    # also when the all-reduce fails: left, and the error raised here
+    events.clear()
+
+    class Failing(Late):
+        def allreduce(self, arrays, check=False):
+            raise CollectiveError('rank 1 closed its connection')
+    pending = Failing().iallreduce([np.zeros(2)], around=around)
+    with pytest.raises(CollectiveError):
+        pending.wait()
+    assert [e[0] for e in events] == ['enter', 'leave']
 
 
 def test_iallreduce_raises_its_error_in_the_waiting_thread():

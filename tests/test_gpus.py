@@ -19,6 +19,8 @@ from dasktrain.parallel.gpus import (
     GpuPool,
     gpu_ids,
     job_environment,
+    nccl_problem,
+    nccl_version,
     place_devices,
     use_nccl,
     visible_gpus,
@@ -110,14 +112,33 @@ def test_devices_naming_other_gpus_than_reserved_are_refused():
     assert gpu_ids(('@cupy:3', '@numpy', '@cupy:3', '@cupy:0')) == [3, 0]
 
 
-def test_nccl_is_used_only_where_it_loaded():
-    loaded = types.SimpleNamespace(available=True)
-    missing = types.SimpleNamespace(available=False)  # cupy-cudaXXx alone
+def nccl_module(available=True, version=21403):
+    """What launch reads of ``cupy.cuda.nccl``: ``available`` and
+    ``get_version()`` (ncclGetVersion's code)."""
+    return types.SimpleNamespace(available=available,
+                                 get_version=lambda: version)
+
+
+def test_nccl_is_used_only_where_it_loaded_and_is_recent():
+    loaded = nccl_module()
+    missing = nccl_module(available=False)  # cupy-cudaXXx alone
     assert use_nccl(('@cupy:0',), loaded)
     assert not use_nccl(('@cupy:0',), missing)
     assert not use_nccl(('@cupy:0',), None)       # no CuPy at all
     assert not use_nccl(('@numpy',), loaded)      # CPU ranks: Dask comms
     assert 'nvidia-nccl' in NCCL_MISSING and '\n' not in NCCL_MISSING
+    assert nccl_problem(missing) == NCCL_MISSING
+    # NCCL_COMM_BLOCKING needs 2.14: older ones fall back, saying which
+    for code, words in ((21306, '2.13.6'), (2708, '2.7.8'),
+                        (0, 'older than 2.3.4')):
+        old = nccl_module(version=code)
+        assert not use_nccl(('@cupy:0',), old)
+        problem = nccl_problem(old)
+        assert f'NCCL {words} is older than 2.14' in problem
+        assert 'Dask comms' in problem and '\n' not in problem
+    assert nccl_problem(nccl_module(version=21400)) is None
+    assert nccl_problem(nccl_module(version=22703)) is None
+    assert nccl_version(20906) == (2, 9, 6)
 
 
 def test_poll_raises_and_aborts_at_the_deadline():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dasktrain.parallel.backprop import backward_reporting
-from dasktrain.parallel.exchange import parameters, plan_buckets
+from dasktrain.parallel.buckets import parameters, plan_buckets
 from dasktrain.training.models import get_model
 
 

@@ -320,42 +320,125 @@ class Mirror(Communicator):
         pass
 
 
+def stale_reference(batches, warmup, epoch=None):
+    """SGD on one model by hand, each gradient applied one step late once
+    ``warmup`` steps are done (exact before), the one in flight applied
+    at the end (and at step ``epoch``, an epoch's end)."""
+    ref = fresh()
+    optimizer = chainer.optimizers.SGD(lr=0.1)
+    optimizer.setup(ref)
+
+    def apply(grads):
+        for (_, p), g in zip(sorted(ref.namedparams()), grads):
+            p.grad[...] = g
+        optimizer.update()
+    late = None
+    for step, (x, t) in enumerate(batches):
+        if step == epoch and late is not None:
+            apply(late)
+            late = None
+        ref.cleargrads()
+        ref(x, t).backward()
+        now = [p.grad.copy() for _, p in sorted(ref.namedparams())]
+        if step < warmup:
+            apply(now)
+            continue
+        if late is not None:
+            apply(late)
+        late = now
+    if late is not None:
+        apply(late)
+    return ref
+
+
 @pytest.mark.equivalence
-@pytest.mark.parametrize('double_buffering,delay', [
-    (False, 0.0), (True, 0.0),
-    (True, 0.05),  # the sums arrive after the step has gone on
+@pytest.mark.parametrize('double_buffering,delay,warmup', [
+    (False, 0.0, 0), (True, 0.0, 0),
+    (True, 0.05, 0),  # the sums arrive after the step has gone on
+    (True, 0.0, 2),   # two exact steps, then stale
 ])
 def test_double_buffering_applies_the_previous_step_s_gradient(
-        double_buffering, delay, float64):
-    batches = [batch(6, seed) for seed in range(4)]
+        double_buffering, delay, warmup, float64):
+    batches = [batch(6, seed) for seed in range(5)]
     model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(delay),
-                                   double_buffering=double_buffering)
+                                   double_buffering=double_buffering,
+                                   warmup=warmup)
     model.setup(chainer.optimizers.SGD(lr=0.1))
     for x, t in batches:  # each rank's half: weighted 1/2, summed x2
         model.step(x, t, total=2 * len(x))
     model.end_epoch()
-    # the same by hand on one model: apply each gradient one step late
-    ref = fresh()
-    optimizer = chainer.optimizers.SGD(lr=0.1)
-    optimizer.setup(ref)
-    late = None
-    for x, t in batches:
-        ref.cleargrads()
-        ref(x, t).backward()
-        now = [p.grad.copy() for _, p in sorted(ref.namedparams())]
-        if late is not None or not double_buffering:
-            for (_, p), g in zip(sorted(ref.namedparams()),
-                                 late if double_buffering else now):
-                p.grad[...] = g
-            optimizer.update()
-        late = now
-    if double_buffering:  # end_epoch applies the last one
-        for (_, p), g in zip(sorted(ref.namedparams()), late):
-            p.grad[...] = g
-        optimizer.update()
+    ref = stale_reference(batches, warmup if double_buffering else 99)
     for key, value in params(ref).items():
         np.testing.assert_allclose(params(model.master)[key], value,
                                    rtol=1e-10, atol=1e-12, err_msg=key)
+
+
+@pytest.mark.equivalence
+def test_double_buffering_warms_up_exact_for_the_first_epoch(float64,
+                                                             tmp_path):
+    batches = [batch(6, seed) for seed in range(7)]
+    model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(),
+                                   double_buffering=True)  # 'epoch'
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    for step, (x, t) in enumerate(batches):
+        if step in (3, 5):  # epochs of 3, 2 and 2 steps
+            model.end_epoch()
+        model.step(x, t, total=2 * len(x))
+    model.end_epoch()
+    assert model.exchange.stale_from == 3
+    # the second epoch's end applies the gradient in flight
+    ref = stale_reference(batches, 3, epoch=5)
+    for key, value in params(ref).items():
+        np.testing.assert_allclose(params(model.master)[key], value,
+                                   rtol=1e-10, atol=1e-12, err_msg=key)
+    # a checkpoint remembers where warm-up ended
+    chainer.serializers.save_npz(tmp_path / 'c.npz', model)
+    again = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(),
+                                   double_buffering=True)
+    again.setup(chainer.optimizers.SGD(lr=0.1))
+    with np.load(tmp_path / 'c.npz') as npz:
+        again.restore(npz)
+    assert again.exchange.stale_from == 3 and again.exchange.stale(3)
+
+
+class Normed(chainer.Chain):
+    """BatchNorm between two layers: running statistics to keep."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = chainer.links.Linear(3 * 32 * 32, 8)
+            self.bn = chainer.links.BatchNormalization(8)
+            self.l2 = chainer.links.Linear(8, 10)
+
+    def forward(self, x):
+        return self.l2(chainer.functions.relu(self.bn(self.l1(x))))
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize('devices', [1, 2])
+def test_double_buffered_batchnorm_statistics_count_every_batch(
+        devices, float64):
+    # lr 0: parameters never move, so exact and stale training see the
+    # same batches through the same weights; their running statistics
+    # must agree (they used to hold every other batch).
+    batches = [batch(8, seed) for seed in range(5)]
+    stats = {}
+    for stale in (False, True):
+        np.random.seed(0)
+        model = GPUDistributedGradient(
+            chainer.links.Classifier(Normed()), ['@numpy'] * devices,
+            comm=Mirror(), double_buffering=stale, warmup=0)
+        model.setup(chainer.optimizers.SGD(lr=0))
+        for x, t in batches:
+            model.step(x, t, total=2 * len(x))
+        model.end_epoch()
+        stats[stale] = [persistents(r) for r in model.replicas]
+    assert stats[False][0]['/predictor/bn/avg_mean'].any()
+    for exact, stale in zip(stats[False], stats[True]):
+        for key, value in exact.items():
+            np.testing.assert_allclose(stale[key], value, rtol=1e-10,
+                                       atol=1e-12, err_msg=key)
 
 
 def test_float16_communication_keeps_small_gradients():

@@ -29,7 +29,7 @@ def add_data_arguments(parser):
                              'official archive\'s)')
 
 
-def _mix_every_type(text):
+def _mix_every_type(text):  # also --exact-warmup
     if text == 'epoch':
         return text
     try:
@@ -181,6 +181,11 @@ def add_arguments(parser):
         '--double-buffering', action='store_true',
         help='dg: apply the previous step\'s summed gradient while this '
              "step's travels (one step stale; ChainerMN's)")
+    group.add_argument(
+        '--exact-warmup', type=_mix_every_type, default=d.exact_warmup,
+        metavar='STEPS',
+        help='with --double-buffering: exact steps before the stale ones, '
+             "or 'epoch' for the whole first epoch (default: %(default)s)")
     group.add_argument(
         '--bucket-mb', type=float, default=d.bucket_mb, metavar='MB',
         help='dg with one device per worker: all-reduce the gradients in '

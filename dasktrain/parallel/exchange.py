@@ -30,18 +30,26 @@ every replica) is
 - **double-buffered** (ChainerMN's): the step hands back the previous
   step's sum, to apply while this step's travels on a communication thread
   (:meth:`~dasktrain.parallel.comm.base.Communicator.iallreduce`); one step
-  stale.
+  stale. The wrapper asks for exact steps first (its ``warmup``): a stale
+  update early in training, when the gradients change fastest, can throw
+  Adam off for good (measured: ``bench/double_buffering.py``). BatchNorm's
+  running statistics are not overwritten by a stale mean each step: every
+  replica updates its own from every batch, and ``flush`` writes their
+  mean at the epoch's end, when nothing is stale; a running average is
+  linear in the batches' statistics, so that mean is what exact dg's
+  averaging every step gives.
 
 ``comm_dtype='float16'`` works with the first two: each array travels
 scaled by its own power of two (the same on every rank), so the sum cannot
 overflow and small gradients keep their bits.
 
-On GPUs a bucket's all-reduce runs on one non-blocking side stream that
-first waits for an event marking the kernels that computed the bucket
-(:func:`dasktrain.parallel.devices.mark`), and the communication thread
-waits for the side stream before it takes the next bucket: nothing reads a
-gradient before it is written, and the backward kernels never wait for
-NCCL.
+On GPUs a bucket's all-reduce, and a double-buffered step's, runs on one
+non-blocking side stream that first waits for an event marking the
+kernels that wrote what it sends (:func:`dasktrain.parallel.devices.mark`),
+and the communication thread waits for the side stream before it takes the
+next bucket or ends: nothing reads a gradient before it is written, the
+training thread reads no sum before it is complete, and the backward
+kernels never wait for NCCL (nor NCCL's deadline for them).
 
 Guarantees: the communication thread lives for one step (one per step,
 joined before the update; after an error in the backward pass it is told
@@ -49,8 +57,6 @@ to stop and ends within the collective timeout); its errors are raised in
 the training thread.
 """
 import math
-import queue
-import threading
 from typing import NamedTuple
 
 import chainer
@@ -58,33 +64,33 @@ import numpy as np
 
 from dasktrain.errors import argument
 from dasktrain.parallel.backprop import backward_reporting
+from dasktrain.parallel.buckets import (
+    Courier,
+    gradients,
+    parameters,
+    plan_buckets,
+)
 from dasktrain.parallel.comm.base import CollectiveError
 from dasktrain.parallel.devices import SideStream, mark, synchronize
 
 
-def parameters(link):
-    """``link``'s parameters in a fixed order (by name), each once: a link
-    registered under two names shares its parameters, and summing one
-    array twice over the ranks would be wrong."""
-    found = {}
-    for _, p in sorted(link.namedparams()):
-        found.setdefault(id(p), p)
-    return list(found.values())
-
-
-def gradients(link, device, indices=None):
-    """``link``'s gradients in :func:`parameters`' order (only the
-    positions ``indices`` if given); a missing one becomes zeros (a
-    parameter this step did not reach)."""
-    params = parameters(link)
-    grads = []
-    with chainer.using_device(device):
-        for i in range(len(params)) if indices is None else indices:
-            p = params[i]
-            if p.grad is None:
-                p.grad = device.xp.zeros_like(p.array)
-            grads.append(p.grad)
-    return grads
+def check_exchange(comm_dtype, bucket_mb, warmup):
+    """Validate GPUDistributedGradient's exchange options; returns the
+    dtype the gradients travel in (None: as they are) and ``bucket_mb``."""
+    if comm_dtype not in (None, 'float16', 'float32'):
+        raise ValueError(f"comm_dtype must be None, 'float16' or "
+                         f"'float32', got {comm_dtype!r}")
+    if isinstance(bucket_mb, bool) or not isinstance(
+            bucket_mb, (int, float)) or not bucket_mb >= 0:
+        raise ValueError(f'bucket_mb must be a number >= 0, got '
+                         f'{bucket_mb!r}')
+    if not (warmup == 'epoch' or (
+            isinstance(warmup, (int, np.integer)) and
+            not isinstance(warmup, bool) and warmup >= 0)):
+        raise ValueError(f"warmup must be an int >= 0 or 'epoch', got "
+                         f'{warmup!r}')
+    return (None if comm_dtype in (None, 'float32') else
+            np.dtype(comm_dtype)), float(bucket_mb)
 
 
 def _power_of_two(top, largest):
@@ -93,60 +99,6 @@ def _power_of_two(top, largest):
     if not (math.isfinite(largest) and largest > 0):
         return 1.0
     return 2.0 ** math.floor(math.log2(top / largest))
-
-
-def plan_buckets(order, sizes, limit):
-    """Buckets of parameter indices: ``order`` (the indices as their
-    gradients became ready) cut into runs of at least ``limit`` bytes
-    (``sizes[i]`` each), the last run holding the rest; indices missing from
-    ``order`` (no gradient reached them) join the last bucket."""
-    buckets, current, total = [], [], 0
-    for i in order:
-        current.append(i)
-        total += sizes[i]
-        if total >= limit:
-            buckets.append(current)
-            current, total = [], 0
-    missing = sorted(set(range(len(sizes))) - set(order))
-    current += missing
-    if current or not buckets:
-        buckets.append(current)
-    return buckets
-
-
-class _Courier:
-    """The communication thread of one step: runs the buckets handed to it,
-    in order, until told to stop; its first error is kept for the
-    training thread and the rest of the queue skipped."""
-
-    def __init__(self, work):
-        self.work, self.error = work, None
-        self.queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name='dasktrain-buckets')
-        self.thread.start()
-
-    def _run(self):
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            if self.error is None:
-                try:
-                    self.work(*item)
-                except BaseException as e:  # re-raised in the caller
-                    self.error = e
-
-    def put(self, *item):
-        self.queue.put(item)
-
-    def close(self, timeout=None, quiet=False):
-        """Stop after what was handed over; wait; raise the thread's error
-        (unless ``quiet``: the caller is raising its own)."""
-        self.queue.put(None)
-        self.thread.join(timeout)
-        if self.error is not None and not quiet:
-            raise self.error
 
 
 class Summed(NamedTuple):
@@ -168,10 +120,13 @@ class GradientExchange:
     """
 
     def __init__(self, replicas, clock, comm_dtype=None,
-                 double_buffering=False, bucket_mb=0.0):
+                 double_buffering=False, bucket_mb=0.0, warmup='epoch'):
         self.replicas, self.clock = replicas, clock
         self.comm_dtype = comm_dtype
         self.double_buffering = double_buffering
+        # The iteration of the first stale step: known at once for an int
+        # warm-up, at the first epoch's end (flush) for 'epoch' (-1 until).
+        self.stale_from = -1 if warmup == 'epoch' else int(warmup)
         self.bucket_bytes = bucket_mb * 2 ** 20
         self.plan = None        # buckets of parameter indices, once agreed
         self._order = None      # the first step's ready order
@@ -262,10 +217,9 @@ class GradientExchange:
             return
         left = [len(b) for b in self.plan]
         where = {i: k for k, b in enumerate(self.plan) for i in b}
-        if self._side is None:
-            self._side = SideStream(self.device)
+        self._side_stream()
         results = []  # (grads, summed copies, scales) per bucket, in order
-        courier = _Courier(lambda *bucket: self._send(results, *bucket))
+        courier = Courier(lambda *bucket: self._send(results, *bucket))
         self._step = state = {'courier': courier, 'next': 0,
                               'results': results}
 
@@ -286,6 +240,11 @@ class GradientExchange:
             self._step = None
             courier.close(self.comm.timeout, quiet=True)
             raise
+
+    def _side_stream(self):
+        if self._side is None:
+            self._side = SideStream(self.device)
+        return self._side
 
     def _launch(self, k, statistics=None):
         # Only this bucket's parameters: the others may still be computed.
@@ -308,17 +267,24 @@ class GradientExchange:
                 self.replicas.reduce(statistics, also=sent)
             results.append((grads, sent, scale))
 
-    def step(self):
-        """Sum this step's gradients (into the master's) and statistics.
+    def stale(self, iteration):
+        """Whether the step of ``iteration`` (from 0) is double-buffered:
+        with ``double_buffering``, once the warm-up is over."""
+        return self.double_buffering and 0 <= self.stale_from <= iteration
+
+    def step(self, iteration=0):
+        """Sum this step's gradients (into the master's) and statistics;
+        ``iteration`` (from 0) says whether the warm-up is over.
 
         Returns
         -------
         Summed or None
             The statistics' means to apply with the update now: this
-            step's, or with double buffering the previous step's (None on
-            the first step, which has none to apply).
+            step's, or with double buffering the previous step's gradients
+            and no statistics (None on the first step, which has none to
+            apply).
         """
-        if self.double_buffering:
+        if self.stale(iteration):
             return self._double_buffered()
         state = self._step
         groups, sums = self._statistics()
@@ -367,26 +333,36 @@ class GradientExchange:
         grads = self.grads()
         sent, scale = self._encode(grads, copy=True)
         groups, sums = self._statistics()
-        # The copies are made before they travel.
-        synchronize(self.replicas.devices)
-        self._inflight = (self.replicas.ireduce(sums, also=sent), groups,
-                          sent, scale)
+        # The copies and statistics are written by this thread's kernels
+        # (and, from replicas on other GPUs, by transfers those GPUs ran):
+        # the side stream starts after them, and the all-reduce runs there,
+        # beside the next step's kernels; wait() returns once it is done.
+        synchronize([d for d in self.replicas.devices if d != self.device])
+        event, side = mark(self.device), self._side_stream()
+        self._inflight = (self.replicas.ireduce(
+            sums, also=sent, around=lambda: side.after(event)), groups,
+            sent, scale)
         if previous is None:
             return None
-        return self._arrived(previous, grads)
+        return self._arrived(previous, grads, statistics=False)
 
-    def _arrived(self, inflight, grads):
-        """Write a finished double-buffered step's sums into ``grads``."""
+    def _arrived(self, inflight, grads, statistics=True):
+        """Write a finished double-buffered step's sums into ``grads``;
+        the statistics' means only when asked (:meth:`flush`): mid-epoch
+        they are a step old, and every replica's own running statistics
+        already hold this step's batch."""
         reduction, groups, sent, scale = inflight
         means = reduction.wait()
         self._decode(grads, sent, scale)
-        return Summed(groups, means)
+        return Summed(groups, means) if statistics else Summed([], [])
 
-    def flush(self):
+    def flush(self, iteration=0):
         """Double buffering: the sums still travelling, written into the
         master's gradients, and their :class:`Summed` to apply (at every
         epoch end, so that checkpoints hold no step in flight); None when
-        none travel."""
+        none travel. The first flush ends an 'epoch' warm-up."""
+        if self.stale_from < 0:
+            self.stale_from = iteration
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return None

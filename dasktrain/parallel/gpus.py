@@ -152,13 +152,54 @@ def place_devices(devices, indices):
                  if str(d).startswith('@cupy:') else d for d in devices)
 
 
+# Non-blocking communicators (NCCL_COMM_BLOCKING=0) came with NCCL 2.14;
+# before, the variable is ignored and a dead peer blocks groupEnd forever.
+MIN_NCCL = (2, 14, 0)
+
+
+def nccl_version(code):
+    """(major, minor, patch) of an ``ncclGetVersion`` code (CuPy's
+    ``nccl.get_version()``): X*1000+Y*100+Z up to 2.8, X*10000+Y*100+Z
+    since 2.9; None for 0 (NCCL older than 2.3.4 cannot say).
+
+    Examples
+    --------
+    >>> nccl_version(2708), nccl_version(21403), nccl_version(0)
+    ((2, 7, 8), (2, 14, 3), None)
+    """
+    if code <= 0:
+        return None
+    if code >= 20900:
+        return code // 10000, code // 100 % 100, code % 100
+    return code // 1000, code // 100 % 10, code % 100
+
+
+def nccl_problem(nccl):
+    """Why a GPU rank cannot sum over NCCL, given CuPy's ``nccl`` module
+    (``cupy.cuda.nccl``, or None when CuPy is not importable), as the one
+    warning line to show; None when it can."""
+    if nccl is None or not getattr(nccl, 'available', False):
+        return NCCL_MISSING
+    try:
+        version = nccl_version(int(nccl.get_version()))
+    except Exception:  # a library too old for ncclGetVersion
+        version = None
+    if version is None or version < MIN_NCCL:
+        found = '.'.join(map(str, version)) if version else 'older than 2.3.4'
+        return (f'warning: NCCL {found} is older than 2.14, whose '
+                'non-blocking communicators let a rank give up on a dead '
+                'peer (before, it can block forever): GPU ranks sum over '
+                'Dask comms instead, slower; install NCCL >= 2.14 (pip '
+                "install 'dasktrain[cuda12]' brings nvidia-nccl)")
+    return None
+
+
 def use_nccl(devices, nccl):
     """Whether a rank on ``devices`` sums over NCCL, given CuPy's ``nccl``
-    module (``cupy.cuda.nccl``, or None when CuPy is not importable):
-    only on GPUs, and only where the NCCL library loaded
-    (``nccl.available``; the cupy-cudaXXx wheels do not bring it)."""
-    return bool(gpu_ids(devices)) and nccl is not None and \
-        bool(getattr(nccl, 'available', False))
+    module: only on GPUs, and only where :func:`nccl_problem` finds none
+    (the NCCL library loaded, ``nccl.available``, which the cupy-cudaXXx
+    wheels do not bring; version 2.14 or later)."""
+    return bool(gpu_ids(devices)) and nccl_problem(nccl) is None
 
 
 NCCL_MISSING = ('warning: NCCL is not installed (cupy.cuda.nccl.available is '

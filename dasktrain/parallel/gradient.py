@@ -16,9 +16,10 @@ import copy
 import chainer
 import numpy as np
 
+from dasktrain.parallel.buckets import gradients
 from dasktrain.parallel.comm.base import Solo
 from dasktrain.parallel.devices import Clock, resolve_devices, transfer
-from dasktrain.parallel.exchange import GradientExchange, gradients
+from dasktrain.parallel.exchange import GradientExchange, check_exchange
 from dasktrain.parallel.replicas import Replicas, load, saved_replicas
 
 MODES = ('dg', 'ipm')
@@ -57,6 +58,12 @@ class GPUDistributedGradient:
         gradient while this step's is summed on a communication thread
         (ChainerMN's): updates are one step stale; :meth:`end_epoch` applies
         the last, so every epoch makes as many updates as exact dg.
+        BatchNorm statistics are averaged at each :meth:`end_epoch` (each
+        replica's own running averages in between): what exact dg gives.
+    warmup : int or 'epoch', default 'epoch'
+        double buffering: exact steps first; 'epoch': until the first
+        :meth:`end_epoch`. Stale from the first step, Adam can stall at
+        chance (``bench/double_buffering.py``).
     bucket_mb : float, default 0
         dg across processes with one replica here: all-reduce the
         gradients in buckets of about this many MiB, each as soon as the
@@ -88,7 +95,7 @@ class GPUDistributedGradient:
 
     def __init__(self, chain, devices, mode='dg', mix_every=None,
                  mix_optimizer_state=False, comm=None, comm_dtype=None,
-                 double_buffering=False, bucket_mb=0.0):
+                 double_buffering=False, bucket_mb=0.0, warmup='epoch'):
         if mode not in MODES:
             raise ValueError(f"mode must be 'dg' or 'ipm', got {mode!r}")
         if mix_every is not None and mode != 'ipm':
@@ -99,15 +106,10 @@ class GPUDistributedGradient:
                  not isinstance(mix_every, bool) and mix_every >= 1)):
             raise ValueError(f"mix_every must be an int >= 1, 'epoch' or "
                              f'None, got {mix_every!r}')
-        if comm_dtype not in (None, 'float16', 'float32'):
-            raise ValueError(f"comm_dtype must be None, 'float16' or "
-                             f"'float32', got {comm_dtype!r}")
+        comm_dtype, bucket_mb = check_exchange(comm_dtype, bucket_mb,
+                                               warmup)
         devices = resolve_devices(devices)
         self.mode = mode
-        if isinstance(bucket_mb, bool) or not isinstance(
-                bucket_mb, (int, float)) or not bucket_mb >= 0:
-            raise ValueError(f'bucket_mb must be a number >= 0, got '
-                             f'{bucket_mb!r}')
         self.mix_every = mix_every
         self.mix_optimizer_state = mix_optimizer_state
         self.comm = comm or Solo()
@@ -117,10 +119,9 @@ class GPUDistributedGradient:
         self.offset = self.group.offset  # global replica index
         self.total_replicas = self.group.total
         self.clock = Clock(self.devices)  # merging, syncing and mixing
-        self.exchange = GradientExchange(
-            self.group, self.clock,
-            None if comm_dtype in (None, 'float32') else
-            np.dtype(comm_dtype), bool(double_buffering), float(bucket_mb))
+        self.exchange = GradientExchange(self.group, self.clock, comm_dtype,
+                                         bool(double_buffering), bucket_mb,
+                                         warmup)
         self.optimizers = []
         self.iteration = 0
         self.drift = None      # RMS distance of replicas from their mean
@@ -254,7 +255,7 @@ class GPUDistributedGradient:
     def flush(self):
         """Apply the gradient still travelling (double buffering): at every
         epoch end, so that checkpoints hold no step in flight."""
-        self._apply(self.exchange.flush())
+        self._apply(self.exchange.flush(self.iteration))
 
     def _apply(self, summed):
         """dg's update after an exchange (``summed``: None, none yet)."""
@@ -293,7 +294,7 @@ class GPUDistributedGradient:
             raise RuntimeError('call setup(optimizer) before update()')
         if self.mode == 'dg':
             if self.comm.size > 1 or self.exchange.double_buffering:
-                self._apply(self.exchange.step())  # one message per step
+                self._apply(self.exchange.step(self.iteration))
             else:
                 with chainer.using_device(self.devices[0]):
                     self.optimizer.update()
@@ -399,6 +400,8 @@ class GPUDistributedGradient:
         for i, optimizer in enumerate(self.optimizers):
             optimizer.serialize(serializer[f'optimizer{self.offset + i}'])
         self.iteration = int(serializer('iteration', self.iteration))
+        self.exchange.stale_from = int(serializer(
+            'stale_from', self.exchange.stale_from))
 
     def restore(self, npz, path=''):
         """Load what :meth:`serialize` wrote, also from a job with another
@@ -407,6 +410,8 @@ class GPUDistributedGradient:
         match, else starts every replica from the saved replicas' mean, a
         mix."""
         self.iteration = int(npz[f'{path}iteration'])
+        if f'{path}stale_from' in npz:
+            self.exchange.stale_from = int(npz[f'{path}stale_from'])
         self.group.restore(npz, path, each=self.mode == 'ipm')
         saved = saved_replicas(npz, path)
         for i, optimizer in enumerate(self.optimizers):

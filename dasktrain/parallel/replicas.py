@@ -223,11 +223,13 @@ class Replicas:
             self.comm.allreduce(list(also) + sums, check=check)
         return self._divide(sums)
 
-    def ireduce(self, sums, also=()):
+    def ireduce(self, sums, also=(), around=None):
         """:meth:`reduce` of these ``sums`` and ``also`` (bound now), on a
-        communication thread: returns at once a handle whose ``wait()``
-        returns the means (the same arrays, divided once)."""
-        return _Reduction(self.comm.iallreduce(list(also) + sums),
+        communication thread (inside ``around()``, as in the communicator's
+        ``iallreduce``): returns at once a handle whose ``wait()`` returns
+        the means (the same arrays, divided once)."""
+        return _Reduction(self.comm.iallreduce(list(also) + sums,
+                                               around=around),
                           lambda: self._divide(sums))
 
     def _divide(self, sums):

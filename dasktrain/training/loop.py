@@ -224,7 +224,7 @@ def _model(config, comm, devices):
         mix_optimizer_state=config.mix_optimizer_state, comm=comm,
         comm_dtype=config.comm_dtype,
         double_buffering=config.double_buffering,
-        bucket_mb=config.bucket_mb)
+        warmup=config.exact_warmup, bucket_mb=config.bucket_mb)
     model.setup(make_optimizer(config))
     if config.weight_decay:
         model.add_hook(chainer.optimizer_hooks.WeightDecay(

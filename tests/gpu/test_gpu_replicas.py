@@ -12,6 +12,7 @@ import pytest
 from gpu_marks import COUNT, needs
 
 from dasktrain.parallel import GPUDistributedGradient
+from dasktrain.parallel.comm.base import Communicator
 from dasktrain.training.models import get_model
 
 pytestmark = needs(1)
@@ -129,6 +130,7 @@ def test_nothing_is_allocated_on_a_gpu_outside_the_list():
         import cupy, chainer, numpy as np
         from dasktrain.training.models import get_model
         from dasktrain.parallel import GPUDistributedGradient
+from dasktrain.parallel.comm.base import Communicator
         for mode in ('dg', 'ipm'):
             model = GPUDistributedGradient(get_model('resnet20'), [1, 1],
                                            mode=mode)
@@ -271,3 +273,52 @@ def test_a_lazily_initialised_model_starts_equal_on_two_gpus():
     assert set(first) == set(second)
     for name in first:
         np.testing.assert_array_equal(first[name], second[name])
+
+
+class StreamMirror(Communicator):
+    """A two-rank communicator whose peer sends what this rank sends,
+    recording the CUDA stream each all-reduce runs on."""
+    solo, sums_on_device = False, True
+
+    def __init__(self):
+        super().__init__(0, 2, 60.0)
+        self.streams = []
+
+    def allreduce(self, arrays, check=False):
+        import cupy
+        self.streams.append(cupy.cuda.get_current_stream())
+        for a in arrays:
+            a *= 2
+        return arrays
+
+    def allgather(self, obj):
+        return [obj, obj]
+
+    def gather(self, obj):
+        return [obj, obj]
+
+    def bcast(self, obj):
+        return obj
+
+    def close(self):
+        pass
+
+
+def test_double_buffering_sums_on_a_side_stream_and_equals_numpy():
+    # A thread's CuPy stream is the legacy default one unless set: NCCL
+    # there would queue behind the next step's kernels and block them.
+    results = {}
+    for device in ('@numpy', '@cupy:0'):
+        comm = StreamMirror()
+        model = GPUDistributedGradient(fresh(), [device], comm=comm,
+                                       double_buffering=True, warmup=0)
+        model.setup(chainer.optimizers.SGD(lr=0.1))
+        for s in range(3):
+            model.step(*batch(8, s), total=16)
+        model.end_epoch()
+        results[device] = host(model.master)
+        if device != '@numpy':
+            assert len(comm.streams) == 3
+            assert all(s.ptr not in (0, 2) for s in comm.streams)  # null,
+            assert len({s.ptr for s in comm.streams}) == 1  # per-thread
+    close(results['@cupy:0'], results['@numpy'])

@@ -17,6 +17,7 @@ the user's mistake), :func:`poll` (a wait with a deadline) and
 This module knows no devices: it never imports CuPy or Chainer.
 """
 import abc
+import contextlib
 import threading
 import time
 
@@ -76,9 +77,14 @@ class Communicator(abc.ABC):
         ``check``, ranks whose arrays differ in dtype or size raise
         :class:`CollectiveError` instead of summing the wrong elements."""
 
-    def iallreduce(self, arrays, check=False):
+    def iallreduce(self, arrays, check=False, around=None):
         """Start :meth:`allreduce` of ``arrays`` on a thread of its own and
         return at once; the handle's ``wait()`` returns the summed arrays.
+        ``around``: a callable returning a context manager that the thread
+        enters around the all-reduce (on GPUs, a side stream that waits for
+        the kernels that wrote the arrays, and is synchronised on leaving:
+        a new thread's CuPy stream is the default one, which NCCL would
+        share with the next step's kernels).
 
         The arrays are bound now: the caller may rebind its names or reuse
         its list right after the call, and the sum is still of these
@@ -95,7 +101,7 @@ class Communicator(abc.ABC):
         >>> pending.wait()
         [array([1., 1., 1.])]
         """
-        return Pending(self.allreduce, list(arrays), check)
+        return Pending(self.allreduce, list(arrays), check, around)
 
     @abc.abstractmethod
     def allgather(self, obj):
@@ -123,12 +129,13 @@ class Pending:
     :meth:`Communicator.iallreduce`. The thread never outlives the step
     that waits for it."""
 
-    def __init__(self, allreduce, arrays, check):
+    def __init__(self, allreduce, arrays, check, around=None):
         self._result, self._error = None, None
 
         def run():
             try:
-                self._result = allreduce(arrays, check=check)
+                with around() if around else contextlib.nullcontext():
+                    self._result = allreduce(arrays, check=check)
             except BaseException as e:  # re-raised in the caller's thread
                 self._error = e
         self._thread = threading.Thread(target=run, daemon=True,
