@@ -203,7 +203,7 @@ def test_bad_option_values_are_usage_errors(argv, message, capsys):
 
 def _wrong_type(field):
     """A value of the wrong type for each field's annotation."""
-    if field.name == 'mix_every':  # an int, 'epoch' or None
+    if field.name in ('mix_every', 'exact_warmup'):  # an int or 'epoch'
         return 2.5
     return 'seven' if field.type in (int, float, int | None,
                                      float | None) else 7

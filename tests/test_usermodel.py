@@ -31,6 +31,23 @@ class MLP(chainer.Chain):
         return self.l2(F.relu(self.l1(x)))
 
 
+class OwnLoss(chainer.Chain):
+    """The MLP computing its own loss and reporting its own metrics, as
+    many Chainer examples do."""
+
+    def __init__(self, n_units=64, n_classes=10):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(None, n_units)
+            self.l2 = L.Linear(n_units, n_classes)
+
+    def forward(self, x, t):
+        y = self.l2(F.relu(self.l1(x)))
+        loss = F.softmax_cross_entropy(y, t)
+        chainer.report({'loss': loss, 'accuracy': F.accuracy(y, t)}, self)
+        return loss
+
+
 def broken():
     return helper()
 
@@ -88,6 +105,28 @@ def test_a_model_file_trains_and_is_recorded(lab, data_dir, devices,
     with np.load(out / 'model_final.npz') as saved:
         np.testing.assert_array_equal(chain.predictor.l2.b.array,
                                       saved['predictor/l2/b'])
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize('devices', ['cpu', 'cpu:2'])
+def test_a_model_computing_its_own_loss_is_trained_as_it_is(
+        lab, data_dir, devices, float64):
+    # The same network, once returning scores (wrapped in L.Classifier),
+    # once its own loss (used as is): the same run, row for row.
+    logs = {}
+    for name in ('MLP', 'OwnLoss'):
+        out = lab / name
+        argv = train_args(data_dir, out, '--devices', devices,
+                          '--in-process')
+        argv[argv.index('mymodel.py:MLP')] = f'mymodel.py:{name}'
+        assert main(argv) == 0
+        logs[name] = json.loads((out / 'log').read_text())
+    assert build('mymodel.py:OwnLoss').__class__.__name__ == 'OwnLoss'
+    for a, b in zip(logs['MLP'], logs['OwnLoss']):
+        for key in ('main/loss', 'main/accuracy', 'validation/main/loss',
+                    'validation/main/accuracy'):
+            assert b[key] == pytest.approx(a[key], rel=1e-10), key
+    assert logs['OwnLoss'][-1]['validation/main/accuracy'] > 0.2
 
 
 def test_a_worker_without_the_file_gets_it_from_dask(lab, tmp_path,

@@ -74,6 +74,13 @@ class Replicas:
             self.start_from_rank0()
         self.random = ReplicaRandom(self.devices)
         self._metrics = [None] * len(self.links)  # on-device sums
+        # What the replicas report (chainer.report), as 'r{i}/key': a
+        # Classifier's loss and accuracy, or a model's own metrics.
+        self.reporter = chainer.Reporter()
+        for i, link in enumerate(self.links):
+            self.reporter.add_observer(f'r{i}', link)
+            self.reporter.add_observers(f'r{i}', link.namedlinks(True))
+        self.reported, self._losses = {}, []
 
     def __len__(self):
         return len(self.links)
@@ -104,7 +111,7 @@ class Replicas:
             return
         sample = next((p for p in parts if len(p[0])), None)
         with chainer.using_config('train', False), \
-                chainer.no_backprop_mode():
+                chainer.no_backprop_mode(), self.reporter.scope({}):
             for link, device in zip(self.links, self.devices):
                 if sample is not None:
                     with chainer.using_device(device):
@@ -126,28 +133,40 @@ class Replicas:
 
     def forward(self, parts):
         """Each replica's loss on its part (a tuple of arguments; None if
-        empty), with its device current, drawing from its own stream."""
-        losses = []
-        for i, (replica, device, part) in enumerate(zip(
-                self.links, self.devices, parts)):
-            with chainer.using_device(device):
-                if not len(part[0]):
-                    losses.append(None)
-                    continue
-                with self.random.drawing(i):
-                    losses.append(replica(*part))
+        empty), with its device current, drawing from its own stream;
+        what they report goes to :attr:`reported`."""
+        losses, self.reported = [], {}
+        with self.reporter.scope(self.reported):
+            for i, (replica, device, part) in enumerate(zip(
+                    self.links, self.devices, parts)):
+                with chainer.using_device(device):
+                    if not len(part[0]):
+                        losses.append(None)
+                        continue
+                    with self.random.drawing(i):
+                        losses.append(replica(*part))
+        self._losses = losses
         return losses
 
+    def _last(self, i):
+        """Replica ``i``'s last loss and accuracy arrays (NaN for a model
+        of its own loss that reports no accuracy)."""
+        accuracy = self.reported.get(f'r{i}/accuracy')
+        loss = self._losses[i].array
+        if accuracy is None:
+            return loss, loss * np.nan
+        return loss, getattr(accuracy, 'array', accuracy)
+
     def accumulate(self, sizes):
-        """Add each replica's last loss and accuracy (``L.Classifier``'s),
-        times its part's ``sizes``, to sums on its device."""
-        for i, (replica, device, size) in enumerate(zip(
-                self.links, self.devices, sizes)):
+        """Add each replica's last loss and accuracy, times its part's
+        ``sizes``, to sums on its device."""
+        for i, (device, size) in enumerate(zip(self.devices, sizes)):
             if size:
                 with chainer.using_device(device):
-                    values = device.xp.stack([replica.loss.array,
-                                              replica.accuracy.array])
-                    values = values.astype(np.float64) * size
+                    values = device.xp.stack([
+                        device.xp.asarray(a, np.float64)
+                        for a in self._last(i)])
+                    values = values * size
                     sums = self._metrics[i]
                     self._metrics[i] = (values, size) if sums is None else \
                         (sums[0] + values, sums[1] + size)
@@ -168,10 +187,11 @@ class Replicas:
         """The replicas' last loss and accuracy, weighted by ``sizes``."""
         total = sum(sizes) or 1
         loss = accuracy = 0.0
-        for replica, size in zip(self.links, sizes):
+        for i, size in enumerate(sizes):
             if size:
-                loss += float(replica.loss.array) * size / total
-                accuracy += float(replica.accuracy.array) * size / total
+                last = [float(a) for a in self._last(i)]
+                loss += last[0] * size / total
+                accuracy += last[1] * size / total
         return loss, accuracy
 
     def groups(self, replicas, params=True, persistents=True, states=False):

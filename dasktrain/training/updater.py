@@ -90,15 +90,10 @@ class DistributedUpdater(StandardUpdater):
                              'converter turns into (x, t); got '
                              f'{got} array(s)')
         x, t = arrays
-        observed = chainer.Reporter()
-        for i, replica in enumerate(self.model.replicas):
-            observed.add_observer(f'r{i}', replica)
-            observed.add_observers(f'r{i}', replica.namedlinks(skipself=True))
-        values = {}
-        with observed.scope(values):
-            self.model.step(x, t, observe=False)
-        chainer.reporter.report(self._means(values, len(x)),
-                                self.model.master)
+        self.model.step(x, t, observe=False)
+        # what each replica reported, as 'r{i}/key'
+        chainer.reporter.report(self._means(self.model.group.reported,
+                                            len(x)), self.model.master)
         if iterator.is_new_epoch:
             self.model.end_epoch()  # ipm mixes at 'epoch'
             if self.auto_new_epoch:

@@ -126,8 +126,27 @@ def _import(spec, where, is_file):
     return module
 
 
+def computes_loss(link):
+    """Whether ``link`` computes its own loss, as many Chainer examples'
+    models do: an ``L.Classifier`` already, or a ``forward`` (or a
+    ``__call__`` of its own) that takes ``(x, t)``, two arguments without
+    defaults. Such a link is trained as it is, not wrapped."""
+    import chainer
+    if isinstance(link, chainer.links.Classifier):
+        return True
+    call = link.__call__ if type(link).__call__ is not chainer.Link.__call__ \
+        else getattr(link, 'forward', None)
+    try:
+        params = inspect.signature(call).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and
+               p.default is p.empty for p in params) >= 2
+
+
 def build(spec, n_classes=10, model_args=None):
-    """The model ``spec`` names, wrapped in ``L.Classifier``.
+    """The model ``spec`` names, wrapped in ``L.Classifier`` unless it
+    :func:`computes_loss` itself.
 
     Examples
     --------
@@ -172,7 +191,7 @@ def build(spec, n_classes=10, model_args=None):
     if not any(True for _ in link.params()):
         raise ModelSpecError(f'{argument("model")} {spec}: {name} returned '
                              'a link without parameters: nothing to train')
-    return chainer.links.Classifier(link)
+    return link if computes_loss(link) else chainer.links.Classifier(link)
 
 
 def _kwargs(kwargs):
