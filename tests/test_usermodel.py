@@ -172,8 +172,8 @@ def test_the_users_own_error_shows_their_traceback_only(lab, data_dir,
     err = capsys.readouterr().err
     assert err.startswith('dasktrain train: error: --model '
                           'mymodel.py:broken: calling broken failed:\n')
-    assert 'mymodel.py", line 19, in broken' in err
-    assert 'mymodel.py", line 23, in helper' in err
+    assert 'mymodel.py", line 36, in broken' in err
+    assert 'mymodel.py", line 40, in helper' in err
     assert err.rstrip().endswith('ZeroDivisionError: division by zero')
     assert 'dasktrain/' not in err and 'importlib' not in err
 
