@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / 'dasktrain'
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
     {'errors', 'files', 'config', '_compat', '_lazy', 'cuda_extra',
-     'spawn'},
+     'spawn', 'userspec'},
     {'data'},
     {'parallel'},
     {'training'},
