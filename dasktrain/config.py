@@ -91,10 +91,15 @@ class TrainConfig:
     #                                 seeded stream (slower convolutions);
     #                                 the CPU is deterministic either way
     out: str = 'results'            # log, args, checkpoint, models
+    dataset: str = 'cifar10'        # cifar10, cifar100, npz:PATH, or your
+    #                                 own function: file.py:NAME
+    label_set: str = 'fine'         # cifar100: 100 'fine' or 20 'coarse'
     data_dir: str = 'data'          # CIFAR-10 cache
     url: str | None = None          # mirror (else $DASKTRAIN_CIFAR10_URL)
     md5: str | None = None          # the mirror archive's MD5
-    augment: bool = True            # crop 4px + flip; False: normalise only
+    augment: bool | str = 'auto'    # crop 4px at 32 + flip for images,
+    #                                 none for other inputs (True: auto);
+    #                                 'crop-flip', 'crop', 'none' (False)
     train_size: int | None = None   # first N training images (quick runs)
     test_size: int | None = None    # first N test images (quick runs)
     tta: int = 1                    # test-time views averaged (1: none)
@@ -195,6 +200,14 @@ class TrainConfig:
             positive(field)
         for field in ('train_size', 'test_size', 'early_stop_patience'):
             positive(field, allow_none=True)
+        if not self.dataset:
+            fail('dataset', 'cifar10, cifar100, npz:PATH or file.py:NAME')
+        if self.label_set not in ('fine', 'coarse'):
+            fail('label_set', "'fine' or 'coarse'")
+        if self.augment not in (True, False, 'auto', 'crop-flip', 'crop',
+                                'none'):
+            fail('augment', "True, False, 'auto', 'crop-flip', 'crop' or "
+                            "'none'")
         if self.exact_warmup != 'epoch' and not (
                 isinstance(self.exact_warmup, int) and
                 not isinstance(self.exact_warmup, bool) and
@@ -251,7 +264,11 @@ class TrainConfig:
 
     @classmethod
     def from_json(cls, text):
+        """The config of :meth:`to_json`'s text, or of a run's ``OUT/args``
+        (whose ``data`` entry, what the run found in its data, is not a
+        setting)."""
         data = json.loads(text)
+        data.pop('data', None)
         if data.get('devices') is not None:
             data['devices'] = tuple(data['devices'])
         return cls(**data)

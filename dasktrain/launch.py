@@ -44,7 +44,9 @@ from dasktrain.cluster.local import (
 )
 from dasktrain.cluster.workers import local_device_workers
 from dasktrain.config import TrainConfig
-from dasktrain.data.download import download_cifar10
+from dasktrain.data.datasets import load_dataset, resolve_spec
+from dasktrain.data.datasets import spec_file as dataset_file
+from dasktrain.data.download import CIFAR100, download_cifar10
 from dasktrain.errors import UserError, argument
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
 from dasktrain.parallel.devices import free_gpu_memory, resolve_devices
@@ -115,9 +117,16 @@ def train(config=None, callbacks=(), client=None, **overrides):
     # The user's model: one line if it is wrong, before anything starts;
     # ranks elsewhere find the same file.
     config = config.replace(model=resolve_model(config.model,
-                                                config.model_args))
+                                                config.model_args),
+                            dataset=resolve_spec(config.dataset))
     progress = Progress(config.progress, config.epochs)
     placement = place(config)  # asks CUDA, once, when no devices are named
+    if placement.where != HERE and config.dataset != 'cifar10':
+        # The data: one line if it is wrong, before any worker starts.
+        progress.say(load_dataset(
+            config.dataset, config.data_dir, url=config.url, md5=config.md5,
+            label_set=config.label_set,
+            train_size=config.train_size).describe())
     if placement.where == HERE:
         with prepare_out(config):
             return run(config, devices=placement.devices,
@@ -135,11 +144,13 @@ def train(config=None, callbacks=(), client=None, **overrides):
 
 
 def _send_model(client, config):
-    """A model file, to every worker (Dask's ``upload_file``): a worker on
-    another machine needs no copy of the user's folder."""
-    path = spec_file(config.model) if is_spec(config.model) else None
-    if path is not None:
-        client.upload_file(str(path), load=False)
+    """A model file and a dataset's, to every worker (Dask's
+    ``upload_file``): a worker on another machine needs no copy of the
+    user's folder."""
+    for path in (spec_file(config.model) if is_spec(config.model) else None,
+                 dataset_file(config.dataset)):
+        if path is not None:
+            client.upload_file(str(path), load=False)
 
 
 def _job(config, callbacks, client, progress):
@@ -149,8 +160,11 @@ def _job(config, callbacks, client, progress):
     config = config.replace(out=os.path.abspath(config.out),
                             data_dir=os.path.abspath(config.data_dir))
     with prepare_out(config):  # locked here; rank 0 writes into it
-        download_cifar10(config.data_dir, url=config.url, md5=config.md5,
-                         progress=config.progress)  # once, not per rank
+        if config.dataset in ('cifar10', 'cifar100'):  # once, not per rank
+            download_cifar10(config.data_dir, url=config.url, md5=config.md5,
+                             progress=config.progress,
+                             **({'source': CIFAR100}
+                                if config.dataset == 'cifar100' else {}))
         if client is not None:
             return _drive(client, config, callbacks, progress)
         with restore_default_scheduler(always=True):

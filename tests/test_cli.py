@@ -34,8 +34,9 @@ def test_user_error_is_one_line(tmp_path, archive_server, capsys):
 def test_usage_error_prints_usage_error_and_where_help_is(capsys):
     assert main(['download', '--no-such-flag']) == 2
     assert capsys.readouterr().err.splitlines() == [
-        'usage: dasktrain download [-h] [--data-dir DIR] [--url URL] '
-        '[--md5 MD5]',
+        'usage: dasktrain download [-h] [--dataset SPEC] '
+        '[--label-set {fine,coarse}]',
+        '                          [--data-dir DIR] [--url URL] [--md5 MD5]',
         'dasktrain download: error: unrecognized arguments: --no-such-flag',
         'see `dasktrain download --help`']
 

@@ -18,8 +18,18 @@ from dasktrain.config import (
 
 
 def add_data_arguments(parser):
+    parser.add_argument(
+        '--dataset', default='cifar10', metavar='SPEC',
+        help='cifar10, cifar100, npz:PATH (keys x_train, y_train, x_test, '
+             'y_test) or your own function returning those four arrays, '
+             'as file.py:NAME or package.module:NAME (default: '
+             '%(default)s)')
+    parser.add_argument('--label-set', choices=('fine', 'coarse'),
+                        default='fine',
+                        help="cifar100's 100 fine or 20 coarse classes "
+                             '(default: %(default)s)')
     parser.add_argument('--data-dir', default='data', metavar='DIR',
-                        help='CIFAR-10 cache folder (default: %(default)s)')
+                        help='CIFAR cache folder (default: %(default)s)')
     parser.add_argument('--url', default=None,
                         help='archive URL, e.g. a lab mirror (default: '
                              '$DASKTRAIN_CIFAR10_URL, else the official one)')
@@ -127,8 +137,14 @@ def add_arguments(parser):
     add('--out', default=d.out, metavar='DIR',
         help='log, args, checkpoint and models (default: %(default)s)')
     add_data_arguments(parser)
-    add('--no-augment', dest='augment', action='store_false',
-        help='no crop/flip augmentation, normalisation only')
+    add('--augment', choices=('auto', 'crop-flip', 'crop', 'none'),
+        default=d.augment,
+        help='crop-flip: random crop after padding (4 pixels at 32, in '
+             'proportion elsewhere) and horizontal flip; crop: no flip; '
+             'none: normalisation only; auto: crop-flip for images, none '
+             'for other inputs (default: %(default)s)')
+    add('--no-augment', dest='augment', action='store_const', const='none',
+        help='the same as --augment none')
     add('--train-size', type=int, default=d.train_size, metavar='N',
         help='train on the first N images only (quick runs)')
     add('--test-size', type=int, default=d.test_size, metavar='N',

@@ -13,24 +13,32 @@ from dasktrain.commands.options import (
 
 class Download(Command):
     name = 'download'
-    help = 'download, verify and extract CIFAR-10'
+    help = 'download, verify and extract CIFAR-10 (or --dataset cifar100)'
 
     def add_arguments(self, parser):
         add_data_arguments(parser)
 
     def run(self, args):
-        from dasktrain.data.cifar import load_cifar10
-        cifar = load_cifar10(args.data_dir, url=args.url, md5=args.md5)
-        print(f'CIFAR-10 ready in {args.data_dir}: {len(cifar.train_labels)} '
-              f'training and {len(cifar.test_labels)} test images, classes '
-              f'{", ".join(cifar.label_names)}')
+        if args.dataset == 'cifar10':
+            from dasktrain.data.cifar import load_cifar10
+            cifar = load_cifar10(args.data_dir, url=args.url, md5=args.md5)
+            print(f'CIFAR-10 ready in {args.data_dir}: '
+                  f'{len(cifar.train_labels)} training and '
+                  f'{len(cifar.test_labels)} test images, classes '
+                  f'{", ".join(cifar.label_names)}')
+            return 0
+        from dasktrain.data.datasets import load_dataset
+        data = load_dataset(args.dataset, args.data_dir, url=args.url,
+                            md5=args.md5, label_set=args.label_set)
+        print(f'ready: {data.describe()}')
         return 0
 
 
 class Train(Command):
     name = 'train'
-    help = ('train a model on CIFAR-10 on every GPU found (else the CPU), or '
-            'across --workers N Dask workers, downloading the data if needed')
+    help = ('train a model on CIFAR-10 (or --dataset) on every GPU found '
+            '(else the CPU), or across --workers N Dask workers, '
+            'downloading the data if needed')
 
     def add_arguments(self, parser):
         add_arguments(parser)

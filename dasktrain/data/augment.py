@@ -51,16 +51,17 @@ def image_hashes(seed, epoch, indices):
 
 
 def as_images(x, name='x'):
-    """Validate uint8 (N, 3, H, W) images; return them as a dask array
-    (chunks of :data:`DEFAULT_CHUNK` images for an in-memory array).
-    ``name`` names the argument in the ValueError."""
+    """Validate uint8 or float (N, C, H, W) images, C in {1, 3}; return
+    them as a dask array (chunks of :data:`DEFAULT_CHUNK` images for an
+    in-memory array). ``name`` names the argument in the ValueError."""
     if not isinstance(x, da.Array):
         x = np.asarray(x)
-    if x.dtype != np.uint8:
-        raise ValueError(f'{name} must be uint8 images, got dtype {x.dtype}')
-    if x.ndim != 4 or x.shape[1] != 3:
-        raise ValueError(f'{name} must have shape (N, 3, H, W), got '
-                         f'{tuple(x.shape)}')
+    if x.dtype != np.uint8 and x.dtype.kind != 'f':
+        raise ValueError(f'{name} must be uint8 or float images, got dtype '
+                         f'{x.dtype}')
+    if x.ndim != 4 or x.shape[1] not in (1, 3):
+        raise ValueError(f'{name} must have shape (N, C, H, W) with C 1 or '
+                         f'3, got {tuple(x.shape)}')
     if not isinstance(x, da.Array):
         x = da.from_array(x, chunks=(DEFAULT_CHUNK, -1, -1, -1))
     return x
@@ -94,7 +95,7 @@ def _transform(block, dy, dx, flip, pad, padding, cut_y=None, cut_x=None,
     shift = (-np.asarray(mean, np.float32) * scale.ravel()).reshape(1, c, 1, 1)
     out = np.empty(block.shape, np.float32)
     padded = np.zeros((min(n, _SUB_BLOCK), c, h + 2 * pad, w + 2 * pad),
-                      np.uint8)
+                      block.dtype)
     for lo in range(0, n, _SUB_BLOCK):
         hi = min(lo + _SUB_BLOCK, n)
         m, part = hi - lo, padded[:hi - lo]
@@ -214,6 +215,16 @@ def _view_block(block, dy, dx, flip, pad, mean, std):
                       np.full(n, flip), pad, 'reflect', mean=mean, std=std)
 
 
+def scaled_pad(height, at32=4):
+    """Padding for images ``height`` pixels high: ``at32`` pixels at
+    CIFAR's 32, in proportion elsewhere, at least 1.
+
+    >>> scaled_pad(32), scaled_pad(16), scaled_pad(28), scaled_pad(8, 2)
+    (4, 2, 4, 1)
+    """
+    return max(1, round(height * at32 / 32))
+
+
 def tta_views(x, k, *, mean=CIFAR10_MEAN, std=CIFAR10_STD):
     """``k`` deterministic views of ``x`` for test-time augmentation.
 
@@ -229,10 +240,11 @@ def tta_views(x, k, *, mean=CIFAR10_MEAN, std=CIFAR10_STD):
     if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TTA_VIEWS:
         raise ValueError(f'k must be an int in 1..{MAX_TTA_VIEWS}, got {k!r}')
     x = as_images(x)
-    pad = 2
+    pad = scaled_pad(x.shape[2], 2)  # 2 pixels at 32
     views = []
-    for dy, dx, flip in _TTA_VIEWS[:k]:
-        options = dict(dy=dy, dx=dx, flip=flip, pad=pad, mean=tuple(mean),
+    for dy, dx, flip in _TTA_VIEWS[:k]:  # shifts of 2 at 32: scaled
+        options = dict(dy=dy * pad // 2, dx=dx * pad // 2, flip=flip,
+                       pad=pad, mean=tuple(mean),
                        std=tuple(std))
         name = 'tta-' + dask.base.tokenize(x.name, options)
         views.append(x.map_blocks(_view_block, dtype=np.float32, name=name,

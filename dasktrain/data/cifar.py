@@ -137,7 +137,7 @@ def _unpickle(path, skip_pixels=False):
     except _Refused as e:
         raise DataError(f'{path}: {e}; {hint}') from None
     except Exception as e:  # any other failure means a corrupt pickle
-        raise DataError(f'{path} is not a valid CIFAR-10 pickle '
+        raise DataError(f'{path} is not a valid CIFAR pickle '
                         f'({type(e).__name__}: {e}); {hint}') from None
     if not isinstance(obj, dict):
         raise DataError(f'{path} holds a {type(obj).__name__}, not a CIFAR '
@@ -145,14 +145,15 @@ def _unpickle(path, skip_pixels=False):
     return {_text(k): v for k, v in obj.items()}
 
 
-def _batch_arrays(path, skip_pixels=False):
+def _batch_arrays(path, skip_pixels=False, label_key='labels',
+                  classes=NUM_CLASSES):
     """Validated (images (N, 3, 32, 32) uint8, labels (N,) int32) of a
-    batch."""
+    batch (CIFAR-100's: ``label_key`` 'fine_labels', 100 ``classes``)."""
     batch = _unpickle(path, skip_pixels)
-    for key in ('data', 'labels'):
+    for key in ('data', label_key):
         if key not in batch:
             raise DataError(f'{path} has no {key!r} entry; it is not a '
-                            'CIFAR-10 batch file')
+                            'CIFAR batch file')
     data = batch['data']
     size = int(np.prod(IMAGE_SHAPE))
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or \
@@ -162,43 +163,45 @@ def _batch_arrays(path, skip_pixels=False):
         raise DataError(f'{path}: data must be a uint8 array of shape '
                         f'(N, {size}), got {dtype} {shape}')
     try:
-        labels = np.asarray(batch['labels'], dtype=np.int64)
+        labels = np.asarray(batch[label_key], dtype=np.int64)
     except (TypeError, ValueError):
         raise DataError(f'{path}: labels must be a list of ints') from None
     if labels.shape != (len(data),):
         raise DataError(f'{path}: {labels.size} labels for {len(data)} '
                         'images; they must match one to one')
-    if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
-        raise DataError(f'{path}: labels must lie in 0..{NUM_CLASSES - 1}, '
+    if labels.size and (labels.min() < 0 or labels.max() >= classes):
+        raise DataError(f'{path}: labels must lie in 0..{classes - 1}, '
                         f'found {labels.min()}..{labels.max()}')
     return data.reshape((-1,) + IMAGE_SHAPE), labels.astype(np.int32)
 
 
-def _load_images(path, count):
+def _load_images(path, count, label_key='labels', classes=NUM_CLASSES):
     """Task body: read one batch file's images (the only pixel read)."""
-    images, _ = _batch_arrays(Path(path))
+    images, _ = _batch_arrays(Path(path), False, label_key, classes)
     if len(images) != count:
         raise DataError(f'{path} changed while in use: it held {count} '
                         f'images and now holds {len(images)}')
     return images
 
 
-def _lazy_split(batches_dir, names):
+def _lazy_split(batches_dir, names, label_key='labels',
+                classes=NUM_CLASSES):
     """Images and labels of several batch files as dask arrays."""
     images, labels = [], []
     for name in names:
         path = batches_dir / name
-        _, meta_labels = _batch_arrays(path, skip_pixels=True)
+        _, meta_labels = _batch_arrays(path, True, label_key, classes)
         count = len(meta_labels)
         token = dask.base.tokenize(str(path.resolve()),
                                    path.stat().st_mtime_ns)
         task = dask.delayed(_load_images, pure=True)(
-            str(path), count, dask_key_name=f'cifar10-{name}-{token}')
+            str(path), count, label_key, classes,
+            dask_key_name=f'cifar-{name}-{token}')
         images.append(da.from_delayed(task, (count,) + IMAGE_SHAPE,
                                       dtype=np.uint8,
-                                      name=f'cifar10-images-{name}-{token}'))
+                                      name=f'cifar-images-{name}-{token}'))
         labels.append(da.from_array(meta_labels, chunks=count,
-                                    name=f'cifar10-labels-{name}-{token}'))
+                                    name=f'cifar-labels-{name}-{token}'))
     return da.concatenate(images), da.concatenate(labels)
 
 
@@ -244,3 +247,26 @@ def load_cifar10(data_dir='data', download=True, url=None, md5=None):
     test_images, test_labels = _lazy_split(batches, (TEST_BATCH,))
     return CIFAR10(train_images, train_labels, test_images, test_labels,
                    tuple(_text(n) for n in names))
+
+
+def load_cifar100(data_dir='data', download=True, url=None, md5=None,
+                  label_set='fine'):
+    """CIFAR-100 as lazy dask arrays ``(train images, train labels, test
+    images, test labels)``, downloading it first if needed (the Toronto
+    archive, MD5-checked; ``$DASKTRAIN_CIFAR100_URL`` for a mirror), read
+    as safely as CIFAR-10. ``label_set``: the 100 'fine' classes or the 20
+    'coarse' ones."""
+    from dasktrain.data.download import CIFAR100
+    data_dir = Path(data_dir)
+    folder = data_dir / CIFAR100.folder
+    if download:
+        folder = download_cifar10(data_dir, url=url, md5=md5,
+                                  source=CIFAR100)
+    elif not folder.is_dir():
+        raise DataError(f'{folder} not found; run `dasktrain download '
+                        f'{argument("dataset")} cifar100` first')
+    key, classes = (('fine_labels', 100) if label_set == 'fine' else
+                    ('coarse_labels', 20))
+    train = _lazy_split(folder, ('train',), key, classes)
+    test = _lazy_split(folder, ('test',), key, classes)
+    return train + test

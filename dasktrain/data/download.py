@@ -1,10 +1,12 @@
-"""Fetch and unpack the CIFAR-10 archive: resumable, verified, safe.
+"""Fetch and unpack the CIFAR-10 (or CIFAR-100) archive: resumable,
+verified, safe.
 
 The archive is streamed to a ``.part`` file (resumed with an HTTP Range
 request after a break), its MD5 checked, and only then renamed into place;
 members are checked before extraction into a temporary folder that is
 renamed into place when complete.
 """
+import dataclasses
 import errno
 import hashlib
 import os
@@ -36,17 +38,39 @@ ARCHIVE_NAME = 'cifar-10-python.tar.gz'
 BATCHES_DIR = 'cifar-10-batches-py'
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one of the Toronto archives comes from and what it holds."""
+    title: str
+    url: str
+    md5: str
+    url_env: str
+    md5_env: str
+    archive: str
+    folder: str
 
-def _mirror_hint():
-    return (f'use a mirror ({argument("url")}, or ${URL_ENV}) or put '
-            f'{ARCHIVE_NAME} into the data dir')
+
+CIFAR10 = Source('CIFAR-10', CIFAR10_URL, CIFAR10_MD5, URL_ENV, MD5_ENV,
+                 ARCHIVE_NAME, BATCHES_DIR)
+CIFAR100 = Source('CIFAR-100',
+                  'https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz',
+                  'eb9058c3a382ffc7106e4002c42a8d85',
+                  'DASKTRAIN_CIFAR100_URL', 'DASKTRAIN_CIFAR100_MD5',
+                  'cifar-100-python.tar.gz', 'cifar-100-python')
+
+
+def _mirror_hint(source=CIFAR10):
+    return (f'use a mirror ({argument("url")}, or ${source.url_env}) or put '
+            f'{source.archive} into the data dir')
 
 _CHUNK = 1 << 16
 
 
 def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
-                     backoff=0.5, timeout=30.0, progress=True):
-    """Make sure ``data_dir`` holds extracted CIFAR-10 and return its folder.
+                     backoff=0.5, timeout=30.0, progress=True,
+                     source=CIFAR10):
+    """Make sure ``data_dir`` holds extracted CIFAR-10 (or ``source``'s
+    archive) and return its folder.
 
     An extracted ``cifar-10-batches-py/`` or a ``cifar-10-python.tar.gz``
     already in ``data_dir`` is used without any network. Otherwise the
@@ -73,6 +97,9 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
         Seconds to wait for the server to connect or send more bytes.
     progress : bool, default True
         Show a tqdm progress bar.
+    source : Source, default CIFAR10
+        The archive: :data:`CIFAR100` fetches CIFAR-100 the same way
+        (``$DASKTRAIN_CIFAR100_URL``, ``cifar-100-python/``).
 
     Returns
     -------
@@ -88,32 +115,32 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
     if retries < 0:
         raise ValueError(f'retries must be >= 0, got {retries!r}')
     data_dir = Path(data_dir)
-    batches = data_dir / BATCHES_DIR
+    batches = data_dir / source.folder
     if batches.is_dir():  # nothing to write: a read-only folder is fine
         return batches
     _make_dir(data_dir)
-    archive = data_dir / ARCHIVE_NAME
+    archive = data_dir / source.archive
     # Something else in the place of either: say so, before any download.
     if batches.exists() or batches.is_symlink():  # and not a folder
         raise DataError(f'{batches} is not a folder; move it away, or put '
-                        'the extracted CIFAR-10 folder there')
+                        f'the extracted {source.title} folder there')
     if (archive.exists() or archive.is_symlink()) and not archive.is_file():
         raise DataError(f'{archive} is not a file; move it away, or put the '
-                        'CIFAR-10 archive there')
-    md5 = (md5 or os.environ.get(MD5_ENV) or CIFAR10_MD5).lower()
+                        f'{source.title} archive there')
+    md5 = (md5 or os.environ.get(source.md5_env) or source.md5).lower()
     if archive.exists():
         got = _md5sum(archive)
         if got != md5:
             raise DataError(
                 f'{archive}: MD5 {got} does not match the expected {md5}; '
                 'delete the file to download it again, or pass '
-                f'{argument("md5")} (or set '
-                f'{MD5_ENV}) if it comes from a mirror with another archive')
+                f'{argument("md5")} (or set {source.md5_env}) if it comes '
+                'from a mirror with another archive')
     else:
-        url = url or os.environ.get(URL_ENV) or CIFAR10_URL
+        url = url or os.environ.get(source.url_env) or source.url
         _fetch(url, archive, md5, retries=retries, backoff=backoff,
-               timeout=timeout, progress=progress)
-    extract_archive(archive, data_dir)
+               timeout=timeout, progress=progress, source=source)
+    extract_archive(archive, data_dir, source)
     return batches
 
 
@@ -154,12 +181,13 @@ class _BrokenStream(Exception):
     pass
 
 
-def _fetch(url, dest, md5, *, retries, backoff, timeout, progress):
+def _fetch(url, dest, md5, *, retries, backoff, timeout, progress,
+           source=CIFAR10):
     part = dest.with_name(dest.name + '.part')
     with _session(retries, backoff) as session:
         for attempt in range(retries + 1):
             try:
-                _stream_once(session, url, part, timeout, progress)
+                _stream_once(session, url, part, timeout, progress, source)
                 break
             except _BrokenStream as e:
                 failure = e
@@ -167,18 +195,18 @@ def _fetch(url, dest, md5, *, retries, backoff, timeout, progress):
                 time.sleep(backoff * 2 ** attempt)
         else:
             raise DataError(f'download of {url} kept breaking off '
-                            f'({failure}); {_mirror_hint()}')
+                            f'({failure}); {_mirror_hint(source)}')
     got = _md5sum(part)
     if got != md5:
         part.unlink()
         raise DataError(f'{url}: MD5 {got} does not match the expected {md5}; '
                         f'the file was removed. Pass {argument("md5")} (or '
-                        f'set {MD5_ENV}) if the mirror serves another archive '
-                        'on purpose')
+                        f'set {source.md5_env}) if the mirror serves another '
+                        'archive on purpose')
     os.replace(part, dest)
 
 
-def _stream_once(session, url, part, timeout, progress):
+def _stream_once(session, url, part, timeout, progress, source=CIFAR10):
     """Append the rest of ``url`` to ``part``; raise _BrokenStream to retry."""
     offset = part.stat().st_size if part.exists() else 0
     headers = {'Range': f'bytes={offset}-'} if offset else {}
@@ -187,7 +215,7 @@ def _stream_once(session, url, part, timeout, progress):
                                headers=headers)
     except requests.RequestException as e:
         raise DataError(f'cannot download {url}: {_reason(e, url, timeout)}; '
-                        f'{_mirror_hint()}') from None
+                        f'{_mirror_hint(source)}') from None
     with response:
         if response.status_code == 416:  # the .part is not a prefix we know
             part.unlink()
@@ -195,7 +223,7 @@ def _stream_once(session, url, part, timeout, progress):
         if response.status_code >= 400:
             raise DataError(f'cannot download {url} (HTTP '
                             f'{response.status_code} {response.reason}); '
-                            f'{_mirror_hint()}')
+                            f'{_mirror_hint(source)}')
         resumed = (offset and response.status_code == 206 and
                    response.headers.get('Content-Range', '')
                    .startswith(f'bytes {offset}-'))
@@ -209,7 +237,7 @@ def _stream_once(session, url, part, timeout, progress):
         response.raw.enforce_content_length = False
         with open(part, 'ab' if resumed else 'wb') as f, \
                 tqdm(total=total, initial=offset, unit='B', unit_scale=True,
-                     desc=ARCHIVE_NAME, disable=not progress) as bar:
+                     desc=source.archive, disable=not progress) as bar:
             try:
                 for block in response.iter_content(_CHUNK):
                     f.write(block)
@@ -292,15 +320,16 @@ def _refusal(member):
     return None
 
 
-def extract_archive(archive, data_dir):
-    """Extract ``cifar-10-batches-py/`` from ``archive`` into ``data_dir``.
+def extract_archive(archive, data_dir, source=CIFAR10):
+    """Extract ``source``'s folder (``cifar-10-batches-py/``) from
+    ``archive`` into ``data_dir``.
 
     Every member is checked first: absolute paths, ``..``, links and device
     files are refused. Extraction goes to a temporary folder that is renamed
     into place only when complete.
     """
     archive, data_dir = Path(archive), Path(data_dir)
-    target = data_dir / BATCHES_DIR
+    target = data_dir / source.folder
     scratch = Path(tempfile.mkdtemp(prefix='.extract-', dir=data_dir))
     try:
         try:
@@ -311,7 +340,8 @@ def extract_archive(archive, data_dir):
                     if reason:
                         raise DataError(
                             f'{archive}: refusing member {member.name!r} '
-                            f'({reason}); this is not a CIFAR-10 archive')
+                            f'({reason}); this is not a {source.title} '
+                            'archive')
                 if hasattr(tarfile, 'data_filter'):
                     tar.extractall(scratch, members, filter='data')
                 else:  # Python < 3.10.12: the checks above stand in
@@ -326,10 +356,10 @@ def extract_archive(archive, data_dir):
             raise DataError(f'{archive} ({size} bytes) is corrupt or '
                             f'truncated ({reason}); delete it and download '
                             'again') from None
-        if not (scratch / BATCHES_DIR).is_dir():
-            raise DataError(f'{archive} has no {BATCHES_DIR}/ folder; '
-                            'this is not the CIFAR-10 python archive')
-        os.replace(scratch / BATCHES_DIR, target)
+        if not (scratch / source.folder).is_dir():
+            raise DataError(f'{archive} has no {source.folder}/ folder; '
+                            f'this is not the {source.title} python archive')
+        os.replace(scratch / source.folder, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target

@@ -100,7 +100,11 @@ class EpochLoader:
         Fixes the permutations and the augmentation.
     augment_options : dict or None, default None
         Keyword arguments of :func:`~dasktrain.data.augment.augment`;
-        ``None`` means no augmentation (normalisation only).
+        ``None`` means no augmentation (normalisation only, with
+        ``normalization``'s mean and std; CIFAR-10's by default).
+    normalization : (mean, std) or False, optional
+        Per-channel statistics of the images; False: the inputs are not
+        images (any shape), passed on as they are, floats as float32.
     drop_last : bool, default False
         Drop the last minibatch when it is short.
     client : distributed.Client or False, optional
@@ -133,11 +137,18 @@ class EpochLoader:
     def __init__(self, images, labels, batch_size, seed=0,
                  augment_options=None, drop_last=False, client=None,
                  prefetch=True, shuffle=True, epochs=None, parts=1,
-                 own=None, cache=False):
+                 own=None, cache=False, normalization=None):
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f'batch_size must be an int >= 1, got '
                              f'{batch_size!r}')
-        images = as_images(images, 'images')
+        self.normalization = normalization
+        if normalization is False:
+            if augment_options is not None:
+                raise ValueError('augment_options apply to images only')
+            images = images if isinstance(images, da.Array) else \
+                da.from_array(np.asarray(images), chunks=DEFAULT_CHUNK)
+        else:
+            images = as_images(images, 'images')
         self.labels = np.asarray(labels, dtype=np.int32)
         if self.labels.shape != (len(images),):
             raise ValueError(f'labels must have shape ({len(images)},), got '
@@ -156,7 +167,8 @@ class EpochLoader:
             if (self.start, self.stop) != (0, len(images)) else images
         if cache:
             self.images = self.images.rechunk(
-                (DEFAULT_CHUNK, -1, -1, -1)).persist(scheduler='threads')
+                (DEFAULT_CHUNK,) + (-1,) * (self.images.ndim - 1)).persist(
+                    scheduler='threads')
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.augment_options = augment_options
@@ -179,10 +191,14 @@ class EpochLoader:
     def epoch_array(self, epoch):
         """The lazy float32 array of ``epoch``'s inputs for this loader's
         shards (images ``start:stop``), in dataset order."""
+        if self.normalization is False:  # not images
+            x = self.images
+            return x.astype(np.float32) if x.dtype.kind == 'f' else x
+        stats = dict(zip(('mean', 'std'), self.normalization or ()))
         if self.augment_options is None:
-            return normalize(self.images)
+            return normalize(self.images, **stats)
         return augment(self.images, self.seed, epoch, offset=self.start,
-                       **self.augment_options)
+                       **stats, **self.augment_options)
 
     def _client(self):
         if self.client is False:

@@ -8,19 +8,18 @@ import chainer
 import chainer.functions as F
 import numpy as np
 
-from dasktrain.data.augment import tta_views
 from dasktrain.data.loader import shard_bounds
 from dasktrain.parallel.devices import input_dtype
 
 
-def load_test_share(cifar, n_test, views, rank=0, size=1):
+def load_test_share(data, n_test, views, rank=0, size=1):
     """Rank ``rank``'s contiguous share of the first ``n_test`` test
-    images of ``cifar`` (a :class:`~dasktrain.data.cifar.CIFAR10`), read
+    inputs of ``data`` (a :class:`~dasktrain.data.datasets.Dataset`), read
     into memory: (``views`` test-time views of them, their labels)."""
     lo, hi = shard_bounds(n_test, size)[rank]
-    labels = cifar.test_labels[lo:hi].compute(scheduler='threads')
+    labels = data.test_labels[lo:hi].compute(scheduler='threads')
     return ([v.compute(scheduler='threads')
-             for v in tta_views(cifar.test_images[lo:hi], views)], labels)
+             for v in data.test_views(lo, hi, views)], labels)
 
 
 def evaluate(evaluators, views, labels, batch_size):
@@ -46,8 +45,10 @@ def evaluate(evaluators, views, labels, batch_size):
         parts = []
         for n, i in enumerate(range(0, len(labels), batch_size)):
             chain, device = evaluators[n % len(evaluators)]
-            x = device.send(view[i:i + batch_size].astype(
-                input_dtype(chain), copy=False))
+            x = view[i:i + batch_size]
+            if x.dtype.kind == 'f':
+                x = x.astype(input_dtype(chain), copy=False)
+            x = device.send(x)
             with chainer.using_config('train', False), \
                     chainer.no_backprop_mode(), chainer.using_device(device):
                 parts.append(F.log_softmax(chain.predictor(x)).array)

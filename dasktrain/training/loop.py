@@ -23,7 +23,7 @@ from pathlib import Path
 import chainer
 import numpy as np
 
-from dasktrain.data.cifar import load_cifar10
+from dasktrain.data.datasets import load_dataset
 from dasktrain.data.loader import EpochLoader
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
@@ -43,7 +43,7 @@ from dasktrain.training.checkpoint import (
     save_model,
 )
 from dasktrain.training.evaluate import evaluate, load_test_share
-from dasktrain.training.models import get_model
+from dasktrain.training.models import check_built_in, get_model
 from dasktrain.training.outdir import record_args
 from dasktrain.training.progress import Progress, describe_devices
 from dasktrain.training.stopping import EarlyStopping
@@ -177,24 +177,29 @@ def _run(config, comm, devices, callbacks, progress):
     comm = comm or Solo()
     lead = comm.rank == 0
     out = Path(config.out)
-    cifar = load_cifar10(config.data_dir, url=config.url, md5=config.md5)
-    n_train = min(config.train_size or len(cifar.train_labels),
-                  len(cifar.train_labels))
-    n_test = min(config.test_size or len(cifar.test_labels),
-                 len(cifar.test_labels))
+    data = load_dataset(config.dataset, config.data_dir, url=config.url,
+                        md5=config.md5, label_set=config.label_set,
+                        train_size=config.train_size)
+    n_train = min(config.train_size or len(data.train_labels),
+                  len(data.train_labels))
+    n_test = min(config.test_size or len(data.test_labels),
+                 len(data.test_labels))
+    check_built_in(config.model, data)
     model = _model(config, comm, devices or config.devices or
-                   default_devices())
+                   default_devices(), data.n_classes)
     if lead and progress.enabled:
         _say_devices(progress, model, named=bool(config.devices))
+        if config.dataset != 'cifar10':
+            progress.say(data.describe())
     _check(config, model, n_train)
-    test = load_test_share(cifar, n_test, config.tta, comm.rank, comm.size)
-    state = _start(config, model, out, lead)
+    test = load_test_share(data, n_test, config.tta, comm.rank, comm.size)
+    state = _start(config, model, out, lead, data)
     stopper = EarlyStopping(config.early_stop_monitor,
                             config.early_stop_patience,
                             mode=config.early_stop_mode,
                             **state['early_stop'])
     stopped = stopper.stopped()
-    with _loader(config, cifar, n_train, model, client) as loader:
+    with _loader(config, data, n_train, model, client) as loader:
         # The run's clock, as it stood at its last checkpoint; the data
         # read into memory, not counted.
         started = time.perf_counter() - state['elapsed']
@@ -213,12 +218,12 @@ def _run(config, comm, devices, callbacks, progress):
     return _finish(model, out, state, stopped)
 
 
-def _model(config, comm, devices):
+def _model(config, comm, devices, n_classes=10):
     """The rank's replicas on ``devices``, from rank 0's initial weights,
     with their optimizers."""
     np.random.seed(config.seed)  # the initial weights
     model = GPUDistributedGradient(
-        get_model(config.model, model_args=config.model_args), devices,
+        get_model(config.model, n_classes, config.model_args), devices,
         mode=config.mode,
         mix_every=config.mix_every,
         mix_optimizer_state=config.mix_optimizer_state, comm=comm,
@@ -259,7 +264,7 @@ def _check(config, model, n_train):
                         f'run has {replicas} in mode {model.mode}')
 
 
-def _start(config, model, out, lead):
+def _start(config, model, out, lead, data):
     """The loop's state to start from: a new run's, or the checkpoint's
     (restoring ``model``) on resume; rank 0 records the run's args."""
     state = {'epoch': 0, 'log': [], 'elapsed': 0.0,
@@ -270,19 +275,21 @@ def _start(config, model, out, lead):
                                 f'this run ({argument("model")} '
                                 f'{config.model})')
     if lead:
-        record_args(out, json.loads(config.to_json()),
+        record_args(out, {**json.loads(config.to_json()),
+                          'data': data.statistics()},
                     state['epoch'] if resumed else None)
     return state
 
 
-def _loader(config, cifar, n_train, model, client):
-    """The loader of the shards of the first ``n_train`` training images
+def _loader(config, data, n_train, model, client):
+    """The loader of the shards of the first ``n_train`` training inputs
     that the rank's replicas own; ``client``: see :class:`EpochLoader`."""
     return EpochLoader(
-        cifar.train_images[:n_train],
-        cifar.train_labels[:n_train].compute(scheduler='threads'),
+        data.train_images[:n_train],
+        data.train_labels[:n_train].compute(scheduler='threads'),
         config.batch_size * model.total_replicas, seed=config.seed,
-        augment_options={} if config.augment else None,
+        augment_options=data.augmentation(config.augment),
+        normalization=data.normalization(),
         epochs=config.epochs, parts=model.total_replicas,
         own=range(model.offset, model.offset + len(model)), cache=True,
         client=client)

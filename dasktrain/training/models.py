@@ -164,6 +164,23 @@ def get_model(name, n_classes=10, model_args=None):
     return L.Classifier(MODELS[name](n_classes))
 
 
+def check_built_in(model, data):
+    """A built-in network takes 3-channel images (``tiny``: 32 x 32); for
+    other inputs, one :class:`~dasktrain.errors.UserError` line pointing to
+    the user's own model. ``data``: a
+    :class:`~dasktrain.data.datasets.Dataset`."""
+    if is_spec(model):
+        return
+    shape = tuple(data.train_images.shape[1:])
+    needs, words = ((3, 32, 32), '3 x 32 x 32') if model == 'tiny' else \
+        ((3,), '3 x H x W')
+    if not data.images or shape[:len(needs)] != needs:
+        raise UserError(
+            f'{argument("model")} {model} takes images of {words}; '
+            f'{data.name} holds inputs of {" x ".join(map(str, shape))}: '
+            f'use your own model ({argument("model")} file.py:NAME)')
+
+
 def resolve_model(model, model_args=None):
     """``model`` as processes elsewhere must name it: a built-in name as
     it is; the user's spec checked here first, by building it once (one
