@@ -141,8 +141,12 @@ def resolve_spec(spec, cwd=None):
     from dasktrain.userspec import absolute_spec
     check_spec(spec)
     if spec.startswith('npz:'):
-        path = os.path.expanduser(spec[len('npz:'):])
-        return 'npz:' + os.path.join(cwd or os.getcwd(), path)
+        path = os.path.join(cwd or os.getcwd(),
+                            os.path.expanduser(spec[len('npz:'):]))
+        if not os.path.isfile(path):  # as typed, before it is made whole
+            raise DataError(f'{argument("dataset")} {spec}: no file '
+                            f'{spec[len("npz:"):]}')
+        return 'npz:' + path
     if spec in BUILT_IN:
         return spec
     try:

@@ -23,6 +23,8 @@ import time
 import uuid
 
 from dasktrain.cluster.local import connect, worker_info
+from dasktrain.data.datasets import resolve_spec
+from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.errors import argument
 from dasktrain.files import write_json
 from dasktrain.jobs.records import (
@@ -148,6 +150,9 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         from dasktrain.training.models import resolve_model  # Chainer: now
         config = config.replace(model=resolve_model(config.model,
                                                     config.model_args))
+    # The data: its spec checked and made absolute here (the job runs in
+    # its own folder).
+    config = config.replace(dataset=resolve_spec(config.dataset))
     owned = client is None
     client = client or connect(scheduler)
     try:
@@ -168,6 +173,11 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             files[f'model/{source.name}'] = source
             config = config.replace(
                 model=f'{folder / "model" / source.name}:{model_name}')
+        source = dataset_file(config.dataset)  # a dataset function's too
+        if source is not None:
+            files[f'data/{source.name}'] = source
+            config = config.replace(dataset=f'{folder / "data" / source.name}'
+                                            f':{split_spec(config.dataset)[1]}')
         # Paths as the submitter meant them: the job runs in its folder.
         config = config.replace(out=str(folder / 'out'), resume=True,
                                 progress=True,

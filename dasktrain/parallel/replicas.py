@@ -363,6 +363,17 @@ class Replicas:
             found[str(device)] = (replica, device)
         return list(found.values())
 
+    def _sized_as_master(self, like=None):
+        """Lazily initialised links not run yet: every replica's arrays
+        made in the shapes of ``like`` (default: the master), which a
+        checkpoint sized."""
+        like = like or self.master
+        for link, device in zip(self.links, self.devices):
+            for mine, theirs in zip(link.params(), like.params()):
+                if mine.array is None and theirs.array is not None:
+                    with chainer.using_device(device):
+                        mine.initialize(theirs.shape)
+
     def restore(self, npz, path='', each=True):
         """Load the replicas from a checkpoint's ``replica{i}`` (under
         ``path``), also one of another number of them. Without ``each``
@@ -370,6 +381,7 @@ class Replicas:
         where the numbers match, else all the saved ones' mean, a mix."""
         if not each:
             load(self.master, npz, 'replica0', path)
+            self._sized_as_master()
             self.copy_master()
             return
         saved = saved_replicas(npz, path)
@@ -389,6 +401,7 @@ class Replicas:
                     [a + b for a, b in zip(sums, arrays)]
         with chainer.using_device(master):
             means = [total / saved for total in sums]
+        self._sized_as_master(scratch)
         self.write(self.groups(self.links), means)
 
 
