@@ -384,3 +384,35 @@ def test_a_study_keeps_its_metric_and_direction(slots, data_dir, tmp_path,
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 'study.json is damaged' in err
     assert len(kept.trials) == 0  # nothing ran
+
+
+def test_a_space_can_name_the_models_own_arguments(tmp_path):
+    import optuna
+
+    from dasktrain.tuning.space import (
+        SpaceError,
+        config_for,
+        load_space,
+        suggest,
+    )
+    (tmp_path / 'nets.py').write_text(
+        'import chainer.links as L\n'
+        'def mlp(n_units=8, depth=1, n_classes=10):\n'
+        '    return L.Linear(None, n_classes)\n')
+    base = TrainConfig(model=f'{tmp_path / "nets.py"}:mlp',
+                       model_args={'depth': 2})
+    space = load_space({'model_args.n_units': {'type': 'int', 'low': 64,
+                                               'high': 512, 'log': True},
+                        'lr': [0.01, 0.1]}, base)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(0))
+    for _ in range(3):
+        trial = study.ask()
+        config = config_for(base, suggest(trial, space, base))
+        assert 64 <= config.model_args['n_units'] <= 512
+        assert config.model_args['depth'] == 2  # the base's args stay
+        assert config.lr in (0.01, 0.1)
+        study.tell(trial, 0.5)
+    # a built-in network takes no model arguments: one line, at once
+    with pytest.raises(SpaceError, match='model_args.n_units: 64 is not a '
+                                         'valid value'):
+        load_space({'model_args.n_units': [64, 128]}, TrainConfig())

@@ -9,6 +9,10 @@ a dict::
     mode: {type: categorical, choices: [dg, ipm]}
     mix_every: [1, 10, epoch]          # a list: categorical
 
+Your own model's arguments (``--model-arg``) are named ``model_args.NAME``::
+
+    model_args.n_units: {type: int, low: 64, high: 512, log: true}
+
 ``float`` and ``int`` take ``low``, ``high`` and optionally ``log`` or
 ``step``; ``categorical`` takes ``choices``. Each field is sampled with
 Optuna's ``trial.suggest_*`` (define-by-run), so fields that apply to ipm
@@ -30,6 +34,7 @@ KINDS = {'float': {'low', 'high', 'log', 'step'},
          'int': {'low', 'high', 'log', 'step'},
          'categorical': {'choices'}}
 IPM_ONLY = ('mix_every', 'mix_optimizer_state')
+MODEL_ARG = 'model_args.'  # a space key naming one of the model's args
 # Set per trial by the search, or not hyperparameters: base options only.
 FIXED = ('out', 'resume', 'progress', 'data_dir', 'url', 'md5', 'devices',
          'workers', 'scheduler', 'on_worker_loss', 'collective_timeout',
@@ -155,6 +160,13 @@ def load_space(source, base):
     for key, spec in raw.items():
         field = str(key).replace('-', '_')
         where = f'{name}: {key}'
+        if field.startswith(('model_args.', 'model_arg.')):
+            arg = field.split('.', 1)[1]
+            if not arg.isidentifier():
+                raise SpaceError(f'{where}: expected model_args.NAME, NAME '
+                                 "a keyword of your model's factory")
+            space[MODEL_ARG + arg] = _distribution(field, spec, where)
+            continue
         if field not in fields:
             raise SpaceError(f'{where}: TrainConfig has no such field (one of '
                              f'{", ".join(sorted(fields - set(FIXED)))})')
@@ -199,7 +211,12 @@ def suggest(trial, space, base):
 def config_for(base, params, ipm=False):
     """The TrainConfig of a trial: ``base`` with ``params``; ipm-only fields
     dropped where the trial's mode is dg (``ipm=True`` forces ipm)."""
-    changes = dict(params)
+    changes = {k: v for k, v in params.items()
+               if not k.startswith(MODEL_ARG)}
+    model_args = {k[len(MODEL_ARG):]: v for k, v in params.items()
+                  if k.startswith(MODEL_ARG)}
+    if model_args:
+        changes['model_args'] = {**(base.model_args or {}), **model_args}
     if ipm:
         changes['mode'] = 'ipm'
     if changes.get('mode', base.mode) != 'ipm':
