@@ -76,6 +76,9 @@ def main(argv=None):
         '04_hyperparameter_search': dict(
             size, jobs_dir=str(work / '04-jobs'), port=0, dashboard_port=0,
             trials=args.trials, startup_trials=3, model='tiny'),
+        # Its own model and data: only the run's length and its folder.
+        '05_own_model_and_data': dict(epochs=args.epochs,
+                                      out_dir=str(work / '05')),
     }
     unknown = set(args.only) - set(parameters)
     if unknown:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))
 OUT = os.environ.get('DASKTRAIN_NOTEBOOKS_OUT')  # keep executed copies
 TINY = dict(model='tiny', epochs=2, train_size=300, test_size=60)
-FIGURES = {'01': 2, '02': 3, '03': 2, '04': 5}
+FIGURES = {'01': 2, '02': 3, '03': 2, '04': 5, '05': 2}
 
 
 @pytest.fixture(scope='module')
@@ -26,7 +26,8 @@ def test_the_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == [
         '01_single_vs_multi_gpu.ipynb',
         '02_distributed_gradient_vs_parameter_mixture.ipynb',
-        '03_cluster_jobs.ipynb', '04_hyperparameter_search.ipynb']
+        '03_cluster_jobs.ipynb', '04_hyperparameter_search.ipynb',
+        '05_own_model_and_data.ipynb']
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
