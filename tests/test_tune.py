@@ -331,6 +331,24 @@ def test_bad_input_is_one_line_before_anything_is_written(
     assert sorted(p.name for p in tmp_path.iterdir()) == ['space.json']
 
 
+@pytest.mark.parametrize('train_flags, message', [
+    (['--model', 'nothere.py:Net'], '--model nothere.py:Net: no file '
+                                    'nothere.py'),
+    (['--dataset', 'npz:none.npz'], '--dataset npz:none.npz: no file '
+                                    'none.npz'),
+])
+def test_a_bad_model_or_dataset_is_one_line_at_tune(
+        slots, data_dir, tmp_path, capsys, train_flags, message):
+    path = tmp_path / 'space.json'
+    path.write_text(json.dumps({'lr': [0.1]}))
+    code = main(['tune', '--space', str(path), '--gpus', '0', '--scheduler',
+                 slots.address, '--jobs-dir', str(tmp_path / 'jobs'), '--',
+                 *base_flags(data_dir), *train_flags])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count('\n') == 1 and message in err, err
+    assert not (tmp_path / 'jobs').exists()
+
+
 def test_early_stopping_mode_is_stated_not_guessed(data_dir, tmp_path,
                                                    capsys):
     from dasktrain.training import EarlyStopping

@@ -47,7 +47,7 @@ from dasktrain.tuning.checks import (
     read_study_file,
     state_early_stopping,
 )
-from dasktrain.tuning.space import config_for, load_space, suggest
+from dasktrain.tuning.space import MODEL_ARG, config_for, load_space, suggest
 from dasktrain.tuning.trials import (
     describe_best,
     finish,
@@ -74,6 +74,19 @@ def make_sampler(name, seed=None):
         warnings.simplefilter('ignore', optuna.exceptions.ExperimentalWarning)
         # Running trials count as bad guesses: parallel trials spread out.
         return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+
+
+def _resolved(base, distributions):
+    """``base`` with its model and dataset specs checked here, before any
+    trial (one line each if wrong), and made absolute for the workers. A
+    model whose arguments the space samples is built by its trials."""
+    from dasktrain.data.datasets import resolve_spec
+    from dasktrain.training.models import resolve_model
+    from dasktrain.training.usermodel import absolute_spec, is_spec
+    sampled = any(k.startswith(MODEL_ARG) for k in distributions)
+    model = absolute_spec(base.model) if sampled and is_spec(base.model) \
+        else resolve_model(base.model, base.model_args)
+    return base.replace(model=model, dataset=resolve_spec(base.dataset))
 
 
 def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
@@ -141,6 +154,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
         raise TuneError(f'{argument("timeout")} must be > 0 seconds, got '
                         f'{timeout!r}')
     distributions = load_space(space, base)
+    base = _resolved(base, distributions)
     modes = distributions.get('mode', {}).get('choices', [base.mode])
     direction = check_metric(metric, direction, modes)
     base = state_early_stopping(base, metric, direction)
