@@ -21,11 +21,12 @@ def parameters(link):
     return list(found.values())
 
 
-def gradients(link, device, indices=None):
+def gradients(link, device, indices=None, params=None):
     """``link``'s gradients in :func:`parameters`' order (only the
     positions ``indices`` if given); a missing one becomes zeros (a
-    parameter this step did not reach)."""
-    params = parameters(link)
+    parameter this step did not reach). ``params``: :func:`parameters`
+    of ``link`` already found (a link's parameters never change)."""
+    params = parameters(link) if params is None else params
     grads = []
     with chainer.using_device(device):
         for i in range(len(params)) if indices is None else indices:

@@ -106,6 +106,19 @@ def synchronize(devices):
         gpu.synchronize()
 
 
+def synchronize_streams(devices):
+    """Wait until this thread's current stream on every GPU among
+    ``devices`` has finished (its kernels), not the whole device: work on
+    other streams, such as a side stream's all-reduce, goes on. CuPy's
+    current stream is per thread and per device
+    (``cupy.cuda.get_current_stream(device_id)``)."""
+    gpus = gpus_of(devices)
+    if gpus:
+        import cupy
+        for gpu in gpus:
+            cupy.cuda.get_current_stream(gpu.id).synchronize()
+
+
 class Clock:
     """Seconds spent in the work handed to :meth:`timed`, summed in
     :attr:`total` (communication time: merging gradients, syncing and
@@ -123,6 +136,19 @@ class Clock:
         began = time.perf_counter()
         result = work()
         synchronize(self.devices)
+        self.total += time.perf_counter() - began
+        return result
+
+    def waited(self, work):
+        """:meth:`timed` for ``work`` that waits on a communication thread
+        (which synchronises its own side stream before it ends): the clock
+        starts once this thread's own kernels are done, so what it counts
+        is the communication they did not hide. A device-wide wait first
+        would let the side stream finish before the clock starts, and
+        count nothing."""
+        synchronize_streams(self.devices)
+        began = time.perf_counter()
+        result = work()
         self.total += time.perf_counter() - began
         return result
 

@@ -136,6 +136,7 @@ class GradientExchange:
         # One side stream for good: CuPy caches freed memory per stream, and
         # a stream made per step would strand each step's cache.
         self._side = None
+        self._param_list = None
 
     @property
     def comm(self):
@@ -148,11 +149,15 @@ class GradientExchange:
     # ------------------------------------------------------ the pieces
 
     def _params(self):
-        return parameters(self.replicas.master)
+        # Found once: sorting namedparams() at every bucket costs per step.
+        if self._param_list is None:
+            self._param_list = parameters(self.replicas.master)
+        return self._param_list
 
     def grads(self, indices=None):
         """The master's gradients (those of the parameters ``indices``)."""
-        return gradients(self.replicas.master, self.device, indices)
+        return gradients(self.replicas.master, self.device, indices,
+                         self._params())
 
     def _encode(self, grads, copy=False):
         """The arrays that travel for ``grads`` and their scales: in
@@ -164,7 +169,10 @@ class GradientExchange:
             if self.comm_dtype is None:
                 return ([g.copy() for g in grads] if copy else grads), 1.0
             xp = self.device.xp
-            local = [float(xp.abs(g).max()) for g in grads]
+            # One read of every array's largest magnitude (a GPU waits
+            # once per bucket, not once per array).
+            local = chainer.backends.cuda.to_cpu(xp.stack(
+                [xp.abs(g).max() for g in grads])).tolist() if grads else []
             top = float(np.finfo(self.comm_dtype).max) / \
                 (2 * self.comm.size)
             scale = [_power_of_two(top, m) for m in
@@ -300,7 +308,7 @@ class GradientExchange:
                 self._launch(k)  # parameters no gradient reached: zeros
             self._launch(len(self.plan) - 1, sums)
             self._step = None
-            self.clock.timed(state['courier'].close)
+            self.clock.waited(state['courier'].close)
             for grads, sent, scale in state['results']:
                 self._decode(grads, sent, scale)
         return Summed(groups, sums)
@@ -329,7 +337,7 @@ class GradientExchange:
         """Start this step's sums; hand back the previous step's."""
         previous = self._inflight
         if previous is not None:  # one collective at a time, same order
-            self.clock.timed(previous[0].wait)
+            self.clock.waited(previous[0].wait)
         grads = self.grads()
         sent, scale = self._encode(grads, copy=True)
         groups, sums = self._statistics()
@@ -366,5 +374,5 @@ class GradientExchange:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return None
-        self.clock.timed(inflight[0].wait)
+        self.clock.waited(inflight[0].wait)
         return self._arrived(inflight, self.grads())

@@ -322,3 +322,48 @@ def test_double_buffering_sums_on_a_side_stream_and_equals_numpy():
             assert all(s.ptr not in (0, 2) for s in comm.streams)  # null,
             assert len({s.ptr for s in comm.streams}) == 1  # per-thread
     close(results['@cupy:0'], results['@numpy'])
+
+
+SPIN = r'''
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+'''
+
+
+class SlowMirror(StreamMirror):
+    """Its all-reduce queues a kernel that spins on the GPU for a while,
+    on the stream it runs on (as NCCL's would)."""
+
+    def __init__(self, cycles):
+        super().__init__()
+        import cupy
+        self.kernel = cupy.RawKernel(SPIN, 'spin')
+        self.cycles = cycles
+
+    def allreduce(self, arrays, check=False):
+        self.kernel((1,), (1,), (self.cycles,))
+        return super().allreduce(arrays, check)
+
+
+def test_comm_time_counts_the_side_streams_exposed_time():
+    # A device-wide synchronise before the clock starts would wait for the
+    # side stream's kernel first and count none of it.
+    import time
+
+    import cupy
+    probe = SlowMirror(1 << 31)
+    began = time.perf_counter()
+    probe.kernel((1,), (1,), (probe.cycles,))
+    cupy.cuda.Device(0).synchronize()
+    spin = time.perf_counter() - began
+    assert spin > 0.05  # a kernel long enough to see
+    comm = SlowMirror(probe.cycles)
+    model = GPUDistributedGradient(fresh(), ['@cupy:0'], comm=comm,
+                                   double_buffering=True, warmup=0)
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    model.step(*batch(8), total=16)  # starts the first sum, applies none
+    before = model.comm_time
+    model.end_epoch()  # waits for it: exposed, nothing to hide it behind
+    assert model.comm_time - before >= 0.5 * spin
