@@ -49,7 +49,11 @@ from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.data.download import CIFAR100, download_cifar10
 from dasktrain.errors import UserError, argument
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
-from dasktrain.parallel.devices import free_gpu_memory, resolve_devices
+from dasktrain.parallel.devices import (
+    frames_released,
+    free_gpu_memory,
+    resolve_devices,
+)
 from dasktrain.parallel.gpus import (
     GpuPool,
     gpu_ids,
@@ -233,8 +237,8 @@ def _rank(config, name, rank, size, gpus):
     devices = place_devices(config.devices, [g.index for g in held]) \
         if held else config.devices or ('@numpy',)
     try:
-        with DaskComm.rendezvous(name, rank, size,
-                                 config.collective_timeout) as host:
+        with frames_released(), DaskComm.rendezvous(
+                name, rank, size, config.collective_timeout) as host:
             comm = host
             progress = _RankProgress(name, relay=rank == 0)
             # NCCL only if every rank can use it: the ranks must agree.

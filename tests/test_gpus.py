@@ -200,3 +200,28 @@ def test_nccl_in_progress_is_waited_for_and_errors_raised():
 def test_uuids_are_spelled_as_nvidia_smi_does():
     raw = bytes.fromhex('8f6c2a1b00d44e1f9a0b00c1d2e3f405')  # zero bytes
     assert format_uuid(raw) == 'GPU-8f6c2a1b-00d4-4e1f-9a0b-00c1d2e3f405'
+
+
+def test_a_failed_runs_model_can_be_collected_before_its_error_is_gone():
+    import gc
+    import traceback
+    import weakref
+
+    from dasktrain.parallel.devices import frames_released
+
+    class Model:
+        pass
+    refs = []
+
+    def run():
+        model = Model()  # noqa: F841 (held by this frame's locals)
+        refs.append(weakref.ref(model))
+        raise ValueError('the run failed')
+    try:
+        with frames_released():
+            run()
+    except ValueError as e:
+        gc.collect()
+        assert refs[0]() is None  # freeable while the error still exists
+        lines = ''.join(traceback.format_tb(e.__traceback__))
+        assert "raise ValueError('the run failed')" in lines

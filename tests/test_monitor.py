@@ -385,3 +385,31 @@ def test_jobs_page_in_a_headless_browser_while_a_job_trains(
     png = (tmp_path / 'page.png').read_bytes()
     assert png[:8] == b'\x89PNG\r\n\x1a\n'
     assert struct.unpack('>II', png[16:24]) == (1400, 900)
+
+
+def test_cuda_devices_are_matched_to_nvml_by_uuid_not_by_index():
+    from dasktrain.monitor import match_cuda_devices
+    # NVML counts in PCI bus order; CUDA by default fastest first.
+    a100 = dict(index=0, uuid='GPU-0a0a0a0a-0000-0000-0000-000000000000',
+                name='A100', migs=['MIG-1b1b1b1b-0000-0000-0000-000000000000',
+                                   'MIG-2c2c2c2c-0000-0000-0000-000000000000'])
+    t4 = dict(index=1, uuid='GPU-3d3d3d3d-0000-0000-0000-000000000000',
+              name='T4', migs=[])
+    gpus = [a100, t4]
+
+    def indices(**kw):
+        return [g['index'] for g in match_cuda_devices(gpus, **kw)]
+    # the driver's view (cuDeviceGetUuid: GPU- prefixed, MIG ones too)
+    assert indices(uuids=['GPU-3d3d3d3d-0000-0000-0000-000000000000',
+                          'GPU-1b1b1b1b-0000-0000-0000-000000000000',
+                          'GPU-2c2c2c2c-0000-0000-0000-000000000000']) == \
+        [1, 0]  # two MIG instances of one GPU read as that GPU, once
+    # CUDA_VISIBLE_DEVICES: UUIDs and prefixes always; MIG instances
+    assert indices(entries=['GPU-3d3d', 'MIG-2c2c2c2c']) == [1, 0]
+    # ids: CUDA ordinals; on mixed models without PCI order: unknown
+    assert indices(entries=['0']) == []
+    assert indices(entries=['0'], pci_order=True) == [0]
+    same = [dict(a100, migs=[]), dict(t4, name='A100')]
+    assert [g['index'] for g in match_cuda_devices(
+        same, entries=['1'])] == [1]  # one model: fastest first is PCI
+    assert indices(entries=['GPU-ffff']) == []

@@ -11,6 +11,7 @@ import contextlib
 import shutil
 import subprocess
 import time
+import traceback
 
 import chainer
 import numpy as np
@@ -205,6 +206,20 @@ class SideStream:
                 stream.synchronize()
 
 
+@contextlib.contextmanager
+def frames_released():
+    """Within: an exception leaving the block has the locals of its
+    traceback's frames cleared (its lines stay, to print), so that a
+    failed run's model, held by those frames, can be collected and
+    :func:`free_gpu_memory` return its GPU memory while the exception is
+    still on its way up."""
+    try:
+        yield
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)
+        raise
+
+
 def free_gpu_memory(ids):
     """Return CuPy's cached blocks on the GPUs ``ids`` (CUDA ordinals) to
     the driver, so that the next job on them starts with the memory free.
@@ -247,6 +262,28 @@ def _driver_uuid(ordinal):
             or cuda.cuDeviceGetUuid(raw, device):
         return None
     return raw.raw
+
+
+def driver_uuids():
+    """The UUIDs of this process's CUDA devices in ordinal order, as the
+    driver numbers them (``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
+    applied; a MIG instance's own UUID), without creating a context; None
+    where there is no CUDA driver."""
+    import ctypes
+    try:
+        cuda = ctypes.CDLL('libcuda.so.1')
+    except OSError:
+        return None
+    count = ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)):
+        return None
+    found = []
+    for ordinal in range(count.value):
+        raw = _driver_uuid(ordinal)
+        if raw is None:
+            return None
+        found.append(format_uuid(raw))
+    return found
 
 
 def device_uuids(devices):
