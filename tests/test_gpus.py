@@ -214,7 +214,7 @@ def test_a_failed_runs_model_can_be_collected_before_its_error_is_gone():
     refs = []
 
     def run():
-        model = Model()  # noqa: F841 (held by this frame's locals)
+        model = Model()  # held by this frame's locals
         refs.append(weakref.ref(model))
         raise ValueError('the run failed')
     try:

@@ -108,8 +108,12 @@ def _pool_bytes():
 
 
 @needs_nccl
-@pytest.mark.parametrize('mode,extra', [('dg', {}),
-                                        ('ipm', {'mix_every': 2})])
+@pytest.mark.parametrize('mode,extra', [
+    ('dg', {}), ('ipm', {'mix_every': 2}),
+    # the stale sums on the side stream over NCCL, from the first step
+    ('dg', {'double_buffering': True, 'exact_warmup': 0}),
+    # Adam's moments averaged too, over NCCL (checked signatures)
+    ('ipm', {'mix_every': 2, 'mix_optimizer_state': True})])
 def test_two_gpu_workers_equal_one_process_with_two_gpus(
         gpu_cluster, data_dir, tmp_path, mode, extra):
     from dasktrain.config import TrainConfig
@@ -187,3 +191,36 @@ def test_buckets_overlapped_on_two_gpus_sum_what_one_all_reduce_sums(
         for key in ('main/loss', 'main/accuracy',
                     'validation/main/loss'):
             assert b[key] == a[key], key
+
+
+@needs_nccl
+def test_float16_sums_over_nccl_stay_close_to_exact(data_dir, tmp_path):
+    # Each array scaled by a power of two the ranks agree on, summed in
+    # float16 by NCCL, cast back: rounding only.
+    from dasktrain.config import TrainConfig
+    from dasktrain.launch import train
+    base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
+                       data_dir=str(data_dir), progress=False,
+                       deterministic=True, devices=('@cupy:0', '@cupy:1'))
+    exact = train(base.replace(out=str(tmp_path / 'exact')))
+    half = train(base.replace(out=str(tmp_path / 'half'),
+                              comm_dtype='float16'))
+    for a, b in zip(exact['log'], half['log'], strict=True):
+        assert b['main/loss'] == pytest.approx(a['main/loss'], rel=0.01)
+        assert b['comm_time'] > 0
+
+
+@needs_nccl
+def test_a_two_gpu_job_resumes_where_it_stopped(data_dir, tmp_path):
+    from dasktrain.config import TrainConfig
+    from dasktrain.launch import train
+    base = TrainConfig(model='resnet20', batch_size=20, progress=False,
+                       data_dir=str(data_dir), deterministic=True,
+                       devices=('@cupy:0', '@cupy:1'))
+    whole = train(base.replace(out=str(tmp_path / 'whole'), epochs=3))
+    train(base.replace(out=str(tmp_path / 'cut'), epochs=1))
+    resumed = train(base.replace(out=str(tmp_path / 'cut'), epochs=3,
+                                 resume=True))
+    assert [r['epoch'] for r in resumed['log']] == [1, 2, 3]
+    for a, b in zip(whole['log'], resumed['log'], strict=True):
+        assert b['main/loss'] == pytest.approx(a['main/loss'], rel=1e-4)
