@@ -299,7 +299,10 @@ class GradientExchange:
         if state is None:  # everything after the backward pass
             grads = self.grads()
             sent, scale = self._encode(grads)
-            self.clock.timed(lambda: self.replicas.reduce(sums, also=sent))
+            # The all-reduce returns once its sums are done (NCCL's stream
+            # polled, host copies synchronous): only this thread's kernels
+            # need waiting for before the clock starts.
+            self.clock.waited(lambda: self.replicas.reduce(sums, also=sent))
             self._decode(grads, sent, scale)
             if self._order is not None:
                 self._agree()

@@ -269,6 +269,8 @@ class GPUDistributedGradient:
         def sync():
             self.group.write(groups, means)
             self.group.copy_master(persistents=False)
+        if len(self.replicas) == 1:  # nothing to copy: no device-wide
+            return sync()            # waits for a timer's sake
         self.clock.timed(sync)
 
     def syncparams(self):
@@ -343,8 +345,7 @@ class GPUDistributedGradient:
         return self.group.take_metrics()
 
     def observed(self):
-        """Batch-weighted mean of the replicas' last ``loss`` and
-        ``accuracy`` (as ``L.Classifier`` records them)."""
+        """Batch-weighted mean of the replicas' last loss and accuracy."""
         return self.group.observed(self._sizes)
 
     # -------------------------------------------------------- mixing
@@ -365,8 +366,7 @@ class GPUDistributedGradient:
         return (self.group.spread() / self.total_replicas) ** 0.5
 
     def end_epoch(self):
-        """Mix if ``mix_every == 'epoch'``; apply a gradient in flight;
-        call at the end of each epoch."""
+        """Call at each epoch's end: apply a gradient in flight; mix."""
         self.flush()
         if self.mode == 'ipm' and self.mix_every == 'epoch':
             self.mix()
