@@ -46,6 +46,7 @@ _EXPORTS = {
     'TrainConfig': 'dasktrain.config',
     'train': 'dasktrain.launch',
     'submit': 'dasktrain.jobs.submit',
+    'submit_command': 'dasktrain.jobs.programs',
     'Job': 'dasktrain.jobs.records',
     'tune': 'dasktrain.tuning.study',
 }

@@ -14,8 +14,9 @@ from dasktrain.commands import (
 
 class Submit(Command):
     name = 'submit'
-    help = ('queue a training job on the cluster: dasktrain submit [options]'
-            ' -- <dasktrain train options>')
+    help = ('queue a job on the cluster: dasktrain submit [options] -- '
+            '<dasktrain train options>, or -- PROGRAM ARGS... for any '
+            'program')
 
     def add_arguments(self, parser):
         add_scheduler(parser)
@@ -28,14 +29,38 @@ class Submit(Command):
                                  '%(default)s)')
         parser.add_argument('--name', default=None,
                             help='a label for `dasktrain jobs`')
+        parser.add_argument('--env', action='append', metavar='KEY=VALUE',
+                            help='a program: a variable added to your '
+                                 'environment as it is now (repeatable)')
+        parser.add_argument('--grace', type=float, default=30.0,
+                            metavar='SECONDS',
+                            help='a program: seconds between a cancel\'s '
+                                 'SIGTERM and its SIGKILL (default: '
+                                 '%(default)s)')
+        parser.add_argument('--requeue', action='store_true',
+                            help='a program: start it again if its worker '
+                                 'dies (it resumes by itself); else it '
+                                 'ends lost')
         add_jobs_dir(parser)
         parser.add_argument('train_args', nargs=argparse.REMAINDER,
-                            help='options of `dasktrain train`, after --')
+                            help='after --: options of `dasktrain train`, '
+                                 'or a program and its arguments')
 
     def run(self, args):
         from dasktrain.jobs.submit import submit
         if args.gpus < 0:
             args.command_parser.error(f'--gpus must be >= 0, got {args.gpus}')
+        words = args.train_args[1:] if args.train_args[:1] == ['--'] \
+            else args.train_args
+        if words and not words[0].startswith('-'):  # a program
+            from dasktrain.jobs.programs import parse_env, submit_command
+            job = submit_command(
+                words, gpus=args.gpus, name=args.name,
+                env=parse_env(args.env), grace=args.grace,
+                requeue=args.requeue, scheduler=args.scheduler,
+                path=args.jobs_dir)
+            print(job.id)
+            return 0
         config = train_config(args.train_args, 'dasktrain submit --')
         job = submit(config, gpus=args.gpus, name=args.name,
                      scheduler=args.scheduler, path=args.jobs_dir)
@@ -120,7 +145,8 @@ class Jobs(Command):
                     s['state'], known.get(job.key))
             rows.append((job.id, str(spec.get('name', '-')),
                          str(spec.get('user', '-')), s['state'], gpus,
-                         f"{s['epoch']}/{s['epochs']}", accuracy,
+                         f"{s['epoch']}/{s['epochs']}" if s['epochs']
+                         else '-', accuracy,
                          _when(spec['submitted']), _when(s.get('started')),
                          _when(s.get('ended')), seen))
         rows += [(job.id, '-', '-', 'unreadable') + ('-',) * 7

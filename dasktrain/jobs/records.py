@@ -33,8 +33,9 @@ from dasktrain.files import write_json
 
 KEY_PREFIX = 'dasktrain-job-'  # + the job's id: its Dask task's key
 JOBS_ENV = 'DASKTRAIN_JOBS_DIR'
-STATES = ('queued', 'running', 'finished', 'failed', 'cancelled', 'pruned')
-DONE = ('finished', 'failed', 'cancelled', 'pruned')
+STATES = ('queued', 'running', 'finished', 'failed', 'cancelled', 'pruned',
+          'lost')
+DONE = ('finished', 'failed', 'cancelled', 'pruned', 'lost')
 PRUNED = 3  # exit code of a job child whose training was pruned
 EVENTS = 'dasktrain-jobs'  # the Dask event topic of jobs' summaries
 
@@ -91,7 +92,7 @@ def update_status(folder, **changes):
 
 
 # What every reader of a job's files needs from them.
-_NEEDS = {'job.json': ('submitted', 'config'), 'status.json': ('state',)}
+_NEEDS = {'job.json': ('submitted',), 'status.json': ('state',)}
 
 
 def _read(folder, name):
@@ -106,9 +107,13 @@ def _read(folder, name):
     except ValueError as e:
         raise JobError(f'job {folder.name}: {name} is not valid JSON '
                        f'({e})') from None
-    missing = [k for k in _NEEDS[name]
+    needs = _NEEDS[name]
+    if name == 'job.json' and not (isinstance(data, dict) and
+                                   data.get('kind') == 'program'):
+        needs += ('config',)  # a training job's; a program has none
+    missing = [k for k in needs
                if not isinstance(data, dict) or k not in data]
-    if not missing and name == 'job.json' and not (
+    if not missing and 'config' in needs and not (
             isinstance(data['config'], dict) and 'epochs' in data['config']):
         missing = ['config.epochs']
     if missing:
@@ -172,7 +177,7 @@ class Job:
         status = _read(self.folder, 'status.json')
         rows = self.log_rows()
         status['epoch'] = rows[-1]['epoch'] if rows else 0
-        status['epochs'] = self.spec()['config']['epochs']
+        status['epochs'] = self.spec().get('config', {}).get('epochs')
         accuracy = rows[-1].get('validation/main/accuracy') if rows else None
         # a log someone edited by hand: no number, no accuracy
         status['accuracy'] = accuracy if isinstance(accuracy, (int, float)) \
@@ -193,7 +198,7 @@ class Job:
         return {'id': self.id, 'folder': str(self.folder),
                 'name': spec['name'], 'user': spec.get('user', ''),
                 'gpus': spec['gpus'], 'workers': spec.get('workers'),
-                'epochs': spec['config']['epochs'],
+                'epochs': spec.get('config', {}).get('epochs'),
                 'submitted': spec['submitted'], 'state': status['state'],
                 'held': status['gpus'] or [], 'worker': status['worker'],
                 'started': status['started'], 'ended': status['ended'],

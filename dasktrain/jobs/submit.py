@@ -191,7 +191,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
             'submitted': time.time(), **(extra or {})}
-        _make_folder(root, folder, spec, files)
+        make_folder(root, folder, spec, files)
         job = Job(job_id, folder)
         # Before the task: the scheduler sees 'queued' before 'running'.
         job.announce(client)
@@ -202,7 +202,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             client.close()
 
 
-def _make_folder(root, folder, spec, files=None):
+def make_folder(root, folder, spec, files=None):
     """Write the job's folder whole: in a hidden temp folder, renamed into
     place once both files are there (readers never see half a job), and
     readable by its owner only (its logs and weights are the owner's);

@@ -1,5 +1,7 @@
 """Running a job on a worker: the task body (:func:`run_job`) and its child
-process (``python -m dasktrain.jobs.worker FOLDER``, :func:`run_child`).
+process (``python -m dasktrain.jobs.worker FOLDER``, :func:`run_child`);
+a command job's program (:func:`run_program`, see
+:mod:`~dasktrain.jobs.programs`).
 
 The task picks the GPUs no other job on its worker holds and runs the
 job's child module (``job.json``'s ``child``, default this one) with
@@ -71,7 +73,7 @@ def child_module(spec):
     return FORMER_CHILDREN.get(module, module)
 
 
-def _die_with_parent():
+def die_with_parent():
     # The training must not outlive a killed worker: its rerun elsewhere
     # would share the output folder with a ghost.
     libc = ctypes.CDLL('libc.so.6', use_errno=True)
@@ -87,6 +89,13 @@ def run_job(folder):
     status = json.loads((folder / 'status.json').read_text())
     if (folder / 'cancel').exists() or status['state'] in DONE:
         return status['state']
+    if spec.get('kind') == 'program':  # any program (programs.py)
+        gpus = GpuPool.acquire(spec['gpus']) if spec['gpus'] else []
+        try:
+            return run_program(folder, spec, status, gpus,
+                               get_worker().address)
+        finally:
+            GpuPool.release(gpus)
     module = child_module(spec)
     if not module.startswith('dasktrain.'):  # job.json names code
         return update_status(folder, state='failed', ended=time.time(),
@@ -119,7 +128,7 @@ def run_job(folder):
             child = subprocess.Popen(
                 python(module, folder), cwd=folder, stdout=log,
                 stderr=subprocess.STDOUT, env=env,
-                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
             while child.poll() is None:
                 if (folder / 'cancel').exists():
                     child.terminate()
@@ -147,6 +156,109 @@ def run_job(folder):
     finally:
         GpuPool.release(gpus)
     return state
+
+
+def exit_words(returncode):
+    """The end of a program in words, from ``Popen.returncode``.
+
+    >>> exit_words(0), exit_words(3), exit_words(-9)
+    ('finished', 'failed (exit 3)', 'failed (killed by SIGKILL)')
+    """
+    if returncode == 0:
+        return 'finished'
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f'signal {-returncode}'
+        return f'failed (killed by {name})'
+    return f'failed (exit {returncode})'
+
+
+def run_program(folder, spec, status, gpus, worker):
+    """The task body of a command job (see the module); returns the state
+    it ended in. ``gpus``: the :class:`~dasktrain.parallel.gpus.Gpu` it
+    holds; ``worker``: this worker's address."""
+    folder = Path(folder)
+    job = Job(spec['id'], folder)
+    if status['state'] == 'running' and not spec.get('requeue'):
+        # The attempt before never ended: its worker died under it.
+        update_status(folder, state='lost', ended=time.time(),
+                      error=f'its worker ({status["worker"]}) died while it '
+                            'ran; submit it again, or with --requeue if it '
+                            'resumes by itself')
+        job.announce()
+        return 'lost'
+    ids = [g.id for g in gpus]
+    attempt = status['attempts'] + 1
+    update_status(folder, state='running', attempts=attempt, gpus=ids,
+                  worker=worker, started=status['started'] or time.time())
+    job.announce()
+    env = json.loads((folder / 'env.json').read_text())
+    env = job_environment(dict(env, PYTHONUNBUFFERED='1'), gpus)
+    cancelled = None
+    with open(folder / 'output.log', 'ab') as log:
+        log.write(f'=== attempt {attempt} on {worker}, GPUs '
+                  f'{",".join(ids) or "none"} (CUDA_VISIBLE_DEVICES='
+                  f'{env["CUDA_VISIBLE_DEVICES"]!r}), in {spec["cwd"]}: '
+                  f'{" ".join(spec["command"])} ===\n'.encode())
+        log.flush()
+        try:
+            child = subprocess.Popen(
+                spec['command'], cwd=spec['cwd'], env=env, stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=die_with_parent)
+        except OSError as e:  # no such program, not executable
+            error = f'cannot start {spec["command"][0]}: {e.strerror}'
+            log.write(f'error: {error}\n'.encode())
+            update_status(folder, state='failed', error=error,
+                          ended=time.time())
+            job.announce()
+            return 'failed'
+        while child.poll() is None:
+            if cancelled is None and (folder / 'cancel').exists():
+                cancelled = stop_group(child, spec.get('grace', 30.0))
+                log.write(f'=== cancelled: {cancelled} ===\n'.encode())
+            time.sleep(0.2)
+    words = exit_words(child.returncode)
+    if cancelled is not None:
+        state, error = 'cancelled', cancelled
+    elif child.returncode == 0:
+        state, error = 'finished', None
+    else:
+        state, error = 'failed', words[len('failed ('):-1]
+    update_status(folder, state=state, error=error, ended=time.time(),
+                  exit_code=child.returncode)
+    job.announce()
+    return state
+
+
+def stop_group(child, grace):
+    """SIGTERM to ``child``'s whole process group, SIGKILL to what is left
+    after ``grace`` seconds; returns what it took, in words."""
+    try:
+        os.killpg(child.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return 'it had ended'
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if child.poll() is not None and not _group_alive(child.pid):
+            return 'stopped by SIGTERM'
+        time.sleep(0.1)
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return 'stopped by SIGTERM'
+    child.wait()
+    return f'SIGTERM ignored for {grace:g} s: killed by SIGKILL'
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _mtime(path):

@@ -1,0 +1,153 @@
+"""Command jobs: any program queued like a training run,
+``dasktrain submit --gpus K -- python train.py ...``: the submitter's side.
+
+:func:`submit_command` records the program (argv), the submitter's working
+directory and environment (PATH, the active virtualenv or conda, every
+variable, plus ``env`` additions) in the job's private folder (0700:
+secrets in the environment are readable by the submitter only) and queues
+it like a training job. On a worker,
+:func:`dasktrain.jobs.worker.run_program` starts it in a new
+process group (its own session) in that directory, with that environment
+and ``CUDA_VISIBLE_DEVICES`` set to exactly its GPUs (none for 0), its
+output into ``output.log``. The exit code decides the end: 0 ``finished``,
+else ``failed (exit 3)`` or ``failed (killed by SIGKILL)``. A cancel sends
+SIGTERM to the whole group, then SIGKILL after ``grace`` seconds, and says
+which; a shell's children go with it. A program whose worker died under it
+is ``lost`` (Dask would start it again from scratch elsewhere), unless it
+was submitted with ``requeue=True``, for programs that resume themselves.
+
+Owns submitting command jobs; the queue and the records are
+:mod:`~dasktrain.jobs.submit`'s and :mod:`~dasktrain.jobs.records`'; running
+every job :mod:`~dasktrain.jobs.worker`'s.
+"""
+import json
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+from dasktrain.errors import argument
+from dasktrain.jobs.records import Job, JobError
+
+KIND = 'program'
+ENV_FILE = 'env.json'  # in the job's 0700 folder: the submitter's only
+
+
+def check_argv(argv):
+    """The program's argv as a list of strings; JobError if it is empty."""
+    if isinstance(argv, str) or not argv or \
+            not all(isinstance(a, str) for a in argv):
+        raise JobError(f'a command job needs a program and its arguments as '
+                       f'a list of strings, got {argv!r}')
+    return list(argv)
+
+
+def parse_env(items):
+    """``KEY=VALUE`` strings (``--env``) as a dict; JobError for others.
+
+    >>> parse_env(['A=1', 'B=x=y'])
+    {'A': '1', 'B': 'x=y'}
+    """
+    env = {}
+    for item in items or ():
+        key, sep, value = item.partition('=')
+        if not sep or not re.fullmatch(r'[A-Za-z_][A-Za-z0-9_]*', key):
+            raise JobError(f'{argument("env")} takes KEY=VALUE, got '
+                           f'{item!r}')
+        env[key] = value
+    return env
+
+
+def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
+                   requeue=False, client=None, scheduler=None, path=None):
+    """Queue a program; returns at once with its
+    :class:`~dasktrain.jobs.records.Job`.
+
+    Parameters
+    ----------
+    argv : list of str
+        The program and its arguments (no shell: pass ``['sh', '-c',
+        '...']`` for one).
+    gpus : int, default 0
+        GPUs it holds, seen as ``CUDA_VISIBLE_DEVICES`` 0..K-1 (0: a CPU
+        slot, no GPU visible).
+    name : str, optional
+        A label for listings; default the program's name.
+    env : dict, optional
+        Variables added to the submitter's environment as it is now.
+    cwd : str, optional
+        Where it runs; default the working directory, made absolute.
+    grace : float, default 30
+        Seconds between a cancel's SIGTERM and its SIGKILL.
+    requeue : bool, default False
+        Start it again if its worker dies (for programs that resume
+        themselves); otherwise it ends ``lost``.
+
+    Examples
+    --------
+    >>> job = submit_command(['python', 'train.py', '--epochs', '3'],
+    ...                      gpus=1)  # doctest: +SKIP
+    >>> job.result()['state']  # doctest: +SKIP
+    'finished'
+    """
+    from types import SimpleNamespace
+
+    from dasktrain.cluster.local import connect
+    from dasktrain.jobs.records import current_user, jobs_dir
+    from dasktrain.jobs.submit import check_owner, check_resources, queue
+    argv = check_argv(argv)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise JobError(f'{argument("gpus")} must be an int >= 0, got '
+                       f'{gpus!r}')
+    if not (isinstance(grace, (int, float)) and grace >= 0):
+        raise JobError(f'{argument("grace")} must be seconds >= 0, got '
+                       f'{grace!r}')
+    cwd = os.path.abspath(cwd or os.getcwd())
+    if not os.path.isdir(cwd):
+        raise JobError(f'the job would run in {cwd}, which is not a folder')
+    environment = dict(os.environ, **(env or {}))
+    owned = client is None
+    client = client or connect(scheduler)
+    try:
+        check_owner(client)
+        check_resources(client, SimpleNamespace(workers=None), gpus)
+        label = name or Path(argv[0]).name
+        slug = re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-') or 'job'
+        job_id = (f'{slug[:40]}-{time.strftime("%Y%m%d-%H%M%S")}-'
+                  f'{uuid.uuid4().hex[:6]}')
+        root = jobs_dir(path).resolve()
+        folder = root / job_id
+        spec = {'id': job_id, 'name': label, 'kind': KIND,
+                'user': current_user(), 'gpus': gpus, 'workers': None,
+                'command': argv, 'cwd': cwd, 'grace': float(grace),
+                'requeue': bool(requeue),
+                'scheduler': client.scheduler.address,
+                'submitted': time.time()}
+        _make_folder(root, folder, spec, environment)
+        job = Job(job_id, folder)
+        job.announce(client)
+        queue(client, folder, spec)
+        return job
+    finally:
+        if owned:
+            client.close()
+
+
+def _make_folder(root, folder, spec, environment):
+    from dasktrain.jobs.submit import make_folder
+    tmp_env = root / f'.{folder.name}.env'
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp_env, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, 'w') as f:
+            json.dump(environment, f)
+        make_folder(root, folder, spec, {ENV_FILE: tmp_env})
+        os.chmod(folder / ENV_FILE, 0o600)
+    finally:
+        tmp_env.unlink(missing_ok=True)
+
+
+def describe(spec):
+    """A command job's program, for listings."""
+    return ' '.join(spec.get('command') or ())

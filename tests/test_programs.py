@@ -1,0 +1,162 @@
+"""Command jobs on a real local cluster with real processes: any program
+queued like a training run (`dasktrain submit -- PROGRAM ARGS`), in the
+submitter's folder and environment, with exactly its GPUs visible; its
+exit code, a cancel of its whole process tree (SIGTERM, then SIGKILL),
+and a worker killed under it (lost)."""
+import os
+import signal
+import sys
+import time
+
+import pytest
+from distributed import Client
+from test_cluster import Processes, wait_until
+
+from dasktrain.cli import main
+from dasktrain.jobs.programs import parse_env, submit_command
+from dasktrain.jobs.records import Job, JobError
+from dasktrain.jobs.worker import exit_words
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    procs = Processes(tmp_path)
+    yield procs
+    procs.close()
+
+
+def started(job, marker, timeout=60):
+    wait_until(lambda: marker in job.logs(), timeout, f'{marker!r} logged')
+
+
+def test_a_program_runs_where_and_as_its_submitter_said(
+        cluster, tmp_path, monkeypatch, capsys):
+    cluster.worker(gpus=2)
+    lab = tmp_path / 'lab'
+    lab.mkdir()
+    (lab / 'show.py').write_text(
+        'import os, sys\n'
+        'print("cwd", os.getcwd())\n'
+        'print("gpus", repr(os.environ["CUDA_VISIBLE_DEVICES"]))\n'
+        'print("secret", os.environ.get("LAB_TOKEN"))\n'
+        'print("added", os.environ.get("EXTRA"))\n'
+        'sys.exit(int(sys.argv[1]))\n')
+    monkeypatch.chdir(lab)
+    monkeypatch.setenv('LAB_TOKEN', 'abc123')  # the submitter's env
+    jobs = tmp_path / 'jobs'
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+    assert main(['submit', '--gpus', '1', '--scheduler', cluster.address,
+                 '--jobs-dir', str(jobs), '--env', 'EXTRA=yes', '--',
+                 sys.executable, 'show.py', '0']) == 0
+    job_id = capsys.readouterr().out.strip()
+    job = Job(job_id, jobs / job_id)
+    status = wait_for_end(job)
+    assert status['state'] == 'finished' and status['exit_code'] == 0
+    log = job.logs()
+    assert f'cwd {lab}' in log
+    assert "gpus '0'" in log or "gpus '1'" in log  # exactly one GPU
+    assert 'secret abc123' in log and 'added yes' in log
+    # the environment is the submitter's only: the folder and the file
+    assert os.stat(job.folder).st_mode & 0o077 == 0
+    assert os.stat(job.folder / 'env.json').st_mode & 0o077 == 0
+
+
+def wait_for_end(job, timeout=120):
+    wait_until(lambda: job.status()['state'] in (
+        'finished', 'failed', 'cancelled', 'lost'), timeout, 'the job ends')
+    return job.status()
+
+
+def test_exit_codes_and_signals_are_the_end_in_words(cluster, tmp_path):
+    cluster.worker(gpus=0, resources='CPU=2', nthreads=2)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        three = submit_command([sys.executable, '-c', 'raise SystemExit(3)'],
+                               gpus=0, client=client, path=tmp_path / 'j')
+        killed = submit_command(
+            [sys.executable, '-c', 'import os, signal; '
+             'os.kill(os.getpid(), signal.SIGKILL)'],
+            gpus=0, client=client, path=tmp_path / 'j')
+        missing = submit_command(['no-such-program-here'], gpus=0,
+                                 client=client, path=tmp_path / 'j')
+    assert wait_for_end(three)['error'] == 'exit 3'
+    assert wait_for_end(killed)['error'] == 'killed by SIGKILL'
+    status = wait_for_end(missing)
+    assert status['state'] == 'failed'
+    assert 'cannot start no-such-program-here' in status['error']
+    with pytest.raises(JobError, match=r'failed: exit 3'):
+        three.result()
+    assert exit_words(-15) == 'failed (killed by SIGTERM)'
+    with pytest.raises(JobError, match='takes KEY=VALUE'):
+        parse_env(['1A=2'])
+
+
+@pytest.mark.parametrize('trap', [False, True])
+def test_cancel_stops_the_whole_process_tree(cluster, tmp_path, trap):
+    # A shell that started a python that started a sleep: cancel stops
+    # them all; a program ignoring SIGTERM is killed after the grace.
+    cluster.worker(gpus=0, resources='CPU=1', nthreads=1)
+    pids = tmp_path / 'pids'
+    ignore = 'signal.signal(signal.SIGTERM, signal.SIG_IGN)' if trap else ''
+    script = (f'import os, signal, subprocess, time\n'
+              f'{ignore}\n'
+              f'p = subprocess.Popen(["sleep", "300"])\n'
+              f'open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{p.pid}}")\n'
+              f'print("ready", flush=True)\n'
+              f'time.sleep(300)\n')
+    (tmp_path / 'tree.py').write_text(script)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        job = submit_command(['sh', '-c', f'{sys.executable} tree.py'],
+                             gpus=0, grace=2, cwd=tmp_path, client=client,
+                             path=tmp_path / 'j')
+        started(job, 'ready')
+        children = [int(p) for p in pids.read_text().split()]
+        began = time.monotonic()
+        job.cancel(client)
+    status = wait_for_end(job)
+    took = time.monotonic() - began
+    assert status['state'] == 'cancelled'
+    if trap:
+        assert status['error'] == ('SIGTERM ignored for 2 s: killed by '
+                                   'SIGKILL')
+        assert took >= 2
+    else:
+        assert status['error'] == 'stopped by SIGTERM'
+    try:
+        for pid in children:
+            wait_until(lambda pid=pid: not _alive(pid), 10, f'{pid} gone')
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (not yet reaped by its dead parent's reaper) is gone too
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().split(')')[-1].split()[0] != 'Z'
+    except OSError:
+        return False
+
+
+def test_a_worker_killed_under_a_program_leaves_it_lost(cluster, tmp_path):
+    worker = cluster.worker(gpus=0, resources='CPU=1', nthreads=1)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        job = submit_command([sys.executable, '-c',
+                              'import time; print("up", flush=True); '
+                              'time.sleep(300)'], gpus=0, client=client,
+                             path=tmp_path / 'j')
+        started(job, 'up')
+        os.killpg(worker.pid, signal.SIGKILL)
+        cluster.worker(gpus=0, resources='CPU=1', nthreads=1)  # Dask reruns
+    status = wait_for_end(job)
+    assert status['state'] == 'lost'
+    assert 'died while it ran' in status['error']
