@@ -11,14 +11,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / 'dasktrain'
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
     {'errors', 'files', 'config', '_compat', '_lazy', 'cuda_extra',
-     'spawn', 'userspec'},
+     'spawn', 'userspec', 'notify'},
     {'data'},
     {'parallel'},
     {'training'},
     {'cluster'},
     {'launch'},
     {'jobs'},
-    {'monitor', 'tuning'},
+    {'monitor', 'gpuuse', 'tuning'},
     {'report'},
     {'bench', 'nbrun', 'commands', 'cli'},
     {'entry'},

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from dasktrain.cluster import tls as _tls
 from dasktrain.cluster.guard import starting
+from dasktrain.cluster.settings import environment, settings
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.spawn import python
@@ -189,7 +190,7 @@ def _with_port(host, port):
 def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
                   gpus=None, cpu_slots=1, tls_ca_file=None, tls_cert=None,
                   tls_key=None, insecure=False, timeout=60,
-                  dashboard_host=None):
+                  dashboard_host=None, notify=None, busy_mib=None):
     """Start a scheduler and a worker in the background; record them.
 
     Parameters
@@ -215,21 +216,24 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         Dask's ``/info/logs``, served to whoever reaches it, without
         TLS); default ``host``. E.g. ``'127.0.0.1'`` while the scheduler
         listens on the network: reach it through an SSH tunnel.
+    notify, busy_mib : optional
+        See :mod:`dasktrain.cluster.settings`.
 
     Returns
     -------
     dict
         What was recorded: scheduler and dashboard addresses, pids and
-        their start times, resources, TLS files.
+        their start times, resources, TLS files, settings.
     """
+    extra = settings(notify, busy_mib)  # checked before anything starts
     with starting(home()):
-        return _start(host, port, dashboard_port, gpus, cpu_slots,
-                      tls_ca_file, tls_cert, tls_key, insecure, timeout,
-                      dashboard_host)
+        return _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
+                      tls_cert, tls_key, insecure, timeout, dashboard_host,
+                      extra)
 
 
 def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
-           tls_cert, tls_key, insecure, timeout, dashboard_host):
+           tls_cert, tls_key, insecure, timeout, dashboard_host, extra):
     given = any((tls_ca_file, tls_cert, tls_key))
     if insecure and given:
         raise ClusterError(f'{argument("insecure")} and the TLS files '
@@ -257,12 +261,12 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
     (folder / 'logs').mkdir(parents=True, exist_ok=True)
     scheduler_file = folder / 'scheduler.json'
     scheduler_file.unlink(missing_ok=True)
-    tls_args, env = [], None
+    tls_args, env = [], environment(os.environ, extra)
     if tls:
         tls_args = ['--tls-ca-file', tls['tls_ca_file'], '--tls-cert',
                     tls['tls_cert'], '--tls-key', tls['tls_key']]
         # Nothing in these processes may fall back to plain TCP.
-        env = dict(os.environ, DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION='1')
+        env['DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION'] = '1'
     processes = [_spawn(python('dask',
         # dasktrain's metrics and jobs page on the dashboard's server
         'scheduler', '--preload', MONITOR, '--host', host,
@@ -300,7 +304,7 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
              'pids': [p.pid for p in processes],
              'created': [p.created for p in processes],
              'resources': resources, 'host': host, 'tls': tls,
-             'started': time.time()}
+             'started': time.time(), **extra}
     _write_state(state)
     return state
 
@@ -330,12 +334,9 @@ def _wait_for(probe, timeout, what, processes):
                 raise ClusterError(f'{what} exited at start (code '
                                    f'{process.returncode}); see the logs in '
                                    f"{home() / 'logs'}")
-        try:
-            value = probe()
-            if value:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if value := probe():
                 return value
-        except (OSError, ValueError, KeyError):
-            pass
         time.sleep(0.2)
     raise ClusterError(f'{what} did not come up within {timeout:.0f} s; '
                        f"see the logs in {home() / 'logs'}")

@@ -45,6 +45,15 @@ class Cluster(Command):
         p.add_argument('--cpu-slots', type=int, default=1,
                        help='jobs at once on a worker without GPUs '
                             '(default: %(default)s)')
+        p.add_argument('--notify', default=None, metavar='URL',
+                       help='tell every job\'s end that names no --notify '
+                            'of its own to this webhook URL (Slack-'
+                            'compatible JSON) or mailto:ADDR')
+        p.add_argument('--busy-mib', type=float, default=None, metavar='MIB',
+                       help='a GPU on which a process outside the queue '
+                            'holds more memory than this (NVML) is busy: '
+                            'no job gets it until it is free (default: '
+                            '256)')
         _add_tls_arguments(p)
         add_jobs_dir(p)
         p.set_defaults(command_parser=p)
@@ -75,7 +84,8 @@ class Cluster(Command):
                 dashboard_port=args.dashboard_port, gpus=args.gpus,
                 cpu_slots=args.cpu_slots, tls_ca_file=args.tls_ca_file,
                 tls_cert=args.tls_cert, tls_key=args.tls_key,
-                insecure=args.insecure, dashboard_host=args.dashboard_host)
+                insecure=args.insecure, dashboard_host=args.dashboard_host,
+                notify=args.notify, busy_mib=args.busy_mib)
             from dasktrain.monitor import links
             tls = ', '.join(state['tls'].values()) if state['tls'] else \
                 'none (--insecure)'
@@ -85,6 +95,9 @@ class Cluster(Command):
                 print(f'{what}: {link}')
             print(f"worker resources: {state['resources']}\n"
                   f'TLS: {tls}\nrecorded in {cluster.state_path()}')
+            if state.get('notify'):
+                from dasktrain.notify import redacted
+                print(f"jobs' ends told to: {redacted(state['notify'])}")
             self.recover(state, args.jobs_dir)
         elif args.action == 'status':
             from dasktrain.monitor import links

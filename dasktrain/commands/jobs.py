@@ -41,6 +41,12 @@ class Submit(Command):
                             help='a program: start it again if its worker '
                                  'dies (it resumes by itself); else it '
                                  'ends lost')
+        parser.add_argument('--notify', default=None, metavar='URL',
+                            help='when the job ends, POST a Slack-'
+                                 'compatible message to this webhook URL '
+                                 '(or mail it: mailto:ADDR, with a local '
+                                 'MTA) (default: the cluster\'s, `cluster '
+                                 'start --notify`)')
         add_jobs_dir(parser)
         parser.add_argument('train_args', nargs=argparse.REMAINDER,
                             help='after --: options of `dasktrain train`, '
@@ -48,8 +54,10 @@ class Submit(Command):
 
     def run(self, args):
         from dasktrain.jobs.submit import submit
+        from dasktrain.notify import check_target
         if args.gpus < 0:
             args.command_parser.error(f'--gpus must be >= 0, got {args.gpus}')
+        check_target(args.notify)  # before anything connects
         words = args.train_args[1:] if args.train_args[:1] == ['--'] \
             else args.train_args
         if words and not words[0].startswith('-'):  # a program
@@ -58,12 +66,13 @@ class Submit(Command):
                 words, gpus=args.gpus, name=args.name,
                 env=parse_env(args.env), grace=args.grace,
                 requeue=args.requeue, scheduler=args.scheduler,
-                path=args.jobs_dir)
+                path=args.jobs_dir, notify=args.notify)
             print(job.id)
             return 0
         config = train_config(args.train_args, 'dasktrain submit --')
         job = submit(config, gpus=args.gpus, name=args.name,
-                     scheduler=args.scheduler, path=args.jobs_dir)
+                     scheduler=args.scheduler, path=args.jobs_dir,
+                     notify=args.notify)
         print(job.id)
         return 0
 

@@ -60,7 +60,8 @@ def parse_env(items):
 
 
 def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
-                   requeue=False, client=None, scheduler=None, path=None):
+                   requeue=False, client=None, scheduler=None, path=None,
+                   notify=None):
     """Queue a program; returns at once with its
     :class:`~dasktrain.jobs.records.Job`.
 
@@ -83,6 +84,10 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
     requeue : bool, default False
         Start it again if its worker dies (for programs that resume
         themselves); otherwise it ends ``lost``.
+    notify : str, optional
+        Told when it ends (state, time, exit code): a webhook URL or
+        ``mailto:ADDR``; default the cluster's. See
+        :mod:`dasktrain.jobs.endings`.
 
     Examples
     --------
@@ -96,7 +101,9 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
     from dasktrain.cluster.local import connect
     from dasktrain.jobs.records import current_user, jobs_dir
     from dasktrain.jobs.submit import check_owner, check_resources, queue
+    from dasktrain.notify import check_target
     argv = check_argv(argv)
+    notify = check_target(notify)
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
         raise JobError(f'{argument("gpus")} must be an int >= 0, got '
                        f'{gpus!r}')
@@ -121,7 +128,7 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
         spec = {'id': job_id, 'name': label, 'kind': KIND,
                 'user': current_user(), 'gpus': gpus, 'workers': None,
                 'command': argv, 'cwd': cwd, 'grace': float(grace),
-                'requeue': bool(requeue),
+                'requeue': bool(requeue), 'notify': notify,
                 'scheduler': client.scheduler.address,
                 'submitted': time.time()}
         _make_folder(root, folder, spec, environment)

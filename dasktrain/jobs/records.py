@@ -30,6 +30,7 @@ from pathlib import Path
 from dasktrain.cluster.local import connect, home
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
+from dasktrain.jobs import endings
 
 KEY_PREFIX = 'dasktrain-job-'  # + the job's id: its Dask task's key
 JOBS_ENV = 'DASKTRAIN_JOBS_DIR'
@@ -77,7 +78,9 @@ def jobs_dir(path=None):
 
 def update_status(folder, **changes):
     """Change keys of a job's ``status.json`` (atomically: a reader sees
-    the old file or the new one); returns the new status.
+    the old file or the new one); returns the new status. A change to an
+    end is told to the job's ``notify`` target
+    (:func:`~dasktrain.jobs.endings.ended`, in the background).
 
     Examples
     --------
@@ -86,8 +89,10 @@ def update_status(folder, **changes):
     """
     path = Path(folder) / 'status.json'
     status = json.loads(path.read_text())
+    before = status.get('state')
     status.update(changes)
     write_json(path, status)
+    endings.ended(folder, before, status)  # --notify: in the background
     return status
 
 

@@ -36,6 +36,7 @@ from dasktrain.jobs.records import (
     user_name,
 )
 from dasktrain.jobs.worker import run_job
+from dasktrain.notify import check_target
 from dasktrain.parallel.gpus import GpuError, place_devices
 from dasktrain.training.usermodel import is_spec, spec_file, split_spec
 
@@ -106,7 +107,7 @@ def check_devices(config, gpus):
 
 
 def submit(config, gpus=1, name=None, client=None, scheduler=None,
-           path=None, extra=None, check=True):
+           path=None, extra=None, check=True, notify=None):
     """Queue a training job; returns at once with its
     :class:`~dasktrain.jobs.records.Job`.
 
@@ -135,6 +136,11 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     check : bool, default True
         Refuse a job no worker can run; False queues it regardless (until
         such a worker joins), as a search does once it has checked.
+    notify : str, optional
+        Told when the job ends: a webhook URL (Slack-compatible JSON is
+        POSTed) or ``mailto:ADDR`` (with a local MTA); default the
+        cluster's (``cluster start --notify``), if any. See
+        :mod:`dasktrain.jobs.endings`.
 
     Examples
     --------
@@ -145,6 +151,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     """
     if not isinstance(gpus, int) or gpus < 0:
         raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
+    notify = check_target(notify)
     check_devices(config, gpus)
     if is_spec(config.model):  # the user's model: one line if wrong, here
         from dasktrain.training.models import resolve_model  # Chainer: now
@@ -190,7 +197,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
-            'submitted': time.time(), **(extra or {})}
+            'submitted': time.time(), 'notify': notify, **(extra or {})}
         make_folder(root, folder, spec, files)
         job = Job(job_id, folder)
         # Before the task: the scheduler sees 'queued' before 'running'.
