@@ -19,7 +19,8 @@ start`` runs) installs three things in the scheduler process:
 * the read-only jobs page (:mod:`dasktrain.jobs.page`) at ``/dasktrain/jobs``.
 
 ``dask worker --preload dasktrain.monitor`` adds the worker's GPU readings
-(:func:`gpu_readings`) to its heartbeats. A worker without NVML or without
+(:func:`gpu_readings`) to its heartbeats, and who uses each of its GPUs
+(:func:`dasktrain.gpuuse.worker_use`). A worker without NVML or without
 GPUs sends an empty list: no GPU series, and no error.
 
 Everything computed here is read-only and binds nowhere new: the page and
@@ -33,9 +34,16 @@ import os
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dasktrain.gpuuse import USE_METRIC, worker_use
 from dasktrain.jobs.page import PATH, add_routes
 from dasktrain.jobs.records import EVENTS, STATES, list_jobs
 from dasktrain.parallel.gpus import visible_gpus
+from dasktrain.parallel.nvml import (
+    driver_view,
+    match_cuda_devices,
+    nvml_gpu,
+    nvml_read,
+)
 
 GPU_METRIC = 'dasktrain-gpus'  # the worker heartbeat's key for NVML readings
 JOB_LABELS = ('job_id', 'name', 'user')
@@ -78,9 +86,9 @@ def gpu_readings(worker=None, env=None):
     import pynvml
     own = env is None  # this process's: the CUDA driver can say which
     env = os.environ if env is None else env
-    gpus = [_nvml_gpu(pynvml, index) for index in range(count)]
-    if own and _driver_view() is not None:
-        chosen = match_cuda_devices(gpus, uuids=_driver_view())
+    gpus = [nvml_gpu(pynvml, index) for index in range(count)]
+    if own and driver_view() is not None:
+        chosen = match_cuda_devices(gpus, uuids=driver_view())
     elif 'CUDA_VISIBLE_DEVICES' in env:
         chosen = match_cuda_devices(
             gpus, entries=visible_gpus(env),
@@ -90,107 +98,18 @@ def gpu_readings(worker=None, env=None):
     readings = []
     for gpu in chosen:
         index, uuid, handle = gpu['index'], gpu['uuid'], gpu['handle']
-        util = _read(pynvml.nvmlDeviceGetUtilizationRates, handle)
-        memory = _read(pynvml.nvmlDeviceGetMemoryInfo, handle)
-        power = _read(pynvml.nvmlDeviceGetPowerUsage, handle)  # mW
+        util = nvml_read(pynvml.nvmlDeviceGetUtilizationRates, handle)
+        memory = nvml_read(pynvml.nvmlDeviceGetMemoryInfo, handle)
+        power = nvml_read(pynvml.nvmlDeviceGetPowerUsage, handle)  # mW
         readings.append({
             'index': index, 'uuid': uuid or '',
             'utilization': None if util is None else util.gpu / 100,
             'memory_used': None if memory is None else memory.used,
             'memory_total': None if memory is None else memory.total,
-            'temperature': _read(pynvml.nvmlDeviceGetTemperature, handle,
+            'temperature': nvml_read(pynvml.nvmlDeviceGetTemperature, handle,
                                  pynvml.NVML_TEMPERATURE_GPU),
             'power': None if power is None else power / 1000})
     return readings
-
-
-def _nvml_gpu(pynvml, index):
-    """One NVML device: index (PCI bus order), UUID, name and the UUIDs of
-    its MIG instances."""
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-    uuid = _text(_read(pynvml.nvmlDeviceGetUUID, handle))
-    migs = []
-    for i in range(_read(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
-        mig = _read(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, i)
-        if mig is not None:
-            migs.append(_text(_read(pynvml.nvmlDeviceGetUUID, mig)))
-    return dict(index=index, uuid=uuid, handle=handle, migs=migs,
-                name=_text(_read(pynvml.nvmlDeviceGetName, handle)))
-
-
-def _text(value):
-    return value.decode() if isinstance(value, bytes) else (value or '')
-
-
-_DRIVER = []  # this process's CUDA devices' UUIDs, asked once
-
-
-def _driver_view():
-    if not _DRIVER:
-        from dasktrain.parallel.devices import driver_uuids
-        _DRIVER.append(driver_uuids())
-    return _DRIVER[0]
-
-
-def _hex(uuid):
-    """A UUID's 32 hex digits, whatever its prefix (GPU-, MIG-)."""
-    tail = uuid.split('-', 1)[1] if uuid[:4] in ('GPU-', 'MIG-') else uuid
-    return tail.replace('-', '').lower()
-
-
-def match_cuda_devices(gpus, uuids=None, entries=None, pci_order=False):
-    """The NVML devices (dicts with ``index``, ``uuid``, ``name``, ``migs``)
-    that are a process's CUDA devices, in CUDA order, each once (a MIG
-    instance reads as its GPU).
-
-    ``uuids``: what the CUDA driver says the process's ordinals are (the
-    truth, where it can be asked). Else ``entries``: its
-    ``CUDA_VISIBLE_DEVICES`` (ids, ``GPU-`` and ``MIG-`` UUIDs, prefixes).
-    An id is a CUDA ordinal, which NVML's PCI order matches only with
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (``pci_order``) or where every GPU is
-    the same model (CUDA's default fastest-first order then falls back to
-    PCI order); otherwise an id names no NVML device for certain, and is
-    skipped rather than guessed.
-
-    >>> a = dict(index=0, uuid='GPU-aa', name='A100', migs=['MIG-a1'])
-    >>> b = dict(index=1, uuid='GPU-bb', name='T4', migs=[])
-    >>> [g['index'] for g in match_cuda_devices([a, b], uuids=['GPU-bb',
-    ...                                                        'GPU-a1'])]
-    [1, 0]
-    >>> [g['index'] for g in match_cuda_devices([a, b], entries=['1', '0'])]
-    []
-    >>> [g['index'] for g in match_cuda_devices([a, b], entries=['1', '0'],
-    ...                                         pci_order=True)]
-    [1, 0]
-    """
-    def by_uuid(wanted, prefix=False):
-        want = _hex(wanted)
-        for gpu in gpus:
-            for uuid in [gpu['uuid']] + gpu['migs']:
-                have = _hex(uuid)
-                if have == want or (prefix and want and
-                                    have.startswith(want)):
-                    return gpu
-        return None
-    same_model = len({g['name'] for g in gpus}) <= 1
-    chosen = []
-    for item in (uuids if uuids is not None else entries or ()):
-        if uuids is None and item.isdigit():
-            index = int(item)
-            gpu = gpus[index] if (pci_order or same_model) and \
-                index < len(gpus) else None
-        else:
-            gpu = by_uuid(item, prefix=uuids is None)
-        if gpu is not None and all(gpu is not c for c in chosen):
-            chosen.append(gpu)
-    return chosen
-
-
-def _read(call, *args):
-    try:
-        return call(*args)
-    except Exception:  # NVML_ERROR_NOT_SUPPORTED and kin: no value
-        return None
 
 
 # --------------------------------------------------------- the scheduler
@@ -379,6 +298,7 @@ def dask_setup(server):
     from distributed import Scheduler
     if not isinstance(server, Scheduler):
         server.metrics[GPU_METRIC] = gpu_readings
+        server.metrics[USE_METRIC] = worker_use  # who uses each GPU
         return
     from prometheus_client import REGISTRY
     board = JobBoard()

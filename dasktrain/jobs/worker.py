@@ -73,6 +73,16 @@ def child_module(spec):
     return FORMER_CHILDREN.get(module, module)
 
 
+_children = {}  # {pid: job id} of the job children running here
+
+
+def job_children():
+    """``{pid: job id}`` of the jobs' child processes running in this
+    worker process now (a command job's is its session's leader too): who
+    uses a GPU is told by them (:mod:`dasktrain.gpuuse`)."""
+    return dict(_children)
+
+
 def die_with_parent():
     # The training must not outlive a killed worker: its rerun elsewhere
     # would share the output folder with a ghost.
@@ -116,6 +126,7 @@ def run_job(folder):
     env = job_environment(dict(os.environ, PYTHONUNBUFFERED='1'), gpus)
     start = f'resuming after epoch {rows[-1]["epoch"]}' if rows else \
         'starting'
+    child = None
     try:
         with open(folder / 'output.log', 'ab') as log:
             log.write(f'=== attempt {attempt} on {worker}, GPUs '
@@ -129,6 +140,7 @@ def run_job(folder):
                 python(module, folder), cwd=folder, stdout=log,
                 stderr=subprocess.STDOUT, env=env,
                 stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+            _children[child.pid] = job.id
             while child.poll() is None:
                 if (folder / 'cancel').exists():
                     child.terminate()
@@ -154,6 +166,7 @@ def run_job(folder):
         update_status(folder, state=state, error=error, ended=time.time())
         job.announce()
     finally:
+        _children.pop(child.pid if child is not None else None, None)
         GpuPool.release(gpus)
     return state
 
@@ -215,11 +228,15 @@ def run_program(folder, spec, status, gpus, worker):
                           ended=time.time())
             job.announce()
             return 'failed'
-        while child.poll() is None:
-            if cancelled is None and (folder / 'cancel').exists():
-                cancelled = stop_group(child, spec.get('grace', 30.0))
-                log.write(f'=== cancelled: {cancelled} ===\n'.encode())
-            time.sleep(0.2)
+        _children[child.pid] = job.id
+        try:
+            while child.poll() is None:
+                if cancelled is None and (folder / 'cancel').exists():
+                    cancelled = stop_group(child, spec.get('grace', 30.0))
+                    log.write(f'=== cancelled: {cancelled} ===\n'.encode())
+                time.sleep(0.2)
+        finally:
+            _children.pop(child.pid, None)
     words = exit_words(child.returncode)
     if cancelled is not None:
         state, error = 'cancelled', cancelled
