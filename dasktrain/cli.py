@@ -17,6 +17,7 @@ from dasktrain import __version__
 from dasktrain.commands import Parser
 from dasktrain.commands.bench import Bench
 from dasktrain.commands.cluster import Cluster
+from dasktrain.commands.gpus import Gpus
 from dasktrain.commands.jobs import (
     Cancel,
     Jobs,
@@ -29,8 +30,8 @@ from dasktrain.commands.train import Download, Train
 from dasktrain.commands.tune import Tune
 from dasktrain.errors import Error, flag_names
 
-COMMANDS = (Download, Train, Cluster, Submit, Jobs, Logs, Cancel, Requeue,
-            Result, Tune, Bench)
+COMMANDS = (Download, Train, Cluster, Submit, Jobs, Gpus, Logs, Cancel,
+            Requeue, Result, Tune, Bench)
 
 
 class _Stderr(logging.StreamHandler):

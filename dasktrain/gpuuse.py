@@ -348,3 +348,17 @@ def busy_outside(scheduler, threshold_mib=None):
         found[address] = outside_use(use.get('processes') or (), jobs,
                                      limit)
     return found
+
+
+def cluster_use(dask_scheduler):
+    """What ``dasktrain gpus`` shows, as the scheduler knows it (run with
+    ``client.run_on_scheduler``): per worker its resources and last
+    :func:`worker_use` (None before its first heartbeat, or without the
+    ``dasktrain.monitor`` preload), and the monitor's job summaries."""
+    board = dask_scheduler.plugins.get('dasktrain-job-board')
+    return {'workers': {address: {
+        'resources': dict(ws.resources),
+        'use': (ws.metrics or {}).get(USE_METRIC)}
+        for address, ws in list(dask_scheduler.workers.items())},
+        'jobs': board.summaries() if board is not None else [],
+        'busy_mib': threshold()}

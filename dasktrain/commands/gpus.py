@@ -1,0 +1,93 @@
+"""``dasktrain gpus``: every GPU of every worker, the queue's job and
+user holding it, and the processes outside the queue NVML sees on it
+(pid, user, memory; a GPU they hold more than ``--busy-mib`` of is
+busy); on workers without GPUs, their CPU slots and the jobs holding
+them. The readings are :mod:`dasktrain.gpuuse`'s (workers' heartbeats),
+the jobs those the scheduler's monitor and the jobs dir know."""
+from dasktrain.commands import Command, add_jobs_dir, add_scheduler
+
+
+class Gpus(Command):
+    name = 'gpus'
+    help = ('who is using the machine: every GPU of every worker with the '
+            'job and user holding it, and processes outside the queue')
+
+    def add_arguments(self, parser):
+        add_scheduler(parser)
+        add_jobs_dir(parser)
+
+    def run(self, args):
+        from dasktrain.cluster.local import connect
+        from dasktrain.gpuuse import cluster_use
+        with connect(args.scheduler) as client:
+            seen = client.run_on_scheduler(cluster_use)
+            address = client.scheduler.address
+        print(self.table(seen, running(args.jobs_dir, address, seen['jobs'])))
+        return 0
+
+    @staticmethod
+    def table(seen, jobs):
+        """The lines for the scheduler's answer ``seen`` (see
+        :func:`~dasktrain.gpuuse.cluster_use`) and ``jobs``: the running
+        jobs' summaries."""
+        from dasktrain.gpuuse import describe, outside_use
+        rows = [('WORKER', 'GPU', 'JOB', 'USER', 'OUTSIDE THE QUEUE')]
+        notes = []
+        for address, worker in sorted(seen['workers'].items()):
+            use = worker['use'] or {}
+            mine = [j for j in jobs if j.get('worker') == address]
+            count = int(worker['resources'].get('GPU', 0))
+            ids = use.get('ids') or [str(i) for i in range(count)]
+            processes = [p for p in use.get('processes') or ()
+                         if p.get('job') is None]
+            job_pids = {pid: job for pid, job in use.get('jobs') or ()}
+            busy = outside_use(processes, job_pids, seen['busy_mib'])
+            for gpu in ids[:count] if count else ():
+                holder = [j for j in mine if gpu in (j.get('held') or ())]
+                job = holder[0] if holder else None
+                outside = [describe(p) for p in processes
+                           if p['gpu'] == gpu]
+                if gpu in busy:
+                    outside.append('busy: no job gets it')
+                elif not use.get('nvml'):
+                    outside = ['-']
+                rows.append((address, gpu, _job(job),
+                             job['user'] if job else '-',
+                             ', '.join(outside) or 'none'))
+            slots = int(worker['resources'].get('CPU', 0))
+            cpu_jobs = [j for j in mine if not j.get('held') and
+                        not j.get('gpus')]
+            for i in range(slots):
+                job = cpu_jobs[i] if i < len(cpu_jobs) else None
+                rows.append((address, f'CPU slot {i + 1}', _job(job),
+                             job['user'] if job else '-', '-'))
+            if count and not use.get('nvml'):
+                notes.append(f'{address}: no NVML process list (no NVIDIA '
+                             'driver, no permission, or no dasktrain.monitor '
+                             'preload): processes outside the queue unknown')
+        if len(rows) == 1:
+            return 'no workers'
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                 for r in rows]
+        return '\n'.join(lines + notes)
+
+
+def _job(job):
+    return f"{job['id']} ({job['name']})" if job else 'free'
+
+
+def running(jobs_dir, address, board):
+    """Summaries of the running jobs on the scheduler at ``address``: the
+    monitor's (``board``), with those the jobs dir holds."""
+    from dasktrain.jobs.records import JobError, list_jobs
+    found = {j['id']: j for j in board if j.get('state') == 'running'}
+    for job in list_jobs(jobs_dir):
+        try:
+            summary = job.summary()
+            if summary['state'] == 'running' and \
+                    job.spec().get('scheduler') == address:
+                found[job.id] = summary
+        except JobError:
+            continue
+    return list(found.values())
