@@ -196,3 +196,28 @@ def test_a_command_jobs_end_is_posted_and_a_hung_hook_delays_nothing(
             assert len(told.posts) == 1
     finally:
         procs.close()
+
+
+def test_the_clusters_default_is_recorded_and_told(tmp_path, monkeypatch,
+                                                   hook, capsys):
+    from dasktrain.cluster.local import connect
+    from dasktrain.gpuuse import cluster_use
+    h = hook()
+    monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
+    assert main(['cluster', 'start', '--port', '0', '--dashboard-port', '0',
+                 '--gpus', '0', '--cpu-slots', '1', '--notify', h.url,
+                 '--busy-mib', '1000']) == 0
+    try:
+        state = json.loads((tmp_path / 'home' / 'cluster.json').read_text())
+        assert state['notify'] == h.url and state['busy_mib'] == 1000
+        assert '/hooks' not in capsys.readouterr().out  # its secret
+        with connect() as client:
+            # the scheduler's planner reads the same threshold
+            assert client.run_on_scheduler(cluster_use)['busy_mib'] == 1000
+            job = submit_command([sys.executable, '-c', 'pass'],
+                                 client=client, path=tmp_path / 'jobs')
+        wait_until(lambda: h.posts, 120, 'the POST')
+        assert h.posts[0][1]['text'].startswith(f'job {job.id} ')
+        assert 'finished after' in h.posts[0][1]['text']
+    finally:
+        assert main(['cluster', 'stop']) == 0
