@@ -322,15 +322,16 @@ def _nvml_use(ids, env):
 
 # --------------------------------------------------- the scheduler side
 
-def busy_outside(scheduler, threshold_mib=None):
+def busy_outside(dask_scheduler, threshold_mib=None):
     """``{worker address: {gpu_id: 'user (pid N, M MiB)'}}``: the GPUs no
     job may get now, from each worker's last heartbeat (a worker without
     NVML, or without such processes, has ``{}``).
 
     Parameters
     ----------
-    scheduler : distributed.Scheduler
-        In the scheduler's process (a plugin, ``run_on_scheduler``).
+    dask_scheduler : distributed.Scheduler
+        In the scheduler's process (a plugin's; or
+        ``client.run_on_scheduler(busy_outside)``, which passes it).
     threshold_mib : float, optional
         Default: ``cluster start --busy-mib`` (``$DASKTRAIN_BUSY_MIB`` of
         the scheduler), else :data:`BUSY_MIB`.
@@ -340,13 +341,28 @@ def busy_outside(scheduler, threshold_mib=None):
     >>> busy_outside(dask_scheduler)  # doctest: +SKIP
     {'tls://10.0.0.5:40001': {'1': 'bob (pid 4242, 9000 MiB)'}}
     """
-    limit = threshold() if threshold_mib is None else threshold_mib
+    return busy_from({address: (ws.metrics or {}).get(USE_METRIC)
+                      for address, ws in
+                      list(dask_scheduler.workers.items())},
+                     threshold() if threshold_mib is None else threshold_mib)
+
+
+def busy_from(uses, threshold_mib):
+    """:func:`busy_outside` from ``{worker: its last worker_use() or
+    None}``.
+
+    >>> busy_from({'w1': {'processes': [{'gpu': '1', 'pid': 9, 'user': 'bob',
+    ...                                  'mib': 700.0, 'session': 9,
+    ...                                  'ancestors': [1]}],
+    ...                   'jobs': [[4, 'job-a']]}, 'w2': None}, 512)
+    {'w1': {'1': 'bob (pid 9, 700 MiB)'}, 'w2': {}}
+    """
     found = {}
-    for address, ws in list(scheduler.workers.items()):
-        use = (ws.metrics or {}).get(USE_METRIC) or {}
+    for address, use in uses.items():
+        use = use or {}
         jobs = {pid: job for pid, job in use.get('jobs') or ()}
         found[address] = outside_use(use.get('processes') or (), jobs,
-                                     limit)
+                                     threshold_mib)
     return found
 
 

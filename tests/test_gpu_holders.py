@@ -9,7 +9,7 @@ from distributed import Client
 from test_cluster import Processes, wait_until
 
 from dasktrain.cli import main
-from dasktrain.gpuuse import USE_METRIC
+from dasktrain.gpuuse import USE_METRIC, busy_outside
 from dasktrain.jobs.programs import submit_command
 from dasktrain.jobs.records import current_user
 
@@ -73,6 +73,9 @@ def test_gpus_shows_the_job_and_user_holding_each_gpu(cluster, tmp_path,
             assert ' free ' in row
             assert 'CPU slot 1' in out
             assert 'no NVML process list' in out  # no driver here
+            # what the queue's planner asks the scheduler: nothing busy
+            assert client.run_on_scheduler(busy_outside) == \
+                {w: {} for w in client.scheduler_info()['workers']}
         finally:
             job.cancel(client)
 

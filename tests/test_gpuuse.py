@@ -13,7 +13,7 @@ from test_cluster import wait_until
 from dasktrain.gpuuse import (
     NO_INSTANCE,
     NOT_AVAILABLE,
-    busy_outside,
+    busy_from,
     job_of,
     lineage,
     merge_entries,
@@ -25,7 +25,6 @@ from dasktrain.gpuuse import (
     threshold,
     worker_use,
 )
-from dasktrain.jobs.records import current_user
 from dasktrain.parallel.nvml import worker_devices
 
 GIB = 1024 ** 3
@@ -160,13 +159,10 @@ def test_a_worker_without_nvml_reports_its_gpu_ids_and_no_processes():
     assert use['nvml'] is False
     assert [os.getpid(), 'dask worker'] in use['jobs']
     # the scheduler side: each worker's busy GPUs from its heartbeat
-    workers = {'tcp://w:1': SimpleNamespace(metrics={'dasktrain-gpu-use': {
-        'processes': [proc('5', 9, 700.0)], 'jobs': [[4, 'j']]}}),
-        'tcp://w:2': SimpleNamespace(metrics={})}
-    scheduler = SimpleNamespace(workers=workers)
-    assert busy_outside(scheduler, threshold_mib=512) == {
+    uses = {'tcp://w:1': {'processes': [proc('5', 9, 700.0)],
+                          'jobs': [[4, 'j']]}, 'tcp://w:2': None}
+    assert busy_from(uses, threshold_mib=512) == {
         'tcp://w:1': {'5': 'bob (pid 9, 700 MiB)'}, 'tcp://w:2': {}}
-    assert busy_outside(scheduler, threshold_mib=1024) == {
+    assert busy_from(uses, threshold_mib=1024) == {
         'tcp://w:1': {}, 'tcp://w:2': {}}
-    assert current_user()  # who a process's uid names
 
