@@ -1,0 +1,48 @@
+"""Who uses a real GPU (dasktrain.gpuuse through real NVML): a process
+outside the queue holding GPU memory is seen with its pid, Unix user and
+memory, makes the GPU busy over the threshold, and belongs to a job once
+its pid is a job's."""
+import os
+import sys
+import time
+
+from children import child
+from gpu_marks import needs
+
+from dasktrain.gpuuse import outside_use, worker_use
+from dasktrain.jobs.records import current_user
+
+HOLD = ('import cupy, time\n'
+        'a = cupy.zeros(2 ** 28, dtype=cupy.float32)  # 1 GiB\n'
+        'cupy.cuda.Device().synchronize()\n'
+        'print("ready", flush=True)\n'
+        'time.sleep(120)\n')
+
+
+@needs(1)
+def test_a_process_holding_a_gpu_is_seen_with_its_user_and_memory():
+    env = {'CUDA_VISIBLE_DEVICES': '0', 'CUDA_DEVICE_ORDER': 'PCI_BUS_ID'}
+    with child([sys.executable, '-c', HOLD],
+               env=dict(os.environ, **env)) as holder:
+        deadline = time.monotonic() + 60
+        while 'ready\n' not in holder.lines:
+            assert time.monotonic() < deadline, holder.stderr()
+            time.sleep(0.2)
+        pid = holder.proc.pid
+        deadline = time.monotonic() + 30
+        while True:  # NVML lists a process a moment after its context
+            use = worker_use(env=env)
+            mine = [p for p in use['processes'] if p['pid'] == pid]
+            if mine or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert use['nvml'] and use['ids'] == ['0']
+        assert mine, use['processes']
+        seen = mine[0]
+        assert seen['user'] == current_user() and seen['gpu'] == '0'
+        assert seen['job'] is None and seen['session'] == pid
+        assert seen['mib'] is None or seen['mib'] >= 1024
+        processes = [p for p in use['processes'] if p['pid'] == pid]
+        busy = outside_use(processes, {}, threshold_mib=512)
+        assert busy['0'].startswith(f'{current_user()} (pid {pid}, ')
+        assert outside_use(processes, {pid: 'job-1'}, 512) == {}
