@@ -30,7 +30,7 @@ ENV = 'DASKTRAIN_NOTIFY'  # the cluster-wide default, in its processes
 ATTEMPTS = 4   # a webhook is tried this often at most ...
 TIMEOUT = 10.0  # ... each waiting this long for an answer ...
 BACKOFF = 1.0  # ... with 1, 2, 4 s between tries
-AT_EXIT = 30.0  # what a process exiting waits for its messages, at most
+AT_EXIT = 20.0  # what a process exiting waits for its messages, at most
 SENDMAIL = ('/usr/sbin/sendmail', '/usr/lib/sendmail')
 
 
@@ -177,6 +177,9 @@ def wait_pending(timeout=AT_EXIT):
     """Wait for messages still being sent, ``timeout`` seconds at most."""
     deadline = time.monotonic() + timeout
     with _lock:
-        threads = list(_pending)
+        threads = [t for t in _pending if t.is_alive()]
+    if threads:
+        logger.info('sending the notification of a job\'s end (at most '
+                    '%.0f s)', timeout)
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
