@@ -5,11 +5,14 @@ Trains the same model on the same synthetic CIFAR-format images (see
 ``dasktrain.bench.synthetic_cifar10``) for ``--epochs`` epochs, as two
 replicas in one process (the double-buffered maths is the same bits across
 processes: ``tests/test_launch.py``), with Adam and momentum SGD at the
-project's default learning rates, three ways: exact, double-buffered from
-the first step (``--exact-warmup 0``) and double-buffered after an exact
-first epoch (the default). Prints a Markdown table of validation accuracy
-per epoch and saves the curves (``--figure``). About 25 minutes on 2
-cores with both models.
+project's default learning rates (``--lr OPTIMIZER=LR`` to change one),
+four ways: exact; double-buffered as ChainerMN does it (each gradient
+computed at the weights it sees, applied one step later,
+``--no-weight-prediction``); double-buffered with weight prediction from
+the first step (``--exact-warmup 0``); and with weight prediction after
+an exact first epoch (dasktrain's default). Prints a Markdown table of
+validation accuracy per epoch and saves the curves (``--figure``). About
+35 minutes on 2 quiet cores with both models.
 """
 import argparse
 import json
@@ -17,8 +20,11 @@ import tempfile
 from pathlib import Path
 
 WAYS = (('exact', dict(double_buffering=False)),
-        ('stale from step 1', dict(double_buffering=True, exact_warmup=0)),
-        ('stale, exact 1st epoch (default)',
+        ('stale, as ChainerMN', dict(double_buffering=True, exact_warmup=0,
+                                     weight_prediction=False)),
+        ('stale, predicted, from step 1',
+         dict(double_buffering=True, exact_warmup=0)),
+        ('stale, predicted, exact 1st epoch (default)',
          dict(double_buffering=True, exact_warmup='epoch')))
 
 
@@ -26,6 +32,8 @@ def run(work, model, optimizer, extra, args):
     from dasktrain.config import TrainConfig
     from dasktrain.launch import train
     out = Path(tempfile.mkdtemp(dir=work, prefix=f'{model}-{optimizer}-'))
+    if optimizer in args.lr:
+        extra = dict(extra, lr=args.lr[optimizer])
     config = TrainConfig(model=model, optimizer=optimizer,
                          devices=('@numpy',) * 2, in_process=True,
                          epochs=args.epochs, batch_size=args.batch_size,
@@ -42,6 +50,10 @@ def main(argv=None):
     parser.add_argument('--epochs', type=int, default=5)
     parser.add_argument('--batch-size', type=int, default=50,
                         help='per replica (default: %(default)s)')
+    parser.add_argument('--optimizers', default='adam,momentum-sgd')
+    parser.add_argument('--lr', action='append', default=[],
+                        metavar='OPTIMIZER=LR',
+                        help='a learning rate other than the default')
     parser.add_argument('--train-size', type=int, default=4000)
     parser.add_argument('--test-size', type=int, default=1000)
     parser.add_argument('--figure', type=Path,
@@ -49,24 +61,28 @@ def main(argv=None):
     parser.add_argument('--json', type=Path, default=None,
                         help='also write the accuracies here')
     args = parser.parse_args(argv)
+    args.lr = {k: float(v) for k, _, v in
+               (item.partition('=') for item in args.lr)}
     from dasktrain.bench import machine, synthetic_cifar10
     work = Path(tempfile.mkdtemp(prefix='dasktrain-bench-db-'))
     synthetic_cifar10(work / 'data', n_train=args.train_size,
                       n_test=args.test_size)
     results = {}
     for model in args.models.split(','):
-        for optimizer in ('adam', 'momentum-sgd'):
+        for optimizer in args.optimizers.split(','):
             for way, extra in WAYS:
                 curve = run(work, model, optimizer, extra, args)
                 results[model, optimizer, way] = curve
-                print(f'{model:8} {optimizer:13} {way:34} ' +
+                print(f'{model:8} {optimizer:13} {way:44} ' +
                       ' '.join(f'{a:.3f}' for a in curve), flush=True)
     if args.json:
         args.json.write_text(json.dumps(
             [dict(model=m, optimizer=o, way=w, accuracy=c)
              for (m, o, w), c in results.items()], indent=1))
+    rates = ', '.join(f'{k} lr {v:g}' for k, v in args.lr.items())
     print(f'\nMachine: {machine()}; {args.train_size} synthetic images, '
-          f'2 replicas x {args.batch_size}, {args.epochs} epochs\n')
+          f'2 replicas x {args.batch_size}, {args.epochs} epochs'
+          f'{"; " + rates if rates else ""}\n')
     epochs = range(1, args.epochs + 1)
     print('| model | optimizer | exchange | ' +
           ' | '.join(f'epoch {e}' for e in epochs) + ' | behind exact |')
@@ -87,8 +103,10 @@ def plot(results, args):
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4),
                              sharey=True, squeeze=False)
     for ax, (model, optimizer) in zip(axes[0], panels):
-        for (way, _), style in zip(WAYS, ('-', '--', ':')):
-            curve = results[model, optimizer, way]
+        for (way, _), style in zip(WAYS, ('-', ':', '-.', '--')):
+            curve = results.get((model, optimizer, way))
+            if curve is None:
+                continue
             ax.plot(range(1, len(curve) + 1), curve, style, marker='o',
                     label=way)
         ax.set_title(f'{model}, {optimizer}')

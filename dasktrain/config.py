@@ -127,9 +127,11 @@ class TrainConfig:
     double_buffering: bool = False  # dg across processes: apply the last
     #                                 step's sum while this one's travels
     exact_warmup: int | str = 'epoch'  # double buffering: exact steps
-    #                                 first ('epoch': the first epoch);
-    #                                 stale from step 1, Adam can stall at
-    #                                 chance (bench/double_buffering.py)
+    #                                 first ('epoch': the first epoch)
+    weight_prediction: bool = True  # double buffering: each stale step's
+    #                                 gradient computed one update ahead,
+    #                                 where it lands; without it momentum
+    #                                 and Adam stall (bench/double_buffering)
     bucket_mb: float = 4.0          # dg, one replica per process: MiB of
     #                                 gradients all-reduced as one bucket
     #                                 while the backward pass goes on (0:

@@ -320,32 +320,50 @@ class Mirror(Communicator):
         pass
 
 
-def stale_reference(batches, warmup, epoch=None):
+def stale_reference(batches, warmup, epoch=None, predict=False,
+                    optimizer=None):
     """SGD on one model by hand, each gradient applied one step late once
     ``warmup`` steps are done (exact before), the one in flight applied
-    at the end (and at step ``epoch``, an epoch's end)."""
+    at the end (and at step ``epoch``, an epoch's end). With ``predict``,
+    a step that applies a late gradient computes its own at the weights
+    plus the last update (none known since an epoch's end: no shift)."""
     ref = fresh()
-    optimizer = chainer.optimizers.SGD(lr=0.1)
+    optimizer = optimizer or chainer.optimizers.SGD(lr=0.1)
     optimizer.setup(ref)
 
+    def weights():
+        return [p.array.copy() for _, p in sorted(ref.namedparams())]
+
     def apply(grads):
+        nonlocal before
+        before = weights()
         for (_, p), g in zip(sorted(ref.namedparams()), grads):
             p.grad[...] = g
         optimizer.update()
-    late = None
+    late = before = None
     for step, (x, t) in enumerate(batches):
-        if step == epoch and late is not None:
-            apply(late)
-            late = None
+        if step == epoch:
+            if late is not None:
+                apply(late)
+            late = before = None
+        shift = predict and step >= warmup and late is not None and \
+            before is not None
+        if shift:
+            now = weights()
+            for (_, p), w, b in zip(sorted(ref.namedparams()), now, before):
+                p.array[...] = w + (w - b)
         ref.cleargrads()
         ref(x, t).backward()
-        now = [p.grad.copy() for _, p in sorted(ref.namedparams())]
+        grads = [p.grad.copy() for _, p in sorted(ref.namedparams())]
+        if shift:
+            for (_, p), w in zip(sorted(ref.namedparams()), now):
+                p.array[...] = w
         if step < warmup:
-            apply(now)
+            apply(grads)
             continue
         if late is not None:
             apply(late)
-        late = now
+        late = grads
     if late is not None:
         apply(late)
     return ref
@@ -357,17 +375,19 @@ def stale_reference(batches, warmup, epoch=None):
     (True, 0.05, 0),  # the sums arrive after the step has gone on
     (True, 0.0, 2),   # two exact steps, then stale
 ])
+@pytest.mark.parametrize('predict', [False, True])
 def test_double_buffering_applies_the_previous_step_s_gradient(
-        double_buffering, delay, warmup, float64):
-    batches = [batch(6, seed) for seed in range(5)]
+        double_buffering, delay, warmup, predict, float64):
+    batches = [batch(6, seed) for seed in range(6)]
     model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(delay),
                                    double_buffering=double_buffering,
-                                   warmup=warmup)
+                                   warmup=warmup, predict=predict)
     model.setup(chainer.optimizers.SGD(lr=0.1))
     for x, t in batches:  # each rank's half: weighted 1/2, summed x2
         model.step(x, t, total=2 * len(x))
     model.end_epoch()
-    ref = stale_reference(batches, warmup if double_buffering else 99)
+    ref = stale_reference(batches, warmup if double_buffering else 99,
+                          predict=predict)
     for key, value in params(ref).items():
         np.testing.assert_allclose(params(model.master)[key], value,
                                    rtol=1e-10, atol=1e-12, err_msg=key)
@@ -378,7 +398,8 @@ def test_double_buffering_warms_up_exact_for_the_first_epoch(float64,
                                                              tmp_path):
     batches = [batch(6, seed) for seed in range(7)]
     model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(),
-                                   double_buffering=True)  # 'epoch'
+                                   double_buffering=True,  # 'epoch'
+                                   predict=False)
     model.setup(chainer.optimizers.SGD(lr=0.1))
     for step, (x, t) in enumerate(batches):
         if step in (3, 5):  # epochs of 3, 2 and 2 steps
@@ -399,6 +420,64 @@ def test_double_buffering_warms_up_exact_for_the_first_epoch(float64,
     with np.load(tmp_path / 'c.npz') as npz:
         again.restore(npz)
     assert again.exchange.stale_from == 3 and again.exchange.stale(3)
+
+
+@pytest.mark.equivalence
+def test_weight_prediction_on_two_replicas_with_momentum_across_epochs(
+        float64):
+    # Two replicas in this process (the shifted master copied into the
+    # other), heavy-ball momentum, an epoch's end forgetting the last
+    # update: the hand-written reference, step for step.
+    batches = [batch(6, seed) for seed in range(9)]
+    model = GPUDistributedGradient(fresh(), ['@numpy'] * 2, comm=Mirror(),
+                                   double_buffering=True, warmup=0)
+    model.setup(chainer.optimizers.MomentumSGD(lr=0.05, momentum=0.9))
+    for step, (x, t) in enumerate(batches):
+        if step == 5:
+            model.end_epoch()
+        model.step(x, t, total=2 * len(x))
+    model.end_epoch()
+    ref = stale_reference(batches, 0, epoch=5, predict=True,
+                          optimizer=chainer.optimizers.MomentumSGD(
+                              lr=0.05, momentum=0.9))
+    plain = stale_reference(batches, 0, epoch=5, predict=False,
+                            optimizer=chainer.optimizers.MomentumSGD(
+                                lr=0.05, momentum=0.9))
+    for key, value in params(ref).items():
+        for replica in model.replicas:
+            np.testing.assert_allclose(params(replica)[key], value,
+                                       rtol=1e-10, atol=1e-12, err_msg=key)
+    # and the prediction changed something (it is not a no-op here)
+    assert any(not np.allclose(params(plain)[k], v)
+               for k, v in params(ref).items())
+
+
+def test_weight_prediction_resumes_bit_identical(tmp_path):
+    batches = [batch(6, seed) for seed in range(12)]
+
+    def make():
+        model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(),
+                                       double_buffering=True, warmup=0)
+        model.setup(chainer.optimizers.MomentumSGD(lr=0.05, momentum=0.9))
+        return model
+
+    def epoch(model, part):
+        for x, t in part:
+            model.step(x, t, total=2 * len(x))
+        model.end_epoch()
+    whole = make()
+    epoch(whole, batches[:6])
+    epoch(whole, batches[6:])
+    first = make()
+    epoch(first, batches[:6])
+    chainer.serializers.save_npz(tmp_path / 'c.npz', first)
+    resumed = make()
+    with np.load(tmp_path / 'c.npz') as npz:
+        resumed.restore(npz)
+    epoch(resumed, batches[6:])
+    for key, value in params(whole.master).items():
+        np.testing.assert_array_equal(params(resumed.master)[key], value,
+                                      err_msg=key)
 
 
 class Normed(chainer.Chain):

@@ -203,6 +203,12 @@ def add_arguments(parser):
         help='with --double-buffering: exact steps before the stale ones, '
              "or 'epoch' for the whole first epoch (default: %(default)s)")
     group.add_argument(
+        '--no-weight-prediction', dest='weight_prediction',
+        action='store_false',
+        help='with --double-buffering: compute each stale step at the '
+             'weights it sees, not one update ahead where it is applied '
+             "(ChainerMN's; momentum and Adam may stall)")
+    group.add_argument(
         '--bucket-mb', type=float, default=d.bucket_mb, metavar='MB',
         help='dg with one device per worker: all-reduce the gradients in '
              'buckets of MB MiB during the backward pass, overlapping '

@@ -275,6 +275,12 @@ class GradientExchange:
                 self.replicas.reduce(statistics, also=sent)
             results.append((grads, sent, scale))
 
+    @property
+    def pending(self):
+        """Double buffering: whether a step's sums are in flight (the next
+        step applies them)."""
+        return self._inflight is not None
+
     def stale(self, iteration):
         """Whether the step of ``iteration`` (from 0) is double-buffered:
         with ``double_buffering``, once the warm-up is over."""

@@ -20,6 +20,7 @@ from dasktrain.parallel.buckets import gradients
 from dasktrain.parallel.comm.base import Solo
 from dasktrain.parallel.devices import Clock, resolve_devices, transfer
 from dasktrain.parallel.exchange import GradientExchange, check_exchange
+from dasktrain.parallel.prediction import WeightPrediction
 from dasktrain.parallel.replicas import Replicas, load, saved_replicas
 
 MODES = ('dg', 'ipm')
@@ -54,23 +55,22 @@ class GPUDistributedGradient:
         dtype (half the bytes; ChainerMN's ``allreduce_grad_dtype``), then
         cast back. None: as they are (float32).
     double_buffering : bool, default False
-        dg across processes: each step applies the previous step's summed
-        gradient while this step's is summed on a communication thread
-        (ChainerMN's): updates are one step stale; :meth:`end_epoch` applies
-        the last, so every epoch makes as many updates as exact dg.
-        BatchNorm statistics are averaged at each :meth:`end_epoch` (each
-        replica's own running averages in between): what exact dg gives.
+        dg: each step applies the previous step's summed gradient while
+        this step's travels (ChainerMN's; :mod:`~dasktrain.parallel.
+        exchange`): updates are one step stale; :meth:`end_epoch` applies
+        the last, and averages BatchNorm statistics.
     warmup : int or 'epoch', default 'epoch'
-        double buffering: exact steps first; 'epoch': until the first
-        :meth:`end_epoch`. Stale from the first step, Adam can stall at
-        chance (``bench/double_buffering.py``).
+        double buffering: exact steps first ('epoch': until the first
+        :meth:`end_epoch`).
+    predict : bool, default True
+        double buffering: compute each stale step's gradient at the
+        weights one update ahead, where it will be applied
+        (:mod:`~dasktrain.parallel.prediction`); without it momentum and
+        Adam can stall (``bench/double_buffering.py``).
     bucket_mb : float, default 0
-        dg across processes with one replica here: all-reduce the
-        gradients in buckets of about this many MiB, each as soon as the
-        backward pass has computed it, on a communication thread, while
-        back-propagation goes on (:mod:`dasktrain.parallel.exchange`); over
-        Dask's comms and shared memory (and NCCL between two ranks) the
-        sums are the same bits. 0: one all-reduce after the backward pass.
+        dg across processes with one replica here: all-reduce buckets of
+        about this many MiB of gradients while back-propagation goes on
+        (:mod:`~dasktrain.parallel.exchange`). 0: after the backward pass.
     comm : dasktrain.parallel.comm.base.Communicator, optional
         Make this one replica group of a job across processes: every group
         starts from rank 0's weights, dg sums the masters' gradients over
@@ -95,7 +95,8 @@ class GPUDistributedGradient:
 
     def __init__(self, chain, devices, mode='dg', mix_every=None,
                  mix_optimizer_state=False, comm=None, comm_dtype=None,
-                 double_buffering=False, bucket_mb=0.0, warmup='epoch'):
+                 double_buffering=False, bucket_mb=0.0, warmup='epoch',
+                 predict=True):
         if mode not in MODES:
             raise ValueError(f"mode must be 'dg' or 'ipm', got {mode!r}")
         if mix_every is not None and mode != 'ipm':
@@ -122,6 +123,8 @@ class GPUDistributedGradient:
         self.exchange = GradientExchange(self.group, self.clock, comm_dtype,
                                          bool(double_buffering), bucket_mb,
                                          warmup)
+        self.ahead = WeightPrediction(self.group, double_buffering and
+                                      predict and mode == 'dg')
         self.optimizers = []
         self.iteration = 0
         self.drift = None      # RMS distance of replicas from their mean
@@ -226,8 +229,7 @@ class GPUDistributedGradient:
                     loss.backward()
 
     def syncgrads(self):
-        """Add every other replica's gradients into the master's (one
-        buffer per replica across devices, as addgrads on one device)."""
+        """Add every other replica's gradients into the master's."""
         def merge():
             master, device = self.master, self.devices[0]
             targets = gradients(master, device)
@@ -253,13 +255,14 @@ class GPUDistributedGradient:
         return False  # exceptions propagate
 
     def flush(self):
-        """Apply the gradient still travelling (double buffering): at every
-        epoch end, so that checkpoints hold no step in flight."""
+        """Apply the gradient in flight (double buffering; epoch ends)."""
         self._apply(self.exchange.flush(self.iteration))
+        self.ahead.forget()  # what a resumed run knows at this point
 
     def _apply(self, summed):
         """dg's update after an exchange (``summed``: None, none yet)."""
         if summed is not None:
+            self.ahead.before_update()
             with chainer.using_device(self.devices[0]):
                 self.optimizer.update()
             self.sync_replicas(summed.groups, summed.means)
@@ -330,8 +333,10 @@ class GPUDistributedGradient:
                              f'{len(x)} and {len(t)}')
         xs, ts = self.split(x, t)
         self.cleargrads()  # the seed's protocol, unrolled
-        self(xs, ts, total=total)
-        self.backward(overlap=True)
+        with self.ahead.shifted(self.exchange.stale(self.iteration) and
+                                self.exchange.pending):
+            self(xs, ts, total=total)
+            self.backward(overlap=True)
         if self.mode == 'dg':
             self.syncgrads()
         self.update()
@@ -351,18 +356,15 @@ class GPUDistributedGradient:
     # -------------------------------------------------------- mixing
 
     def mix(self):
-        """Average parameters and persistents (and optimizer state if
-        ``mix_optimizer_state``) over replicas and write the mean back to
-        all of them. Sets :attr:`drift`, the replicas' RMS distance from
-        their mean just before the mix."""
+        """Every replica := the replicas' mean (with optimizer state if
+        ``mix_optimizer_state``); :attr:`drift`: their RMS distance before."""
         squared = self.clock.timed(
             lambda: self.group.mix(self.mix_optimizer_state))
         self.drift = (squared / self.total_replicas) ** 0.5
         self.drifts.append(self.drift)
 
     def spread(self):
-        """The replicas' RMS distance from their mean now, without mixing
-        (0 right after a mix or a sync)."""
+        """The replicas' RMS distance from their mean now (no mixing)."""
         return (self.group.spread() / self.total_replicas) ** 0.5
 
     def end_epoch(self):
@@ -377,9 +379,8 @@ class GPUDistributedGradient:
             self.mix()
 
     def averaged(self):
-        """A copy of the master holding the replicas' mean parameters and
-        persistents, leaving the replicas untouched: what evaluation uses
-        mid-training in ipm mode. In dg mode, the master itself."""
+        """ipm: a copy of the master holding the replicas' mean (what
+        evaluation uses mid-training); dg: the master itself."""
         if self.mode == 'dg' or self.total_replicas == 1:
             return self.master
         return self.group.mean_copy()
@@ -393,8 +394,7 @@ class GPUDistributedGradient:
             None if evaluated is self.master else evaluated)
 
     def serialize(self, serializer):
-        """This group's replicas and optimizers, numbered by their index in
-        the whole job, and the iteration count."""
+        """Replicas and optimizers (by their index in the job), iteration."""
         for i, replica in enumerate(self.replicas):
             replica.serialize(serializer[f'replica{self.offset + i}'])
         for i, optimizer in enumerate(self.optimizers):

@@ -229,7 +229,8 @@ def _model(config, comm, devices, n_classes=10):
         mix_optimizer_state=config.mix_optimizer_state, comm=comm,
         comm_dtype=config.comm_dtype,
         double_buffering=config.double_buffering,
-        warmup=config.exact_warmup, bucket_mb=config.bucket_mb)
+        warmup=config.exact_warmup, bucket_mb=config.bucket_mb,
+        predict=config.weight_prediction)
     model.setup(make_optimizer(config))
     if config.weight_decay:
         model.add_hook(chainer.optimizer_hooks.WeightDecay(
