@@ -60,29 +60,43 @@ def main(argv=None):
                         default=Path('docs/figures/double_buffering.png'))
     parser.add_argument('--json', type=Path, default=None,
                         help='also write the accuracies here')
+    parser.add_argument('--from-json', type=Path, nargs='+', default=None,
+                        metavar='FILE', help='train nothing: the table and '
+                        'figure of runs saved with --json (several runs '
+                        'made apart, in parallel)')
     args = parser.parse_args(argv)
     args.lr = {k: float(v) for k, _, v in
                (item.partition('=') for item in args.lr)}
     from dasktrain.bench import machine, synthetic_cifar10
+    results = {}
+    for path in args.from_json or ():
+        for r in json.loads(path.read_text()):
+            results[r['model'], r['optimizer'], r['way']] = r['accuracy']
+    if args.from_json:
+        args.epochs = max(len(c) for c in results.values())
+        return report(results, args, machine())
     work = Path(tempfile.mkdtemp(prefix='dasktrain-bench-db-'))
     synthetic_cifar10(work / 'data', n_train=args.train_size,
                       n_test=args.test_size)
-    results = {}
     for model in args.models.split(','):
         for optimizer in args.optimizers.split(','):
+            label = optimizer if optimizer not in args.lr else \
+                f'{optimizer} lr {args.lr[optimizer]:g}'
             for way, extra in WAYS:
                 curve = run(work, model, optimizer, extra, args)
-                results[model, optimizer, way] = curve
-                print(f'{model:8} {optimizer:13} {way:44} ' +
+                results[model, label, way] = curve
+                print(f'{model:8} {label:13} {way:44} ' +
                       ' '.join(f'{a:.3f}' for a in curve), flush=True)
     if args.json:
         args.json.write_text(json.dumps(
             [dict(model=m, optimizer=o, way=w, accuracy=c)
              for (m, o, w), c in results.items()], indent=1))
-    rates = ', '.join(f'{k} lr {v:g}' for k, v in args.lr.items())
-    print(f'\nMachine: {machine()}; {args.train_size} synthetic images, '
-          f'2 replicas x {args.batch_size}, {args.epochs} epochs'
-          f'{"; " + rates if rates else ""}\n')
+    report(results, args, machine())
+
+
+def report(results, args, machine):
+    print(f'\nMachine: {machine}; {args.train_size} synthetic images, '
+          f'2 replicas x {args.batch_size}, {args.epochs} epochs\n')
     epochs = range(1, args.epochs + 1)
     print('| model | optimizer | exchange | ' +
           ' | '.join(f'epoch {e}' for e in epochs) + ' | behind exact |')
