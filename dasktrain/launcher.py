@@ -272,9 +272,20 @@ def _outcome(future):
 
 
 def _first_failure(futures):
+    """The failed rank to blame: the first to end, though not one that
+    failed only because a peer was gone (a rank whose error is a lost
+    peer can end before the peer's own exit is seen)."""
     failures = [o for o in map(_outcome, futures)
                 if o is not None and (o['code'] != 0 or o.get('why'))]
-    return min(failures, key=lambda o: o['ended']) if failures else None
+    if not failures:
+        return None
+    return min(failures, key=lambda o: (_echoes_a_peer(o), o['ended']))
+
+
+def _echoes_a_peer(outcome):
+    last = outcome.get('last') or ''
+    return any(error in last for error in (
+        'PeerLost', 'CollectiveError', 'CommClosedError', 'StreamClosed'))
 
 
 def _report(failed, futures, echo):
