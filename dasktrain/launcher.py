@@ -30,9 +30,7 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -41,8 +39,7 @@ from dasktrain.cluster.local import connect, restore_default_scheduler
 from dasktrain.cluster.workers import local_device_workers, local_workers
 from dasktrain.errors import UserError, argument
 from dasktrain.parallel.comm.rendezvous import rank_environment
-from dasktrain.parallel.gpus import GpuPool, job_environment
-from dasktrain.spawn import die_with_parent
+from dasktrain.ranks import run_rank, variable
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +202,8 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local):
     resources = {'GPU': 1} if gpus else None
     futures = []
     for rank in range(n):
-        _variable(client, job, rank).set(False)  # True once it started
+        variable(client, job, rank).set(False)  # True once it started
+        variable(client, job, rank, 'gpu').set(None)  # [host, GPU]
         env = dict(environ, **rank_environment(
             rank, n, client.scheduler.address, job, scheme, tls, timeout))
         placed = dict(workers=[workers[rank]], allow_other_workers=False) \
@@ -237,7 +235,8 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local):
         client.cancel(futures, force=True)
         for rank in range(n):
             with contextlib.suppress(Exception):
-                _variable(client, job, rank).delete()
+                variable(client, job, rank).delete()
+                variable(client, job, rank, 'gpu').delete()
 
 
 def _ended(futures, within=0.0):
@@ -249,11 +248,6 @@ def _ended(futures, within=0.0):
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL)
-
-
-def _variable(client, job, rank):
-    from distributed import Variable
-    return Variable(f'{job}/started{rank}', client=client)
 
 
 def _outcome(future):
@@ -302,117 +296,3 @@ def _report(failed, futures, echo):
     if code is None or code == 0:
         return 1
     return 128 - code if code < 0 else code
-
-
-# ------------------------------------------------------------ on a worker
-
-def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
-    """The task body of one rank: start the program, relay rank 0's output,
-    stop the program when the launch says so; returns ``{'rank', 'code',
-    'ended', 'log', 'last', 'why'}``."""
-    from distributed import Event, get_worker
-    from distributed.comm.addressing import get_address_host, parse_address
-    worker = get_worker()
-    started = _variable(worker.client, job, rank)
-    if started.get():
-        # Dask reran the task after its worker died: a rank never restarts.
-        return {'rank': rank, 'code': 1, 'ended': time.time(), 'log': None,
-                'why': 'its worker died', 'last': None}
-    started.set(True)
-    scheme = parse_address(worker.address)[0]
-    env = dict(env, DASKTRAIN_LISTEN=f'{scheme}://'
-               f'{get_address_host(worker.address)}')
-    held = GpuPool.acquire(1) if gpus else []
-    env = job_environment(env, held)
-    stop = Event(f'{job}-stop', client=worker.client)
-    try:
-        with open(log_path, 'wb') as log:
-            try:
-                child = subprocess.Popen(
-                    argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE if rank == 0 else log,
-                    stderr=subprocess.PIPE if rank == 0 else log,
-                    start_new_session=True, preexec_fn=die_with_parent)
-            except OSError as e:
-                return {'rank': rank, 'code': 127, 'ended': time.time(),
-                        'log': log_path, 'last': None,
-                        'why': f'cannot start {argv[0]}: {e.strerror}'}
-            worker.log_event(job, {'kind': 'pid', 'rank': rank,
-                                   'pid': child.pid})
-            readers = [_reader(worker, job, stream, name, log)
-                       for stream, name in ((child.stdout, 'stdout'),
-                                            (child.stderr, 'stderr'))
-                       if stream is not None]
-            code, ended = _wait(child, stop, grace)
-            for reader in readers:
-                reader.join(5)
-    finally:
-        GpuPool.release(held)
-    return {'rank': rank, 'code': code, 'ended': ended, 'log': log_path,
-            'last': _last_line(log_path), 'why': None}
-
-
-def _reader(worker, job, stream, name, log):
-    """A thread copying ``stream`` to ``log`` and, as events, to the
-    launch (chunks as they come: a progress bar's ``\\r`` stays)."""
-    lock = threading.Lock()
-
-    def run():
-        fd = stream.fileno()
-        while True:
-            data = os.read(fd, 65536)
-            if not data:
-                break
-            with lock:
-                log.write(data)
-                log.flush()
-            worker.log_event(job, {'kind': 'output', 'stream': name,
-                                   'text': data.decode(errors='replace')})
-    thread = threading.Thread(target=run, daemon=True,
-                              name=f'dasktrain-{name}')
-    thread.start()
-    return thread
-
-
-def _wait(child, stop, grace):
-    """The child's exit code and when it ended; stops its process group
-    (SIGTERM, SIGKILL after ``grace`` s) once ``stop`` is set."""
-    ended = []
-    waiter = threading.Thread(
-        target=lambda: (child.wait(), ended.append(time.time())),
-        daemon=True)
-    waiter.start()
-    last_look = 0.0
-    while waiter.is_alive():
-        waiter.join(POLL)
-        if time.monotonic() - last_look > 0.5 and waiter.is_alive():
-            last_look = time.monotonic()
-            if stop.is_set():
-                _stop_group(child, grace)
-                waiter.join()
-                # Stopped by the launch: not this rank's own failure.
-                return 0, ended[0] if ended else time.time()
-    return child.returncode, ended[0] if ended else time.time()
-
-
-def _stop_group(child, grace):
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and child.poll() is None:
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
-
-
-def _last_line(path):
-    """The last non-empty line of a rank's log (its error, usually)."""
-    try:
-        with open(path, 'rb') as f:
-            f.seek(max(0, os.path.getsize(path) - 4096))
-            lines = f.read().decode(errors='replace').splitlines()
-    except OSError:
-        return None
-    lines = [line.strip() for line in lines if line.strip()]
-    return lines[-1][:300] if lines else None

@@ -1,9 +1,10 @@
 """``dasktrain launch`` and ``dasktrain.chainermn`` with real processes:
-a ChainerMN script (bench/chainermn_mnist.py) with its import line
-changed trains as one process on the whole batch; the communicator's
-calls between two ranks; a rank that fails, is killed or hangs ends the
-job with one line; Ctrl-C leaves no process; the same script under
-``mpiexec`` with real ChainerMN gives the same accuracy curve."""
+a ChainerMN script (bench/chainermn_example/train_mnist.py) with its
+import line changed trains as one process on the whole batch; the
+communicator's calls between two ranks; a rank that fails, is killed or
+hangs ends the job with one line; Ctrl-C leaves no process; a launch
+runs as a job of the queue; the same script under ``mpiexec`` with real
+ChainerMN gives the same accuracy curve."""
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import pytest
 from tests.children import child
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / 'bench' / 'chainermn_mnist.py'
+SCRIPT = ROOT / 'bench' / 'chainermn_example' / 'train_mnist.py'
 SMALL = ['--epoch', '2', '--n-train', '256', '--n-test', '64',
          '--batchsize', '16', '--unit', '20']
 
@@ -222,6 +223,38 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert_no_process_left(tmp_path)
 
 
+def test_a_launch_is_a_job_of_the_queue(tmp_path, monkeypatch, capsys):
+    """``dasktrain submit --gpus 2 -- dasktrain launch -n 2 -- ...``."""
+    from distributed import Client
+    from test_cluster import Processes
+    from test_programs import wait_for_end
+
+    from dasktrain.cli import main
+    from dasktrain.jobs.records import Job
+    script = tmp_path / 'api.py'
+    script.write_text(API)
+    procs = Processes(tmp_path)
+    try:
+        procs.worker(gpus=2)
+        with Client(procs.address) as client:
+            client.wait_for_workers(1)
+        monkeypatch.chdir(tmp_path)
+        jobs = tmp_path / 'jobs'
+        dasktrain = str(Path(sys.executable).with_name('dasktrain'))
+        assert main(['submit', '--gpus', '2', '--scheduler', procs.address,
+                     '--jobs-dir', str(jobs), '--', dasktrain, 'launch',
+                     '-n', '2', '--out', str(tmp_path / 'ranks'), '--',
+                     sys.executable, str(script), 'naive']) == 0
+        job_id = capsys.readouterr().out.strip()
+        job = Job(job_id, jobs / job_id)
+        status = wait_for_end(job, timeout=180)
+        assert status['state'] == 'finished', job.logs()
+        assert 'rank 0 ok' in job.logs()
+    finally:
+        procs.close()
+    assert_no_process_left(tmp_path)
+
+
 def test_mistakes_are_one_line(tmp_path):
     code, _, err = launch(tmp_path, 2, [tmp_path / 'none.py'])
     assert code != 0  # python itself says the file is missing
@@ -272,15 +305,17 @@ def _mpi_problem():
 
 
 def mpiexec(n):
-    """``mpiexec -n N`` for this machine (root needs OpenMPI's consent;
-    more ranks than cores are allowed)."""
-    argv = ['mpiexec', '-n', str(n)]
-    if 'Open MPI' in subprocess.run(['mpiexec', '--version'],
-                                    capture_output=True, text=True).stdout:
+    """``mpiexec -n N`` and its environment for this machine: Open MPI
+    needs consent to run as root, and to start more ranks than cores."""
+    argv, env = ['mpiexec', '-n', str(n)], dict(os.environ)
+    version = subprocess.run(['mpiexec', '--version'], capture_output=True,
+                             text=True).stdout
+    if 'OpenRTE' in version or 'Open MPI' in version:
         argv += ['--oversubscribe', '--bind-to', 'none']
         if os.geteuid() == 0:
-            argv.append('--allow-run-as-root')
-    return argv
+            env.update(OMPI_ALLOW_RUN_AS_ROOT='1',
+                       OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1')
+    return argv, env
 
 
 @pytest.mark.skipif(_mpi_problem() is not None,
@@ -290,9 +325,11 @@ def test_the_same_accuracy_curve_as_chainermn_under_mpiexec(tmp_path,
     code, _, err = launch(tmp_path, 2, [dasktrain_script(tmp_path), *SMALL,
                                         '--out', tmp_path / 'dask'])
     assert code == 0, err
-    env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1')
+    argv, env = mpiexec(2)
+    # One BLAS thread per rank, as dasktrain launch gives CPU ranks.
+    env.update(OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1')
     mpi = subprocess.run(
-        [*mpiexec(2), sys.executable, SCRIPT, *SMALL, '--out',
+        [*argv, sys.executable, SCRIPT, *SMALL, '--out',
          tmp_path / 'mpi'], cwd=tmp_path, capture_output=True, text=True,
         timeout=180, env=env)
     assert mpi.returncode == 0, mpi.stderr[-3000:]

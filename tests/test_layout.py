@@ -16,7 +16,7 @@ LAYERS = [
     {'parallel'},
     {'training', 'chainermn'},
     {'cluster'},
-    {'launch', 'launcher'},
+    {'launch', 'launcher', 'ranks'},
     {'jobs'},
     {'monitor', 'tuning'},
     {'report'},

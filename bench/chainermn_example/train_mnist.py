@@ -5,12 +5,12 @@ checkpointer, LogReport, PrintReport and a snapshot.
 
 Under MPI with real ChainerMN::
 
-    mpiexec -n 2 python chainermn_mnist.py
+    mpiexec -n 2 python train_mnist.py
 
 With dasktrain, change the one import line below to
 ``import dasktrain.chainermn as chainermn`` and::
 
-    dasktrain launch -n 2 -- python chainermn_mnist.py
+    dasktrain launch -n 2 -- python train_mnist.py
 
 ``--reference-ranks R`` (for tests, one process): read the samples in the
 order that R ranks' batches cover them together, so that one process on
