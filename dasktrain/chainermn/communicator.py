@@ -14,8 +14,8 @@ whatever the name, and rank 0 says once which.
 
 The maths are ChainerMN's: parameters in ``sorted(namedparams())`` order,
 gradients summed then multiplied by ``1 / size``, ``zero_fill`` as
-ChainerMN fills, objects summed with ``+`` in rank order. GPU arrays are
-copied to the host and back.
+ChainerMN fills, objects summed with ``+`` in rank order. Sums of GPU
+arrays go over NCCL where every rank has it, else through the host.
 
 Owns the communicator only; optimizers, datasets, extensions and links
 are the package's other modules.
@@ -131,6 +131,7 @@ class DaskCommunicator(CommunicatorBase):
         self._ranks = (same.index(comm.rank), len(same),
                        machines.index(mine), len(machines))
         self._closed = False
+        self._nccl = None  # NcclComm, or False: decided at the first GPU sum
         # A script that never calls finalize() still drops its
         # connections on the way out, before the interpreter's teardown.
         atexit.register(self._close)
@@ -138,6 +139,8 @@ class DaskCommunicator(CommunicatorBase):
     def _close(self):
         if not self._closed:
             self._closed = True
+            if self._nccl:
+                self._nccl.close()
             self.comm.close()
 
     @property
@@ -211,9 +214,9 @@ class DaskCommunicator(CommunicatorBase):
 
     def allreduce(self, x):
         """The sum of every rank's ``x`` (a new array)."""
-        total = np.array(_host(x), copy=True)
-        self.comm.allreduce([total])
-        return _like(x, total)
+        total = x.copy()
+        self._summing([total]).allreduce([total])
+        return total
 
     # ------------------------------------------------ objects
 
@@ -274,9 +277,34 @@ class DaskCommunicator(CommunicatorBase):
             recvbuf[...] = sendbuf
         self._mean([recvbuf])
 
+    def _summing(self, arrays):
+        """The communicator that sums ``arrays``: NCCL for GPU arrays
+        where every rank has it (decided together at the first sum of GPU
+        arrays, which every rank makes at the same point), else the
+        host's, through host memory."""
+        if self.size == 1 or not any(hasattr(a, 'get') for a in arrays):
+            return self.comm
+        if self._nccl is None:
+            from dasktrain.parallel.gpus import nccl_problem
+            try:
+                from cupy.cuda import nccl
+                problem = nccl_problem(nccl)
+            except Exception as e:  # a broken CuPy: the host path serves
+                problem = f'cupy.cuda.nccl cannot be imported ({e})'
+            if all(self.comm.allgather(problem is None)):
+                from dasktrain.parallel.comm.nccl import NcclComm
+                self._nccl = NcclComm(self.comm, arrays[0].device.id)
+            else:
+                self._nccl = False
+            if self.rank == 0:
+                _say('dasktrain.chainermn: GPU arrays are summed with '
+                     + ('NCCL' if self._nccl else
+                        f'host copies ({problem or "a rank lacks NCCL"})'))
+        return self._nccl or self.comm
+
     def _mean(self, arrays):
         if self.size > 1:
-            self.comm.allreduce(arrays)
+            self._summing(arrays).allreduce(arrays)
             for a in arrays:
                 a *= 1.0 / self.size  # as ChainerMN scales its sums
 
