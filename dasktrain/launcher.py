@@ -198,8 +198,9 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local):
 
     client.subscribe_topic(job, relay)
     stop = Event(f'{job}-stop', client=client)
-    workers = sorted(client.scheduler_info(n_workers=-1)['workers'])
-    resources = {'GPU': 1} if gpus else None
+    infos = client.scheduler_info(n_workers=-1)['workers']
+    workers = sorted(infos)
+    resources = _rank_resources(infos, n, gpus)
     futures = []
     for rank in range(n):
         variable(client, job, rank).set(False)  # True once it started
@@ -237,6 +238,27 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local):
             with contextlib.suppress(Exception):
                 variable(client, job, rank).delete()
                 variable(client, job, rank, 'gpu').delete()
+
+
+def _rank_resources(infos, n, gpus):
+    """What each rank's task holds on the cluster: a GPU, a CPU slot where
+    the workers offer them (a recorded cluster), else a thread. Every rank
+    must run at once: LaunchError where the cluster cannot."""
+    kind = 'GPU' if gpus else 'CPU' if any(
+        'CPU' in i.get('resources', {}) for i in infos.values()) else None
+    if kind is None:
+        have = sum(i.get('nthreads', 1) for i in infos.values())
+        what = 'worker threads'
+    else:
+        have = int(sum(i.get('resources', {}).get(kind, 0)
+                       for i in infos.values()))
+        what = f'{kind}s' if kind == 'GPU' else 'CPU slots'
+    if have < n:
+        raise LaunchError(
+            f'{n} ranks must run at once and the cluster has {have} '
+            f'{what}; add workers, or start the cluster with more '
+            f'({"--gpus" if kind == "GPU" else "--cpu-slots"})')
+    return None if kind is None else {kind: 1}
 
 
 def _ended(futures, within=0.0):

@@ -223,6 +223,39 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert_no_process_left(tmp_path)
 
 
+def test_a_launch_on_a_running_cluster(tmp_path):
+    """``--scheduler``: the ranks hold the workers' CPU slots, and a
+    cluster with too few says so in one line before anything starts."""
+    from distributed import Client
+    from test_cluster import Processes
+    job = tmp_path / 'job'  # the ranks' marker, not the cluster's
+    job.mkdir()
+    script = job / 'api.py'
+    script.write_text(API)
+    procs = Processes(tmp_path)
+    try:
+        procs.worker(resources='CPU=1', nthreads=2)
+        with Client(procs.address) as client:
+            client.wait_for_workers(1)
+        code, _, err = launch(job, 2, [script, 'flat'], '--scheduler',
+                              procs.address)
+        assert code == 1
+        assert 'dasktrain launch: error: 2 ranks must run at once and the '\
+               'cluster has 1 CPU slots' in err
+        assert 'Traceback' not in err
+        procs.worker(resources='CPU=1', nthreads=2)
+        with Client(procs.address) as client:
+            client.wait_for_workers(2)
+        code, out, err = launch(job, 2, [script, 'flat'], '--scheduler',
+                                procs.address)
+        assert code == 0, err
+        assert 'rank 0 ok' in out
+        assert 'on TLS/TCP peer-to-peer connections' not in err  # one host
+        assert "'flat' runs on shared memory among 2 ranks" in err
+    finally:
+        procs.close()
+
+
 def test_a_launch_is_a_job_of_the_queue(tmp_path, monkeypatch, capsys):
     """``dasktrain submit --gpus 2 -- dasktrain launch -n 2 -- ...``."""
     from distributed import Client
