@@ -35,6 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
+from dasktrain.cluster.guard import signals_raise
 from dasktrain.cluster.local import connect, restore_default_scheduler
 from dasktrain.cluster.workers import local_device_workers, local_workers
 from dasktrain.errors import UserError, argument
@@ -139,6 +140,9 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
     out.mkdir(parents=True, exist_ok=True)
     echo = echo or (lambda stream, text: None)
     with contextlib.ExitStack() as stack:
+        # A queue's cancel (SIGTERM) or a closed terminal (SIGHUP) stops
+        # the ranks as Ctrl-C does, rather than orphaning them.
+        stack.enter_context(signals_raise())
         if client is None:
             stack.enter_context(restore_default_scheduler(always=True))
             if scheduler is not None:

@@ -199,7 +199,11 @@ def test_a_failing_rank_ends_the_job_with_one_line(tmp_path, how, code,
         assert 'no answer from rank(s) [1]' in err
 
 
-def test_ctrl_c_stops_every_rank(tmp_path):
+@pytest.mark.parametrize('signum, group', [
+    (signal.SIGINT, True),  # a terminal's Ctrl-C: the whole group
+    (signal.SIGTERM, False),  # a queue's cancel, or kill PID
+], ids=['ctrl-c', 'sigterm'])
+def test_ctrl_c_or_sigterm_stops_every_rank(tmp_path, signum, group):
     script = tmp_path / 'fails.py'
     script.write_text(FAILS)
     argv = [sys.executable, '-m', 'dasktrain.cli', 'launch', '-n', '2',
@@ -212,7 +216,10 @@ def test_ctrl_c_stops_every_rank(tmp_path):
             assert proc.proc.poll() is None, proc.stderr()
             time.sleep(0.2)
         pids = [int((tmp_path / f'pid{r}').read_text()) for r in (0, 1)]
-        os.killpg(proc.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        if group:
+            os.killpg(proc.proc.pid, signum)
+        else:
+            os.kill(proc.proc.pid, signum)
         assert proc.wait(60) == 130
         err = proc.stderr()
     assert 'dasktrain launch: interrupted' in err
