@@ -139,6 +139,7 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
     out = Path(out or time.strftime('launch-%Y%m%d-%H%M%S')).absolute()
     out.mkdir(parents=True, exist_ok=True)
     echo = echo or (lambda stream, text: None)
+    local = scheduler is None and client is None  # workers started here
     with contextlib.ExitStack() as stack:
         # A queue's cancel (SIGTERM) or a closed terminal (SIGHUP) stops
         # the ranks as Ctrl-C does, rather than orphaning them.
@@ -154,7 +155,7 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
                 client = stack.enter_context(local_workers(n))
         tls = stack.enter_context(_tls_files(client.security))
         return _run(client, argv, n, bool(gpus), out, timeout, grace, echo,
-                    tls, local=scheduler is None)
+                    tls, local)
 
 
 @contextlib.contextmanager
@@ -218,10 +219,9 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local):
             rank, job, grace, gpus, key=f'{job}-rank{rank}', pure=False,
             retries=0, resources=resources, **placed))
     try:
-        failed = None
-        while failed is None and not _ended(futures):
+        while not _ended(futures) and _first_failure(futures) is None:
             time.sleep(POLL)
-            failed = _first_failure(futures)
+        failed = _first_failure(futures)
         if failed is not None:
             time.sleep(SETTLE)  # a peer's failure follows the root one
             failed = _first_failure(futures)
@@ -233,7 +233,7 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local):
         stop.set()
         _ended(futures, grace + 10)
         client.unsubscribe_topic(job)
-        if local:  # whatever a lost task left: its process group
+        if local:  # whatever a lost task left: its process group here
             for pid in pids.values():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)

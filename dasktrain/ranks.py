@@ -7,6 +7,7 @@ the program's whole process group when the launch says so.
 Owns the worker's side of a launch; the driver (choosing workers, the
 environment, blame, exit status) is :mod:`dasktrain.launcher`'s.
 """
+import codecs
 import contextlib
 import os
 import signal
@@ -63,7 +64,8 @@ def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
                         'why': f'cannot start {argv[0]}: {e.strerror}'}
             worker.log_event(job, {'kind': 'pid', 'rank': rank,
                                    'pid': child.pid})
-            readers = [_reader(worker, job, stream, name, log)
+            lock = threading.Lock()  # stdout and stderr share the log
+            readers = [_reader(worker, job, stream, name, log, lock)
                        for stream, name in ((child.stdout, 'stdout'),
                                             (child.stderr, 'stderr'))
                        if stream is not None]
@@ -91,22 +93,25 @@ def _machine_gpus(worker, job, rank, size, held, stop):
         time.sleep(0.2)
 
 
-def _reader(worker, job, stream, name, log):
+def _reader(worker, job, stream, name, log, lock):
     """A thread copying ``stream`` to ``log`` and, as events, to the
     launch (chunks as they come: a progress bar's ``\\r`` stays)."""
-    lock = threading.Lock()
+    # A character split between two reads is decoded once it is whole.
+    decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
 
     def run():
         fd = stream.fileno()
         while True:
             data = os.read(fd, 65536)
-            if not data:
-                break
+            text = decoder.decode(data, final=not data)
             with lock:
                 log.write(data)
                 log.flush()
-            worker.log_event(job, {'kind': 'output', 'stream': name,
-                                   'text': data.decode(errors='replace')})
+            if text:
+                worker.log_event(job, {'kind': 'output', 'stream': name,
+                                       'text': text})
+            if not data:
+                break
     thread = threading.Thread(target=run, daemon=True,
                               name=f'dasktrain-{name}')
     thread.start()
