@@ -4,7 +4,7 @@ printed here as it comes."""
 import argparse
 import sys
 
-from dasktrain.commands import Command, add_scheduler
+from dasktrain.commands import Command
 
 
 def _echo(stream, text):
@@ -24,8 +24,10 @@ class Launch(Command):
         parser.add_argument('--devices', default='cpu',
                             help='cpu, or GPU ids one per rank: 0,1 '
                                  '(default: %(default)s)')
-        add_scheduler(parser)
-        parser.set_defaults(scheduler=None)
+        parser.add_argument('--scheduler', default=None, metavar='ADDR',
+                            help='run the ranks on this running cluster '
+                                 '(default: N throwaway local workers, '
+                                 'started and stopped here)')
         parser.add_argument('--out', default=None, metavar='DIR',
                             help="the ranks' logs (rank0.log, ...); "
                                  'default: launch-YYYYmmdd-HHMMSS')
