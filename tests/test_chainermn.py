@@ -148,11 +148,15 @@ print(f'rank {r} ok')
 '''
 
 
-def test_the_communicator_between_two_ranks(tmp_path):
+@pytest.mark.parametrize('shared', ['1', '0'], ids=['shm', 'tls'])
+def test_the_communicator_between_two_ranks(tmp_path, monkeypatch, shared):
     script = tmp_path / 'api.py'
     script.write_text(API)
+    monkeypatch.setenv('DASKTRAIN_SHARED_MEMORY', shared)
     code, out, err = launch(tmp_path, 2, [script, 'hierarchical'])
     assert code == 0, err
+    assert ('on shared memory' if shared == '1' else
+            'on TLS/TCP peer-to-peer connections') in err
     assert 'rank 0 ok' in out
     assert 'rank 1 ok' in (tmp_path / 'ranks' / 'rank1.log').read_text()
     assert 'does not support create_multi_node_optimizer(' \
@@ -358,6 +362,7 @@ def mpiexec(n):
     return argv, env
 
 
+@pytest.mark.equivalence
 @pytest.mark.skipif(_mpi_problem() is not None,
                     reason=str(_mpi_problem()))
 def test_the_same_accuracy_curve_as_chainermn_under_mpiexec(tmp_path,

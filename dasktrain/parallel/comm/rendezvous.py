@@ -17,6 +17,10 @@ starts who it is and where its peers are, and joining them from it.
 ``DASKTRAIN_TIMEOUT``      seconds any collective waits for a peer
 =========================  ==============================================
 
+and, set by the user rather than ``launch``, ``DASKTRAIN_SHARED_MEMORY=0``:
+ranks of one machine talk over their TLS (or TCP) connections instead of
+shared memory (to compare, or where ``/dev/shm`` is too small).
+
 :func:`join` reads them and returns the rank's
 :class:`~dasktrain.parallel.comm.dask.DaskComm`: each rank publishes its
 address on the scheduler and then talks to the others directly, over
@@ -39,6 +43,7 @@ LISTEN = 'DASKTRAIN_LISTEN'
 TLS_CA, TLS_CERT, TLS_KEY = ('DASKTRAIN_TLS_CA', 'DASKTRAIN_TLS_CERT',
                              'DASKTRAIN_TLS_KEY')
 TIMEOUT = 'DASKTRAIN_TIMEOUT'
+SHARED_MEMORY = 'DASKTRAIN_SHARED_MEMORY'
 ALL = (RANK, SIZE, RENDEZVOUS, JOB, LISTEN, TLS_CA,
        TLS_CERT, TLS_KEY, TIMEOUT)
 
@@ -111,8 +116,9 @@ def join(environ=None):
         raise CollectiveError(f'rank {rank} cannot reach the rendezvous at '
                               f'{env[RENDEZVOUS]}: {e}') from None
     try:
-        return DaskComm.rendezvous(env[JOB], rank, size, timeout,
-                                   client=client, listen_host=env[LISTEN],
-                                   security=security)
+        return DaskComm.rendezvous(
+            env[JOB], rank, size, timeout, client=client,
+            listen_host=env[LISTEN], security=security,
+            shared_memory=env.get(SHARED_MEMORY, '1') != '0')
     finally:
         client.close()
