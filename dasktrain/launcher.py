@@ -152,7 +152,10 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
                 client = stack.enter_context(local_device_workers(
                     tuple(f'@cupy:{g}' for g in gpus)))
             else:
-                client = stack.enter_context(local_workers(n))
+                # No dashboard, workers forked from one that imported
+                # Dask once: a launch's start-up is waited on.
+                client = stack.enter_context(local_workers(
+                    n, dashboard=False, method='forkserver'))
         tls = stack.enter_context(_tls_files(client.security))
         return _run(client, argv, n, bool(gpus), out, timeout, grace, echo,
                     tls, local)
