@@ -26,6 +26,7 @@ import functools
 import logging
 import operator
 import socket
+import sys
 
 import chainer
 import numpy as np
@@ -132,9 +133,24 @@ class DaskCommunicator(CommunicatorBase):
                        machines.index(mine), len(machines))
         self._closed = False
         self._nccl = None  # NcclComm, or False: decided at the first GPU sum
-        # A script that never calls finalize() still drops its
-        # connections on the way out, before the interpreter's teardown.
-        atexit.register(self._close)
+        # Most ChainerMN scripts never call finalize(): leave at exit.
+        atexit.register(self._at_exit)
+
+    def _at_exit(self):
+        """A normal exit leaves as ``DaskComm`` does: rank 0 releases the
+        others once all have come, so that no rank closes while a message
+        of its own is unread (a closed socket can drop it). After an
+        uncaught error (``sys.last_value``), the connections just close:
+        the peers fail fast."""
+        if self._closed:
+            return
+        try:
+            if getattr(sys, 'last_value', None) is None and self.size > 1:
+                self.comm.bcast(None)
+        except CollectiveError:  # a peer already gone: nothing to wait for
+            pass
+        finally:
+            self._close()
 
     def _close(self):
         if not self._closed:
