@@ -101,6 +101,46 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path,
                                        atol=1e-10, err_msg=key)
 
 
+FAIL_AT = """
+    if os.environ.get('FAIL_AT'):  # the test's: a crash mid-run
+        @training.make_extension(
+            trigger=(int(os.environ['FAIL_AT']), 'iteration'))
+        def crash(trainer):
+            if comm.rank == 1:
+                os._exit(3)
+        trainer.extend(crash)
+    start = time.perf_counter()
+"""
+
+
+def test_the_checkpointer_resumes_a_crashed_job(tmp_path, monkeypatch):
+    """A rank dies in epoch 2; launched again, every rank resumes from the
+    checkpoint of epoch 1 that all of them wrote (ChainerMN's
+    ``maybe_load``). The other rank must be stopped, not unwound by an
+    exception: Chainer's finalize would delete its checkpoint."""
+    script = dasktrain_script(tmp_path)
+    text = script.read_text().replace(
+        '    start = time.perf_counter()\n', FAIL_AT, 1)
+    script.write_text('import os\n' + text)
+    args = [script, *SMALL[2:], '--epoch', '3', '--out', tmp_path / 'run']
+    monkeypatch.setenv('FAIL_AT', '12')  # 8 iterations per epoch
+    code, _, err = launch(tmp_path, 2, args)
+    assert code == 3 and 'rank 1 failed (exit 3)' in err
+    # rank 0 was stopped, not unwound: its checkpoint is still there
+    saved = sorted(p.name for p in (tmp_path / 'run').glob('mnist.*'))
+    assert saved == ['mnist.0.8', 'mnist.1.8']
+    monkeypatch.delenv('FAIL_AT')
+    code, _, err = launch(tmp_path, 2, args)
+    assert code == 0, err
+
+    # The script asks maybe_load before it adds its LogReport (as
+    # ChainerMN's example does), so the log starts again, but the
+    # iterations go on from the checkpoint's 8: a fresh run logs 8, 16, 24.
+    log = json.loads((tmp_path / 'run' / 'log').read_text())
+    assert [row['iteration'] for row in log] == [9, 16, 24]
+    assert not list((tmp_path / 'run').glob('mnist.*'))  # done: removed
+
+
 API = '''
 import os, sys, numpy as np, chainer
 import dasktrain.chainermn as chainermn

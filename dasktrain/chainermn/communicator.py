@@ -25,6 +25,7 @@ import collections
 import functools
 import logging
 import operator
+import os
 import socket
 import sys
 
@@ -87,7 +88,7 @@ def create_communicator(communicator_name='pure_nccl', mpi_comm=None,
     return comm
 
 
-def _say(line):
+def _say(line, level=logging.INFO):
     """One line on stderr through the ``dasktrain`` logger, also in a
     script that configured no logging."""
     if not logger.hasHandlers():
@@ -96,7 +97,27 @@ def _say(line):
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-    logger.info(line)
+    logger.log(level, line)
+
+
+def _fatal(method):
+    """As under MPI, whose errors are fatal: a call that fails because a
+    peer died or hangs (:class:`CollectiveError`) ends this process at
+    once with one line, without unwinding the user's code. Unwinding would
+    run Chainer's extensions' ``finalize``, and the multi-node
+    checkpointer's deletes the very checkpoints a relaunch resumes from."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except CollectiveError as e:
+            _say(f'dasktrain.chainermn: rank {self.rank} stops '
+                 f'({type(e).__name__}: {e}), as MPI ends a job whose '
+                 'peer is lost', logging.ERROR)
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(1)
+    return call
 
 
 def _host(array):
@@ -193,6 +214,7 @@ class DaskCommunicator(CommunicatorBase):
             raise ValueError(f'root must be a rank of 0..{self.size - 1}, '
                              f'got {root}')
 
+    @_fatal
     def send(self, data, dest, tag=0):
         """Send an array (or a tuple/list of arrays) to rank ``dest``."""
         many = isinstance(data, (tuple, list))
@@ -200,6 +222,7 @@ class DaskCommunicator(CommunicatorBase):
         self.comm.send((tag, many, [hasattr(a, 'get') for a in arrays],
                         [_host(a) for a in arrays]), dest)
 
+    @_fatal
     def recv(self, source, tag=0):
         """The array (or tuple of arrays) rank ``source`` sent; a CuPy
         array sent arrives on the current device, as in ChainerMN."""
@@ -213,21 +236,25 @@ class DaskCommunicator(CommunicatorBase):
                       for g, a in zip(on_gpu, arrays)]
         return tuple(arrays) if many else arrays[0]
 
+    @_fatal
     def bcast(self, x, max_buf_len=None, root=0):
         """Rank ``root``'s array, on every rank."""
         got = self.bcast_obj(_host(x) if self.rank == root else None,
                              root=root)
         return _like(x, got) if x is not None else got
 
+    @_fatal
     def gather(self, x, root=0):
         """Every rank's array, in rank order, on ``root``; else None."""
         got = self.gather_obj(_host(x), root=root)
         return None if got is None else tuple(_like(x, a) for a in got)
 
+    @_fatal
     def allgather(self, x):
         """Every rank's array, in rank order, on every rank."""
         return tuple(_like(x, a) for a in self.comm.allgather(_host(x)))
 
+    @_fatal
     def allreduce(self, x):
         """The sum of every rank's ``x`` (a new array)."""
         total = x.copy()
@@ -236,18 +263,22 @@ class DaskCommunicator(CommunicatorBase):
 
     # ------------------------------------------------ objects
 
+    @_fatal
     def send_obj(self, obj, dest, tag=0):
         self.comm.send(obj, dest)
 
+    @_fatal
     def recv_obj(self, source, status=None, tag=None):
         return self.comm.recv(source)
 
+    @_fatal
     def bcast_obj(self, obj, max_buf_len=None, root=0):
         self._check_root(root)
         if root == 0:
             return self.comm.bcast(obj)
         return self.comm.allgather(obj if self.rank == root else None)[root]
 
+    @_fatal
     def gather_obj(self, obj, root=0):
         self._check_root(root)
         if root == 0:
@@ -255,12 +286,14 @@ class DaskCommunicator(CommunicatorBase):
         got = self.comm.allgather(obj)
         return got if self.rank == root else None
 
+    @_fatal
     def allreduce_obj(self, obj):
         """The sum (``+``) of every rank's ``obj``, in rank order."""
         return functools.reduce(operator.add, self.comm.allgather(obj))
 
     # ------------------------------------------------ models
 
+    @_fatal
     def bcast_data(self, model):
         """Rank 0's parameters into every rank's ``model``."""
         params = [p for _, p in sorted(model.namedparams())
@@ -275,6 +308,7 @@ class DaskCommunicator(CommunicatorBase):
             for param, value in zip(params, got):
                 param.array[...] = _like(param.array, value)
 
+    @_fatal
     def multi_node_mean_grad(self, model, zero_fill=False):
         """Every parameter's gradient made the mean over the ranks."""
         params = [p for _, p in sorted(model.namedparams())
@@ -286,6 +320,7 @@ class DaskCommunicator(CommunicatorBase):
         grads = [param.grad for param in params]
         self._mean(grads)
 
+    @_fatal
     def _multi_node_mean(self, sendbuf, recvbuf):
         """ChainerMN's hook for its BatchNormalization: ``recvbuf`` (or
         ``sendbuf`` into it) made the mean over the ranks."""
@@ -324,6 +359,7 @@ class DaskCommunicator(CommunicatorBase):
             for a in arrays:
                 a *= 1.0 / self.size  # as ChainerMN scales its sums
 
+    @_fatal
     def finalize(self):
         """Leave the job: every rank waits for the others, then the
         connections close. Called again, it does nothing."""
