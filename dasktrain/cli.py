@@ -26,12 +26,13 @@ from dasktrain.commands.jobs import (
     Result,
     Submit,
 )
+from dasktrain.commands.launch import Launch
 from dasktrain.commands.train import Download, Train
 from dasktrain.commands.tune import Tune
 from dasktrain.errors import Error, flag_names
 
-COMMANDS = (Download, Train, Cluster, Submit, Jobs, Gpus, Logs, Cancel,
-            Requeue, Result, Tune, Bench)
+COMMANDS = (Download, Train, Launch, Cluster, Submit, Jobs, Gpus, Logs,
+            Cancel, Requeue, Result, Tune, Bench)
 
 
 class _Stderr(logging.StreamHandler):

@@ -11,7 +11,9 @@ processes re-import the user's script, which must keep its calls under
 nothing.
 """
 import ast
+import ctypes
 import inspect
+import signal
 import sys
 
 from dasktrain.errors import UserError
@@ -42,6 +44,15 @@ def python(module, *args, version=None):
     version = sys.version_info[:2] if version is None else version
     safe = ['-P'] if tuple(version[:2]) >= (3, 11) else []
     return [sys.executable, *safe, '-m', module, *map(str, args)]
+
+
+def die_with_parent():
+    """A ``preexec_fn``: the child gets SIGKILL when the thread that
+    started it ends (Linux ``PR_SET_PDEATHSIG``). A job's or a rank's
+    program must not outlive a killed worker: a rerun elsewhere would
+    share its output folder with a ghost."""
+    libc = ctypes.CDLL('libc.so.6', use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def unguarded_call(main_module=None, stack=None):

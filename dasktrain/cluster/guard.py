@@ -54,14 +54,17 @@ def starting(home):
         lock.truncate()
         lock.write(f'pid {os.getpid()}')
         lock.flush()
-        with _signals_raise():
+        with signals_raise():
             yield
     finally:
         lock.close()  # and the kernel drops the lock
 
 
 @contextlib.contextmanager
-def _signals_raise():
+def signals_raise():
+    """SIGTERM and SIGHUP raise :class:`Stopped` in the main thread while
+    the block runs (a cancelled queue job's SIGTERM, a closed terminal):
+    the block's own clean-up runs instead of Python dying on the spot."""
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread can take signals
         return

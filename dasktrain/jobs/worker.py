@@ -19,7 +19,6 @@ is sent to the scheduler as a Dask event on
 Owns the worker's side only: it never submits a job (that is
 :mod:`~dasktrain.jobs.submit`'s).
 """
-import ctypes
 import json
 import os
 import signal
@@ -44,7 +43,7 @@ from dasktrain.parallel.gpus import (
     job_environment,
     place_devices,
 )
-from dasktrain.spawn import python
+from dasktrain.spawn import die_with_parent, python
 
 CHILD = 'dasktrain.jobs.worker'  # the child module of a plain job
 # Child modules that job folders written by earlier versions name, and
@@ -81,13 +80,6 @@ def job_children():
     worker process now (a command job's is its session's leader too): who
     uses a GPU is told by them (:mod:`dasktrain.gpuuse`)."""
     return dict(_children)
-
-
-def die_with_parent():
-    # The training must not outlive a killed worker: its rerun elsewhere
-    # would share the output folder with a ghost.
-    libc = ctypes.CDLL('libc.so.6', use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def run_job(folder):

@@ -64,7 +64,7 @@ class Communicator(abc.ABC):
     #: Every member a communicator has, for checking one (tests).
     MEMBERS = ('rank', 'size', 'timeout', 'solo', 'sums_on_device',
                'allreduce', 'iallreduce', 'allgather', 'gather', 'bcast',
-               'barrier', 'close')
+               'barrier', 'send', 'recv', 'close')
     solo: bool
     sums_on_device: bool
 
@@ -118,6 +118,18 @@ class Communicator(abc.ABC):
     def barrier(self):
         """Return once every rank has called it."""
         self.allgather(None)
+
+    def send(self, obj, dest):
+        """Send ``obj`` to rank ``dest`` alone (point to point); that
+        rank takes it with :meth:`recv`. Only the two ranks take part."""
+        raise CollectiveError(f'rank {dest} is not a peer of this job of '
+                              f'{self.size} rank(s)')
+
+    def recv(self, source):
+        """The next ``obj`` that rank ``source`` sent here with
+        :meth:`send`."""
+        raise CollectiveError(f'rank {source} is not a peer of this job of '
+                              f'{self.size} rank(s)')
 
     @abc.abstractmethod
     def close(self):

@@ -97,6 +97,7 @@ class DaskComm(Communicator):
         self._comms, self._loop, self._thread = comms, loop, thread
         self._listener = listener
         self._calls = 0
+        self._pairs = {}  # (source, dest) -> point-to-point messages
         self._shm = None  # a SharedMemoryReducer when all share a host
 
     # -------------------------------------------------------- set-up
@@ -354,6 +355,30 @@ class DaskComm(Communicator):
             self._run(self._exchange(tag, {p: obj for p in self._others()}))
             return obj
         return self._run(self._exchange(tag, receive=[0]))[0]
+
+    def send(self, obj, dest):
+        """Send ``obj`` to rank ``dest`` alone; it takes it with
+        :meth:`recv`. The other ranks take no part: point-to-point
+        messages are counted per pair, apart from the collectives."""
+        self._check_peer(dest)
+        self._run(self._exchange(self._pair_tag(self.rank, dest),
+                                 {dest: obj}))
+
+    def recv(self, source):
+        """The next object rank ``source`` sent here with :meth:`send`."""
+        self._check_peer(source)
+        return self._run(self._exchange(self._pair_tag(source, self.rank),
+                                        receive=[source]))[source]
+
+    def _pair_tag(self, source, dest):
+        key = (source, dest)
+        self._pairs[key] = self._pairs.get(key, 0) + 1
+        return f'send{source}>{dest}#{self._pairs[key]}'
+
+    def _check_peer(self, peer):
+        if peer not in self._comms:
+            raise CollectiveError(f'rank {peer} is not a peer of rank '
+                                  f'{self.rank} in this job of {self.size}')
 
     def _others(self):
         return [p for p in range(self.size) if p != self.rank]

@@ -200,6 +200,12 @@ class NcclComm(Communicator):
     def barrier(self):
         self.host.barrier()
 
+    def send(self, obj, dest):
+        self.host.send(obj, dest)
+
+    def recv(self, source):
+        return self.host.recv(source)
+
     def close(self):
         """Free the NCCL communicator (``host`` is closed by its owner)."""
         with self._cupy.cuda.Device(self.device):

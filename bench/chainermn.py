@@ -1,0 +1,118 @@
+"""``dasktrain launch -n 2`` against ``mpiexec -n 2`` with real ChainerMN,
+on the same script (bench/chainermn_example/train_mnist.py; dasktrain's
+copy differs in its import line only), on this machine, interleaved
+round by round:
+images/s while training and wall time to the same epoch (the whole
+command: start-up, rendezvous, training, exit).
+
+    .venv/bin/python bench/chainermn.py --rounds 3
+
+Needs mpiexec and mpi4py (``pip install -e .[mpi]`` after ``apt-get
+install openmpi-bin libopenmpi-dev``). Prints a Markdown table and writes
+the runs to ``--out``/chainermn.json.
+"""
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / 'chainermn_example' / 'train_mnist.py'
+
+
+def mpiexec(n):
+    """Open MPI's mpiexec, allowed to run as root and oversubscribe."""
+    argv, env = ['mpiexec', '-n', str(n)], dict(os.environ)
+    version = subprocess.run(['mpiexec', '--version'], capture_output=True,
+                             text=True).stdout
+    if 'OpenRTE' in version or 'Open MPI' in version:
+        argv += ['--oversubscribe', '--bind-to', 'none']
+        if os.geteuid() == 0:
+            env.update(OMPI_ALLOW_RUN_AS_ROOT='1',
+                       OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1')
+    return argv, env
+
+
+def run(argv, env, cwd):
+    start = time.perf_counter()
+    done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=1800)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f'{argv[0]} failed ({done.returncode}):\n'
+                 f'{done.stderr[-3000:]}')
+    found = re.search(r'throughput: ([\d.]+) images/s, ([\d.]+) s',
+                      done.stdout)
+    return {'images_per_s': float(found.group(1)),
+            'train_s': float(found.group(2)), 'wall_s': wall}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--epochs', type=int, default=2)
+    parser.add_argument('--unit', type=int, default=2000,
+                        help='2000: 5.6 M parameters, 22 MB of float32 '
+                             'gradients per step')
+    parser.add_argument('--n-train', type=int, default=4000)
+    parser.add_argument('--batchsize', type=int, default=100)
+    parser.add_argument('--out', default='results/bench-chainermn')
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix='bench-chainermn-'))
+    mine = work / 'train_dasktrain.py'
+    mine.write_text(SCRIPT.read_text().replace(
+        '\nimport chainermn\n', '\nimport dasktrain.chainermn as chainermn\n'))
+    common = ['--epoch', str(args.epochs), '--n-train', str(args.n_train),
+              '--n-test', '500', '--unit', str(args.unit),
+              '--batchsize', str(args.batchsize)]
+    mpi_argv, mpi_env = mpiexec(2)
+    # One BLAS thread per rank for both (dasktrain launch's CPU default).
+    mpi_env.update(OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
+                   MKL_NUM_THREADS='1')
+    launch_env = dict(mpi_env)
+    dasktrain = str(Path(sys.executable).with_name('dasktrain'))
+    runs = {'dasktrain launch': [], 'mpiexec + ChainerMN': []}
+    for r in range(args.rounds):
+        for name in (runs if r % 2 == 0 else reversed(list(runs))):
+            folder = work / f'{r}-{name.split()[0]}'
+            if name.startswith('dasktrain'):
+                argv = [dasktrain, 'launch', '-n', '2', '--out',
+                        str(folder / 'ranks'), '--', sys.executable,
+                        str(mine), *common, '--out', str(folder)]
+                got = run(argv, launch_env, work)
+            else:
+                argv = [*mpi_argv, sys.executable, str(SCRIPT), *common,
+                        '--out', str(folder)]
+                got = run(argv, mpi_env, work)
+            runs[name].append(got)
+            print(f'round {r + 1} {name}: {got["images_per_s"]:.0f} '
+                  f'images/s, {got["train_s"]:.1f} s training, '
+                  f'{got["wall_s"]:.1f} s wall', file=sys.stderr)
+    machine = (f'{platform.node()}: {os.cpu_count()} CPUs '
+               f'({platform.processor() or platform.machine()}), shared '
+               'with other work while measured')
+    (out / 'chainermn.json').write_text(json.dumps(
+        {'machine': machine, 'args': vars(args), 'runs': runs}, indent=2))
+    print(f'\n{machine}; {args.epochs} epochs of {args.n_train} images, '
+          f'MLP 784-{args.unit}-{args.unit}-10, batch {args.batchsize} per '
+          f'rank, 2 CPU ranks, median of {args.rounds} interleaved '
+          'rounds\n')
+    print('| launcher | images/s | training s | wall s to the last epoch |')
+    print('|---|---|---|---|')
+    for name, got in runs.items():
+        med = {k: statistics.median(g[k] for g in got) for k in got[0]}
+        print(f'| {name} | {med["images_per_s"]:.0f} | '
+              f'{med["train_s"]:.1f} | {med["wall_s"]:.1f} |')
+
+
+if __name__ == '__main__':
+    main()

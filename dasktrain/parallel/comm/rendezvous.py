@@ -1,0 +1,124 @@
+"""The environment by which ``dasktrain launch`` tells each process it
+starts who it is and where its peers are, and joining them from it.
+
+``dasktrain launch -n N -- PROGRAM`` starts N copies of a program (see
+:mod:`dasktrain.launcher`), each with these variables set:
+
+=========================  ==============================================
+``DASKTRAIN_RANK``         this process's rank, 0 to N - 1
+``DASKTRAIN_SIZE``         N
+``DASKTRAIN_RENDEZVOUS``   the Dask scheduler the ranks meet through
+``DASKTRAIN_JOB``          the name the ranks of this launch meet under
+``DASKTRAIN_LISTEN``       where this rank listens for its peers
+                           (``tls://HOST`` or ``tcp://HOST``)
+``DASKTRAIN_TLS_CA``,      the TLS files of the cluster (CA, certificate,
+``DASKTRAIN_TLS_CERT``,    key), private to the user; unset on a cluster
+``DASKTRAIN_TLS_KEY``      without TLS
+``DASKTRAIN_TIMEOUT``      seconds any collective waits for a peer
+=========================  ==============================================
+
+and, set by the user rather than ``launch``, ``DASKTRAIN_SHARED_MEMORY=0``:
+ranks of one machine talk over their TLS (or TCP) connections instead of
+shared memory (to compare, or where ``/dev/shm`` is too small).
+
+:func:`join` reads them and returns the rank's
+:class:`~dasktrain.parallel.comm.dask.DaskComm`: each rank publishes its
+address on the scheduler and then talks to the others directly, over
+shared memory where they share a machine, TLS (or TCP) otherwise. Without
+``DASKTRAIN_SIZE`` (a script run by itself) it returns a
+:class:`~dasktrain.parallel.comm.base.Solo`.
+
+Owns the variables' names and meaning; starting processes is the
+launcher's.
+"""
+import os
+
+from dasktrain.parallel.comm.base import CollectiveError, Solo
+
+RANK = 'DASKTRAIN_RANK'
+SIZE = 'DASKTRAIN_SIZE'
+RENDEZVOUS = 'DASKTRAIN_RENDEZVOUS'
+JOB = 'DASKTRAIN_JOB'
+LISTEN = 'DASKTRAIN_LISTEN'
+TLS_CA, TLS_CERT, TLS_KEY = ('DASKTRAIN_TLS_CA', 'DASKTRAIN_TLS_CERT',
+                             'DASKTRAIN_TLS_KEY')
+TIMEOUT = 'DASKTRAIN_TIMEOUT'
+SHARED_MEMORY = 'DASKTRAIN_SHARED_MEMORY'
+ALL = (RANK, SIZE, RENDEZVOUS, JOB, LISTEN, TLS_CA,
+       TLS_CERT, TLS_KEY, TIMEOUT)
+
+
+def rank_environment(rank, size, scheduler, job, listen, tls=None,
+                     timeout=300.0):
+    """The variables of rank ``rank`` (see the module), as a dict.
+
+    ``tls``: ``(ca, cert, key)`` file paths, or None for a TCP cluster.
+
+    Examples
+    --------
+    >>> env = rank_environment(1, 2, 'tcp://127.0.0.1:8786', 'j1',
+    ...                        'tcp://127.0.0.1')
+    >>> env['DASKTRAIN_RANK'], env['DASKTRAIN_SIZE']
+    ('1', '2')
+    """
+    env = {RANK: str(rank), SIZE: str(size), RENDEZVOUS: scheduler, JOB: job,
+           LISTEN: listen, TIMEOUT: f'{float(timeout):g}'}
+    if tls is not None:
+        env.update(zip((TLS_CA, TLS_CERT, TLS_KEY), map(str, tls)))
+    return env
+
+
+def launched(environ=None):
+    """Whether this process is a rank that ``dasktrain launch`` started."""
+    return SIZE in (os.environ if environ is None else environ)
+
+
+def position(environ=None):
+    """``(rank, size)`` from the environment; ``(0, 1)`` for a process
+    not launched as a rank."""
+    env = os.environ if environ is None else environ
+    if not launched(env):
+        return 0, 1
+    try:
+        return int(env[RANK]), int(env[SIZE])
+    except (KeyError, ValueError) as e:
+        raise CollectiveError(f'the rank environment is incomplete or '
+                              f'wrong ({e}); start the program with '
+                              '`dasktrain launch`') from None
+
+
+def join(environ=None):
+    """This rank's communicator: a ``DaskComm`` joined to its peers as the
+    environment says, or a ``Solo`` for a process not launched as a rank.
+    Raises :class:`CollectiveError` when a peer does not come within the
+    timeout."""
+    env = os.environ if environ is None else environ
+    rank, size = position(env)
+    if size == 1:
+        return Solo()
+    from distributed import Client
+    from distributed.security import Security
+
+    from dasktrain.parallel.comm.dask import DaskComm
+    if env.get(TLS_CA):
+        ca, cert, key = env[TLS_CA], env[TLS_CERT], env[TLS_KEY]
+        # The same certificate dials the scheduler and listens for peers.
+        security = Security(tls_ca_file=ca, tls_client_cert=cert,
+                            tls_client_key=key, tls_worker_cert=cert,
+                            tls_worker_key=key, require_encryption=True)
+    else:
+        security = Security()
+    timeout = float(env.get(TIMEOUT) or 300.0)
+    try:
+        client = Client(env[RENDEZVOUS], security=security,
+                        timeout=min(timeout, 60.0), set_as_default=False)
+    except (OSError, TimeoutError) as e:
+        raise CollectiveError(f'rank {rank} cannot reach the rendezvous at '
+                              f'{env[RENDEZVOUS]}: {e}') from None
+    try:
+        return DaskComm.rendezvous(
+            env[JOB], rank, size, timeout, client=client,
+            listen_host=env[LISTEN], security=security,
+            shared_memory=env.get(SHARED_MEMORY, '1') != '0')
+    finally:
+        client.close()
