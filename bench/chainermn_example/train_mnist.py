@@ -83,6 +83,7 @@ def main():
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--reference-ranks', type=int, default=0)
     parser.add_argument('--lr', type=float, default=0.05)
+    parser.add_argument('--double-buffering', action='store_true')
     args = parser.parse_args()
 
     if args.gpu and args.communicator == 'naive':
@@ -103,7 +104,8 @@ def main():
         chainer.cuda.get_device_from_id(device).use()
         model.to_gpu()
     optimizer = chainermn.create_multi_node_optimizer(
-        chainer.optimizers.MomentumSGD(lr=args.lr), comm)
+        chainer.optimizers.MomentumSGD(lr=args.lr), comm,
+        double_buffering=args.double_buffering)
     optimizer.setup(model)
 
     if comm.rank == 0:

@@ -27,6 +27,7 @@ from dasktrain.chainermn.datasets import (
     scatter_index,
 )
 from dasktrain.chainermn.extensions import (
+    DoubleBufferingOptimizer,
     create_multi_node_checkpointer,
     create_multi_node_early_stopping_trigger,
     create_multi_node_evaluator,
@@ -37,7 +38,8 @@ from dasktrain.chainermn.support import MISSING, Unsupported
 __version__ = chainer.__version__
 
 __all__ = ['NAMES', 'CommunicatorBase', 'DaskCommunicator', 'DataSizeError',
-           'Unsupported', 'create_communicator', 'create_empty_dataset',
+           'DoubleBufferingOptimizer', 'Unsupported', 'create_communicator',
+           'create_empty_dataset',
            'create_multi_node_checkpointer',
            'create_multi_node_early_stopping_trigger',
            'create_multi_node_evaluator', 'create_multi_node_optimizer',

@@ -36,6 +36,7 @@ from chainermn.communicators.communicator_base import CommunicatorBase
 from dasktrain.chainermn.support import Unsupported
 from dasktrain.parallel.comm.base import CollectiveError
 from dasktrain.parallel.comm.rendezvous import join
+from dasktrain.parallel.devices import SideStream, mark
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +106,17 @@ def _fatal(method):
     peer died or hangs (:class:`CollectiveError`) ends this process at
     once with one line, without unwinding the user's code. Unwinding would
     run Chainer's extensions' ``finalize``, and the multi-node
-    checkpointer's deletes the very checkpoints a relaunch resumes from."""
+    checkpointer's deletes the very checkpoints a relaunch resumes from.
+
+    Every such call first finishes a double-buffered mean still in flight
+    (:meth:`DaskCommunicator.wait_mean`): the ranks' collectives run one
+    at a time, in the order every rank makes them (a
+    MultiNodeBatchNormalization's sums in the next forward pass come after
+    the gradients' on every rank)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         try:
+            self._finish_mean()
             return method(self, *args, **kwargs)
         except CollectiveError as e:
             _say(f'dasktrain.chainermn: rank {self.rank} stops '
@@ -154,6 +162,8 @@ class DaskCommunicator(CommunicatorBase):
                        machines.index(mine), len(machines))
         self._closed = False
         self._nccl = None  # NcclComm, or False: decided at the first GPU sum
+        self._pending = None  # double buffering: (reduction, gradients)
+        self._side = None     # ... its side stream, made once
         # Most ChainerMN scripts never call finalize(): leave at exit.
         atexit.register(self._at_exit)
 
@@ -167,6 +177,7 @@ class DaskCommunicator(CommunicatorBase):
             return
         try:
             if getattr(sys, 'last_value', None) is None and self.size > 1:
+                self._finish_mean()  # no collective beside the last
                 self.comm.bcast(None)
         except CollectiveError:  # a peer already gone: nothing to wait for
             pass
@@ -308,17 +319,57 @@ class DaskCommunicator(CommunicatorBase):
             for param, value in zip(params, got):
                 param.array[...] = _like(param.array, value)
 
-    @_fatal
-    def multi_node_mean_grad(self, model, zero_fill=False):
-        """Every parameter's gradient made the mean over the ranks."""
+    @staticmethod
+    def _grads(model, zero_fill):
+        """``model``'s gradients in ChainerMN's order (``zero_fill``:
+        unused parameters' as zeros)."""
         params = [p for _, p in sorted(model.namedparams())
                   if p.data is not None and (zero_fill or
                                              p.grad is not None)]
         for param in params:
             if param.grad is None:  # zero_fill
                 param.grad = param.xp.zeros_like(param.data)
-        grads = [param.grad for param in params]
-        self._mean(grads)
+        return [param.grad for param in params]
+
+    @_fatal
+    def multi_node_mean_grad(self, model, zero_fill=False):
+        """Every parameter's gradient made the mean over the ranks."""
+        self._mean(self._grads(model, zero_fill))
+
+    @_fatal
+    def multi_node_mean_grad_async(self, model, zero_fill=False):
+        """Start :meth:`multi_node_mean_grad` of ``model`` and return at
+        once; :meth:`wait_mean` finishes it (double buffering). It runs on
+        the path every dasktrain exchange takes
+        (:meth:`~dasktrain.parallel.comm.base.Communicator.iallreduce`:
+        the arrays bound at the call, on a thread of its own; on a GPU, on
+        a non-blocking side stream that starts after an event marking the
+        kernels that wrote the gradients, so the next step's kernels never
+        queue behind the sum). One at a time, in the same order on every
+        rank."""
+        grads = self._grads(model, zero_fill)
+        if self.size == 1 or not grads:
+            return
+        device = chainer.backend.get_device_from_array(grads[0])
+        if self._side is None or self._side.device != device:
+            self._side = SideStream(device)
+        event, side = mark(device), self._side
+        self._pending = (self._summing(grads).iallreduce(
+            grads, around=lambda: side.after(event)), grads)
+
+    @_fatal
+    def wait_mean(self):
+        """Wait for :meth:`multi_node_mean_grad_async`'s sums and make
+        them the mean; nothing to do without one (any collective call
+        waits for it first)."""
+
+    def _finish_mean(self):
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            reduction, grads = pending
+            reduction.wait()
+            for a in grads:
+                a *= 1.0 / self.size
 
     @_fatal
     def _multi_node_mean(self, sendbuf, recvbuf):
