@@ -338,15 +338,11 @@ class DaskCommunicator(CommunicatorBase):
 
     @_fatal
     def multi_node_mean_grad_async(self, model, zero_fill=False):
-        """Start :meth:`multi_node_mean_grad` of ``model`` and return at
-        once; :meth:`wait_mean` finishes it (double buffering). It runs on
-        the path every dasktrain exchange takes
-        (:meth:`~dasktrain.parallel.comm.base.Communicator.iallreduce`:
-        the arrays bound at the call, on a thread of its own; on a GPU, on
-        a non-blocking side stream that starts after an event marking the
-        kernels that wrote the gradients, so the next step's kernels never
-        queue behind the sum). One at a time, in the same order on every
-        rank."""
+        """Start :meth:`multi_node_mean_grad` of ``model``; :meth:`wait_mean`
+        (or any collective call) finishes it. The path of every dasktrain
+        exchange (``Communicator.iallreduce``: arrays bound at the call, a
+        thread of its own; on a GPU a non-blocking side stream after an
+        event on the gradients' kernels, so the next step's never wait)."""
         grads = self._grads(model, zero_fill)
         if self.size == 1 or not grads:
             return
