@@ -459,6 +459,67 @@ def test_float16_communication_keeps_small_gradients():
         assert error <= 2 ** -10 * np.abs(exact).max(), key
 
 
+class Recording(Mirror):
+    """Mirror keeping every list of arrays it was asked to sum, in order
+    (one collective at a time, so in the order of the calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.handed = []
+
+    def allreduce(self, arrays, check=False):
+        self.handed.append(list(arrays))
+        return super().allreduce(arrays, check)
+
+
+def _flat(calls, dtype=np.float32):
+    """The gradient buffers among the arrays of ``calls`` (the
+    statistics travel in float64)."""
+    return [a for call in calls for a in call if a.dtype == dtype]
+
+
+@pytest.mark.parametrize('options', [
+    {}, {'bucket_mb': 1e-3}, {'bucket_mb': 1e-3, 'comm_dtype': 'float16'},
+    {'double_buffering': True, 'warmup': 0}], ids=str)
+def test_gradients_are_views_of_flat_buffers_made_once(options):
+    # PyTorch DDP's layout: each bucket's gradients travel as one flat
+    # buffer, allocated once, summed in place; after the step each master
+    # gradient IS its view of the sum (no copy back), except in float16,
+    # where the sum is decoded into the gradient.
+    comm = Recording()
+    model = GPUDistributedGradient(fresh(), ['@numpy'], comm=comm,
+                                   **options)
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    grads, ends = [], []
+    for seed in range(5):
+        model.step(*batch(6, seed), total=12)
+        grads.append([p.grad for _, p in sorted(
+            model.master.namedparams())])
+        ends.append(len(comm.handed))
+    model.end_epoch()
+    sizes = sum(p.size for p in model.master.params())
+    stale = options.get('double_buffering', False)
+    wire = np.float16 if options.get('comm_dtype') else np.float32
+    steps = [comm.handed[a:b] for a, b in zip([0] + ends, ends)] \
+        if not stale else [[call] for call in comm.handed]
+    for s in range(2, 5):  # after the first step, which finds the order
+        flat = _flat(steps[s], wire)
+        # every gradient element travels once, in one flat array per bucket
+        assert sum(a.size for a in flat) == sizes and \
+            all(a.ndim == 1 and a.flags.c_contiguous for a in flat)
+        before = _flat(steps[s - 2 if stale else s - 1], wire)
+        assert [id(a) for a in flat] == [id(a) for a in before]  # reused
+        summed = _flat(steps[s - 1] if stale else steps[s], wire)
+        for g in grads[s]:
+            views = [np.shares_memory(g, a) for a in summed]
+            assert views.count(True) == (0 if wire == np.float16 else 1)
+    if stale:  # two sets: the one in flight, the one being filled
+        assert not set(map(id, _flat(steps[3]))) & set(map(id, _flat(
+            steps[4])))
+    if options.get('bucket_mb'):
+        assert len(_flat(steps[4], wire)) > 1  # buckets, each its buffer
+
+
 class Lazy(chainer.Chain):
     """The Chainer idiom: input sizes taken from the first batch."""
 

@@ -197,6 +197,42 @@ def signature(arrays, where=False):
             for a in arrays]
 
 
+def place(a):
+    """Where ``a`` lies, for :func:`packing`: (its GPU's id, None for a
+    host array; whether it is C-contiguous).
+
+    Examples
+    --------
+    >>> place(np.zeros((2, 3))[:, :2])
+    (None, False)
+    """
+    device = None if isinstance(a, np.ndarray) else a.device.id
+    return device, bool(a.flags.c_contiguous)
+
+
+def packing(places):
+    """How the arrays of one dtype, at ``places`` (from :func:`place`),
+    become one flat buffer to sum: ``'itself'`` (one contiguous array,
+    a flat buffer already: summed where it lies, nothing copied),
+    ``'host'`` (host arrays, copied into one), ``'device'`` (GPU arrays
+    all on one GPU: joined there, one transfer to the host) or ``'each'``
+    (mixed: one transfer per array).
+
+    Examples
+    --------
+    >>> packing([(None, True)]), packing([(0, True), (0, False)])
+    ('itself', 'device')
+    >>> packing([(None, True), (None, True)]), packing([(0, True), (1, True)])
+    ('host', 'each')
+    """
+    if len(places) == 1 and places[0][1]:
+        return 'itself'
+    devices = {device for device, _ in places}
+    if devices == {None}:
+        return 'host'
+    return 'device' if len(devices) == 1 else 'each'
+
+
 def poll(check, deadline, what, abort, sleep=1e-4):
     """Call ``check()`` until it returns True; it raises the real error of
     a failed operation. After ``deadline`` (``time.monotonic()``),

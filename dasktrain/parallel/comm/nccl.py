@@ -12,6 +12,8 @@ import time
 from dasktrain.parallel.comm.base import (
     CollectiveError,
     Communicator,
+    packing,
+    place,
     poll,
     signature,
 )
@@ -163,12 +165,16 @@ class NcclComm(Communicator):
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
             for dtype, members in groups.items():
-                # One buffer per dtype on this GPU (a copy also makes
-                # non-contiguous views and other GPUs' arrays contiguous
-                # here).
-                flat = cupy.concatenate([
-                    cupy.asarray(a.get() if a.device.id != self.device
-                                 else a).ravel() for a in members])
+                # One buffer per dtype on this GPU: a flat one here (a
+                # gradient bucket's) is summed in place; else a copy, which
+                # also makes non-contiguous views and other GPUs' arrays
+                # contiguous here.
+                itself = packing([place(a) for a in members]) == \
+                    'itself' and members[0].device.id == self.device
+                flat = members[0].reshape(-1) if itself else \
+                    cupy.concatenate([
+                        cupy.asarray(a.get() if a.device.id != self.device
+                                     else a).ravel() for a in members])
                 self._call(self._comm.allReduce, flat.data.ptr,
                            flat.data.ptr, flat.size,
                            getattr(self._nccl, self._TYPES[dtype.name]),
@@ -176,6 +182,8 @@ class NcclComm(Communicator):
                 poll(lambda: self._done(stream),
                      time.monotonic() + self.timeout,
                      f'NCCL all-reduce on rank {self.rank}', self._abort)
+                if itself:
+                    continue
                 start = 0
                 for a in members:
                     part = flat[start:start + a.size].reshape(a.shape)
