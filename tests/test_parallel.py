@@ -441,6 +441,20 @@ def test_double_buffered_batchnorm_statistics_count_every_batch(
                                        atol=1e-12, err_msg=key)
 
 
+def test_two_float32_statistics_sum_to_the_float64_mean_s_bits():
+    # Why dg's statistics of a job of two replicas are summed in float32
+    # (exchange._statistics): a + b rounded once and halved exactly is
+    # float64's mean rounded once, over float32's whole normal range.
+    rng = np.random.default_rng(0)
+    a, b = ((rng.standard_normal(200_000) *
+             10.0 ** rng.integers(-35, 35, 200_000)).astype(np.float32)
+            for _ in range(2))
+    summed = a + b
+    summed /= 2  # as Replicas.reduce divides
+    np.testing.assert_array_equal(
+        summed, ((a.astype(np.float64) + b) / 2).astype(np.float32))
+
+
 def test_float16_communication_keeps_small_gradients():
     # Shares weighted by 6 / 6e6: gradients far below float16's smallest
     # normal (6e-5), which would flush to zero unless scaled per array.

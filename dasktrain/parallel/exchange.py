@@ -132,9 +132,7 @@ class GradientExchange:
         # a stream made per step would strand each step's cache.
         self._side = None
         self._param_list = None
-        # Flat buffers, made once per plan: [exact's, double buffering's
-        # two sets]; None until needed.
-        self._flat = [None, None, None]
+        self._flat = [None] * 3  # buffers: exact's, double buffering's 2
 
     @property
     def comm(self):
@@ -169,8 +167,7 @@ class GradientExchange:
 
     def _buffers(self, which, plan=None):
         """The flat buffers ``which`` (0: exact, 1 and 2: double
-        buffering's), for ``plan`` (None: one bucket of everything);
-        made again only when the plan changes."""
+        buffering's) of ``plan`` (None: one bucket), made once per plan."""
         params = self._params()
         plan = plan or [list(range(len(params)))]
         flat = self._flat[which]
@@ -182,7 +179,11 @@ class GradientExchange:
     def _statistics(self):
         replicas = self.replicas
         groups = replicas.groups(replicas.links, params=False)
-        return groups, replicas.local_sums(groups)[0]
+        # In float64 a mean is rounded once, the same bits however the
+        # replicas are spread (NCCL's order too); of two replicas a float32
+        # sum is too (a + b rounded once, halved exactly, but below 1e-38).
+        return groups, replicas.local_sums(groups,
+                                           wide=replicas.total > 2)[0]
 
     # ------------------------------------------------------ one step
 
