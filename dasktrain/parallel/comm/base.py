@@ -210,6 +210,42 @@ def place(a):
     return device, bool(a.flags.c_contiguous)
 
 
+#: Bytes from which an array travels as itself (a flat buffer already,
+#: e.g. a gradient bucket's): copying it into one with the small arrays of
+#: its dtype would cost more than the message it saves.
+ITSELF_BYTES = 1 << 16
+
+
+def batches(arrays):
+    """The arrays of one all-reduce, as the flat buffers they travel in:
+    each array of at least :data:`ITSELF_BYTES` on its own, then the
+    others by dtype (joined as :func:`packing` says). Decided by dtypes
+    and sizes alone, which ranks compare (:func:`signature`): the same
+    batches on every rank.
+
+    Returns
+    -------
+    list of (str, list)
+        Each batch's dtype (``numpy.dtype.str``) and arrays, in an order
+        every rank with the same arrays agrees on.
+
+    Examples
+    --------
+    >>> big, small = np.zeros(2 ** 15), np.zeros(3)
+    >>> [(key, len(members)) for key, members in
+    ...  batches([small, big, small.astype(np.float32), small])]
+    [('<f8', 1), ('<f8', 2), ('<f4', 1)]
+    """
+    alone, joined = [], {}
+    for a in arrays:
+        key = np.dtype(a.dtype).str
+        if a.nbytes >= ITSELF_BYTES:
+            alone.append((key, [a]))
+        else:
+            joined.setdefault(key, []).append(a)
+    return alone + list(joined.items())
+
+
 def packing(places):
     """How the arrays of one dtype, at ``places`` (from :func:`place`),
     become one flat buffer to sum: ``'itself'`` (one contiguous array,

@@ -34,6 +34,7 @@ import numpy as np
 from dasktrain.parallel.comm.base import (
     CollectiveError,
     Communicator,
+    batches,
     packing,
     place,
     signature,
@@ -43,13 +44,6 @@ from dasktrain.parallel.comm.shm import SharedMemoryReducer
 
 class PeerLost(CollectiveError):
     """A peer's connection closed."""
-
-
-def _by_dtype(arrays):
-    groups = {}
-    for a in arrays:
-        groups.setdefault(np.dtype(a.dtype).str, []).append(a)
-    return groups
 
 
 def _to_host(members):
@@ -316,10 +310,10 @@ class DaskComm(Communicator):
             return arrays
         if self._shm is not None:
             return self._allreduce_shared(arrays)
-        # One flat host buffer per dtype; a flat host array (a gradient
+        # One flat host buffer per batch; a flat host array (a gradient
         # bucket's buffer) is summed where it lies.
-        packed = {k: (members, *_to_host(members))
-                  for k, members in _by_dtype(arrays).items()}
+        packed = {str(k): (members, *_to_host(members))
+                  for k, (_, members) in enumerate(batches(arrays))}
         tag = self._tag('allreduce')
         me, others = self.rank, self._others()
         mine = signature(arrays)
@@ -354,12 +348,13 @@ class DaskComm(Communicator):
 
     def _allreduce_shared(self, arrays):
         groups, back = {}, []
-        for key, members in _by_dtype(arrays).items():
+        for key, members in batches(arrays):
             if all(isinstance(a, np.ndarray) for a in members):
-                groups[key] = members  # packed straight into shared memory
+                # packed straight into shared memory
+                groups.setdefault(key, []).extend(members)
                 continue
             flat, made = _to_host(members)  # one transfer per GPU bucket
-            groups[key] = [flat]
+            groups.setdefault(key, []).append(flat)
             back.append((members, flat, made))
         self._shm.allreduce(groups, signature(arrays))
         for members, flat, made in back:

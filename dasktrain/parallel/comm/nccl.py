@@ -12,6 +12,7 @@ import time
 from dasktrain.parallel.comm.base import (
     CollectiveError,
     Communicator,
+    batches,
     packing,
     place,
     poll,
@@ -159,13 +160,11 @@ class NcclComm(Communicator):
         host = [a for a in arrays if not any(a is g for g in gpu)]
         if host:
             self.host.allreduce(host)
-        groups = {}
-        for a in gpu:
-            groups.setdefault(a.dtype, []).append(a)
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
-            for dtype, members in groups.items():
-                # One buffer per dtype on this GPU: a flat one here (a
+            for _, members in batches(gpu):
+                dtype = members[0].dtype
+                # One buffer per batch on this GPU: a flat one here (a
                 # gradient bucket's) is summed in place; else a copy, which
                 # also makes non-contiguous views and other GPUs' arrays
                 # contiguous here.
