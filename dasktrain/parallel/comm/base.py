@@ -11,8 +11,11 @@ them (one process or several, sums on the GPU or through the host) is a
 declared attribute, never a probe of the type.
 
 Also here: :class:`CollectiveError` (a fault among the ranks, which is not
-the user's mistake), :func:`poll` (a wait with a deadline) and
-:func:`signature` (what an all-reduce sums, for comparing ranks).
+the user's mistake), :func:`poll` (a wait with a deadline),
+:func:`signature` (what an all-reduce sums, for comparing ranks), and
+:func:`batches` and :func:`packing`, the pure decisions of which arrays
+travel as one flat buffer and how it is made (a flat buffer already, such
+as a gradient bucket's, travels as itself: nothing re-flattened).
 
 This module knows no devices: it never imports CuPy or Chainer.
 """
