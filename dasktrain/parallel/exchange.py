@@ -213,8 +213,8 @@ class GradientExchange:
             return
         left = [len(b) for b in self.plan]
         where = {i: k for k, b in enumerate(self.plan) for i in b}
-        self._side_stream()
-        results = []  # (grads, summed copies, scales) per bucket, in order
+        self._side_stream(), self._buffers(0, self.plan)  # not on a thread
+        results = []  # (bucket, scales) as each is summed, in order
         courier = Courier(lambda *bucket: self._send(results, *bucket))
         self._step = state = {'courier': courier, 'next': 0,
                               'results': results}
