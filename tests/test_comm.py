@@ -157,3 +157,45 @@ def test_iallreduce_raises_its_error_in_the_waiting_thread():
     pending = Failing().iallreduce([np.zeros(2)])
     with pytest.raises(CollectiveError, match='closed its connection'):
         pending.wait()
+
+
+# ------------------------------------------- which arrays travel how
+
+def test_a_flat_buffer_travels_as_itself_and_small_arrays_join():
+    from dasktrain.parallel.comm.base import (
+        ITSELF_BYTES,
+        batches,
+        packing,
+        place,
+    )
+    big = np.zeros(ITSELF_BYTES // 4, np.float32)  # a gradient bucket's
+    small = [np.ones(3, np.float32), np.ones((2, 4))[:, ::2]]
+    odd = np.zeros((ITSELF_BYTES // 4, 2), np.float32)[:, 0]
+    cut = batches([small[0], big, small[1], odd, small[0].copy()])
+    assert [(key, [a.shape for a in arrays]) for key, arrays in cut] == [
+        ('<f4', [big.shape]), ('<f4', [odd.shape]),
+        ('<f4', [(3,), (3,)]), ('<f8', [(2, 2)])]
+    assert cut[0][1][0] is big  # nothing copied to decide
+    assert packing([place(big)]) == 'itself'
+    assert packing([place(odd)]) == 'host'  # a large view: copied
+    assert packing([place(a) for a in small]) == 'host'
+    # GPU arrays, by (device, contiguous): one GPU's join there
+    assert packing([(0, True), (0, False)]) == 'device'
+    assert packing([(1, True)]) == 'itself'
+    assert packing([(0, True), (1, True)]) == 'each'
+    assert packing([(None, True), (0, True)]) == 'each'
+
+
+def test_the_flat_layout_places_each_gradient_once():
+    from dasktrain.parallel.flat import layout, wire_scales
+    f2, f4, f8 = (np.dtype(t) for t in ('float16', 'float32', 'float64'))
+    counts, where = layout([f4, f8, f4, f4], [3, 2, 4, 5], [[2, 0], [1, 3]])
+    assert counts == [{'<f4': 7}, {'<f8': 2, '<f4': 5}]
+    assert where == {2: (0, '<f4', 0), 0: (0, '<f4', 4),
+                     1: (1, '<f8', 0), 3: (1, '<f4', 0)}
+    counts, _ = layout([f4, f8], [3, 2], [[0, 1]], wire=f2)
+    assert counts == [{'<f2': 5}]  # everything in the wire's dtype
+    # the largest sum of 4 ranks stays below float16's maximum
+    assert wire_scales([1.0, 0.0, float('nan')], f2, 4) == [4096.0, 1.0,
+                                                            1.0]
+    assert 4 * 3.0 * wire_scales([3.0], f2, 4)[0] <= 65504

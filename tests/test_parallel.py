@@ -520,6 +520,20 @@ def test_double_buffered_batchnorm_statistics_count_every_batch(
                                        atol=1e-12, err_msg=key)
 
 
+def test_two_float32_statistics_sum_to_the_float64_mean_s_bits():
+    # Why dg's statistics of a job of two replicas are summed in float32
+    # (exchange._statistics): a + b rounded once and halved exactly is
+    # float64's mean rounded once, over float32's whole normal range.
+    rng = np.random.default_rng(0)
+    a, b = ((rng.standard_normal(200_000) *
+             10.0 ** rng.integers(-35, 35, 200_000)).astype(np.float32)
+            for _ in range(2))
+    summed = a + b
+    summed /= 2  # as Replicas.reduce divides
+    np.testing.assert_array_equal(
+        summed, ((a.astype(np.float64) + b) / 2).astype(np.float32))
+
+
 def test_float16_communication_keeps_small_gradients():
     # Shares weighted by 6 / 6e6: gradients far below float16's smallest
     # normal (6e-5), which would flush to zero unless scaled per array.
@@ -536,6 +550,67 @@ def test_float16_communication_keeps_small_gradients():
         assert np.abs(exact).max() < 1e-4
         error = np.abs(grads['float16'][key] - exact).max()
         assert error <= 2 ** -10 * np.abs(exact).max(), key
+
+
+class Recording(Mirror):
+    """Mirror keeping every list of arrays it was asked to sum, in order
+    (one collective at a time, so in the order of the calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.handed = []
+
+    def allreduce(self, arrays, check=False):
+        self.handed.append(list(arrays))
+        return super().allreduce(arrays, check)
+
+
+def _flat(calls, dtype=np.float32):
+    """The gradient buffers among the arrays of ``calls`` (the
+    statistics travel in float64)."""
+    return [a for call in calls for a in call if a.dtype == dtype]
+
+
+@pytest.mark.parametrize('options', [
+    {}, {'bucket_mb': 1e-3}, {'bucket_mb': 1e-3, 'comm_dtype': 'float16'},
+    {'double_buffering': True, 'warmup': 0}], ids=str)
+def test_gradients_are_views_of_flat_buffers_made_once(options):
+    # PyTorch DDP's layout: each bucket's gradients travel as one flat
+    # buffer, allocated once, summed in place; after the step each master
+    # gradient IS its view of the sum (no copy back), except in float16,
+    # where the sum is decoded into the gradient.
+    comm = Recording()
+    model = GPUDistributedGradient(fresh(), ['@numpy'], comm=comm,
+                                   **options)
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    grads, ends = [], []
+    for seed in range(5):
+        model.step(*batch(6, seed), total=12)
+        grads.append([p.grad for _, p in sorted(
+            model.master.namedparams())])
+        ends.append(len(comm.handed))
+    model.end_epoch()
+    sizes = sum(p.size for p in model.master.params())
+    stale = options.get('double_buffering', False)
+    wire = np.float16 if options.get('comm_dtype') else np.float32
+    steps = [comm.handed[a:b] for a, b in zip([0] + ends, ends)] \
+        if not stale else [[call] for call in comm.handed]
+    for s in range(2, 5):  # after the first step, which finds the order
+        flat = _flat(steps[s], wire)
+        # every gradient element travels once, in one flat array per bucket
+        assert sum(a.size for a in flat) == sizes and \
+            all(a.ndim == 1 and a.flags.c_contiguous for a in flat)
+        before = _flat(steps[s - 2 if stale else s - 1], wire)
+        assert [id(a) for a in flat] == [id(a) for a in before]  # reused
+        summed = _flat(steps[s - 1] if stale else steps[s], wire)
+        for g in grads[s]:
+            views = [np.shares_memory(g, a) for a in summed]
+            assert views.count(True) == (0 if wire == np.float16 else 1)
+    if stale:  # two sets: the one in flight, the one being filled
+        assert not set(map(id, _flat(steps[3]))) & set(map(id, _flat(
+            steps[4])))
+    if options.get('bucket_mb'):
+        assert len(_flat(steps[4], wire)) > 1  # buckets, each its buffer
 
 
 class Lazy(chainer.Chain):

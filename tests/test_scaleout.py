@@ -45,6 +45,11 @@ def test_collectives_between_worker_processes(dask_client):
     assert results[0][2] == results[1][2]
 
 
+def _big(rank):
+    return np.random.default_rng(100 + rank).standard_normal(
+        20_000).astype(np.float32)
+
+
 def _both_paths(name, rank, size):
     out = {}
     for shared in (False, True):
@@ -54,9 +59,12 @@ def _both_paths(name, rank, size):
             a = rng.standard_normal(1001).astype(np.float32)
             base = rng.standard_normal((6, 5))
             i = np.arange(7, dtype=np.int32) * (rank + 1)
-            comm.allreduce([a, base[:, ::2], i])  # a non-contiguous view
+            # a flat buffer large enough to travel as itself (a gradient
+            # bucket's), beside small arrays of its dtype, joined
+            big = _big(rank)
+            comm.allreduce([a, base[:, ::2], i, big])  # a non-contiguous view
             comm.allreduce([a])  # the other result segment
-            out[shared] = (a, base, i, comm.shared_memory)
+            out[shared] = (a, base, i, big, comm.shared_memory)
     return out
 
 
@@ -68,9 +76,10 @@ def test_shared_memory_sums_the_bits_tcp_sums(dask_client):
                            pure=False) for r, w in enumerate(workers)])
     for rank_result in results:
         tcp, shared = rank_result[False], rank_result[True]
-        assert not tcp[3] and shared[3]  # the second really used /dev/shm
-        for x, y in zip(tcp[:3], shared[:3]):
+        assert not tcp[-1] and shared[-1]  # the second used /dev/shm
+        for x, y in zip(tcp[:-1], shared[:-1]):
             np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(tcp[3], _big(0) + _big(1))
     np.testing.assert_array_equal(results[0][True][0], results[1][True][0])
     np.testing.assert_array_equal(results[0][True][2],
                                   np.arange(7, dtype=np.int32) * 3)

@@ -17,20 +17,24 @@ every replica) is
   backward pass and reports each parameter the moment its gradient is
   final; a bucket leaves when all its parameters are, in a fixed order that
   every rank agrees on (the order the first step found, compared across
-  ranks once). A bucket travels as copies, written back into the gradients
-  once the backward pass is over (a parameter's gradient may be the very
-  array still flowing to earlier layers). The optimizer waits only for what
-  is still in flight when the backward pass ends. Over Dask's comms and
-  shared memory every element is summed in rank order, so the result is bit
-  for bit that of one all-reduce after the backward pass (and of one process
-  holding all the replicas); NCCL chooses its own summation order by message
-  size, the same bits only for two ranks (one addition per element).
+  ranks once). A bucket is copied once into its persistent flat buffer
+  (:mod:`~dasktrain.parallel.flat`) and summed there in place; once the
+  backward pass is over each gradient becomes its view of the sum (a
+  parameter's gradient may be the very array still flowing to earlier
+  layers, so nothing is written into it before). The optimizer waits only
+  for what is still in flight when the backward pass ends. Over Dask's
+  comms and shared memory every element is summed in rank order, so the
+  result is bit for bit that of one all-reduce after the backward pass
+  (and of one process holding all the replicas); NCCL chooses its own
+  summation order by message size, the same bits only for two ranks (one
+  addition per element).
 - **exact, after the backward pass** (``bucket_mb=0``, several replicas in
   one process, or the first step): one all-reduce of everything.
 - **double-buffered** (ChainerMN's): the step hands back the previous
   step's sum, to apply while this step's travels on a communication thread
   (:meth:`~dasktrain.parallel.comm.base.Communicator.iallreduce`); one step
-  stale. The wrapper asks for exact steps first (its ``warmup``): a stale
+  stale, with two sets of flat buffers (the one in flight, the one being
+  filled). The wrapper asks for exact steps first (its ``warmup``): a stale
   update early in training, when the gradients change fastest, can throw
   Adam off for good (measured: ``bench/double_buffering.py``). BatchNorm's
   running statistics are not overwritten by a stale mean each step: every
@@ -56,10 +60,8 @@ joined before the update; after an error in the backward pass it is told
 to stop and ends within the collective timeout); its errors are raised in
 the training thread.
 """
-import math
 from typing import NamedTuple
 
-import chainer
 import numpy as np
 
 from dasktrain.errors import argument
@@ -72,6 +74,7 @@ from dasktrain.parallel.buckets import (
 )
 from dasktrain.parallel.comm.base import CollectiveError
 from dasktrain.parallel.devices import SideStream, mark, synchronize
+from dasktrain.parallel.flat import FlatBuckets, largest, wire_scales
 
 
 def check_exchange(comm_dtype, bucket_mb, warmup):
@@ -91,14 +94,6 @@ def check_exchange(comm_dtype, bucket_mb, warmup):
                          f'{warmup!r}')
     return (None if comm_dtype in (None, 'float32') else
             np.dtype(comm_dtype)), float(bucket_mb)
-
-
-def _power_of_two(top, largest):
-    """The largest power of two that keeps ``largest`` at most ``top``
-    (1 where ``largest`` is 0, inf or nan)."""
-    if not (math.isfinite(largest) and largest > 0):
-        return 1.0
-    return 2.0 ** math.floor(math.log2(top / largest))
 
 
 class Summed(NamedTuple):
@@ -137,6 +132,7 @@ class GradientExchange:
         # a stream made per step would strand each step's cache.
         self._side = None
         self._param_list = None
+        self._flat = [None] * 3  # buffers: exact's, double buffering's 2
 
     @property
     def comm(self):
@@ -159,43 +155,35 @@ class GradientExchange:
         return gradients(self.replicas.master, self.device, indices,
                          self._params())
 
-    def _encode(self, grads, copy=False):
-        """The arrays that travel for ``grads`` and their scales: in
-        float16, copies scaled by each array's power of two, the same on
-        every rank (one small all-gather of each array's largest
-        magnitude), so the largest sum sits just below float16's maximum;
-        else the arrays themselves (or copies, with ``copy``)."""
-        with chainer.using_device(self.device):
-            if self.comm_dtype is None:
-                return ([g.copy() for g in grads] if copy else grads), 1.0
-            xp = self.device.xp
-            # One read of every array's largest magnitude (a GPU waits
-            # once per bucket, not once per array).
-            local = chainer.backends.cuda.to_cpu(xp.stack(
-                [xp.abs(g).max() for g in grads])).tolist() if grads else []
-            top = float(np.finfo(self.comm_dtype).max) / \
-                (2 * self.comm.size)
-            scale = [_power_of_two(top, m) for m in
-                     np.max(self.comm.allgather(local), axis=0)] \
-                if grads else []
-            return [(g * s).astype(self.comm_dtype)
-                    for g, s in zip(grads, scale)], scale
+    def _scales(self, grads):
+        """Each of ``grads``' power of two on the wire, the same on every
+        rank (one small all-gather of each array's largest magnitude), in
+        float16; else 1."""
+        if self.comm_dtype is None or not grads:
+            return 1.0 if self.comm_dtype is None else []
+        return wire_scales(np.max(self.comm.allgather(
+            largest(grads, self.device)), axis=0), self.comm_dtype,
+            self.comm.size)
 
-    def _decode(self, grads, sent, scale):
-        """Write the summed ``sent`` back into ``grads``, unscaled."""
-        if sent is grads:
-            return
-        scales = scale if isinstance(scale, list) else [scale] * len(grads)
-        with chainer.using_device(self.device):
-            for g, summed, s in zip(grads, sent, scales):
-                self.device.xp.copyto(g, summed, casting='unsafe')
-                if s != 1.0:
-                    g /= s  # a power of two: exact
+    def _buffers(self, which, plan=None):
+        """The flat buffers ``which`` (0: exact, 1 and 2: double
+        buffering's) of ``plan`` (None: one bucket), made once per plan."""
+        params = self._params()
+        plan = plan or [list(range(len(params)))]
+        flat = self._flat[which]
+        if flat is None or flat.plan != plan:
+            flat = self._flat[which] = FlatBuckets(
+                params, plan, self.device, self.comm_dtype)
+        return flat
 
     def _statistics(self):
         replicas = self.replicas
         groups = replicas.groups(replicas.links, params=False)
-        return groups, replicas.local_sums(groups)[0]
+        # In float64 a mean is rounded once, the same bits however the
+        # replicas are spread (NCCL's order too); of two replicas a float32
+        # sum is too (a + b rounded once, halved exactly, but below 1e-38).
+        return groups, replicas.local_sums(groups,
+                                           wide=replicas.total > 2)[0]
 
     # ------------------------------------------------------ one step
 
@@ -225,8 +213,8 @@ class GradientExchange:
             return
         left = [len(b) for b in self.plan]
         where = {i: k for k, b in enumerate(self.plan) for i in b}
-        self._side_stream()
-        results = []  # (grads, summed copies, scales) per bucket, in order
+        self._side_stream(), self._buffers(0, self.plan)  # not on a thread
+        results = []  # (bucket, scales) as each is summed, in order
         courier = Courier(lambda *bucket: self._send(results, *bucket))
         self._step = state = {'courier': courier, 'next': 0,
                               'results': results}
@@ -257,23 +245,27 @@ class GradientExchange:
     def _launch(self, k, statistics=None):
         # Only this bucket's parameters: the others may still be computed.
         grads = self.grads(self.plan[k])
-        # The sums go to copies, written back once the backward pass is
-        # over: a parameter's gradient may be the very array still flowing
-        # to earlier layers (Chainer's Add passes its output's gradient on
-        # as is, e.g. to a bias of the output's shape).
-        self._step['courier'].put(grads, mark(self.device), statistics)
+        # The sums go to the bucket's flat buffer, bound to the gradients
+        # once the backward pass is over: a parameter's gradient may be the
+        # very array still flowing to earlier layers (Chainer's Add passes
+        # its output's gradient on as is, e.g. to a bias of the output's
+        # shape).
+        self._step['courier'].put(k, grads, mark(self.device), statistics)
 
-    def _send(self, results, grads, event, statistics):
-        """On the communication thread: sum copies of one bucket over the
-        ranks (and, with the last, the statistics); the copies and their
-        scales go to ``results``, for :meth:`step` to write back."""
+    def _send(self, results, k, grads, event, statistics):
+        """On the communication thread: copy bucket ``k`` into its flat
+        buffers (on the side stream, after the kernels that wrote it) and
+        sum them over the ranks in place (and, with the last, the
+        statistics); its scales go to ``results``, for :meth:`step` to
+        bind."""
         with self._side.after(event):
-            sent, scale = self._encode(grads, copy=True)
+            scale = self._scales(grads)
+            sent = self._buffers(0, self.plan).fill(k, grads, scale)
             if statistics is None:
                 self.comm.allreduce(sent)
             else:
                 self.replicas.reduce(statistics, also=sent)
-            results.append((grads, sent, scale))
+            results.append((k, scale))
 
     @property
     def pending(self):
@@ -304,12 +296,14 @@ class GradientExchange:
         groups, sums = self._statistics()
         if state is None:  # everything after the backward pass
             grads = self.grads()
-            sent, scale = self._encode(grads)
+            scale = self._scales(grads)
+            flat = self._buffers(0)
+            sent = flat.fill(0, grads, scale)
             # The all-reduce returns once its sums are done (NCCL's stream
             # polled, host copies synchronous): only this thread's kernels
             # need waiting for before the clock starts.
             self.clock.waited(lambda: self.replicas.reduce(sums, also=sent))
-            self._decode(grads, sent, scale)
+            flat.bind(0, self._params(), scale)
             if self._order is not None:
                 self._agree()
         else:
@@ -318,8 +312,9 @@ class GradientExchange:
             self._launch(len(self.plan) - 1, sums)
             self._step = None
             self.clock.waited(state['courier'].close)
-            for grads, sent, scale in state['results']:
-                self._decode(grads, sent, scale)
+            flat = self._buffers(0, self.plan)
+            for k, scale in state['results']:
+                flat.bind(k, self._params(), scale)
         return Summed(groups, sums)
 
     def _agree(self):
@@ -348,7 +343,11 @@ class GradientExchange:
         if previous is not None:  # one collective at a time, same order
             self.clock.waited(previous[0].wait)
         grads = self.grads()
-        sent, scale = self._encode(grads, copy=True)
+        scale = self._scales(grads)
+        # Never the set in flight: its sums are bound below, after this.
+        flat = self._buffers(2 if previous is not None and
+                             previous[2] is self._flat[1] else 1)
+        sent = flat.fill(0, grads, scale)
         groups, sums = self._statistics()
         # The copies and statistics are written by this thread's kernels
         # (and, from replicas on other GPUs, by transfers those GPUs ran):
@@ -358,19 +357,20 @@ class GradientExchange:
         event, side = mark(self.device), self._side_stream()
         self._inflight = (self.replicas.ireduce(
             sums, also=sent, around=lambda: side.after(event)), groups,
-            sent, scale)
+            flat, scale)
         if previous is None:
             return None
-        return self._arrived(previous, grads, statistics=False)
+        return self._arrived(previous, statistics=False)
 
-    def _arrived(self, inflight, grads, statistics=True):
-        """Write a finished double-buffered step's sums into ``grads``;
-        the statistics' means only when asked (:meth:`flush`): mid-epoch
-        they are a step old, and every replica's own running statistics
-        already hold this step's batch."""
-        reduction, groups, sent, scale = inflight
+    def _arrived(self, inflight, statistics=True):
+        """Bind a finished double-buffered step's sums to the master's
+        gradients; the statistics' means only when asked (:meth:`flush`):
+        mid-epoch they are a step old, and every replica's own running
+        statistics already hold this step's batch."""
+        reduction, groups, flat, scale = inflight
         means = reduction.wait()
-        self._decode(grads, sent, scale)
+        self.grads()  # float16 decodes into the gradients: made if missing
+        flat.bind(0, self._params(), scale)
         return Summed(groups, means) if statistics else Summed([], [])
 
     def flush(self, iteration=0):
@@ -384,4 +384,4 @@ class GradientExchange:
         if inflight is None:
             return None
         self.clock.waited(inflight[0].wait)
-        return self._arrived(inflight, self.grads())
+        return self._arrived(inflight)

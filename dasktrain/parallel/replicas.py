@@ -7,8 +7,9 @@ random stream (:class:`ReplicaRandom`) and restores them from a checkpoint.
 Across replicas it lists each value (parameter, persistent such as
 BatchNorm's statistics, optimizer state) as its array in every replica, in
 one fixed order (a *group*), averages groups over all of a job's replicas
-(in float64, here and then across processes in rank order) and writes
-values back into every replica.
+(in float64, here then over processes in rank order: one rounding, a mean
+that is the same bits however the replicas are spread) and writes values
+back into every replica.
 
 On GPUs each of these runs with the device of the array it writes current,
 reads a GPU's arrays only after that GPU has finished its queued work, and
@@ -215,17 +216,17 @@ class Replicas:
                                for key in sorted(rules[0].state)]
         return [g for g in groups if hasattr(g[0], 'dtype')]
 
-    def local_sums(self, groups, keep=False):
-        """Each group's float64 sum over this process's replicas, on the
-        master's device (new arrays); with ``keep``, also every replica's
-        arrays as they arrived there."""
-        master = self.devices[0]
-        arrived, sums = [], [] if not groups else None
+    def local_sums(self, groups, keep=False, wide=True):
+        """Each group's sum over this process's replicas, on the master's
+        device (new arrays), in float64 (``wide``) or its own dtype; with
+        ``keep``, also every replica's arrays as they arrived there."""
+        master, arrived, sums = self.devices[0], [], [] if not groups else None
         for i, device in enumerate(self.devices if groups else ()):
             moved = transfer([g[i] for g in groups], device, master)
             with chainer.using_device(master):
-                if sums is None:
-                    sums = [a.astype(np.float64) for a in moved]
+                if sums is None:  # copies (astype's): summed in place
+                    sums = [a.astype(np.float64 if wide else a.dtype)
+                            for a in moved]
                 else:
                     for acc, a in zip(sums, moved):
                         acc += a

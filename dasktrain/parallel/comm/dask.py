@@ -34,6 +34,9 @@ import numpy as np
 from dasktrain.parallel.comm.base import (
     CollectiveError,
     Communicator,
+    batches,
+    packing,
+    place,
     signature,
 )
 from dasktrain.parallel.comm.shm import SharedMemoryReducer
@@ -43,33 +46,58 @@ class PeerLost(CollectiveError):
     """A peer's connection closed."""
 
 
-def _pack(arrays):
-    """One flat host buffer per dtype: {dtype: (buffer, [(array, slice)])}."""
-    groups = {}
-    for a in arrays:
-        groups.setdefault(np.dtype(a.dtype), []).append(a)
-    packed = {}
-    for dtype, members in groups.items():
-        host = [a.get() if hasattr(a, 'get') else np.asarray(a)
-                for a in members]
-        flat = np.concatenate([h.ravel() for h in host]) if host else \
-            np.empty(0, dtype)
-        packed[dtype.str] = (flat, members)
-    return packed
+def _to_host(members):
+    """One flat host buffer holding ``members`` (one dtype) and how it was
+    made (:func:`~dasktrain.parallel.comm.base.packing`, and the GPU
+    buffer it came from): a flat host array is the buffer itself; GPU
+    arrays of one GPU travel in one transfer, not one each."""
+    how = packing([place(a) for a in members])
+    if how == 'itself' and isinstance(members[0], np.ndarray):
+        return members[0].reshape(-1), (how, None)  # a view: summed there
+    if how == 'host':
+        return np.concatenate([a.ravel() for a in members]), (how, None)
+    if how == 'each':
+        return np.concatenate([
+            (a if isinstance(a, np.ndarray) else a.get()).ravel()
+            for a in members]), (how, None)
+    import cupy
+    with members[0].device:  # 'itself' or 'device': one GPU's
+        flat = members[0].reshape(-1) if how == 'itself' else \
+            cupy.concatenate([a.ravel() for a in members])
+        return flat.get(), (how, flat)  # get() waits for its copy
 
 
-def _unpack(packed, results):
-    for key, (_, members) in packed.items():
-        flat, start = results[key], 0
-        for a in members:
-            part = flat[start:start + a.size].reshape(a.shape)
-            start += a.size
-            if hasattr(a, 'set'):  # cupy: copyto also fills views
-                import cupy
-                with a.device:
-                    cupy.copyto(a, cupy.asarray(part))
-            else:
-                a[...] = part
+def _from_host(members, host, made):
+    """Write the summed flat ``host`` buffer back into ``members``, as
+    :func:`_to_host` ``made`` it."""
+    how, flat = made
+    if how == 'itself' and flat is None:
+        return  # the host array itself was summed
+    if flat is not None:  # one transfer back, then copies on that GPU
+        with members[0].device:
+            flat.set(host)
+            if how == 'device':
+                _scatter(members, flat)
+        return
+    _scatter(members, host)
+
+
+def _scatter(members, flat):
+    """``members`` := their consecutive parts of ``flat`` (on the host, or
+    on the GPU current, where the members are)."""
+    start = 0
+    for a in members:
+        part = flat[start:start + a.size].reshape(a.shape)
+        start += a.size
+        if isinstance(a, np.ndarray):
+            a[...] = part
+            continue
+        import cupy
+        if isinstance(part, np.ndarray):  # 'each': GPU arrays of several
+            with a.device:  # copyto also fills non-contiguous views
+                cupy.copyto(a, cupy.asarray(part))
+        else:
+            cupy.copyto(a, part)
 
 
 class DaskComm(Communicator):
@@ -283,12 +311,15 @@ class DaskComm(Communicator):
             return arrays
         if self._shm is not None:
             return self._allreduce_shared(arrays)
-        packed = _pack(arrays)
+        # One flat host buffer per batch; a flat host array (a gradient
+        # bucket's buffer) is summed where it lies.
+        packed = {str(k): (members, *_to_host(members))
+                  for k, (_, members) in enumerate(batches(arrays))}
         tag = self._tag('allreduce')
         me, others = self.rank, self._others()
         mine = signature(arrays)
         pieces = {k: np.array_split(flat, self.size)
-                  for k, (flat, _) in packed.items()}
+                  for k, (_, flat, _) in packed.items()}
         got = self._run(self._exchange(
             tag, {p: {'sig': mine,
                       'parts': {k: v[p] for k, v in pieces.items()}}
@@ -310,24 +341,25 @@ class DaskComm(Communicator):
         back = self._run(self._exchange(
             tag + '/gather', {p: mine for p in others}, others))
         back[me] = mine
-        results = {k: np.concatenate([back[p][k] for p in range(self.size)])
-                   for k in pieces}
-        _unpack(packed, results)
+        for k, (members, flat, made) in packed.items():
+            # The slices arrive into the flat buffer: no other copy.
+            np.concatenate([back[p][k] for p in range(self.size)], out=flat)
+            _from_host(members, flat, made)
         return arrays
 
     def _allreduce_shared(self, arrays):
         groups, back = {}, []
-        for a in arrays:
-            host = a if isinstance(a, np.ndarray) else \
-                a.get() if hasattr(a, 'get') else np.asarray(a)
-            if host is not a:
-                back.append((a, host))
-            groups.setdefault(np.dtype(a.dtype).str, []).append(host)
+        for key, members in batches(arrays):
+            if all(isinstance(a, np.ndarray) for a in members):
+                # packed straight into shared memory
+                groups.setdefault(key, []).extend(members)
+                continue
+            flat, made = _to_host(members)  # one transfer per GPU bucket
+            groups.setdefault(key, []).append(flat)
+            back.append((members, flat, made))
         self._shm.allreduce(groups, signature(arrays))
-        for a, host in back:  # CuPy arrays: their device current
-            import cupy
-            with a.device:
-                cupy.copyto(a, cupy.asarray(host))
+        for members, flat, made in back:
+            _from_host(members, flat, made)
         return arrays
 
     def allgather(self, obj):

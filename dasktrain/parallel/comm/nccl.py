@@ -12,6 +12,9 @@ import time
 from dasktrain.parallel.comm.base import (
     CollectiveError,
     Communicator,
+    batches,
+    packing,
+    place,
     poll,
     signature,
 )
@@ -157,18 +160,20 @@ class NcclComm(Communicator):
         host = [a for a in arrays if not any(a is g for g in gpu)]
         if host:
             self.host.allreduce(host)
-        groups = {}
-        for a in gpu:
-            groups.setdefault(a.dtype, []).append(a)
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
-            for dtype, members in groups.items():
-                # One buffer per dtype on this GPU (a copy also makes
-                # non-contiguous views and other GPUs' arrays contiguous
-                # here).
-                flat = cupy.concatenate([
-                    cupy.asarray(a.get() if a.device.id != self.device
-                                 else a).ravel() for a in members])
+            for _, members in batches(gpu):
+                dtype = members[0].dtype
+                # One buffer per batch on this GPU: a flat one here (a
+                # gradient bucket's) is summed in place; else a copy, which
+                # also makes non-contiguous views and other GPUs' arrays
+                # contiguous here.
+                itself = packing([place(a) for a in members]) == \
+                    'itself' and members[0].device.id == self.device
+                flat = members[0].reshape(-1) if itself else \
+                    cupy.concatenate([
+                        cupy.asarray(a.get() if a.device.id != self.device
+                                     else a).ravel() for a in members])
                 self._call(self._comm.allReduce, flat.data.ptr,
                            flat.data.ptr, flat.size,
                            getattr(self._nccl, self._TYPES[dtype.name]),
@@ -176,6 +181,8 @@ class NcclComm(Communicator):
                 poll(lambda: self._done(stream),
                      time.monotonic() + self.timeout,
                      f'NCCL all-reduce on rank {self.rank}', self._abort)
+                if itself:
+                    continue
                 start = 0
                 for a in members:
                     part = flat[start:start + a.size].reshape(a.shape)
