@@ -127,7 +127,8 @@ def plot(results, args):
         ax.set_xlabel('epoch')
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel('validation accuracy')
-    axes[0][0].legend(fontsize=8)
+    # Where the curves leave room: low on the right of an Adam panel.
+    axes[0][min(1, len(panels) - 1)].legend(fontsize=8, loc='lower right')
     fig.tight_layout()
     args.figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.figure, dpi=100)
