@@ -33,6 +33,7 @@ import os
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dasktrain.jobs.dispatch import VISIBLE_METRIC, Dispatcher
 from dasktrain.jobs.page import PATH, add_routes
 from dasktrain.jobs.records import EVENTS, STATES, list_jobs
 from dasktrain.parallel.gpus import visible_gpus
@@ -191,6 +192,12 @@ def _read(call, *args):
         return call(*args)
     except Exception:  # NVML_ERROR_NOT_SUPPORTED and kin: no value
         return None
+
+
+def visible_entries(worker):
+    """The worker's GPUs as its ``CUDA_VISIBLE_DEVICES`` names them (for
+    the queue, which hands them out by these names)."""
+    return visible_gpus(count=int(worker.state.total_resources.get('GPU', 0)))
 
 
 # --------------------------------------------------------- the scheduler
@@ -379,17 +386,20 @@ def dask_setup(server):
     from distributed import Scheduler
     if not isinstance(server, Scheduler):
         server.metrics[GPU_METRIC] = gpu_readings
+        server.metrics[VISIBLE_METRIC] = visible_entries
         return
     from prometheus_client import REGISTRY
     board = JobBoard()
     server.add_plugin(board)
+    queue = Dispatcher()  # the queue's order (its jobs come back by recover)
+    server.add_plugin(queue, name=queue.name)
     collector = _installed.get('collector')
     if collector is None:
         collector = _installed['collector'] = Collector(server, board)
         REGISTRY.register(collector)
     # One registry per process: a later scheduler here takes it over.
     collector.scheduler, collector.board = server, board
-    add_routes(server.http_application, board)
+    add_routes(server.http_application, board, queue)
 
 
 def dask_teardown(server):

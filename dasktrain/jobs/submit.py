@@ -19,14 +19,16 @@ import os
 import re
 import shutil
 import threading
-import time
+import time as clock  # `time` is an argument of submit
 import uuid
+from pathlib import Path
 
 from dasktrain.cluster.local import connect, worker_info
 from dasktrain.data.datasets import resolve_spec
 from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.errors import argument
 from dasktrain.files import write_json
+from dasktrain.jobs.dispatch import HELD, answer, enqueue, parse_time
 from dasktrain.jobs.records import (
     KEY_PREFIX,
     Job,
@@ -105,8 +107,37 @@ def check_devices(config, gpus):
         raise JobError(str(e)) from None
 
 
+def queue_options(root, after=None, after_any=False, time=None,
+                  time_limit=None):
+    """The queue's keys of a ``job.json`` (``after``, ``after_any``,
+    ``time``, ``time_limit``), checked: every job ``after`` names exists in
+    the jobs dir ``root``; durations are seconds or text such as ``2h``.
+    JobError naming the argument otherwise.
+
+    Examples
+    --------
+    >>> queue_options('/tmp/none', time='2h')
+    {'after': [], 'after_any': False, 'time': 7200.0, 'time_limit': None}
+    """
+    if isinstance(after, str):
+        after = [a for a in after.split(',') if a.strip()]
+    after = [str(a).strip() for a in (after or ())]
+    for dep in after:
+        if not (Path(root) / dep / 'job.json').exists():
+            raise JobError(f'{argument("after")}: no job {dep!r} in {root}; '
+                           '`dasktrain jobs` lists them')
+    if after_any and not after:
+        raise JobError(f'{argument("after_any")} needs '
+                       f'{argument("after")} ID[,ID]')
+    return {'after': after, 'after_any': bool(after_any),
+            'time': None if time is None else parse_time(time, 'time'),
+            'time_limit': None if time_limit is None else
+            parse_time(time_limit, 'time_limit')}
+
+
 def submit(config, gpus=1, name=None, client=None, scheduler=None,
-           path=None, extra=None, check=True):
+           path=None, extra=None, check=True, after=None, after_any=False,
+           time=None, time_limit=None):
     """Queue a training job; returns at once with its
     :class:`~dasktrain.jobs.records.Job`.
 
@@ -135,6 +166,18 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     check : bool, default True
         Refuse a job no worker can run; False queues it regardless (until
         such a worker joins), as a search does once it has checked.
+    after : list of str or str, optional
+        Job ids (or ``'ID,ID'``) it starts after, once they finished.
+    after_any : bool, default False
+        Start after them whatever their end (failed, cancelled too);
+        without it, a job they run after that did not finish fails this
+        one with one line.
+    time : str or float, optional
+        How long it is expected to run (``2h``, ``45m``, seconds): its
+        estimated end, and others' estimated starts; past it, ``jobs``
+        flags it overdue.
+    time_limit : str or float, optional
+        How long it may run: stopped (and failed) once past.
 
     Examples
     --------
@@ -146,6 +189,8 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     if not isinstance(gpus, int) or gpus < 0:
         raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
     check_devices(config, gpus)
+    options = queue_options(jobs_dir(path), after, after_any, time,
+                            time_limit)
     if is_spec(config.model):  # the user's model: one line if wrong, here
         from dasktrain.training.models import resolve_model  # Chainer: now
         config = config.replace(model=resolve_model(config.model,
@@ -163,7 +208,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             if is_spec(config.model) else config.model
         label = name or model_name
         job_id = (f'{_slug(label)}-'
-                  f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
+                  f'{clock.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
         root = jobs_dir(path).resolve()
         folder = root / job_id
         # A model file as it is now: editing it later changes no job.
@@ -190,7 +235,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
-            'submitted': time.time(), **(extra or {})}
+            'submitted': clock.time(), **options, **(extra or {})}
         make_folder(root, folder, spec, files)
         job = Job(job_id, folder)
         # Before the task: the scheduler sees 'queued' before 'running'.
@@ -252,24 +297,33 @@ def check_owner(client, uid=None):
 
 def queue(client, folder, spec):
     """Hand the job in ``folder`` (its ``job.json`` is ``spec``) to the
-    scheduler: one task that runs on after ``client`` goes away."""
+    scheduler: held in the queue's order by its
+    :class:`~dasktrain.jobs.dispatch.Dispatcher` (installed there if
+    missing), which starts it as one task. A scale-out job's driver needs
+    a thread only (its ranks queue for their GPUs as Dask tasks): it is
+    handed to Dask at once."""
+    if not spec['workers']:
+        client.run_on_scheduler(enqueue, folder=str(folder))
+        return
     from distributed import fire_and_forget
-    resource = 'GPU' if spec['gpus'] else 'CPU'
-    # A scale-out job's driver needs a thread only: its ranks hold the
-    # GPUs (or CPU slots).
-    future = client.submit(
-        run_job, str(folder), key=KEY_PREFIX + spec['id'], pure=False,
-        resources=None if spec['workers'] else
-        {resource: max(spec['gpus'], 1)})
+    future = client.submit(run_job, str(folder), key=KEY_PREFIX + spec['id'],
+                           pure=False)
     fire_and_forget(future)  # runs on after this client goes away
 
 
+def scheduler_answer(keys, client):
+    """What the scheduler knows of each job key: ``{key: {'task': Dask's
+    task state, or 'held' while the queue holds it, 'position', 'reason',
+    'start', 'end', 'overdue': the queue's view}}`` (see
+    :func:`~dasktrain.jobs.dispatch.answer`); a key it does not hold is
+    missing."""
+    return client.run_on_scheduler(answer, keys=list(keys))
+
+
 def scheduler_states(keys, client):
-    """What the scheduler knows of each job key ('no-worker', ...)."""
-    def states(dask_scheduler, keys):
-        return {k: dask_scheduler.tasks[k].state for k in keys
-                if k in dask_scheduler.tasks}
-    return client.run_on_scheduler(states, keys=list(keys))
+    """What the scheduler knows of each job key ('no-worker', 'held',
+    ...)."""
+    return {k: v['task'] for k, v in scheduler_answer(keys, client).items()}
 
 
 def scheduler_view(state, task):
@@ -284,9 +338,13 @@ def scheduler_view(state, task):
     'no worker fits'
     >>> scheduler_view('running', None)
     'lost: dasktrain requeue'
+    >>> scheduler_view('queued', 'held')  # in the queue, in order
+    'queued'
     """
     if task is None:
         return 'lost: dasktrain requeue'
+    if task == HELD:
+        return 'queued'
     if task == 'processing':
         return 'starting' if state == 'queued' else 'running'
     return {'no-worker': 'no worker fits', 'queued': 'waiting',
@@ -296,17 +354,18 @@ def scheduler_view(state, task):
 
 
 def ask_scheduler(keys, address, timeout=3):
-    """What the scheduler at ``address`` knows of ``keys``, if it answers
-    within ``timeout`` seconds; None when it does not.
+    """What the scheduler at ``address`` knows of ``keys``
+    (:func:`scheduler_answer`), if it answers within ``timeout`` seconds;
+    None when it does not.
 
     Examples
     --------
     >>> ask_scheduler([job.key], job.spec()['scheduler'])  # doctest: +SKIP
-    {'dasktrain-job-tiny-20250101-120000-1a2b3c': 'no-worker'}
+    {'dasktrain-job-tiny-20250101-120000-1a2b3c': {'task': 'held', ...}}
     """
     try:
         with connect(address, timeout=timeout) as client:
-            return scheduler_states(keys, client)
+            return scheduler_answer(keys, client)
     except Exception:  # unreachable: the files alone still tell
         return None
 
@@ -323,7 +382,7 @@ class SchedulerPoller:
     --------
     >>> poller = SchedulerPoller(interval=2.0)  # doctest: +SKIP
     >>> poller.ask([job.key], job.spec()['scheduler'])  # doctest: +SKIP
-    {'dasktrain-job-...': '-'}
+    {'dasktrain-job-...': {'task': '-'}}
     >>> poller.stop()  # doctest: +SKIP
     """
 
@@ -342,8 +401,8 @@ class SchedulerPoller:
             return None
         asked, known = self.answer
         # a job the scheduler was not asked about yet: '-', not 'unknown'
-        return {k: known.get(k, 'unknown') if k in asked else '-'
-                for k in keys}
+        return {k: known.get(k, {'task': 'unknown'}) if k in asked
+                else {'task': '-'} for k in keys}
 
     def _poll(self):
         address = None
@@ -356,7 +415,7 @@ class SchedulerPoller:
                     self.client = connect(address, timeout=3)
                 if keys:
                     self.answer = (set(keys),
-                                   scheduler_states(keys, self.client))
+                                   scheduler_answer(keys, self.client))
             except Exception:  # unreachable: the files alone still tell
                 self.answer = None
                 self._close()

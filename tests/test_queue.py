@@ -1,0 +1,205 @@
+"""The queue's order: the pure planner (dasktrain.jobs.queue.plan) on
+scripted queues, and the dispatcher applying it on a real local cluster
+whose worker advertises GPU=2 with GPU ids faked by CUDA_VISIBLE_DEVICES:
+submission order, a 2-GPU job not starved by a stream of 1-GPU jobs,
+--after, the per-user limit and the reasons `dasktrain jobs` shows."""
+import sys
+
+import pytest
+from distributed import Client
+from test_cluster import Processes, wait_until
+
+from dasktrain.cli import main
+from dasktrain.jobs.dispatch import parse_time
+from dasktrain.jobs.programs import submit_command
+from dasktrain.jobs.queue import plan
+from dasktrain.jobs.records import JobError
+
+W = {'w1': {'gpus': ['0', '1'], 'cpus': 1}}
+
+
+def run(job_id, gpus, held, worker='w1', end=None, user='ann', **kw):
+    return dict(id=job_id, user=user, gpus=gpus, worker=worker, held=held,
+                end=end, **kw)
+
+
+def q(job_id, gpus, user='ann', **kw):
+    return dict(id=job_id, user=user, gpus=gpus, **kw)
+
+
+# ------------------------------------------------------------ the planner
+
+def test_jobs_start_in_submission_order_among_those_that_fit():
+    p = plan([q('a', 1), q('b', 1), q('c', 1)], [], W, now=0.0)
+    assert p.starts == [('a', 'w1', ['0']), ('b', 'w1', ['1'])]
+    assert p.reasons == {'c': 'needs 1 GPU, 0 free'}
+    assert p.estimates['c'] == {'position': 3, 'start': None}
+
+
+def test_a_big_job_first_in_line_is_not_starved_by_small_ones():
+    running = [run('r1', 1, ['0'], end=100.0)]
+    queued = [q('big', 2), q('s1', 1), q('s2', 1, time=50.0),
+              q('s3', 1, time=200.0)]
+    p = plan(queued, running, W, now=10.0)
+    # s2 ends (60) before big's reservation (100): it backfills; s1
+    # (unknown length) and s3 (ends at 210) would delay big
+    assert p.starts == [('s2', 'w1', ['1'])]
+    assert p.reasons['big'] == 'needs 2 GPUs, 1 free'
+    assert p.reasons['s1'] == 'behind job big (first in line)'
+    assert p.reasons['s3'] == 'needs 1 GPU, 0 free'  # s2 took the last
+    assert p.estimates['big'] == {'position': 1, 'start': 100.0}
+    # once both GPUs can be held, big starts before every small job
+    p = plan(queued, [], W, now=120.0)
+    assert p.starts == [('big', 'w1', ['0', '1'])]
+
+
+def test_small_jobs_backfill_onto_gpus_the_big_one_cannot_use():
+    workers = {'w1': {'gpus': ['0', '1'], 'cpus': 0},
+               'w2': {'gpus': ['0', '1', '2', '3'], 'cpus': 0}}
+    running = [run('r', 3, ['0', '1', '2'], worker='w2', end=500.0)]
+    p = plan([q('big', 4), q('s', 1), q('t', 1)], running, workers, now=0)
+    # w1 can never hold 4: small jobs go there freely; w2's free GPU is
+    # big's
+    assert p.starts == [('s', 'w1', ['0']), ('t', 'w1', ['1'])]
+    p = plan([q('big', 3), q('s', 1), q('t', 1)],
+             [run('r', 2, ['0', '1'], worker='w2', end=500.0)],
+             {'w2': workers['w2']}, now=0)
+    # big needs 3 of w2's 4 at 500: one of the two free now is spare
+    assert p.starts == [('s', 'w2', ['2'])]
+    assert p.reasons['t'] == 'behind job big (first in line)'
+
+
+def test_estimated_starts_replay_the_rules_at_each_estimated_end():
+    running = [run('r1', 1, ['0'], end=100.0), run('r2', 1, ['1'],
+                                                    end=300.0)]
+    queued = [q('a', 1, time=1000.0), q('b', 2), q('c', 1)]
+    p = plan(queued, running, W, now=0.0)
+    assert p.starts == []
+    assert p.estimates['a']['start'] == 100.0
+    assert p.estimates['b']['start'] == 1100.0  # once a and r2 ended
+    assert p.estimates['c']['start'] is None  # b's length is unknown
+    assert p.estimates['r1'] == {'end': 100.0, 'overdue': False}
+    assert plan([], running, W, now=200.0).estimates['r1']['overdue']
+
+
+def test_dependencies_wait_then_start_or_end_the_job():
+    queued = [q('b', 1, after=['a'])]
+    assert plan(queued, [run('a', 1, ['0'])], W, 0).reasons == {
+        'b': 'after job a'}
+    p = plan(queued, [], W, 0, states={'a': 'finished'})
+    assert p.starts == [('b', 'w1', ['0'])]
+    p = plan(queued, [], W, 0, states={'a': 'failed'})
+    assert p.starts == [] and 'ended failed; it never ran' in p.ends['b']
+    p = plan([q('b', 1, after=['a'], after_any=True)], [], W, 0,
+             states={'a': 'cancelled'})
+    assert p.starts == [('b', 'w1', ['0'])]
+    # a job waiting on another holds nobody up
+    p = plan([q('b', 2, after=['x']), q('c', 1)], [], W, 0,
+             states={'x': 'running'})
+    assert p.starts == [('c', 'w1', ['0'])]
+
+
+def test_the_user_limit_and_gpus_busy_outside_the_queue():
+    workers = {'w1': {'gpus': ['0', '1', '2', '3'], 'cpus': 0}}
+    running = [run('r', 2, ['0', '1'], user='ann')]
+    p = plan([q('a', 1, user='ann'), q('b', 1, user='bob')], running,
+             workers, 0, max_gpus_per_user=2)
+    assert p.reasons == {'a': 'user limit reached (ann holds 2 of 2 GPUs)'}
+    assert p.starts == [('b', 'w1', ['2'])]
+    busy = {'w1': {'3': 'root (pid 42, 900 MiB)'}}
+    p = plan([q('a', 2, user='bob')], running, workers, 0, busy=busy)
+    assert p.reasons == {
+        'a': 'GPU 3 busy outside the queue (by root (pid 42, 900 MiB))'}
+    p = plan([q('a', 1, user='bob')], running, workers, 0, busy=busy)
+    assert p.starts == [('a', 'w1', ['2'])]  # never the busy GPU
+
+
+def test_a_time_limit_passed_ends_the_job_and_cpu_jobs_take_slots():
+    running = [run('r', 1, ['0'], limit=50.0)]
+    assert 'time limit passed' in plan([], running, W, 60.0).ends['r']
+    p = plan([q('c1', 0), q('c2', 0)], [], W, 0)
+    assert p.starts == [('c1', 'w1', [])]
+    assert p.reasons == {'c2': 'needs a CPU slot, none free'}
+
+
+def test_durations_are_checked_and_named():
+    assert parse_time('90s') == 90 and parse_time('2h') == 7200
+    with pytest.raises(JobError, match='time_limit takes a duration'):
+        parse_time('soon', 'time_limit')
+
+
+# ------------------------------------------- on a real cluster, in order
+
+@pytest.fixture
+def cluster(tmp_path):
+    procs = Processes(tmp_path)
+    yield procs
+    procs.close()
+
+
+WAIT = ('import os, sys, time\n'
+        'name = sys.argv[1]\n'
+        'gpus = os.environ["CUDA_VISIBLE_DEVICES"]\n'
+        'with open("order.log", "a") as f:\n'
+        '    f.write(name + " " + gpus + "\\n")\n'
+        'while not os.path.exists("release-" + name):\n'
+        '    time.sleep(0.1)\n')
+
+
+def started(lab):
+    log = lab / 'order.log'
+    return [line.split() for line in log.read_text().splitlines()] \
+        if log.exists() else []
+
+
+def test_a_two_gpu_job_is_not_starved_by_a_stream_of_one_gpu_jobs(
+        cluster, tmp_path, capsys):
+    cluster.worker(gpus=2, visible='3,5')
+    lab = tmp_path / 'lab'
+    lab.mkdir()
+    (lab / 'wait.py').write_text(WAIT)
+    jobs = tmp_path / 'jobs'
+
+    def submit(name, gpus, **kw):
+        return submit_command([sys.executable, 'wait.py', name], gpus=gpus,
+                              name=name, cwd=lab, client=client, path=jobs,
+                              **kw)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        a, b = submit('a', 1), submit('b', 1)
+        big = submit('big', 2)
+        c = submit('c', 1)
+        d = submit('d', 1, after=[c.id])
+        wait_until(lambda: len(started(lab)) == 2, 60, 'a and b start')
+        assert sorted(n for n, _ in started(lab)) == ['a', 'b']
+        assert sorted(g for _, g in started(lab)) == ['3', '5']
+        wanted = ('needs 2 GPUs, 0 free', 'needs 1 GPU, 0 free',
+                  f'after job {c.id}', '#1, start unknown')
+        wait_until(lambda: all(w in _table(jobs, capsys) for w in wanted),
+                   30, 'every waiting job says why')
+        (lab / 'release-a').touch()
+        wait_until(lambda: a.status()['state'] == 'finished', 30, 'a ends')
+        # a GPU is free, but big is first in line: c must not take it
+        wait_until(lambda: 'needs 2 GPUs, 1 free' in _table(jobs, capsys),
+                   30, 'the queue sees the freed GPU')
+        assert f'behind job {big.id} (first in line)' in _table(jobs, capsys)
+        assert c.status()['state'] == 'queued'
+        assert sorted(n for n, _ in started(lab)) == ['a', 'b']
+        (lab / 'release-b').touch()
+        wait_until(lambda: len(started(lab)) == 3, 60, 'big starts')
+        assert started(lab)[2] == ['big', '3,5']
+        (lab / 'release-big').touch()
+        wait_until(lambda: len(started(lab)) == 4, 60, 'c starts')
+        assert started(lab)[3][0] == 'c'
+        (lab / 'release-c').touch()
+        wait_until(lambda: len(started(lab)) == 5, 60, 'd starts after c')
+        assert started(lab)[4][0] == 'd'
+        (lab / 'release-d').touch()
+        for job in (b, big, c, d):
+            wait_until(lambda job=job: job.status()['state'] == 'finished',
+                       30, f'{job.id} ends')
+
+
+def _table(jobs, capsys):
+    main(['jobs', '--jobs-dir', str(jobs)])
+    return capsys.readouterr().out
