@@ -3,6 +3,7 @@ scripted queues, and the dispatcher applying it on a real local cluster
 whose worker advertises GPU=2 with GPU ids faked by CUDA_VISIBLE_DEVICES:
 submission order, a 2-GPU job not starved by a stream of 1-GPU jobs,
 --after, the per-user limit and the reasons `dasktrain jobs` shows."""
+import os
 import sys
 
 import pytest
@@ -10,10 +11,11 @@ from distributed import Client
 from test_cluster import Processes, wait_until
 
 from dasktrain.cli import main
-from dasktrain.jobs.dispatch import parse_time
+from dasktrain.jobs.asking import scheduler_answer
+from dasktrain.jobs.dispatch import parse_time, set_user_limit
 from dasktrain.jobs.programs import submit_command
 from dasktrain.jobs.queue import plan
-from dasktrain.jobs.records import JobError
+from dasktrain.jobs.records import JobError, current_user
 
 W = {'w1': {'gpus': ['0', '1'], 'cpus': 1}}
 
@@ -203,3 +205,86 @@ def test_a_two_gpu_job_is_not_starved_by_a_stream_of_one_gpu_jobs(
 def _table(jobs, capsys):
     main(['jobs', '--jobs-dir', str(jobs)])
     return capsys.readouterr().out
+
+
+def test_limits_dependencies_and_time_limits_on_a_cluster(cluster,
+                                                         tmp_path):
+    cluster.worker(resources='GPU=2 CPU=1', nthreads=3)
+    jobs, me = tmp_path / 'jobs', current_user()
+
+    def submit(argv, gpus=0, **kw):
+        return submit_command(argv, gpus=gpus, cwd=tmp_path, client=client,
+                              path=jobs, **kw)
+    sleep = [sys.executable, '-c', 'import time; time.sleep(60)']
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        set_user_limit(client, 1)
+        held = submit(sleep, gpus=1, time='1h')
+        over = submit(sleep, gpus=1)
+        fails = submit([sys.executable, '-c', 'raise SystemExit(4)'])
+        never = submit(['true'], after=fails.id)
+        anyway = submit(['true'], after=[fails.id], after_any=True)
+        limited = submit(sleep, time_limit='2s')
+        status = _wait_for_end(never)
+        assert status['state'] == 'failed'
+        assert status['error'] == (
+            f'job {fails.id}, which it runs after, ended failed; it never '
+            'ran (--after-any runs it after a failure too)')
+        assert _wait_for_end(anyway)['state'] == 'finished'
+        status = _wait_for_end(limited)
+        assert status['state'] == 'failed'
+        assert status['error'].startswith('its time limit passed')
+        assert status['error'].endswith('stopped by SIGTERM')
+        answer = scheduler_answer([held.key, over.key], client)
+        assert answer[over.key]['reason'] == (
+            f'user limit reached ({me} holds 1 of 1 GPU)')
+        assert answer[over.key]['task'] == 'held'
+        assert answer[held.key]['end'] == pytest.approx(
+            held.status()['started'] + 3600)
+        with pytest.raises(JobError, match='max_gpus_per_user must be'):
+            set_user_limit(client, 0)
+        with pytest.raises(JobError, match="after: no job 'nope'"):
+            submit(['true'], after='nope')
+        for job in (held, over):
+            job.cancel(client)
+
+
+BUSY = ('def dask_setup(worker):\n'
+        '    worker.metrics["dasktrain-busy-gpus"] = lambda w: {\n'
+        '        "3": "root (pid 42, 900 MiB)"}\n')
+
+
+def test_a_gpu_busy_outside_the_queue_is_never_handed_out(cluster,
+                                                          tmp_path):
+    # The worker's preloads say which GPUs it has (CUDA_VISIBLE_DEVICES,
+    # through dasktrain.monitor) and which one a stranger uses (scripted,
+    # as an NVML reading would).
+    (tmp_path / 'busy.py').write_text(BUSY)
+    cluster.spawn('worker', cluster.address, '--no-nanny', '--nthreads', '2',
+                  '--resources', 'GPU=2', '--host', '127.0.0.1',
+                  '--preload', 'dasktrain.monitor', '--preload',
+                  str(tmp_path / 'busy.py'), cwd=tmp_path,
+                  env=dict(os.environ, CUDA_VISIBLE_DEVICES='3,5'))
+    lab = tmp_path / 'lab'
+    lab.mkdir()
+    (lab / 'wait.py').write_text(WAIT)
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        two = submit_command([sys.executable, 'wait.py', 'two'], gpus=2,
+                             cwd=lab, client=client, path=tmp_path / 'j')
+        one = submit_command([sys.executable, 'wait.py', 'one'], gpus=1,
+                             cwd=lab, client=client, path=tmp_path / 'j')
+        wait_until(lambda: started(lab), 60, 'one starts')
+        assert started(lab) == [['one', '5']]
+        view = scheduler_answer([two.key], client)[two.key]
+        assert view['reason'] == ('GPU 3 busy outside the queue (by root '
+                                  '(pid 42, 900 MiB))')
+        (lab / 'release-one').touch()
+        _wait_for_end(one)
+        two.cancel(client)
+
+
+def _wait_for_end(job, timeout=60):
+    wait_until(lambda: job.status()['state'] in (
+        'finished', 'failed', 'cancelled', 'lost'), timeout, 'the job ends')
+    return job.status()

@@ -45,6 +45,11 @@ class Cluster(Command):
         p.add_argument('--cpu-slots', type=int, default=1,
                        help='jobs at once on a worker without GPUs '
                             '(default: %(default)s)')
+        p.add_argument('--max-gpus-per-user', type=int, default=None,
+                       metavar='K',
+                       help='GPUs one user\'s jobs may hold at once; the '
+                            'others wait, "user limit reached" (default: '
+                            'no limit)')
         _add_tls_arguments(p)
         add_jobs_dir(p)
         p.set_defaults(command_parser=p)
@@ -85,7 +90,7 @@ class Cluster(Command):
                 print(f'{what}: {link}')
             print(f"worker resources: {state['resources']}\n"
                   f'TLS: {tls}\nrecorded in {cluster.state_path()}')
-            self.recover(state, args.jobs_dir)
+            self.recover(state, args.jobs_dir, args.max_gpus_per_user)
         elif args.action == 'status':
             from dasktrain.monitor import links
             status = cluster.cluster_status(args.scheduler)
@@ -112,12 +117,18 @@ class Cluster(Command):
         return 0
 
     @staticmethod
-    def recover(state, jobs_dir):
-        """Requeue the jobs a cluster that is gone left queued or
-        running (this user's, in the jobs dir)."""
+    def recover(state, jobs_dir, max_gpus_per_user=None):
+        """Set the queue's per-user GPU limit, then requeue the jobs a
+        cluster that is gone left queued or running (this user's, in the
+        jobs dir)."""
         from dasktrain.cluster.local import connect
+        from dasktrain.jobs.dispatch import set_user_limit
         from dasktrain.jobs.recover import recover
         with connect(state['scheduler']) as client:
+            if max_gpus_per_user is not None:
+                set_user_limit(client, max_gpus_per_user)
+                print(f'GPUs one user\'s jobs may hold at once: '
+                      f'{max_gpus_per_user}')
             for job in recover(client, jobs_dir):
                 print(f'requeued job {job.id} (its cluster had gone)')
 

@@ -137,7 +137,7 @@ class Jobs(Command):
         if args.interval <= 0:
             args.command_parser.error(
                 f'--interval must be > 0, got {args.interval:g}')
-        from dasktrain.jobs.submit import SchedulerPoller, ask_scheduler
+        from dasktrain.jobs.asking import SchedulerPoller, ask_scheduler
         if not args.watch:
             print(self.table(args.jobs_dir, ask_scheduler))
             return 0
@@ -163,8 +163,8 @@ class Jobs(Command):
         ``ask(keys, address)`` says what the scheduler at ``address`` knows
         of those job keys (None: unreachable); without it the table reads
         the job folders only."""
+        from dasktrain.jobs.asking import scheduler_view
         from dasktrain.jobs.records import DONE, JobError, list_jobs
-        from dasktrain.jobs.submit import scheduler_view
         jobs, unreadable = [], []
         for job in list_jobs(jobs_dir):
             try:  # one bad job folder must not hide the others

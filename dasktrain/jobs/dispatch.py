@@ -25,8 +25,8 @@ Owns applying the plan on the scheduler; the rules are
 :mod:`~dasktrain.jobs.queue`'s, running a job
 :mod:`~dasktrain.jobs.worker`'s.
 """
+import json
 import logging
-import os
 import re
 import time
 from pathlib import Path
@@ -53,7 +53,6 @@ TICK = 1.0  # seconds between two plans (and at once after a submit)
 # {GPU id: 'who (pid N, M MiB)'} with the same ids.
 VISIBLE_METRIC = 'dasktrain-visible-gpus'
 BUSY_METRIC = 'dasktrain-busy-gpus'
-LIMIT_ENV = 'DASKTRAIN_MAX_GPUS_PER_USER'  # the scheduler's, if set
 HELD = 'held'  # the task state a held job reads as (no Dask task yet)
 
 _UNITS = {'d': 86400, 'h': 3600, 'm': 60, 's': 1}
@@ -94,12 +93,40 @@ def enqueue(dask_scheduler, folder):
     """Run on the scheduler (``client.run_on_scheduler(enqueue,
     folder=...)``): hold the job in ``folder`` in the queue, installing
     the :class:`Dispatcher` first on a scheduler without it."""
+    installed(dask_scheduler).enqueue(folder)
+
+
+def set_user_limit(client, max_gpus_per_user):
+    """Let one user's jobs hold at most ``max_gpus_per_user`` GPUs at once
+    on ``client``'s cluster (None: no limit); the others wait, "user limit
+    reached". ``cluster start --max-gpus-per-user K`` calls it.
+
+    Examples
+    --------
+    >>> set_user_limit(client, 2)  # doctest: +SKIP
+    """
+    from dasktrain.errors import argument
+    limit = max_gpus_per_user
+    if limit is not None and not (type(limit) is int and limit >= 1):
+        raise JobError(f'{argument("max_gpus_per_user")} must be an int '
+                       f'>= 1, got {limit!r}')
+    client.run_on_scheduler(configure, max_gpus_per_user=limit)
+
+
+def configure(dask_scheduler, max_gpus_per_user):
+    """Run on the scheduler: :func:`set_user_limit`'s change."""
+    installed(dask_scheduler).limit = max_gpus_per_user
+
+
+def installed(dask_scheduler):
+    """The scheduler's :class:`Dispatcher`, added and started first where
+    it has none (a scheduler without dasktrain's preload)."""
     plugin = dask_scheduler.plugins.get(NAME)
     if plugin is None:
         plugin = Dispatcher()
         dask_scheduler.add_plugin(plugin, name=NAME)
     plugin.attach(dask_scheduler)
-    plugin.enqueue(folder)
+    return plugin
 
 
 def answer(dask_scheduler, keys):
@@ -127,9 +154,7 @@ class Dispatcher(SchedulerPlugin):
     name = NAME
 
     def __init__(self, max_gpus_per_user=None):
-        limit = os.environ.get(LIMIT_ENV)
-        self.limit = max_gpus_per_user if max_gpus_per_user is not None \
-            else int(limit) if limit else None
+        self.limit = max_gpus_per_user
         self.folders, self.running, self.view = {}, {}, {}
         self.scheduler = self.client = self.callback = None
         self.ticking = False
@@ -254,7 +279,7 @@ class Dispatcher(SchedulerPlugin):
             metrics = ws.metrics or {}
             count = int(ws.resources.get('GPU', 0))
             ids = metrics.get(VISIBLE_METRIC)
-            if not isinstance(ids, list) or len(ids) < count:
+            if not isinstance(ids, (list, tuple)) or len(ids) < count:
                 ids = [str(i) for i in range(count)]
             workers[address] = {'gpus': [str(i) for i in ids[:count]],
                                 'cpus': int(ws.resources.get('CPU', 0))}
@@ -315,7 +340,6 @@ def client_security(security):
 
 def _state(folder):
     try:
-        import json
         return json.loads((Path(folder) / 'status.json').read_text())['state']
     except (OSError, ValueError, KeyError, TypeError):
         return None
