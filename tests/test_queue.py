@@ -3,6 +3,7 @@ scripted queues, and the dispatcher applying it on a real local cluster
 whose worker advertises GPU=2 with GPU ids faked by CUDA_VISIBLE_DEVICES:
 submission order, a 2-GPU job not starved by a stream of 1-GPU jobs,
 --after, the per-user limit and the reasons `dasktrain jobs` shows."""
+import json
 import os
 import sys
 
@@ -11,11 +12,12 @@ from distributed import Client
 from test_cluster import Processes, wait_until
 
 from dasktrain.cli import main
+from dasktrain.commands.jobs import estimate_words
 from dasktrain.jobs.asking import scheduler_answer
-from dasktrain.jobs.dispatch import parse_time, set_user_limit
+from dasktrain.jobs.dispatch import estimated_end, parse_time, set_user_limit
 from dasktrain.jobs.programs import submit_command
 from dasktrain.jobs.queue import plan
-from dasktrain.jobs.records import JobError, current_user
+from dasktrain.jobs.records import Job, JobError, current_user
 
 W = {'w1': {'gpus': ['0', '1'], 'cpus': 1}}
 
@@ -288,3 +290,33 @@ def _wait_for_end(job, timeout=60):
     wait_until(lambda: job.status()['state'] in (
         'finished', 'failed', 'cancelled', 'lost'), timeout, 'the job ends')
     return job.status()
+
+
+def test_a_running_jobs_end_from_its_epoch_times_or_its_time(tmp_path):
+    folder = tmp_path / 'job'
+    (folder / 'out').mkdir(parents=True)
+    job = Job('job', folder)
+    spec = {'config': {'epochs': 10}, 'time': 3600.0}
+    # no epoch yet: its --time after its start
+    assert estimated_end(job, spec, {'started': 100.0}, now=200.0) == 3700.0
+    assert estimated_end(job, {}, {'started': 100.0}, now=200.0) is None
+    # 4 epochs in 40 s: 6 more take 60 s from the log's last write
+    (folder / 'out' / 'log').write_text(json.dumps(
+        [{'epoch': e, 'elapsed_time': 10.0 * e} for e in range(1, 5)]))
+    os.utime(folder / 'out' / 'log', (1000.0, 1000.0))
+    assert estimated_end(job, spec, {'started': 100.0}, now=1010.0) == 1060.0
+    # a command job's own log rows mean nothing: its --time decides
+    assert estimated_end(job, dict(spec, kind='program'),
+                         {'started': 100.0}, now=1010.0) == 3700.0
+
+
+def test_the_jobs_table_labels_its_estimates():
+    assert estimate_words('queued', {'position': 1, 'start': None}) == \
+        '#1, start unknown'
+    assert estimate_words('queued', {'position': 2, 'start': 3600.0}) \
+        .startswith('#2, start ~')
+    assert estimate_words('running', {'end': None, 'overdue': False}) == \
+        'end unknown'
+    assert estimate_words('running', {'end': 1.0, 'overdue': True}) \
+        .endswith('OVERDUE')
+    assert estimate_words('finished', {}) == '-'

@@ -149,8 +149,8 @@ def answer(dask_scheduler, keys):
 class Dispatcher(SchedulerPlugin):
     """The queue on the scheduler (see the module): ``folders`` {job id:
     folder} of the jobs held, ``running`` {job id: (folder, worker, GPU
-    ids)} of those it started whose task is not over, ``view`` {job id:
-    what it last decided about it}."""
+    ids)} of those it started that may still hold their GPUs, ``view``
+    {job id: what it last decided about it}."""
     name = NAME
 
     def __init__(self, max_gpus_per_user=None):
@@ -185,13 +185,6 @@ class Dispatcher(SchedulerPlugin):
         if self.scheduler is not None:  # plan now, not a tick later
             self.scheduler.loop.add_callback(self.tick)
 
-    def transition(self, key, start, finish, *args, **kwargs):
-        # A task over for good frees what it held; one whose worker died
-        # goes back to waiting and Dask reruns it: it still holds.
-        if isinstance(key, str) and key.startswith(KEY_PREFIX) and \
-                finish in ('memory', 'erred', 'forgotten'):
-            self.running.pop(key[len(KEY_PREFIX):], None)
-
     async def tick(self):
         if self.ticking:
             return
@@ -206,8 +199,10 @@ class Dispatcher(SchedulerPlugin):
     async def _tick(self):
         now = time.time()
         queued, states = self._queued()
+        self._unpin()
         workers, busy = self._workers()
         running = self._running(now, workers)
+        running += self._others(workers, running)
         decided = plan(queued, running, workers, now, busy, self.limit,
                        states)
         view = {}
@@ -255,11 +250,21 @@ class Dispatcher(SchedulerPlugin):
                 spec, status = job.spec(), job.status()
             except JobError:
                 continue
-            if status['state'] in DONE:
-                continue  # ended; its task lets go in a moment
+            task = self.scheduler.tasks.get(KEY_PREFIX + job_id)
+            over = task is None or task.state in ('memory', 'erred',
+                                                  'forgotten')
+            # Its GPUs are free once its task is over and it ended (a
+            # cancelled task is forgotten at once, its program may take
+            # --grace seconds to stop), or its task failed, or its worker
+            # is gone.
+            where = status.get('worker') or worker
+            if over and (status['state'] in DONE or task is not None and
+                         task.state == 'erred' or
+                         where not in self.scheduler.workers):
+                del self.running[job_id]
+                continue
             started = status.get('started')
             limit = spec.get('time_limit')
-            where = status.get('worker') or worker
             ids = status.get('gpus') or []
             # Its GPUs as the worker names them, where the queue knows
             # those names; else as the queue planned them.
@@ -287,6 +292,49 @@ class Dispatcher(SchedulerPlugin):
             if isinstance(outside, dict) and outside:
                 busy[address] = {str(k): str(v) for k, v in outside.items()}
         return workers, busy
+
+    def _unpin(self):
+        """Let Dask rerun anywhere that fits a started job whose worker
+        died: its task is pinned to that worker, and Dask's loose
+        restrictions do not apply beside resource ones (it would wait in
+        ``no-worker`` for ever). A training job then resumes from its
+        checkpoint, a command job is told it was lost, as before the
+        queue."""
+        live = set(self.scheduler.workers)
+        for job_id in list(self.running):
+            key = KEY_PREFIX + job_id
+            task = self.scheduler.tasks.get(key)
+            if task is None or task.state != 'no-worker' or \
+                    not task.worker_restrictions or \
+                    task.worker_restrictions & live:
+                continue
+            self.scheduler.set_restrictions({key: None})
+            self.scheduler.transitions(
+                {key: 'processing'}, stimulus_id=f'dasktrain-queue-{key}')
+
+    def _others(self, workers, running):
+        """GPUs Dask tasks hold that the queue did not start (a scale-out
+        job's ranks queue for theirs as tasks), as running jobs of unknown
+        end: the queue never hands them out twice."""
+        others = []
+        for address, ws in list(self.scheduler.workers.items()):
+            ours = sum(r['gpus'] for r in running if r['worker'] == address
+                       and self._task_on(r['id']) is ws)
+            extra = int(ws.used_resources.get('GPU', 0)) - ours
+            if extra <= 0:
+                continue
+            taken = {g for r in running if r['worker'] == address
+                     for g in r['held']}
+            free = [g for g in workers[address]['gpus'] if g not in taken]
+            held = free[-extra:]
+            others.append({'id': f'other Dask tasks on {address}',
+                           'user': '', 'gpus': len(held), 'worker': address,
+                           'held': held, 'end': None})
+        return others
+
+    def _task_on(self, job_id):
+        task = self.scheduler.tasks.get(KEY_PREFIX + job_id)
+        return None if task is None else task.processing_on
 
     async def _start(self, job_id, worker, gpus, queued):
         from distributed import fire_and_forget
