@@ -320,3 +320,19 @@ def test_the_jobs_table_labels_its_estimates():
     assert estimate_words('running', {'end': 1.0, 'overdue': True}) \
         .endswith('OVERDUE')
     assert estimate_words('finished', {}) == '-'
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--time', 'soon'], "--time takes a duration such as 90s"),
+    (['--time-limit', '0'], '--time-limit takes a duration'),
+    (['--after', 'nope'], "--after: no job 'nope' in"),
+    (['--after-any'], '--after-any needs --after ID[,ID]'),
+])
+def test_queue_flags_are_checked_first_in_one_line(flags, message, tmp_path,
+                                                   capsys):
+    # checked before any scheduler is asked (none listens there)
+    code = main(['submit', *flags, '--scheduler', 'tcp://127.0.0.1:1',
+                 '--jobs-dir', str(tmp_path), '--', 'true'])
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and 'Traceback' not in err
+    assert len(err.strip().splitlines()) == 1

@@ -75,6 +75,11 @@ class Cluster(Command):
     def run(self, args):
         from dasktrain.cluster import local as cluster
         if args.action == 'start':
+            if args.max_gpus_per_user is not None and \
+                    args.max_gpus_per_user < 1:  # before anything starts
+                args.command_parser.error(
+                    f'--max-gpus-per-user must be >= 1, got '
+                    f'{args.max_gpus_per_user}')
             state = cluster.start_cluster(
                 host=args.host, port=args.port,
                 dashboard_port=args.dashboard_port, gpus=args.gpus,
