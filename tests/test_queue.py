@@ -14,9 +14,9 @@ from test_cluster import Processes, wait_until
 from dasktrain.cli import main
 from dasktrain.commands.jobs import estimate_words
 from dasktrain.jobs.asking import scheduler_answer
-from dasktrain.jobs.dispatch import estimated_end, parse_time, set_user_limit
+from dasktrain.jobs.dispatch import estimated_end, set_user_limit
 from dasktrain.jobs.programs import submit_command
-from dasktrain.jobs.queue import plan
+from dasktrain.jobs.queue import parse_time, plan
 from dasktrain.jobs.records import Job, JobError, current_user
 
 W = {'w1': {'gpus': ['0', '1'], 'cpus': 1}}

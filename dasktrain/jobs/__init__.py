@@ -29,8 +29,9 @@ _EXPORTS = {
         'SchedulerPoller', 'ask_scheduler', 'scheduler_answer',
         'scheduler_states', 'scheduler_view'),
         'dasktrain.jobs.asking'),
-    **dict.fromkeys(('Plan', 'plan'), 'dasktrain.jobs.queue'),
-    **dict.fromkeys(('Dispatcher', 'parse_time'), 'dasktrain.jobs.dispatch'),
+    **dict.fromkeys(('Plan', 'parse_time', 'plan'), 'dasktrain.jobs.queue'),
+    **dict.fromkeys(('Dispatcher', 'set_user_limit'),
+                    'dasktrain.jobs.dispatch'),
     **dict.fromkeys((
         'STOP_POLICIES', 'live_jobs', 'lost_reason', 'orphans', 'requeue',
         'settle'), 'dasktrain.jobs.recover'),

@@ -13,9 +13,11 @@ under :data:`BUSY_METRIC`), plans, and hands each job to start to Dask as
 one task (:func:`~dasktrain.jobs.worker.run_job`) on the planned worker,
 with the planned GPU ids. Its task holds the job's Dask resources as
 before, so a worker that dies under it has Dask rerun it elsewhere as
-before. Nothing here is the only copy: the job files are, and a scheduler
-that restarts gets its jobs back from ``cluster start``'s recovery
-(:mod:`~dasktrain.jobs.recover`), in their submission order.
+before. The files are small and few (a lab's queue): reading them on the
+scheduler's loop takes milliseconds. Nothing here is the only copy: the
+job files are, and a scheduler that restarts gets its jobs back from
+``cluster start``'s recovery (:mod:`~dasktrain.jobs.recover`), in their
+submission order.
 
 It also ends what must end: a job whose ``--after`` dependency failed
 (without ``--after-any``) fails with one line, and a job past its
@@ -27,7 +29,6 @@ Owns applying the plan on the scheduler; the rules are
 """
 import json
 import logging
-import re
 import time
 from pathlib import Path
 
@@ -54,40 +55,6 @@ TICK = 1.0  # seconds between two plans (and at once after a submit)
 VISIBLE_METRIC = 'dasktrain-visible-gpus'
 BUSY_METRIC = 'dasktrain-busy-gpus'
 HELD = 'held'  # the task state a held job reads as (no Dask task yet)
-
-_UNITS = {'d': 86400, 'h': 3600, 'm': 60, 's': 1}
-
-
-def parse_time(text, name='time'):
-    """Seconds in ``text``: ``90s``, ``45m``, ``2h``, ``1h30m``, ``1d``, or
-    ``H:MM:SS``; a number of seconds passes as it is. JobError naming the
-    argument ``name`` otherwise.
-
-    Examples
-    --------
-    >>> parse_time('2h'), parse_time('1h30m'), parse_time('0:01:30')
-    (7200.0, 5400.0, 90.0)
-    """
-    from dasktrain.errors import argument
-    if isinstance(text, (int, float)) and not isinstance(text, bool) \
-            and text > 0:
-        return float(text)
-    value = str(text).strip().lower()
-    if re.fullmatch(r'\d+(:\d{1,2}){1,2}', value):
-        seconds = 0.0
-        for part in value.split(':'):
-            seconds = seconds * 60 + int(part)
-    elif re.fullmatch(r'(\d+(\.\d+)?[dhms])+', value):
-        seconds = sum(float(n) * _UNITS[u]
-                      for n, u in re.findall(r'(\d+(?:\.\d+)?)([dhms])',
-                                             value))
-    else:
-        seconds = 0.0
-    if seconds <= 0:
-        raise JobError(f'{argument(name)} takes a duration such as 90s, '
-                       f'45m, 2h, 1h30m or 2:00:00, got {text!r}')
-    return seconds
-
 
 def enqueue(dask_scheduler, folder):
     """Run on the scheduler (``client.run_on_scheduler(enqueue,
@@ -338,7 +305,7 @@ class Dispatcher(SchedulerPlugin):
 
     async def _start(self, job_id, worker, gpus, queued):
         from distributed import fire_and_forget
-        folder = self.folders.pop(job_id)
+        folder = self.folders[job_id]
         job = next(j for j in queued if j['id'] == job_id)
         client = await self._client()
         resources = {'GPU': job['gpus']} if job['gpus'] else {'CPU': 1}
@@ -346,6 +313,8 @@ class Dispatcher(SchedulerPlugin):
                                pure=False, workers=[worker],
                                allow_other_workers=True, resources=resources)
         fire_and_forget(future)  # runs on without this client's interest
+        # Held until handed over: a failure above leaves it queued here.
+        del self.folders[job_id]
         self.running[job_id] = (folder, worker, gpus)
         logger.info('dasktrain queue: %s starts on %s, GPUs %s', job_id,
                     worker, ','.join(gpus) or 'none')

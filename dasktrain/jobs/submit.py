@@ -25,7 +25,8 @@ from dasktrain.data.datasets import resolve_spec
 from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.errors import argument
 from dasktrain.files import write_json
-from dasktrain.jobs.dispatch import enqueue, parse_time
+from dasktrain.jobs.dispatch import enqueue
+from dasktrain.jobs.queue import parse_time
 from dasktrain.jobs.records import (
     KEY_PREFIX,
     Job,
