@@ -65,6 +65,11 @@ def test_small_jobs_backfill_onto_gpus_the_big_one_cannot_use():
     # w1 can never hold 4: small jobs go there freely; w2's free GPU is
     # big's
     assert p.starts == [('s', 'w1', ['0']), ('t', 'w1', ['1'])]
+    # a running job of unknown end may end any moment: even a short job
+    # may not take a GPU the big one needs
+    p = plan([q('big', 2), q('s', 1, time=1.0)],
+             [run('r', 1, ['0'])], W, now=0)
+    assert p.starts == [] and p.reasons['s'].startswith('behind job big')
     p = plan([q('big', 3), q('s', 1), q('t', 1)],
              [run('r', 2, ['0', '1'], worker='w2', end=500.0)],
              {'w2': workers['w2']}, now=0)

@@ -237,7 +237,10 @@ def _planned_end(job, now):
 
 
 def _ends_before(job, reserve, now):
-    return job.get('time') is not None and now + job['time'] <= reserve[1]
+    # An unknown reservation time may be any moment (a running job of
+    # unknown length can end now): nothing is known to end before it.
+    return job.get('time') is not None and reserve[1] != math.inf and \
+        now + job['time'] <= reserve[1]
 
 
 def _backfills(job, w, reserve, now):
