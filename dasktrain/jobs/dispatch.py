@@ -34,6 +34,7 @@ from pathlib import Path
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dasktrain.errors import argument
 from dasktrain.jobs.queue import plan
 from dasktrain.jobs.records import (
     DONE,
@@ -56,6 +57,7 @@ VISIBLE_METRIC = 'dasktrain-visible-gpus'
 BUSY_METRIC = 'dasktrain-busy-gpus'
 HELD = 'held'  # the task state a held job reads as (no Dask task yet)
 
+
 def enqueue(dask_scheduler, folder):
     """Run on the scheduler (``client.run_on_scheduler(enqueue,
     folder=...)``): hold the job in ``folder`` in the queue, installing
@@ -72,7 +74,6 @@ def set_user_limit(client, max_gpus_per_user):
     --------
     >>> set_user_limit(client, 2)  # doctest: +SKIP
     """
-    from dasktrain.errors import argument
     limit = max_gpus_per_user
     if limit is not None and not (type(limit) is int and limit >= 1):
         raise JobError(f'{argument("max_gpus_per_user")} must be an int '
