@@ -6,6 +6,7 @@ submission order, a 2-GPU job not starved by a stream of 1-GPU jobs,
 import json
 import os
 import sys
+import urllib.request
 
 import pytest
 from distributed import Client
@@ -341,3 +342,38 @@ def test_queue_flags_are_checked_first_in_one_line(flags, message, tmp_path,
     err = capsys.readouterr().err
     assert code != 0 and message in err and 'Traceback' not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_cluster_start_limits_users_and_the_jobs_page_says_why(
+        tmp_path, monkeypatch, capsys):
+    # The real `cluster start` (TLS, dasktrain.monitor preloaded: the
+    # queue's dispatcher talks TLS to its own scheduler) with 2 fake GPUs.
+    monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
+    monkeypatch.setenv('DASKTRAIN_JOBS_DIR', str(tmp_path / 'jobs'))
+    assert main(['cluster', 'start', '--port', '0', '--dashboard-port', '0',
+                 '--gpus', '2', '--max-gpus-per-user', '1']) == 0
+    out = capsys.readouterr().out
+    assert "GPUs one user's jobs may hold at once: 1" in out
+    base = json.loads((tmp_path / 'home' / 'cluster.json').read_text())[
+        'dashboard'].rsplit('/', 1)[0]
+    try:
+        sleep = [sys.executable, '-c', 'import time; time.sleep(60)']
+        first = submit_command(sleep, gpus=1, cwd=tmp_path, time='1h')
+        second = submit_command(sleep, gpus=1, cwd=tmp_path)
+
+        def page():
+            with urllib.request.urlopen(base + '/dasktrain/api/jobs',
+                                        timeout=10) as r:
+                return {j['id']: j for j in json.loads(r.read())['jobs']}
+        wait_until(lambda: page()[second.id]['reason'], 60, 'a reason')
+        jobs = page()
+        assert jobs[second.id]['reason'] == (
+            f'user limit reached ({current_user()} holds 1 of 1 GPU)')
+        assert jobs[second.id]['position'] == 1
+        assert jobs[first.id]['state'] == 'running'
+        assert jobs[first.id]['end'] == pytest.approx(
+            first.status()['started'] + 3600)
+        first.cancel()
+        second.cancel()
+    finally:
+        main(['cluster', 'stop'])
