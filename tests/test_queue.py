@@ -243,6 +243,8 @@ def test_limits_dependencies_and_time_limits_on_a_cluster(cluster,
         assert status['state'] == 'failed'
         assert status['error'].startswith('its time limit passed')
         assert status['error'].endswith('stopped by SIGTERM')
+        wait_until(lambda: scheduler_answer([held.key], client)[held.key]
+                   .get('end'), 30, "the queue's estimate")
         answer = scheduler_answer([held.key, over.key], client)
         assert answer[over.key]['reason'] == (
             f'user limit reached ({me} holds 1 of 1 GPU)')
@@ -365,7 +367,10 @@ def test_cluster_start_limits_users_and_the_jobs_page_says_why(
             with urllib.request.urlopen(base + '/dasktrain/api/jobs',
                                         timeout=10) as r:
                 return {j['id']: j for j in json.loads(r.read())['jobs']}
-        wait_until(lambda: page()[second.id]['reason'], 60, 'a reason')
+        # the page reads the job board (events) and the queue's last plan
+        # (each second): both have caught up once the first's end is known
+        wait_until(lambda: page()[second.id]['reason'] and
+                   page()[first.id]['end'], 60, 'a reason and an end')
         jobs = page()
         assert jobs[second.id]['reason'] == (
             f'user limit reached ({current_user()} holds 1 of 1 GPU)')
