@@ -90,6 +90,12 @@ def test_estimated_starts_replay_the_rules_at_each_estimated_end():
     assert p.estimates['c']['start'] is None  # b's length is unknown
     assert p.estimates['r1'] == {'end': 100.0, 'overdue': False}
     assert plan([], running, W, now=200.0).estimates['r1']['overdue']
+    # past its --time, whatever its epochs say
+    late = run('t', 1, ['0'], end=900.0, due=100.0)
+    assert plan([], [late], W, now=200.0).estimates['t']['overdue']
+    assert not plan([], [late], W, now=50.0).estimates['t']['overdue']
+    assert plan([], [dict(late, due=None)], W, 901.0).estimates['t'][
+        'overdue']
 
 
 def test_dependencies_wait_then_start_or_end_the_job():

@@ -243,6 +243,8 @@ class Dispatcher(SchedulerPlugin):
                 'id': job_id, 'user': spec.get('user', ''),
                 'gpus': spec['gpus'], 'worker': where, 'held': ids,
                 'end': estimated_end(job, spec, status, now),
+                'due': started + spec['time'] if started and spec.get('time')
+                else None,
                 'limit': started + limit if started and limit else None})
         return running
 

@@ -270,8 +270,9 @@ def plan(queued, running, workers, now, busy=None, max_gpus_per_user=None,
         The jobs that hold GPUs or CPU slots: ``{'id', 'user', 'gpus',
         'worker', 'held'}`` (``held``: its GPU ids on ``worker``) with
         optional ``'end'`` (estimated end, seconds since the epoch; None:
-        unknown) and ``'limit'`` (a time by which it must end:
-        ``--time-limit`` after its start).
+        unknown), ``'due'`` (``--time`` after its start: past it, it is
+        overdue; without it, past its estimated end) and ``'limit'`` (a
+        time by which it must end: ``--time-limit`` after its start).
     workers : dict
         ``{address: {'gpus': [GPU ids], 'cpus': CPU slots}}``. A GPU id is
         the worker's ``CUDA_VISIBLE_DEVICES`` entry (``'0'``,
@@ -343,9 +344,8 @@ def plan(queued, running, workers, now, busy=None, max_gpus_per_user=None,
     starts, reasons, more = _step(queued, running, workers, now, busy,
                                   max_gpus_per_user, states)
     ends.update(more)
-    estimates = {r['id']: {'end': r.get('end'),
-                           'overdue': r.get('end') is not None and
-                           now > r['end']} for r in running}
+    estimates = {r['id']: {'end': r.get('end'), 'overdue': _overdue(r, now)}
+                 for r in running}
     position = 0
     for job in queued:
         if job['id'] not in ends:
@@ -356,6 +356,13 @@ def plan(queued, running, workers, now, busy=None, max_gpus_per_user=None,
     _replay(queued, running, workers, now, busy, max_gpus_per_user,
             states, starts, estimates)
     return Plan(starts, reasons, estimates, ends)
+
+
+def _overdue(job, now):
+    """Past its ``--time`` (``due``), else past its estimated end."""
+    due = job.get('due')
+    due = job.get('end') if due is None else due
+    return due is not None and now > due
 
 
 def _clock(seconds):
