@@ -19,6 +19,7 @@ from dasktrain.jobs.dispatch import estimated_end, set_user_limit
 from dasktrain.jobs.programs import submit_command
 from dasktrain.jobs.queue import parse_time, plan
 from dasktrain.jobs.records import Job, JobError, current_user
+from dasktrain.parallel.gpus import Gpu, GpuPool
 
 W = {'w1': {'gpus': ['0', '1'], 'cpus': 1}}
 
@@ -388,3 +389,17 @@ def test_cluster_start_limits_users_and_the_jobs_page_says_why(
         second.cancel()
     finally:
         main(['cluster', 'stop'])
+
+
+def test_a_worker_hands_out_the_gpus_the_queue_planned():
+    env = {'CUDA_VISIBLE_DEVICES': '3,5'}
+    taken = GpuPool.acquire(1, total=2, env=env, want=['5'])
+    try:
+        assert taken == [Gpu(1, '5')]
+        # planned GPUs that are not free (or not this worker's): the
+        # first free ones, never one held twice
+        other = GpuPool.acquire(1, total=2, env=env, want=['5'])
+        assert other == [Gpu(0, '3')]
+        GpuPool.release(other)
+    finally:
+        GpuPool.release(taken)
