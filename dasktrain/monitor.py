@@ -35,6 +35,7 @@ import os
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dasktrain.gpuuse import USE_METRIC, worker_use
+from dasktrain.jobs.dispatch import VISIBLE_METRIC, Dispatcher
 from dasktrain.jobs.page import PATH, add_routes
 from dasktrain.jobs.records import EVENTS, STATES, list_jobs
 from dasktrain.parallel.gpus import visible_gpus
@@ -110,6 +111,12 @@ def gpu_readings(worker=None, env=None):
                                  pynvml.NVML_TEMPERATURE_GPU),
             'power': None if power is None else power / 1000})
     return readings
+
+
+def visible_entries(worker):
+    """The worker's GPUs as its ``CUDA_VISIBLE_DEVICES`` names them (for
+    the queue, which hands them out by these names)."""
+    return visible_gpus(count=int(worker.state.total_resources.get('GPU', 0)))
 
 
 # --------------------------------------------------------- the scheduler
@@ -299,17 +306,20 @@ def dask_setup(server):
     if not isinstance(server, Scheduler):
         server.metrics[GPU_METRIC] = gpu_readings
         server.metrics[USE_METRIC] = worker_use  # who uses each GPU
+        server.metrics[VISIBLE_METRIC] = visible_entries
         return
     from prometheus_client import REGISTRY
     board = JobBoard()
     server.add_plugin(board)
+    queue = Dispatcher()  # the queue's order (its jobs come back by recover)
+    server.add_plugin(queue, name=queue.name)
     collector = _installed.get('collector')
     if collector is None:
         collector = _installed['collector'] = Collector(server, board)
         REGISTRY.register(collector)
     # One registry per process: a later scheduler here takes it over.
     collector.scheduler, collector.board = server, board
-    add_routes(server.http_application, board)
+    add_routes(server.http_application, board, queue)
 
 
 def dask_teardown(server):
