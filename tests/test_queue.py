@@ -14,6 +14,7 @@ from test_cluster import Processes, wait_until
 
 from dasktrain.cli import main
 from dasktrain.commands.jobs import estimate_words
+from dasktrain.gpuuse import busy_outside
 from dasktrain.jobs.asking import scheduler_answer
 from dasktrain.jobs.dispatch import estimated_end, set_user_limit
 from dasktrain.jobs.programs import submit_command
@@ -266,38 +267,75 @@ def test_limits_dependencies_and_time_limits_on_a_cluster(cluster,
             job.cancel(client)
 
 
-BUSY = ('def dask_setup(worker):\n'
-        '    worker.metrics["dasktrain-busy-gpus"] = lambda w: {\n'
-        '        "3": "root (pid 42, 900 MiB)"}\n')
+# A stranger's process as NVML and /proc show it on the worker: root's pid
+# 42 holds 900 MiB of GPU 3. Scripted where the worker reads NVML and /proc
+# (worker_use's nvml and read), so that the heartbeat, the dispatcher and
+# `dasktrain gpus` take their own path from there on.
+BUSY = '''\
+from dasktrain.gpuuse import USE_METRIC, worker_use
 
 
-def test_a_gpu_busy_outside_the_queue_is_never_handed_out(cluster,
-                                                          tmp_path):
-    # The worker's preloads say which GPUs it has (CUDA_VISIBLE_DEVICES,
-    # through dasktrain.monitor) and which one a stranger uses (scripted,
-    # as an NVML reading would).
+def nvml(ids, env):
+    return {gpu: [{'pid': 42, 'bytes': 900 * 2 ** 20}] if gpu == '3' else []
+            for gpu in ids}
+
+
+def read(pid):
+    return {'uid': 0, 'ppid': 1 if pid == 42 else None, 'session': pid}
+
+
+def dask_setup(worker):
+    worker.metrics[USE_METRIC] = lambda w: worker_use(w, read=read,
+                                                      nvml=nvml)
+'''
+STRANGER = 'root (pid 42, 900 MiB)'
+
+
+def test_a_gpu_busy_outside_the_queue_is_never_handed_out(cluster, tmp_path,
+                                                          capsys):
+    # The worker's preloads: dasktrain.monitor (its GPUs as
+    # CUDA_VISIBLE_DEVICES names them, who uses them), then the scripted
+    # NVML reading above in place of the real one.
     (tmp_path / 'busy.py').write_text(BUSY)
     cluster.spawn('worker', cluster.address, '--no-nanny', '--nthreads', '2',
                   '--resources', 'GPU=2', '--host', '127.0.0.1',
                   '--preload', 'dasktrain.monitor', '--preload',
                   str(tmp_path / 'busy.py'), cwd=tmp_path,
                   env=dict(os.environ, CUDA_VISIBLE_DEVICES='3,5'))
-    lab = tmp_path / 'lab'
+    lab, jobs = tmp_path / 'lab', tmp_path / 'j'
     lab.mkdir()
     (lab / 'wait.py').write_text(WAIT)
     with Client(cluster.address) as client:
         client.wait_for_workers(1)
+        wait_until(lambda: list(client.run_on_scheduler(busy_outside)
+                                .values()) == [{'3': STRANGER}], 30,
+                   "the worker's heartbeat")
         two = submit_command([sys.executable, 'wait.py', 'two'], gpus=2,
-                             cwd=lab, client=client, path=tmp_path / 'j')
+                             name='two', cwd=lab, client=client, path=jobs)
         one = submit_command([sys.executable, 'wait.py', 'one'], gpus=1,
-                             cwd=lab, client=client, path=tmp_path / 'j')
+                             name='one', cwd=lab, client=client, path=jobs)
         wait_until(lambda: started(lab), 60, 'one starts')
-        assert started(lab) == [['one', '5']]
-        view = scheduler_answer([two.key], client)[two.key]
-        assert view['reason'] == ('GPU 3 busy outside the queue (by root '
-                                  '(pid 42, 900 MiB))')
+        assert started(lab) == [['one', '5']]  # never GPU 3
+        assert two.status()['state'] == 'queued'
+        # `dasktrain gpus` names the GPUs as the queue does: one holds 5,
+        # and 3 is busy by the queue's own rule
+        wait_until(lambda: one.status()['gpus'] == ['5'], 30, 'one runs')
+        assert main(['gpus', '--scheduler', cluster.address,
+                     '--jobs-dir', str(jobs)]) == 0
+        rows = capsys.readouterr().out.splitlines()
+        assert f'{one.id} (one)' in next(r for r in rows if '  5  ' in r)
+        row = next(r for r in rows if '  3  ' in r)
+        assert ' free ' in row and f'{STRANGER}, busy: no job gets it' in row
         (lab / 'release-one').touch()
         _wait_for_end(one)
+        # GPU 5 is free again, GPU 3 still busy: two waits, and says why
+        busy = f'GPU 3 busy outside the queue (by {STRANGER})'
+        wait_until(lambda: scheduler_answer([two.key], client)[two.key]
+                   .get('reason') == busy, 30, 'the reason')
+        assert busy in _table(jobs, capsys)
+        assert scheduler_answer([two.key], client)[two.key]['task'] == 'held'
+        assert two.status()['state'] == 'queued'
+        assert started(lab) == [['one', '5']]
         two.cancel(client)
 
 

@@ -7,9 +7,11 @@ A job handed to the scheduler (:func:`enqueue`, what
 :func:`~dasktrain.jobs.submit.queue` does) is held here, not as a Dask
 task: every :data:`TICK` seconds the :class:`Dispatcher` reads its queued
 and running jobs' files, the workers' GPUs (their ``GPU`` resource, and
-where their heartbeats carry them, their ``CUDA_VISIBLE_DEVICES``
-entries under :data:`VISIBLE_METRIC` and the GPUs busy outside the queue
-under :data:`BUSY_METRIC`), plans, and hands each job to start to Dask as
+where their heartbeats carry :mod:`dasktrain.gpuuse`'s reading under
+:data:`~dasktrain.jobs.busy.USE_METRIC`, their ``CUDA_VISIBLE_DEVICES``
+entries and the GPUs busy outside the queue, by
+:func:`~dasktrain.jobs.busy.busy_outside`: what ``dasktrain gpus`` shows),
+plans, and hands each job to start to Dask as
 one task (:func:`~dasktrain.jobs.worker.run_job`) on the planned worker,
 with the planned GPU ids. Its task holds the job's Dask resources as
 before, so a worker that dies under it has Dask rerun it elsewhere as
@@ -35,6 +37,7 @@ from pathlib import Path
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dasktrain.errors import argument
+from dasktrain.jobs.busy import USE_METRIC, busy_outside, worker_ids
 from dasktrain.jobs.queue import plan
 from dasktrain.jobs.records import (
     DONE,
@@ -50,11 +53,6 @@ logger = logging.getLogger(__name__)
 
 NAME = 'dasktrain-queue'
 TICK = 1.0  # seconds between two plans (and at once after a submit)
-# A worker's heartbeat keys (set by its preload): its CUDA_VISIBLE_DEVICES
-# entries, and the GPUs used by processes outside the queue as
-# {GPU id: 'who (pid N, M MiB)'} with the same ids.
-VISIBLE_METRIC = 'dasktrain-visible-gpus'
-BUSY_METRIC = 'dasktrain-busy-gpus'
 HELD = 'held'  # the task state a held job reads as (no Dask task yet)
 
 
@@ -249,18 +247,18 @@ class Dispatcher(SchedulerPlugin):
         return running
 
     def _workers(self):
-        workers, busy = {}, {}
+        """The workers' GPUs by the ids jobs get, and the GPUs busy
+        outside the queue (``cluster start --busy-mib``), both from each
+        worker's last reading of who uses its GPUs."""
+        workers = {}
         for address, ws in list(self.scheduler.workers.items()):
-            metrics = ws.metrics or {}
-            count = int(ws.resources.get('GPU', 0))
-            ids = metrics.get(VISIBLE_METRIC)
-            if not isinstance(ids, (list, tuple)) or len(ids) < count:
-                ids = [str(i) for i in range(count)]
-            workers[address] = {'gpus': [str(i) for i in ids[:count]],
-                                'cpus': int(ws.resources.get('CPU', 0))}
-            outside = metrics.get(BUSY_METRIC)
-            if isinstance(outside, dict) and outside:
-                busy[address] = {str(k): str(v) for k, v in outside.items()}
+            use = (ws.metrics or {}).get(USE_METRIC)
+            workers[address] = {
+                'gpus': worker_ids(use, int(ws.resources.get('GPU', 0))),
+                'cpus': int(ws.resources.get('CPU', 0))}
+        busy = {address: outside for address, outside in
+                busy_outside(self.scheduler).items()
+                if outside and address in workers}
         return workers, busy
 
     def _unpin(self):
