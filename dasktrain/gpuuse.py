@@ -16,24 +16,38 @@ both lists (compute and graphics): it counts once. A pid is the host's
 know it, and its user reads ``?``.
 
 Every decision is a pure function of those entries and of ``/proc``
-texts (:func:`merge_entries`, :func:`parse_status`, :func:`parse_stat`,
-:func:`job_of`, :func:`outside_use`), tested with scripted entries; only
-:func:`nvml_processes`, :func:`read_process` and :func:`worker_use` touch
-NVML and ``/proc``. A process belongs to a queue job when the job's child
-process (its pid recorded by :mod:`dasktrain.jobs.worker` while it runs)
-is the process, one of its ancestors, or its session leader (a command
-job's program runs in a session of its own); the worker process itself
+texts (:func:`merge_entries`, :func:`parse_status`, :func:`parse_stat`;
+:func:`job_of` and :func:`outside_use`, which the queue's dispatcher
+applies too and :mod:`dasktrain.jobs.busy` owns), tested with scripted
+entries; only :func:`nvml_processes`, :func:`read_process` and
+:func:`worker_use` touch NVML and ``/proc``. A process belongs to a
+queue job when the job's child process (its pid recorded by
+:mod:`dasktrain.jobs.worker` while it runs) is the process, one of its
+ancestors, or its session leader (a command job's program runs in a
+session of its own); the worker process itself
 (scale-out ranks) is the queue's too.
 
 :func:`worker_use` is what a worker's heartbeats carry (under
-:data:`USE_METRIC`, installed by :mod:`dasktrain.monitor`);
-:func:`busy_outside` is what a scheduler-side planner asks:
+:data:`USE_METRIC`, installed by :mod:`dasktrain.monitor`), the one
+reading of a worker's GPUs: their ids and who uses them.
+:func:`busy_outside` (:mod:`dasktrain.jobs.busy`'s) is what the queue's
+dispatcher asks of it on every plan, and ``dasktrain gpus`` shows:
 ``{worker: {gpu_id: 'user (pid N, M MiB)'}}`` for the GPUs no job may
-get now. Owns these readings and decisions; it never picks a job's GPUs
-nor writes anything.
+get now. Owns these readings; it never picks a job's GPUs nor writes
+anything.
 """
 import os
 
+from dasktrain.jobs.busy import (
+    USE_METRIC,
+    WORKER,
+    busy_from,
+    busy_outside,
+    describe,
+    job_of,
+    outside_use,
+    threshold,
+)
 from dasktrain.jobs.records import user_name
 from dasktrain.jobs.worker import job_children
 from dasktrain.parallel.gpus import visible_gpus
@@ -44,12 +58,14 @@ from dasktrain.parallel.nvml import (
     worker_devices,
 )
 
-USE_METRIC = 'dasktrain-gpu-use'  # the worker heartbeat's key
-BUSY_ENV = 'DASKTRAIN_BUSY_MIB'   # cluster start --busy-mib
-BUSY_MIB = 256.0                  # default: beyond a bare CUDA context
+__all__ = ['NOT_AVAILABLE', 'NO_INSTANCE', 'USE_METRIC', 'WORKER',
+           'busy_from', 'busy_outside', 'cluster_use', 'describe',
+           'entry_bytes', 'job_of', 'lineage', 'merge_entries',
+           'nvml_processes', 'outside_use', 'parse_stat', 'parse_status',
+           'read_process', 'threshold', 'worker_use']
+
 NOT_AVAILABLE = 2 ** 64 - 1       # NVML_VALUE_NOT_AVAILABLE_ulonglong
 NO_INSTANCE = 2 ** 32 - 1         # NVML_VALUE_NOT_AVAILABLE_uint
-WORKER = 'dask worker'            # the owner of the worker's own process
 MIB = 1024 * 1024
 
 
@@ -182,99 +198,21 @@ def lineage(pid, read=read_process, depth=64):
     return first['uid'], first['session'], ancestors
 
 
-# ------------------------------------------------ the decisions, pure
-
-def job_of(process, jobs):
-    """The queue job (a label from ``jobs``: ``{child pid: job id}``)
-    ``process`` belongs to: its own pid, its nearest ancestor among
-    ``jobs``, else its session leader's; None outside the queue.
-
-    >>> p = {'pid': 12, 'session': 10, 'ancestors': [11, 10, 5, 1]}
-    >>> job_of(p, {10: 'job-a', 5: WORKER})
-    'job-a'
-    >>> job_of(dict(p, ancestors=[1]), {10: 'job-a'})  # its parent died
-    'job-a'
-    >>> job_of(dict(p, session=12, ancestors=[1]), {10: 'job-a'}) is None
-    True
-    """
-    for pid in [process['pid']] + list(process.get('ancestors') or ()):
-        if pid in jobs:
-            return jobs[pid]
-    return jobs.get(process.get('session'))
-
-
-def describe(process):
-    """``'user (pid N, M MiB)'``.
-
-    >>> describe({'user': 'ann', 'pid': 7, 'mib': 5120.4})
-    'ann (pid 7, 5120 MiB)'
-    >>> describe({'user': '?', 'pid': 7, 'mib': None})
-    '? (pid 7, memory unknown)'
-    """
-    mib = 'memory unknown' if process.get('mib') is None else \
-        f"{process['mib']:.0f} MiB"
-    return f"{process['user']} (pid {process['pid']}, {mib})"
-
-
-def outside_use(processes, job_sessions, threshold_mib=BUSY_MIB):
-    """``{gpu_id: 'user (pid N, M MiB)'}``: the GPUs on which processes
-    outside the queue hold more than ``threshold_mib`` MiB (or an amount
-    NVML cannot tell: it may be anything), the largest first.
-
-    Parameters
-    ----------
-    processes : list of dict
-        ``gpu`` (the worker's GPU id), ``pid``, ``user``, ``mib`` (None:
-        unknown), ``session``, ``ancestors``.
-    job_sessions : dict
-        ``{pid: label}``: the queue's own processes (jobs' children, the
-        worker), matched by :func:`job_of`.
-    threshold_mib : float
-
-    >>> procs = [{'gpu': '0', 'pid': 7, 'user': 'bob', 'mib': 9000,
-    ...           'session': 7, 'ancestors': [1]},
-    ...          {'gpu': '1', 'pid': 8, 'user': 'ann', 'mib': 9000,
-    ...           'session': 5, 'ancestors': [5, 1]},
-    ...          {'gpu': '1', 'pid': 9, 'user': 'gdm', 'mib': 40,
-    ...           'session': 9, 'ancestors': [1]}]
-    >>> outside_use(procs, {5: 'job-a'}, threshold_mib=256)
-    {'0': 'bob (pid 7, 9000 MiB)'}
-    """
-    busy = {}
-    for p in processes:
-        if job_of(p, job_sessions) is not None:
-            continue
-        if p.get('mib') is None or p['mib'] > threshold_mib:
-            busy.setdefault(p['gpu'], []).append(p)
-    return {gpu: ', '.join(describe(p) for p in sorted(
-        found, key=lambda p: -(p['mib'] if p['mib'] is not None
-                               else float('inf'))))
-            for gpu, found in busy.items()}
-
-
-def threshold(env=None):
-    """The busy threshold in MiB: ``$DASKTRAIN_BUSY_MIB``, else
-    :data:`BUSY_MIB`.
-
-    >>> threshold({'DASKTRAIN_BUSY_MIB': '1024'}), threshold({})
-    (1024.0, 256.0)
-    """
-    env = os.environ if env is None else env
-    try:
-        return float(env[BUSY_ENV])
-    except (KeyError, ValueError):
-        return BUSY_MIB
-
-
 # ------------------------------------------------------ on a worker
 
-def worker_use(worker=None, env=None, read=read_process):
+def worker_use(worker=None, env=None, read=read_process, nvml=None):
     """What this worker's heartbeats carry: ``ids`` (its GPUs, the ids jobs
-    hold), ``nvml`` (whether NVML could list their processes),
+    hold, and the queue hands out), ``nvml`` (whether NVML could list their
+    processes),
     ``processes`` (each with ``gpu``, ``pid``, ``user``, ``mib``,
     ``session``, ``ancestors`` and ``job``: the queue job's id, or
     :data:`WORKER`, or None outside the queue), ``jobs`` (``[[pid,
-    job id]]`` of its jobs' children) and ``busy_mib``."""
+    job id]]`` of its jobs' children) and ``busy_mib``.
+
+    ``read`` (a pid's ``/proc`` facts, as :func:`read_process`) and
+    ``nvml`` (``nvml(ids, env)`` -> ``{gpu id: [{'pid', 'bytes'}] or
+    None}``, as NVML lists them) stand in for ``/proc`` and NVML where a
+    test scripts them."""
     env = os.environ if env is None else env
     total = int(worker.state.total_resources.get('GPU', 0)) \
         if worker is not None else None
@@ -282,7 +220,7 @@ def worker_use(worker=None, env=None, read=read_process):
     jobs = dict(job_children())
     jobs[os.getpid()] = WORKER
     processes, listed = [], False
-    for entry, pids in _nvml_use(ids, env).items():
+    for entry, pids in (nvml or _nvml_use)(ids, env).items():
         if pids is None:
             continue
         listed = True
@@ -322,59 +260,18 @@ def _nvml_use(ids, env):
 
 # --------------------------------------------------- the scheduler side
 
-def busy_outside(dask_scheduler, threshold_mib=None):
-    """``{worker address: {gpu_id: 'user (pid N, M MiB)'}}``: the GPUs no
-    job may get now, from each worker's last heartbeat (a worker without
-    NVML, or without such processes, has ``{}``).
-
-    Parameters
-    ----------
-    dask_scheduler : distributed.Scheduler
-        In the scheduler's process (a plugin's; or
-        ``client.run_on_scheduler(busy_outside)``, which passes it).
-    threshold_mib : float, optional
-        Default: ``cluster start --busy-mib`` (``$DASKTRAIN_BUSY_MIB`` of
-        the scheduler), else :data:`BUSY_MIB`.
-
-    Examples
-    --------
-    >>> busy_outside(dask_scheduler)  # doctest: +SKIP
-    {'tls://10.0.0.5:40001': {'1': 'bob (pid 4242, 9000 MiB)'}}
-    """
-    return busy_from({address: (ws.metrics or {}).get(USE_METRIC)
-                      for address, ws in
-                      list(dask_scheduler.workers.items())},
-                     threshold() if threshold_mib is None else threshold_mib)
-
-
-def busy_from(uses, threshold_mib):
-    """:func:`busy_outside` from ``{worker: its last worker_use() or
-    None}``.
-
-    >>> busy_from({'w1': {'processes': [{'gpu': '1', 'pid': 9, 'user': 'bob',
-    ...                                  'mib': 700.0, 'session': 9,
-    ...                                  'ancestors': [1]}],
-    ...                   'jobs': [[4, 'job-a']]}, 'w2': None}, 512)
-    {'w1': {'1': 'bob (pid 9, 700 MiB)'}, 'w2': {}}
-    """
-    found = {}
-    for address, use in uses.items():
-        use = use or {}
-        jobs = {pid: job for pid, job in use.get('jobs') or ()}
-        found[address] = outside_use(use.get('processes') or (), jobs,
-                                     threshold_mib)
-    return found
-
-
 def cluster_use(dask_scheduler):
     """What ``dasktrain gpus`` shows, as the scheduler knows it (run with
     ``client.run_on_scheduler``): per worker its resources and last
     :func:`worker_use` (None before its first heartbeat, or without the
-    ``dasktrain.monitor`` preload), and the monitor's job summaries."""
+    ``dasktrain.monitor`` preload), the GPUs busy outside the queue as the
+    queue's dispatcher sees them (:func:`busy_outside`), and the
+    monitor's job summaries."""
     board = dask_scheduler.plugins.get('dasktrain-job-board')
     return {'workers': {address: {
         'resources': dict(ws.resources),
         'use': (ws.metrics or {}).get(USE_METRIC)}
         for address, ws in list(dask_scheduler.workers.items())},
+        'busy': busy_outside(dask_scheduler),
         'jobs': board.summaries() if board is not None else [],
         'busy_mib': threshold()}

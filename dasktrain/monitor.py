@@ -18,10 +18,14 @@ start`` runs) installs three things in the scheduler process:
   utilisation, memory, temperature and power;
 * the read-only jobs page (:mod:`dasktrain.jobs.page`) at ``/dasktrain/jobs``.
 
+On a scheduler it also installs the queue's
+:class:`~dasktrain.jobs.dispatch.Dispatcher`.
+
 ``dask worker --preload dasktrain.monitor`` adds the worker's GPU readings
-(:func:`gpu_readings`) to its heartbeats, and who uses each of its GPUs
-(:func:`dasktrain.gpuuse.worker_use`). A worker without NVML or without
-GPUs sends an empty list: no GPU series, and no error.
+(:func:`gpu_readings`) to its heartbeats, and its GPUs' ids with who uses
+each (:func:`dasktrain.gpuuse.worker_use`): the reading the queue's
+dispatcher hands GPUs out by and keeps busy ones off. A worker without
+NVML or without GPUs sends an empty list: no GPU series, and no error.
 
 Everything computed here is read-only and binds nowhere new: the page and
 ``/metrics`` are routes of the dashboard's server, wherever it binds
@@ -35,6 +39,7 @@ import os
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dasktrain.gpuuse import USE_METRIC, worker_use
+from dasktrain.jobs.dispatch import Dispatcher
 from dasktrain.jobs.page import PATH, add_routes
 from dasktrain.jobs.records import EVENTS, STATES, list_jobs
 from dasktrain.parallel.gpus import visible_gpus
@@ -298,18 +303,22 @@ def dask_setup(server):
     from distributed import Scheduler
     if not isinstance(server, Scheduler):
         server.metrics[GPU_METRIC] = gpu_readings
-        server.metrics[USE_METRIC] = worker_use  # who uses each GPU
+        # Its GPUs' ids and who uses them: what the queue's dispatcher
+        # hands out and keeps off (GPUs busy outside the queue).
+        server.metrics[USE_METRIC] = worker_use
         return
     from prometheus_client import REGISTRY
     board = JobBoard()
     server.add_plugin(board)
+    queue = Dispatcher()  # the queue's order (its jobs come back by recover)
+    server.add_plugin(queue, name=queue.name)
     collector = _installed.get('collector')
     if collector is None:
         collector = _installed['collector'] = Collector(server, board)
         REGISTRY.register(collector)
     # One registry per process: a later scheduler here takes it over.
     collector.scheduler, collector.board = server, board
-    add_routes(server.http_application, board)
+    add_routes(server.http_application, board, queue)
 
 
 def dask_teardown(server):

@@ -54,6 +54,11 @@ class Cluster(Command):
                             'holds more memory than this (NVML) is busy: '
                             'no job gets it until it is free (default: '
                             '256)')
+        p.add_argument('--max-gpus-per-user', type=int, default=None,
+                       metavar='K',
+                       help='GPUs one user\'s jobs may hold at once; the '
+                            'others wait, "user limit reached" (default: '
+                            'no limit)')
         _add_tls_arguments(p)
         add_jobs_dir(p)
         p.set_defaults(command_parser=p)
@@ -79,6 +84,11 @@ class Cluster(Command):
     def run(self, args):
         from dasktrain.cluster import local as cluster
         if args.action == 'start':
+            if args.max_gpus_per_user is not None and \
+                    args.max_gpus_per_user < 1:  # before anything starts
+                args.command_parser.error(
+                    f'--max-gpus-per-user must be >= 1, got '
+                    f'{args.max_gpus_per_user}')
             state = cluster.start_cluster(
                 host=args.host, port=args.port,
                 dashboard_port=args.dashboard_port, gpus=args.gpus,
@@ -98,7 +108,7 @@ class Cluster(Command):
             if state.get('notify'):
                 from dasktrain.notify import redacted
                 print(f"jobs' ends told to: {redacted(state['notify'])}")
-            self.recover(state, args.jobs_dir)
+            self.recover(state, args.jobs_dir, args.max_gpus_per_user)
         elif args.action == 'status':
             from dasktrain.monitor import links
             status = cluster.cluster_status(args.scheduler)
@@ -125,12 +135,18 @@ class Cluster(Command):
         return 0
 
     @staticmethod
-    def recover(state, jobs_dir):
-        """Requeue the jobs a cluster that is gone left queued or
-        running (this user's, in the jobs dir)."""
+    def recover(state, jobs_dir, max_gpus_per_user=None):
+        """Set the queue's per-user GPU limit, then requeue the jobs a
+        cluster that is gone left queued or running (this user's, in the
+        jobs dir)."""
         from dasktrain.cluster.local import connect
+        from dasktrain.jobs.dispatch import set_user_limit
         from dasktrain.jobs.recover import recover
         with connect(state['scheduler']) as client:
+            if max_gpus_per_user is not None:
+                set_user_limit(client, max_gpus_per_user)
+                print(f'GPUs one user\'s jobs may hold at once: '
+                      f'{max_gpus_per_user}')
             for job in recover(client, jobs_dir):
                 print(f'requeued job {job.id} (its cluster had gone)')
 

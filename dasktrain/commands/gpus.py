@@ -30,19 +30,17 @@ class Gpus(Command):
         """The lines for the scheduler's answer ``seen`` (see
         :func:`~dasktrain.gpuuse.cluster_use`) and ``jobs``: the running
         jobs' summaries."""
-        from dasktrain.gpuuse import describe, outside_use
+        from dasktrain.jobs.busy import describe, worker_ids
         rows = [('WORKER', 'GPU', 'JOB', 'USER', 'OUTSIDE THE QUEUE')]
         notes = []
         for address, worker in sorted(seen['workers'].items()):
             use = worker['use'] or {}
             mine = [j for j in jobs if j.get('worker') == address]
             count = int(worker['resources'].get('GPU', 0))
-            ids = use.get('ids') or [str(i) for i in range(count)]
             processes = [p for p in use.get('processes') or ()
                          if p.get('job') is None]
-            job_pids = {pid: job for pid, job in use.get('jobs') or ()}
-            busy = outside_use(processes, job_pids, seen['busy_mib'])
-            for gpu in ids[:count] if count else ():
+            busy = seen['busy'].get(address) or {}  # the queue's own view
+            for gpu in worker_ids(use, count):
                 holder = [j for j in mine if gpu in (j.get('held') or ())]
                 job = holder[0] if holder else None
                 outside = [describe(p) for p in processes

@@ -47,6 +47,20 @@ class Submit(Command):
                                  '(or mail it: mailto:ADDR, with a local '
                                  'MTA) (default: the cluster\'s, `cluster '
                                  'start --notify`)')
+        parser.add_argument('--after', metavar='ID[,ID]', default=None,
+                            help='start only once these jobs finished')
+        parser.add_argument('--after-any', action='store_true',
+                            help='with --after: once they ended, finished '
+                                 'or not (without it, one that fails '
+                                 'fails this job too)')
+        parser.add_argument('--time', default=None, metavar='DURATION',
+                            help='how long it is expected to run (90m, '
+                                 '2h, 1h30m, 2:00:00): its estimated end '
+                                 'in `jobs`, flagged once past')
+        parser.add_argument('--time-limit', default=None,
+                            metavar='DURATION',
+                            help='how long it may run: stopped (failed) '
+                                 'once past')
         add_jobs_dir(parser)
         parser.add_argument('train_args', nargs=argparse.REMAINDER,
                             help='after --: options of `dasktrain train`, '
@@ -66,15 +80,21 @@ class Submit(Command):
                 words, gpus=args.gpus, name=args.name,
                 env=parse_env(args.env), grace=args.grace,
                 requeue=args.requeue, scheduler=args.scheduler,
-                path=args.jobs_dir, notify=args.notify)
+                path=args.jobs_dir, notify=args.notify,
+                **self.queue_args(args))
             print(job.id)
             return 0
         config = train_config(args.train_args, 'dasktrain submit --')
         job = submit(config, gpus=args.gpus, name=args.name,
                      scheduler=args.scheduler, path=args.jobs_dir,
-                     notify=args.notify)
+                     notify=args.notify, **self.queue_args(args))
         print(job.id)
         return 0
+
+    @staticmethod
+    def queue_args(args):
+        return {'after': args.after, 'after_any': args.after_any,
+                'time': args.time, 'time_limit': args.time_limit}
 
 
 # Seconds between asking the scheduler whether a job it should hold is
@@ -86,6 +106,28 @@ LOST_CHECK = 5.0
 def _when(seconds):
     return time.strftime('%m-%d %H:%M:%S', time.localtime(seconds)) \
         if seconds else '-'
+
+
+def estimate_words(state, view):
+    """The jobs table's ESTIMATE (labelled: an estimate) of a job in
+    ``state`` from the queue's ``view`` of it.
+
+    >>> estimate_words('queued', {'position': 2, 'start': None})
+    '#2, start unknown'
+    >>> estimate_words('running', {'end': 0.0, 'overdue': True})[-7:]
+    'OVERDUE'
+    """
+    if state == 'queued' and view.get('position'):
+        start = view.get('start')
+        return (f'#{view["position"]}, start ~{_when(start)}' if start
+                else f'#{view["position"]}, start unknown')
+    if state == 'running' and 'end' in view:
+        end = view.get('end')
+        if end is None:
+            return 'end unknown'
+        return f'end ~{_when(end)}' + (' OVERDUE' if view.get('overdue')
+                                       else '')
+    return '-'
 
 
 class Jobs(Command):
@@ -104,7 +146,7 @@ class Jobs(Command):
         if args.interval <= 0:
             args.command_parser.error(
                 f'--interval must be > 0, got {args.interval:g}')
-        from dasktrain.jobs.submit import SchedulerPoller, ask_scheduler
+        from dasktrain.jobs.asking import SchedulerPoller, ask_scheduler
         if not args.watch:
             print(self.table(args.jobs_dir, ask_scheduler))
             return 0
@@ -130,8 +172,8 @@ class Jobs(Command):
         ``ask(keys, address)`` says what the scheduler at ``address`` knows
         of those job keys (None: unreachable); without it the table reads
         the job folders only."""
+        from dasktrain.jobs.asking import scheduler_view
         from dasktrain.jobs.records import DONE, JobError, list_jobs
-        from dasktrain.jobs.submit import scheduler_view
         jobs, unreadable = [], []
         for job in list_jobs(jobs_dir):
             try:  # one bad job folder must not hide the others
@@ -143,27 +185,34 @@ class Jobs(Command):
         if live and ask is not None:
             known = ask([j.key for j, _ in live], live[0][1].get('scheduler'))
         rows = [('ID', 'NAME', 'USER', 'STATE', 'GPUS', 'PROGRESS',
-                 'ACCURACY', 'SUBMITTED', 'STARTED', 'ENDED', 'SCHEDULER')]
+                 'ACCURACY', 'SUBMITTED', 'STARTED', 'ENDED', 'SCHEDULER',
+                 'ESTIMATE', 'REASON')]
         for job, spec, s in jobs:
             accuracy = f"{s['accuracy']:.4f}" if s['accuracy'] is not None \
                 else '-'
             gpus = ','.join(s['gpus']) if s.get('gpus') else \
                 str(spec.get('gpus', '-'))
+            view = (known or {}).get(job.key) or {}
             seen = '-' if s['state'] in DONE else 'unreachable' \
                 if known is None else scheduler_view(
-                    s['state'], known.get(job.key))
+                    s['state'], view.get('task'))
             rows.append((job.id, str(spec.get('name', '-')),
                          str(spec.get('user', '-')), s['state'], gpus,
                          f"{s['epoch']}/{s['epochs']}" if s['epochs']
                          else '-', accuracy,
                          _when(spec['submitted']), _when(s.get('started')),
-                         _when(s.get('ended')), seen))
-        rows += [(job.id, '-', '-', 'unreadable') + ('-',) * 7
+                         _when(s.get('ended')), seen,
+                         estimate_words(s['state'], view),
+                         view.get('reason') or '-'))
+        rows += [(job.id, '-', '-', 'unreadable') + ('-',) * 9
                  for job, _ in unreadable]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
                  for r in rows]
         lines += [f'unreadable: {reason}' for _, reason in unreadable]
+        if any(r[11] != '-' for r in rows[1:]):
+            lines.append('ESTIMATE: the queue\'s estimate (#position in '
+                         'line), from --time and measured epoch times')
         return '\n'.join(lines)
 
 

@@ -1,6 +1,8 @@
 """Training jobs on a Dask cluster, queued by GPUs: a job's folder and files
 (:mod:`~dasktrain.jobs.records`), checking and queueing it on the scheduler
-(:mod:`~dasktrain.jobs.submit`), requeueing what a scheduler lost
+(:mod:`~dasktrain.jobs.submit`), its order (:mod:`~dasktrain.jobs.queue`,
+:mod:`~dasktrain.jobs.dispatch`), asking the scheduler about it
+(:mod:`~dasktrain.jobs.asking`), requeueing what a scheduler lost
 (:mod:`~dasktrain.jobs.recover`), running it on a worker
 (:mod:`~dasktrain.jobs.worker`) and the live jobs page
 (:mod:`~dasktrain.jobs.page`).
@@ -20,10 +22,16 @@ _EXPORTS = {
         'update_status', 'user_name'),
         'dasktrain.jobs.records'),
     **dict.fromkeys((
-        'SchedulerPoller', 'ask_scheduler', 'check_devices', 'check_owner',
-        'check_resources', 'queue', 'scheduler_states',
-        'scheduler_view'),
+        'check_devices', 'check_owner', 'check_resources', 'queue',
+        'queue_options'),
         'dasktrain.jobs.submit'),
+    **dict.fromkeys((
+        'SchedulerPoller', 'ask_scheduler', 'scheduler_answer',
+        'scheduler_states', 'scheduler_view'),
+        'dasktrain.jobs.asking'),
+    **dict.fromkeys(('Plan', 'parse_time', 'plan'), 'dasktrain.jobs.queue'),
+    **dict.fromkeys(('Dispatcher', 'set_user_limit'),
+                    'dasktrain.jobs.dispatch'),
     **dict.fromkeys((
         'STOP_POLICIES', 'live_jobs', 'lost_reason', 'orphans', 'requeue',
         'settle'), 'dasktrain.jobs.recover'),

@@ -30,6 +30,18 @@ function gpus(job) {
   return job.workers ? job.gpus + ' x ' + job.workers : String(job.gpus);
 }
 
+function estimate(job) {  // the queue's estimate, labelled as one
+  if (job.state === 'queued' && job.position) {
+    return '#' + job.position + (job.start ? ', start ~' + when(job.start)
+                                 : ', start unknown') + ' (estimate)';
+  }
+  if (job.state === 'running' && job.end) {
+    return 'end ~' + when(job.end) + ' (estimate)' +
+      (job.overdue ? ' OVERDUE' : '');
+  }
+  return '-';
+}
+
 function summary(jobs) {
   const box = document.getElementById('summary');
   box.replaceChildren();
@@ -63,7 +75,8 @@ function table(jobs) {
               el('td', num(r['validation/main/accuracy'], 4), 'num'),
               el('td', num(r['main/loss'], 4), 'num'),
               el('td', num(r.images_per_sec, 0), 'num'),
-              el('td', job.worker || '-'), el('td', when(job.submitted)));
+              el('td', job.worker || '-'), el('td', when(job.submitted)),
+              el('td', estimate(job)), el('td', job.reason || '-'));
     body.append(tr);
   }
 }

@@ -34,18 +34,22 @@ PUBLIC = ('id', 'name', 'user', 'state', 'gpus', 'workers', 'held',
           'worker', 'epochs', 'submitted', 'started', 'ended', 'error',
           'attempts', 'row')
 PATH = '/dasktrain/jobs'
+QUEUE = ('position', 'reason', 'start', 'end', 'overdue')  # the queue's
 
 
-def add_routes(application, board):
+def add_routes(application, board, queue=None):
     """Serve the page and its data from ``application`` (a tornado
     Application: the scheduler's ``http_application``); ``board`` holds
-    the jobs' summaries (``summaries()`` and ``jobs``, by id).
+    the jobs' summaries (``summaries()`` and ``jobs``, by id); ``queue``
+    (a :class:`~dasktrain.jobs.dispatch.Dispatcher`, optional) what the
+    queue last decided of each job (``view``: position, waiting reason,
+    estimated start or end).
 
     Examples
     --------
     >>> add_routes(scheduler.http_application, board)  # doctest: +SKIP
     """
-    args = {'board': board}
+    args = {'board': board, 'queue': queue}
     application.add_handlers(r'.*$', [
         (PATH, PageHandler, args),
         (r'/dasktrain/api/jobs', JobsHandler, args),
@@ -75,8 +79,8 @@ def _clean(value):
 
 
 class _Handler(RequestHandler):
-    def initialize(self, board):
-        self.board = board
+    def initialize(self, board, queue=None):
+        self.board, self.queue = board, queue
 
     def set_default_headers(self):
         self.set_header('Cache-Control', 'no-store')
@@ -90,8 +94,11 @@ class _Handler(RequestHandler):
 
 class JobsHandler(_Handler):
     def get(self):
-        self.send_json({'jobs': [{k: job.get(k) for k in PUBLIC}
-                                 for job in self.board.summaries()]})
+        view = self.queue.view if self.queue is not None else {}
+        self.send_json({'jobs': [
+            {**{k: job.get(k) for k in PUBLIC},
+             **{k: view.get(job['id'], {}).get(k) for k in QUEUE}}
+            for job in self.board.summaries()]})
 
 
 class LogHandler(_Handler):

@@ -23,12 +23,12 @@ every job :mod:`~dasktrain.jobs.worker`'s.
 import json
 import os
 import re
-import time
+import time as clock  # `time` is an argument of submit_command
 import uuid
 from pathlib import Path
 
 from dasktrain.errors import argument
-from dasktrain.jobs.records import Job, JobError
+from dasktrain.jobs.records import Job, JobError, current_user, jobs_dir
 
 KIND = 'program'
 ENV_FILE = 'env.json'  # in the job's 0700 folder: the submitter's only
@@ -61,7 +61,8 @@ def parse_env(items):
 
 def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
                    requeue=False, client=None, scheduler=None, path=None,
-                   notify=None):
+                   notify=None, after=None, after_any=False, time=None,
+                   time_limit=None):
     """Queue a program; returns at once with its
     :class:`~dasktrain.jobs.records.Job`.
 
@@ -88,6 +89,8 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
         Told when it ends (state, time, exit code): a webhook URL or
         ``mailto:ADDR``; default the cluster's. See
         :mod:`dasktrain.jobs.endings`.
+    after, after_any, time, time_limit
+        Its place in the queue: as :func:`dasktrain.jobs.submit.submit`'s.
 
     Examples
     --------
@@ -99,8 +102,12 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
     from types import SimpleNamespace
 
     from dasktrain.cluster.local import connect
-    from dasktrain.jobs.records import current_user, jobs_dir
-    from dasktrain.jobs.submit import check_owner, check_resources, queue
+    from dasktrain.jobs.submit import (
+        check_owner,
+        check_resources,
+        queue,
+        queue_options,
+    )
     from dasktrain.notify import check_target
     argv = check_argv(argv)
     notify = check_target(notify)
@@ -113,6 +120,8 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
     cwd = os.path.abspath(cwd or os.getcwd())
     if not os.path.isdir(cwd):
         raise JobError(f'the job would run in {cwd}, which is not a folder')
+    options = queue_options(jobs_dir(path), after, after_any, time,
+                            time_limit)
     environment = dict(os.environ, **(env or {}))
     owned = client is None
     client = client or connect(scheduler)
@@ -121,7 +130,7 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
         check_resources(client, SimpleNamespace(workers=None), gpus)
         label = name or Path(argv[0]).name
         slug = re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-') or 'job'
-        job_id = (f'{slug[:40]}-{time.strftime("%Y%m%d-%H%M%S")}-'
+        job_id = (f'{slug[:40]}-{clock.strftime("%Y%m%d-%H%M%S")}-'
                   f'{uuid.uuid4().hex[:6]}')
         root = jobs_dir(path).resolve()
         folder = root / job_id
@@ -130,7 +139,7 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
                 'command': argv, 'cwd': cwd, 'grace': float(grace),
                 'requeue': bool(requeue), 'notify': notify,
                 'scheduler': client.scheduler.address,
-                'submitted': time.time()}
+                'submitted': clock.time(), **options}
         _make_folder(root, folder, spec, environment)
         job = Job(job_id, folder)
         job.announce(client)

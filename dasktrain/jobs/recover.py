@@ -17,6 +17,7 @@ Owns those decisions; queueing itself is :mod:`~dasktrain.jobs.submit`'s.
 import time
 
 from dasktrain.files import write_json
+from dasktrain.jobs.asking import ask_scheduler
 from dasktrain.jobs.records import (
     DONE,
     JobError,
@@ -24,7 +25,7 @@ from dasktrain.jobs.records import (
     list_jobs,
     update_status,
 )
-from dasktrain.jobs.submit import ask_scheduler, queue
+from dasktrain.jobs.submit import queue
 
 # What `cluster stop` does with the jobs still queued or running on it.
 STOP_POLICIES = ('cancel', 'requeue', 'wait')
@@ -49,7 +50,7 @@ def live_jobs(path=None, scheduler=None):
 def orphans(jobs, ask=ask_scheduler):
     """The jobs among ``jobs`` whose scheduler is unreachable or no longer
     holds their task; ``ask(keys, address)`` as
-    :func:`~dasktrain.jobs.submit.ask_scheduler` (one question per
+    :func:`~dasktrain.jobs.asking.ask_scheduler` (one question per
     scheduler)."""
     by_address = {}
     for job in jobs:

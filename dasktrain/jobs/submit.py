@@ -3,13 +3,11 @@ about the jobs it holds.
 
 :func:`submit` writes the job's folder (:mod:`~dasktrain.jobs.records`)
 and hands one task (:func:`~dasktrain.jobs.worker.run_job`) to the
-scheduler with ``resources={'GPU': K}``: Dask itself holds it until a worker
-has K free GPUs. Cancelling is the job's own
+scheduler's queue (:mod:`~dasktrain.jobs.dispatch`), which starts it in
+order as one task holding K GPUs. Cancelling is the job's own
 (:meth:`~dasktrain.jobs.records.Job.cancel`), requeueing a lost job
 :mod:`~dasktrain.jobs.recover`'s.
-:func:`scheduler_states`, :func:`ask_scheduler` and
-:class:`SchedulerPoller` say what the scheduler knows of jobs' tasks (what
-``dasktrain jobs`` shows beside the files).
+What the scheduler knows of jobs is :mod:`~dasktrain.jobs.asking`'s.
 
 Owns the submitter's side only: it never runs a job (that is
 :mod:`~dasktrain.jobs.worker`'s).
@@ -18,15 +16,17 @@ import json
 import os
 import re
 import shutil
-import threading
-import time
+import time as clock  # `time` is an argument of submit
 import uuid
+from pathlib import Path
 
 from dasktrain.cluster.local import connect, worker_info
 from dasktrain.data.datasets import resolve_spec
 from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.errors import argument
 from dasktrain.files import write_json
+from dasktrain.jobs.dispatch import enqueue
+from dasktrain.jobs.queue import parse_time
 from dasktrain.jobs.records import (
     KEY_PREFIX,
     Job,
@@ -106,8 +106,37 @@ def check_devices(config, gpus):
         raise JobError(str(e)) from None
 
 
+def queue_options(root, after=None, after_any=False, time=None,
+                  time_limit=None):
+    """The queue's keys of a ``job.json`` (``after``, ``after_any``,
+    ``time``, ``time_limit``), checked: every job ``after`` names exists in
+    the jobs dir ``root``; durations are seconds or text such as ``2h``.
+    JobError naming the argument otherwise.
+
+    Examples
+    --------
+    >>> queue_options('/tmp/none', time='2h')
+    {'after': [], 'after_any': False, 'time': 7200.0, 'time_limit': None}
+    """
+    if isinstance(after, str):
+        after = [a for a in after.split(',') if a.strip()]
+    after = [str(a).strip() for a in (after or ())]
+    for dep in after:
+        if not (Path(root) / dep / 'job.json').exists():
+            raise JobError(f'{argument("after")}: no job {dep!r} in {root}; '
+                           '`dasktrain jobs` lists them')
+    if after_any and not after:
+        raise JobError(f'{argument("after_any")} needs '
+                       f'{argument("after")} ID[,ID]')
+    return {'after': after, 'after_any': bool(after_any),
+            'time': None if time is None else parse_time(time, 'time'),
+            'time_limit': None if time_limit is None else
+            parse_time(time_limit, 'time_limit')}
+
+
 def submit(config, gpus=1, name=None, client=None, scheduler=None,
-           path=None, extra=None, check=True, notify=None):
+           path=None, extra=None, check=True, notify=None, after=None,
+           after_any=False, time=None, time_limit=None):
     """Queue a training job; returns at once with its
     :class:`~dasktrain.jobs.records.Job`.
 
@@ -141,6 +170,18 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         POSTed) or ``mailto:ADDR`` (with a local MTA); default the
         cluster's (``cluster start --notify``), if any. See
         :mod:`dasktrain.jobs.endings`.
+    after : list of str or str, optional
+        Job ids (or ``'ID,ID'``) it starts after, once they finished.
+    after_any : bool, default False
+        Start after them whatever their end (failed, cancelled too);
+        without it, a job they run after that did not finish fails this
+        one with one line.
+    time : str or float, optional
+        How long it is expected to run (``2h``, ``45m``, seconds): its
+        estimated end, and others' estimated starts; past it, ``jobs``
+        flags it overdue.
+    time_limit : str or float, optional
+        How long it may run: stopped (and failed) once past.
 
     Examples
     --------
@@ -153,6 +194,8 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
     notify = check_target(notify)
     check_devices(config, gpus)
+    options = queue_options(jobs_dir(path), after, after_any, time,
+                            time_limit)
     if is_spec(config.model):  # the user's model: one line if wrong, here
         from dasktrain.training.models import resolve_model  # Chainer: now
         config = config.replace(model=resolve_model(config.model,
@@ -170,7 +213,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             if is_spec(config.model) else config.model
         label = name or model_name
         job_id = (f'{_slug(label)}-'
-                  f'{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
+                  f'{clock.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
         root = jobs_dir(path).resolve()
         folder = root / job_id
         # A model file as it is now: editing it later changes no job.
@@ -197,7 +240,8 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
-            'submitted': time.time(), 'notify': notify, **(extra or {})}
+            'submitted': clock.time(), 'notify': notify, **options,
+            **(extra or {})}
         make_folder(root, folder, spec, files)
         job = Job(job_id, folder)
         # Before the task: the scheduler sees 'queued' before 'running'.
@@ -259,124 +303,15 @@ def check_owner(client, uid=None):
 
 def queue(client, folder, spec):
     """Hand the job in ``folder`` (its ``job.json`` is ``spec``) to the
-    scheduler: one task that runs on after ``client`` goes away."""
+    scheduler: held in the queue's order by its
+    :class:`~dasktrain.jobs.dispatch.Dispatcher` (installed there if
+    missing), which starts it as one task. A scale-out job's driver needs
+    a thread only (its ranks queue for their GPUs as Dask tasks): it is
+    handed to Dask at once."""
+    if not spec['workers']:
+        client.run_on_scheduler(enqueue, folder=str(folder))
+        return
     from distributed import fire_and_forget
-    resource = 'GPU' if spec['gpus'] else 'CPU'
-    # A scale-out job's driver needs a thread only: its ranks hold the
-    # GPUs (or CPU slots).
-    future = client.submit(
-        run_job, str(folder), key=KEY_PREFIX + spec['id'], pure=False,
-        resources=None if spec['workers'] else
-        {resource: max(spec['gpus'], 1)})
+    future = client.submit(run_job, str(folder), key=KEY_PREFIX + spec['id'],
+                           pure=False)
     fire_and_forget(future)  # runs on after this client goes away
-
-
-def scheduler_states(keys, client):
-    """What the scheduler knows of each job key ('no-worker', ...)."""
-    def states(dask_scheduler, keys):
-        return {k: dask_scheduler.tasks[k].state for k in keys
-                if k in dask_scheduler.tasks}
-    return client.run_on_scheduler(states, keys=list(keys))
-
-
-def scheduler_view(state, task):
-    """What the scheduler's ``task`` state (None: it holds no such task)
-    means for a job whose files say ``state``, in the jobs table's words.
-
-    Examples
-    --------
-    >>> scheduler_view('queued', 'processing')  # on a worker, starting
-    'starting'
-    >>> scheduler_view('queued', 'no-worker')
-    'no worker fits'
-    >>> scheduler_view('running', None)
-    'lost: dasktrain requeue'
-    """
-    if task is None:
-        return 'lost: dasktrain requeue'
-    if task == 'processing':
-        return 'starting' if state == 'queued' else 'running'
-    return {'no-worker': 'no worker fits', 'queued': 'waiting',
-            'waiting': 'waiting', 'released': 'waiting',
-            'memory': 'ended', 'erred': 'ended',
-            'forgotten': 'ended'}.get(task, task)
-
-
-def ask_scheduler(keys, address, timeout=3):
-    """What the scheduler at ``address`` knows of ``keys``, if it answers
-    within ``timeout`` seconds; None when it does not.
-
-    Examples
-    --------
-    >>> ask_scheduler([job.key], job.spec()['scheduler'])  # doctest: +SKIP
-    {'dasktrain-job-tiny-20250101-120000-1a2b3c': 'no-worker'}
-    """
-    try:
-        with connect(address, timeout=timeout) as client:
-            return scheduler_states(keys, client)
-    except Exception:  # unreachable: the files alone still tell
-        return None
-
-
-class SchedulerPoller:
-    """``jobs --watch``'s view of the scheduler: one client for the whole
-    watch, asked in a daemon thread, so that neither a slow connect nor a
-    scheduler that stopped answering delays a refresh or Ctrl-C.
-
-    :meth:`ask` never blocks: it returns the last answer (``{}`` until the
-    first, None while unreachable) and names the keys for the next one.
-
-    Examples
-    --------
-    >>> poller = SchedulerPoller(interval=2.0)  # doctest: +SKIP
-    >>> poller.ask([job.key], job.spec()['scheduler'])  # doctest: +SKIP
-    {'dasktrain-job-...': '-'}
-    >>> poller.stop()  # doctest: +SKIP
-    """
-
-    def __init__(self, interval):
-        self.interval = interval
-        # (keys asked, the scheduler's answer), or None while unreachable
-        self.answer, self.wanted = (set(), {}), ([], None)
-        self.stopped = threading.Event()
-        self.client = None
-        threading.Thread(target=self._poll, name='jobs-watch-scheduler',
-                         daemon=True).start()
-
-    def ask(self, keys, address):
-        self.wanted = (keys, address)
-        if self.answer is None:
-            return None
-        asked, known = self.answer
-        # a job the scheduler was not asked about yet: '-', not 'unknown'
-        return {k: known.get(k, 'unknown') if k in asked else '-'
-                for k in keys}
-
-    def _poll(self):
-        address = None
-        while not self.stopped.is_set():
-            keys, wanted = self.wanted
-            try:
-                if keys and (self.client is None or wanted != address):
-                    self._close()
-                    address = wanted
-                    self.client = connect(address, timeout=3)
-                if keys:
-                    self.answer = (set(keys),
-                                   scheduler_states(keys, self.client))
-            except Exception:  # unreachable: the files alone still tell
-                self.answer = None
-                self._close()
-            self.stopped.wait(self.interval)
-        self._close()
-
-    def _close(self):
-        client, self.client = self.client, None
-        if client is not None:
-            try:
-                client.close(timeout=1)
-            except Exception:  # already gone: nothing to close
-                pass
-
-    def stop(self):
-        self.stopped.set()

@@ -82,9 +82,12 @@ def job_children():
     return dict(_children)
 
 
-def run_job(folder):
+def run_job(folder, gpus=None):
     """The task body: run one attempt of the job in a child process;
-    returns the state it ended in."""
+    returns the state it ended in. ``gpus``: the ids of this worker's
+    GPUs the queue planned for it (see
+    :class:`~dasktrain.parallel.gpus.GpuPool`)."""
+    want = gpus
     from distributed import get_worker
     folder = Path(folder)
     spec = json.loads((folder / 'job.json').read_text())
@@ -92,7 +95,8 @@ def run_job(folder):
     if (folder / 'cancel').exists() or status['state'] in DONE:
         return status['state']
     if spec.get('kind') == 'program':  # any program (programs.py)
-        gpus = GpuPool.acquire(spec['gpus']) if spec['gpus'] else []
+        gpus = GpuPool.acquire(spec['gpus'], want=want) \
+            if spec['gpus'] else []
         try:
             return run_program(folder, spec, status, gpus,
                                get_worker().address)
@@ -104,7 +108,7 @@ def run_job(folder):
                              error=f'{module!r} is not ours')['state']
     job = Job(spec['id'], folder)
     rows = job.log_rows()
-    gpus = GpuPool.acquire(spec['gpus']) \
+    gpus = GpuPool.acquire(spec['gpus'], want=want) \
         if spec['gpus'] and not spec.get('workers') else []
     ids = [g.id for g in gpus]  # the worker's CUDA_VISIBLE_DEVICES entries
     attempt = status['attempts'] + 1
@@ -145,7 +149,7 @@ def run_job(folder):
                     job.announce()
                 time.sleep(0.2)
         if (folder / 'cancel').exists():
-            state, error = 'cancelled', None
+            state, error = stopped_state(folder, None)
         elif child.returncode == 0:
             state, error = 'finished', None
         elif child.returncode == PRUNED:
@@ -231,7 +235,7 @@ def run_program(folder, spec, status, gpus, worker):
             _children.pop(child.pid, None)
     words = exit_words(child.returncode)
     if cancelled is not None:
-        state, error = 'cancelled', cancelled
+        state, error = stopped_state(folder, cancelled)
     elif child.returncode == 0:
         state, error = 'finished', None
     else:
@@ -240,6 +244,20 @@ def run_program(folder, spec, status, gpus, worker):
                   exit_code=child.returncode)
     job.announce()
     return state
+
+
+def stopped_state(folder, how):
+    """(state, error) of a job its ``cancel`` flag stopped: ``cancelled``
+    (an empty flag: someone cancelled it), or ``failed`` with the reason
+    the queue wrote into the flag (its time limit passed); ``how`` it
+    was stopped, in words, if known."""
+    try:
+        reason = (Path(folder) / 'cancel').read_text().strip()
+    except OSError:
+        reason = ''
+    if not reason:
+        return 'cancelled', how
+    return 'failed', f'{reason}: {how}' if how else reason
 
 
 def stop_group(child, grace):

@@ -220,16 +220,21 @@ class GpuPool:
     used = set()
 
     @classmethod
-    def acquire(cls, count, total=None, env=None):
+    def acquire(cls, count, total=None, env=None, want=None):
         """``count`` free :class:`Gpu` of this worker (``total``: its GPU
-        resource, default the running worker's)."""
+        resource, default the running worker's): the entries ``want``
+        names (the queue's choice) where they are all free, else the first
+        free ones."""
         if total is None:
             from distributed import get_worker
             total = int(get_worker().state.total_resources.get('GPU', 0))
         entries = visible_gpus(env, count=total)
         with cls.lock:
             free = [Gpu(i, e) for i, e in enumerate(entries)
-                    if e not in cls.used][:count]
+                    if e not in cls.used]
+            wanted = [g for g in free if g.id in (want or ())]
+            free = wanted if want and len(wanted) == count == len(want) \
+                else free[:count]
             if len(free) < count:  # the scheduler's accounting forbids it
                 raise GpuError(f'{count} GPU(s) asked, free here: '
                                f'{[g.id for g in free]} of {entries}')

@@ -31,12 +31,12 @@ from dasktrain.cluster.local import connect
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
+from dasktrain.jobs.asking import scheduler_states
 from dasktrain.jobs.records import DONE, jobs_dir, list_jobs
 from dasktrain.jobs.recover import requeue
 from dasktrain.jobs.submit import (
     check_devices,
     check_resources,
-    scheduler_states,
     submit,
 )
 from dasktrain.tuning.checks import (
