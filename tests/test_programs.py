@@ -5,6 +5,7 @@ exit code, a cancel of its whole process tree (SIGTERM, then SIGKILL),
 and a worker killed under it (lost)."""
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -55,6 +56,7 @@ def test_a_program_runs_where_and_as_its_submitter_said(
     assert status['state'] == 'finished' and status['exit_code'] == 0
     log = job.logs()
     assert f'cwd {lab}' in log
+    assert job.spec()['host'] == socket.gethostname()  # and the user
     assert "gpus '0'" in log or "gpus '1'" in log  # exactly one GPU
     assert 'secret abc123' in log and 'added yes' in log
     # the environment is the submitter's only: the folder and the file

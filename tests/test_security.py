@@ -5,6 +5,7 @@ could not write. On real `dasktrain cluster` / `dask` processes."""
 import json
 import os
 import pwd
+import socket
 import stat
 import subprocess
 import sys
@@ -95,6 +96,7 @@ def test_job_folders_are_whole_private_and_the_users_own(
                      path=jobs)
     assert job.spec()['user'] == pwd.getpwuid(os.getuid()).pw_name \
         == current_user()
+    assert job.spec()['host'] == socket.gethostname()
     # Only its owner reads its logs and weights.
     assert stat.S_IMODE(job.folder.stat().st_mode) == 0o700
     assert job.result(timeout=180)['final']['epoch'] == 1

@@ -28,7 +28,13 @@ import uuid
 from pathlib import Path
 
 from dasktrain.errors import argument
-from dasktrain.jobs.records import Job, JobError, current_user, jobs_dir
+from dasktrain.jobs.records import (
+    Job,
+    JobError,
+    current_host,
+    current_user,
+    jobs_dir,
+)
 
 KIND = 'program'
 ENV_FILE = 'env.json'  # in the job's 0700 folder: the submitter's only
@@ -135,7 +141,8 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
         root = jobs_dir(path).resolve()
         folder = root / job_id
         spec = {'id': job_id, 'name': label, 'kind': KIND,
-                'user': current_user(), 'gpus': gpus, 'workers': None,
+                'user': current_user(), 'host': current_host(),
+                'gpus': gpus, 'workers': None,
                 'command': argv, 'cwd': cwd, 'grace': float(grace),
                 'requeue': bool(requeue), 'notify': notify,
                 'scheduler': client.scheduler.address,

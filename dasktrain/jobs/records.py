@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import pwd
+import socket
 import time
 from pathlib import Path
 
@@ -63,6 +64,11 @@ def current_user():
     """The OS user this process runs as (not ``$USER``, which anyone can
     set)."""
     return user_name(os.getuid())
+
+
+def current_host():
+    """The machine a job is submitted from, as the OS names it."""
+    return socket.gethostname()
 
 
 def jobs_dir(path=None):

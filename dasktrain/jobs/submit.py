@@ -31,6 +31,7 @@ from dasktrain.jobs.records import (
     KEY_PREFIX,
     Job,
     JobError,
+    current_host,
     current_user,
     jobs_dir,
     user_name,
@@ -236,7 +237,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             config = config.replace(gpus_per_worker=gpus)
         spec = {
             'id': job_id, 'name': label,
-            'user': current_user(), 'gpus': gpus,
+            'user': current_user(), 'host': current_host(), 'gpus': gpus,
             'workers': config.workers,
             'config': json.loads(config.to_json()),
             'scheduler': client.scheduler.address,
