@@ -8,10 +8,11 @@
 (:mod:`~dasktrain.jobs.page`).
 
 Each name below imports its module on first use (importing the package
-loads no dask.distributed). ``submit`` and ``recover`` are not among
-them: each would turn into the submodule of that name once that is
-imported; they are ``dasktrain.submit`` (or
-``dasktrain.jobs.submit.submit``) and ``dasktrain.jobs.recover.recover``.
+loads no dask.distributed). ``submit``, ``recover`` and ``queue`` are
+not among them: each would turn into the submodule of that name once that
+is imported; they are ``dasktrain.submit`` (or
+``dasktrain.jobs.submit.submit``), ``dasktrain.jobs.recover.recover`` and
+``dasktrain.jobs.submit.queue``.
 """
 from dasktrain._lazy import exports
 
@@ -22,7 +23,7 @@ _EXPORTS = {
         'update_status', 'user_name'),
         'dasktrain.jobs.records'),
     **dict.fromkeys((
-        'check_devices', 'check_owner', 'check_resources', 'queue',
+        'check_devices', 'check_owner', 'check_resources',
         'queue_options'),
         'dasktrain.jobs.submit'),
     **dict.fromkeys((
