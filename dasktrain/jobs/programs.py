@@ -24,7 +24,6 @@ import json
 import os
 import re
 import time as clock  # `time` is an argument of submit_command
-import uuid
 from pathlib import Path
 
 from dasktrain.errors import argument
@@ -34,6 +33,7 @@ from dasktrain.jobs.records import (
     current_host,
     current_user,
     jobs_dir,
+    new_job_id,
 )
 
 KIND = 'program'
@@ -135,9 +135,7 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
         check_owner(client)
         check_resources(client, SimpleNamespace(workers=None), gpus)
         label = name or Path(argv[0]).name
-        slug = re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-') or 'job'
-        job_id = (f'{slug[:40]}-{clock.strftime("%Y%m%d-%H%M%S")}-'
-                  f'{uuid.uuid4().hex[:6]}')
+        job_id = new_job_id(label)
         root = jobs_dir(path).resolve()
         folder = root / job_id
         spec = {'id': job_id, 'name': label, 'kind': KIND,

@@ -24,8 +24,10 @@ import dataclasses
 import json
 import os
 import pwd
+import re
 import socket
 import time
+import uuid
 from pathlib import Path
 
 from dasktrain.cluster.local import connect, home
@@ -69,6 +71,17 @@ def current_user():
 def current_host():
     """The machine a job is submitted from, as the OS names it."""
     return socket.gethostname()
+
+
+def new_job_id(label):
+    """A new job's id: ``label`` made safe for a folder name (40
+    characters at most), the time and a random suffix.
+
+    >>> new_job_id('my run!')[:7]
+    'my-run-'
+    """
+    slug = re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-')[:40] or 'job'
+    return f'{slug}-{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}'
 
 
 def jobs_dir(path=None):

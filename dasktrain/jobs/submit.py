@@ -14,10 +14,8 @@ Owns the submitter's side only: it never runs a job (that is
 """
 import json
 import os
-import re
 import shutil
 import time as clock  # `time` is an argument of submit
-import uuid
 from pathlib import Path
 
 from dasktrain.cluster.local import connect, worker_info
@@ -34,16 +32,13 @@ from dasktrain.jobs.records import (
     current_host,
     current_user,
     jobs_dir,
+    new_job_id,
     user_name,
 )
 from dasktrain.jobs.worker import run_job
 from dasktrain.notify import check_target
 from dasktrain.parallel.gpus import GpuError, place_devices
 from dasktrain.training.usermodel import is_spec, spec_file, split_spec
-
-
-def _slug(text):
-    return re.sub(r'[^A-Za-z0-9_.-]+', '-', text).strip('-')[:40] or 'job'
 
 
 def check_resources(client, config, gpus):
@@ -213,8 +208,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         model_name = split_spec(config.model)[1] \
             if is_spec(config.model) else config.model
         label = name or model_name
-        job_id = (f'{_slug(label)}-'
-                  f'{clock.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
+        job_id = new_job_id(label)
         root = jobs_dir(path).resolve()
         folder = root / job_id
         # A model file as it is now: editing it later changes no job.
