@@ -56,10 +56,15 @@ class WeightPrediction:
         self.replicas, self.enabled = replicas, bool(enabled)
         self._before = None   # the master's weights before the last update
         self._now = None      # the weights a shift left, to restore
+        self._list = None     # the master's parameters, found once
 
     def _params(self):
-        return [p for _, p in sorted(self.replicas.master.namedparams())
-                if p.array is not None]
+        # Found at the first update (lazily initialised links are sized by
+        # then) and kept: sorting namedparams() every step costs per step.
+        if self._list is None:
+            self._list = [p for _, p in sorted(
+                self.replicas.master.namedparams()) if p.array is not None]
+        return self._list
 
     @staticmethod
     def _save(params, into):
