@@ -281,8 +281,11 @@ class DaskComm(Communicator):
             tasks, timeout=self.timeout, return_when=asyncio.FIRST_EXCEPTION)
         for task in pending:
             task.cancel()
-        for task in done:
-            error = task.exception()
+        # Every finished task's error read before raising one: an unread
+        # one is printed as 'Task exception was never retrieved' with its
+        # traceback when the loop drops it (seen on a Ctrl-C).
+        errors = [(task, task.exception()) for task in done]
+        for task, error in errors:
             if isinstance(error, (CommClosedError, OSError)):
                 raise PeerLost(
                     f'rank {tasks[task]} closed its connection during {tag}: '
