@@ -6,13 +6,15 @@ Trains the same model on the same synthetic CIFAR-format images (see
 replicas in one process (the double-buffered maths is the same bits across
 processes: ``tests/test_launch.py``), with Adam and momentum SGD at the
 project's default learning rates (``--lr OPTIMIZER=LR`` to change one),
-four ways: exact; double-buffered as ChainerMN does it (each gradient
-computed at the weights it sees, applied one step later,
-``--no-weight-prediction``); double-buffered with weight prediction from
-the first step (``--exact-warmup 0``); and with weight prediction after
-an exact first epoch (dasktrain's default). Prints a Markdown table of
-validation accuracy per epoch and saves the curves (``--figure``). About
-35 minutes on 2 quiet cores with both models.
+five ways: exact; double-buffered as ChainerMN does it (each gradient
+computed at the weights it sees, applied one step later, ``--stale-steps
+plain``); the job's gradient applied a step late but computed one update
+ahead (``predicted``), after an exact first epoch; and corrected stale
+steps (each replica's own gradient at once, the job's mean a step late in
+its place: ``corrected``) from the first step and after an exact first
+epoch (dasktrain's default). Prints a Markdown table of validation
+accuracy per epoch and saves the curves (``--figure``). About 50 minutes
+on 2 quiet cores with both models.
 """
 import argparse
 import json
@@ -21,11 +23,13 @@ from pathlib import Path
 
 WAYS = (('exact', dict(double_buffering=False)),
         ('stale, as ChainerMN', dict(double_buffering=True, exact_warmup=0,
-                                     weight_prediction=False)),
-        ('stale, predicted, from step 1',
+                                     stale_steps='plain')),
+        ('stale, predicted, exact 1st epoch',
+         dict(double_buffering=True, stale_steps='predicted')),
+        ('corrected, from step 1',
          dict(double_buffering=True, exact_warmup=0)),
-        ('stale, predicted, exact 1st epoch (default)',
-         dict(double_buffering=True, exact_warmup='epoch')))
+        ('corrected, exact 1st epoch (default)',
+         dict(double_buffering=True)))
 
 
 def run(work, model, optimizer, extra, args):
@@ -117,7 +121,7 @@ def plot(results, args):
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4),
                              sharey=True, squeeze=False)
     for ax, (model, optimizer) in zip(axes[0], panels):
-        for (way, _), style in zip(WAYS, ('-', ':', '-.', '--')):
+        for (way, _), style in zip(WAYS, ('-', ':', '-.', '--', (0, (5, 1)))):
             curve = results.get((model, optimizer, way))
             if curve is None:
                 continue

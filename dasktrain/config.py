@@ -124,14 +124,19 @@ class TrainConfig:
     #                                 hung peer fails the job, not hangs it
     comm_dtype: str | None = None  # dg across processes: 'float16'
     #                                 halves the bytes of each all-reduce
-    double_buffering: bool = False  # dg across processes: apply the last
-    #                                 step's sum while this one's travels
+    double_buffering: bool = False  # dg across processes: each step's
+    #                                 all-reduce travels while the next
+    #                                 step computes: applied a step late
     exact_warmup: int | str = 'epoch'  # double buffering: exact steps
     #                                 first ('epoch': the first epoch)
-    weight_prediction: bool = True  # double buffering: each stale step's
-    #                                 gradient computed one update ahead,
-    #                                 where it lands; without it momentum
-    #                                 and Adam stall (bench/double_buffering)
+    stale_steps: str = 'corrected'  # double buffering: 'corrected' (each
+    #                                 replica's own gradient now, the job's
+    #                                 mean a step late in its place; within
+    #                                 2 points of exact with momentum too),
+    #                                 'predicted' (the mean a step late, at
+    #                                 weights one update ahead), 'plain'
+    #                                 (ChainerMN's; momentum and Adam stall:
+    #                                 bench/double_buffering.py)
     bucket_mb: float = 4.0          # dg, one replica per process: MiB of
     #                                 gradients all-reduced as one bucket
     #                                 while the backward pass goes on (0:
@@ -215,6 +220,8 @@ class TrainConfig:
                 not isinstance(self.exact_warmup, bool) and
                 self.exact_warmup >= 0):
             fail('exact_warmup', "an int >= 0 or 'epoch'")
+        if self.stale_steps not in ('corrected', 'predicted', 'plain'):
+            fail('stale_steps', "'corrected', 'predicted' or 'plain'")
         if self.optimizer not in OPTIMIZERS:
             fail('optimizer', f'one of {", ".join(OPTIMIZERS)}')
         if self.lr is not None and not (_finite(self.lr) and self.lr > 0):
@@ -271,6 +278,9 @@ class TrainConfig:
         setting)."""
         data = json.loads(text)
         data.pop('data', None)
+        if 'weight_prediction' in data:  # a job written before stale_steps
+            data['stale_steps'] = 'predicted' \
+                if data.pop('weight_prediction') else 'plain'
         if data.get('devices') is not None:
             data['devices'] = tuple(data['devices'])
         return cls(**data)

@@ -375,19 +375,22 @@ def stale_reference(batches, warmup, epoch=None, predict=False,
     (True, 0.05, 0),  # the sums arrive after the step has gone on
     (True, 0.0, 2),   # two exact steps, then stale
 ])
-@pytest.mark.parametrize('predict', [False, True])
+@pytest.mark.parametrize('stale', ['plain', 'predicted', 'corrected'])
 def test_double_buffering_applies_the_previous_step_s_gradient(
-        double_buffering, delay, warmup, predict, float64):
+        double_buffering, delay, warmup, stale, float64):
     batches = [batch(6, seed) for seed in range(6)]
     model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(delay),
                                    double_buffering=double_buffering,
-                                   warmup=warmup, predict=predict)
+                                   warmup=warmup, stale=stale)
     model.setup(chainer.optimizers.SGD(lr=0.1))
     for x, t in batches:  # each rank's half: weighted 1/2, summed x2
         model.step(x, t, total=2 * len(x))
     model.end_epoch()
-    ref = stale_reference(batches, warmup if double_buffering else 99,
-                          predict=predict)
+    # Corrected steps with a peer that computes the same gradient: the
+    # late mean replaces exactly the rank's own: exact dg.
+    late = double_buffering and stale != 'corrected'
+    ref = stale_reference(batches, warmup if late else 99,
+                          predict=stale == 'predicted')
     for key, value in params(ref).items():
         np.testing.assert_allclose(params(model.master)[key], value,
                                    rtol=1e-10, atol=1e-12, err_msg=key)
@@ -399,7 +402,7 @@ def test_double_buffering_warms_up_exact_for_the_first_epoch(float64,
     batches = [batch(6, seed) for seed in range(7)]
     model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(),
                                    double_buffering=True,  # 'epoch'
-                                   predict=False)
+                                   stale='plain')
     model.setup(chainer.optimizers.SGD(lr=0.1))
     for step, (x, t) in enumerate(batches):
         if step in (3, 5):  # epochs of 3, 2 and 2 steps
@@ -430,7 +433,8 @@ def test_weight_prediction_on_two_replicas_with_momentum_across_epochs(
     # update: the hand-written reference, step for step.
     batches = [batch(6, seed) for seed in range(9)]
     model = GPUDistributedGradient(fresh(), ['@numpy'] * 2, comm=Mirror(),
-                                   double_buffering=True, warmup=0)
+                                   double_buffering=True, warmup=0,
+                                   stale='predicted')
     model.setup(chainer.optimizers.MomentumSGD(lr=0.05, momentum=0.9))
     for step, (x, t) in enumerate(batches):
         if step == 5:
@@ -452,12 +456,15 @@ def test_weight_prediction_on_two_replicas_with_momentum_across_epochs(
                for k, v in params(ref).items())
 
 
-def test_weight_prediction_resumes_bit_identical(tmp_path):
+@pytest.mark.parametrize('stale,devices', [('predicted', 1),
+                                            ('corrected', 2)])
+def test_stale_steps_resume_bit_identical(tmp_path, stale, devices):
     batches = [batch(6, seed) for seed in range(12)]
 
     def make():
-        model = GPUDistributedGradient(fresh(), ['@numpy'], comm=Mirror(),
-                                       double_buffering=True, warmup=0)
+        model = GPUDistributedGradient(fresh(), ['@numpy'] * devices,
+                                       comm=Mirror(), double_buffering=True,
+                                       warmup=0, stale=stale)
         model.setup(chainer.optimizers.MomentumSGD(lr=0.05, momentum=0.9))
         return model
 
@@ -480,6 +487,113 @@ def test_weight_prediction_resumes_bit_identical(tmp_path):
                                       err_msg=key)
 
 
+def corrected_reference(batches, n, warmup, epoch, optimizer, lr_at=None):
+    """Delayed gradient averaging by hand on ``n`` models (one per
+    replica): exact dg for ``warmup`` steps (the first model updated, the
+    others copying it), then each model's own mean gradient l_r plus the
+    last step's job mean G minus its own last l_r; at step ``epoch`` and
+    at the end, weights and optimizer state averaged. ``lr_at``: (step,
+    name, value): a learning rate changed."""
+    models = [fresh() for _ in range(n)]
+    optimizers = [optimizer() for _ in range(n)]
+    for o, m in zip(optimizers, models):
+        o.setup(m)
+
+    def named(m):
+        return [p for _, p in sorted(m.namedparams())]
+
+    def average():
+        for ps in zip(*map(named, models)):
+            mean = sum(p.array for p in ps) / n
+            for p in ps:
+                p.array[...] = mean
+            for key in ps[0].update_rule.state:
+                mean = sum(p.update_rule.state[key] for p in ps) / n
+                for p in ps:
+                    p.update_rule.state[key][...] = mean
+    kept = late = None
+    behind = False
+    for step, (x, t) in enumerate(batches):
+        if lr_at and step == lr_at[0]:
+            for o in optimizers:
+                setattr(o, lr_at[1], lr_at[2])
+        if step == epoch and kept is not None:
+            average()
+            kept = None
+        xs, ts = np.array_split(x, n), np.array_split(t, n)
+        local = []
+        for m, xr, tr in zip(models, xs, ts):
+            m.cleargrads()
+            m(xr, tr).backward()
+            local.append([p.grad.copy() for p in named(m)])
+        mean = [sum(len(xr) / len(x) * g for xr, g in zip(xs, gs))
+                for gs in zip(*local)]
+        if step < warmup:
+            for p, g in zip(named(models[0]), mean):
+                p.grad[...] = g
+            optimizers[0].update()
+            for m in models[1:]:
+                for p, q in zip(named(m), named(models[0])):
+                    p.array[...] = q.array
+            behind = True
+            continue
+        if behind:  # the master's optimizer state to the others
+            state = chainer.serializers.DictionarySerializer()
+            optimizers[0].serialize(state)
+            for o in optimizers[1:]:
+                o.serialize(chainer.serializers.NpzDeserializer(
+                    state.target))
+            behind = False
+        for r, (m, o) in enumerate(zip(models, optimizers)):
+            for i, p in enumerate(named(m)):
+                p.grad[...] = local[r][i] if kept is None else \
+                    local[r][i] + late[i] - kept[r][i]
+            o.update()
+        kept, late = local, mean
+    if kept is not None:
+        average()
+    return models
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize('kind,warmup', [('sgd', 0), ('momentum', 0),
+                                         ('adam', 0), ('momentum', 2)])
+@pytest.mark.parametrize('batch_size', [6, 7])  # 7: unequal halves
+def test_corrected_stale_steps_follow_the_hand_written_reference(
+        kind, warmup, batch_size, float64):
+    # Two replicas in one process are two ranks of one replica each: each
+    # its own weights and optimizer between epoch ends, the job's mean a
+    # step late in place of its own gradient; an epoch's end averages
+    # weights and optimizer state. The learning rate changes mid-run on
+    # the master's optimizer only (a schedule): every replica follows.
+    batches = [batch(batch_size, seed) for seed in range(9)]
+    rate = 'alpha' if kind == 'adam' else 'lr'
+    model = GPUDistributedGradient(fresh(), ['@numpy'] * 2,
+                                   double_buffering=True, warmup=warmup)
+    model.setup(make_optimizer(kind))
+    for step, (x, t) in enumerate(batches):
+        if step == 5:
+            model.end_epoch()
+        if step == 7:
+            setattr(model.optimizer, rate, 0.02)
+        model.step(x, t)
+    model.end_epoch()
+    refs = corrected_reference(batches, 2, warmup, 5,
+                               lambda: make_optimizer(kind), (7, rate, 0.02))
+    for replica in model.replicas:
+        for key, value in params(refs[0]).items():
+            np.testing.assert_allclose(params(replica)[key], value,
+                                       rtol=1e-10, atol=1e-12, err_msg=key)
+    # the replicas did differ between epoch ends (it is not exact dg)
+    exact = GPUDistributedGradient(fresh(), ['@numpy'] * 2)
+    exact.setup(make_optimizer(kind))
+    for x, t in batches:
+        exact.step(x, t)
+    assert any(not np.allclose(params(exact.master)[k], v)
+               for k, v in params(refs[0]).items())
+    assert model.drift > 0  # measured before the last average
+
+
 class Normed(chainer.Chain):
     """BatchNorm between two layers: running statistics to keep."""
 
@@ -496,8 +610,9 @@ class Normed(chainer.Chain):
 
 @pytest.mark.equivalence
 @pytest.mark.parametrize('devices', [1, 2])
+@pytest.mark.parametrize('recipe', ['plain', 'corrected'])
 def test_double_buffered_batchnorm_statistics_count_every_batch(
-        devices, float64):
+        devices, recipe, float64):
     # lr 0: parameters never move, so exact and stale training see the
     # same batches through the same weights; their running statistics
     # must agree (they used to hold every other batch).
@@ -507,7 +622,7 @@ def test_double_buffered_batchnorm_statistics_count_every_batch(
         np.random.seed(0)
         model = GPUDistributedGradient(
             chainer.links.Classifier(Normed()), ['@numpy'] * devices,
-            comm=Mirror(), double_buffering=stale, warmup=0)
+            comm=Mirror(), double_buffering=stale, warmup=0, stale=recipe)
         model.setup(chainer.optimizers.SGD(lr=0))
         for x, t in batches:
             model.step(x, t, total=2 * len(x))
@@ -573,7 +688,7 @@ def _flat(calls, dtype=np.float32):
 
 @pytest.mark.parametrize('options', [
     {}, {'bucket_mb': 1e-3}, {'bucket_mb': 1e-3, 'comm_dtype': 'float16'},
-    {'double_buffering': True, 'warmup': 0}], ids=str)
+    {'double_buffering': True, 'warmup': 0, 'stale': 'plain'}], ids=str)
 def test_gradients_are_views_of_flat_buffers_made_once(options):
     # PyTorch DDP's layout: each bucket's gradients travel as one flat
     # buffer, allocated once, summed in place; after the step each master

@@ -195,19 +195,22 @@ def add_arguments(parser):
              'halves the bytes (default: float32, exact)')
     group.add_argument(
         '--double-buffering', action='store_true',
-        help='dg: apply the previous step\'s summed gradient while this '
-             "step's travels (one step stale; ChainerMN's)")
+        help="dg: each step's all-reduce travels while the next step "
+             'computes, so the summed gradient lands a step late (see '
+             '--stale-steps)')
     group.add_argument(
         '--exact-warmup', type=_mix_every_type, default=d.exact_warmup,
         metavar='STEPS',
         help='with --double-buffering: exact steps before the stale ones, '
              "or 'epoch' for the whole first epoch (default: %(default)s)")
     group.add_argument(
-        '--no-weight-prediction', dest='weight_prediction',
-        action='store_false',
-        help='with --double-buffering: compute each stale step at the '
-             'weights it sees, not one update ahead where it is applied '
-             "(ChainerMN's; momentum and Adam may stall)")
+        '--stale-steps', choices=('corrected', 'predicted', 'plain'),
+        default=d.stale_steps,
+        help="with --double-buffering: 'corrected', each replica applies "
+             "its own gradient at once and the job's mean a step late in "
+             "its place; 'predicted', the mean a step late, computed one "
+             "update ahead; 'plain', ChainerMN's (momentum and Adam may "
+             'stall) (default: %(default)s)')
     group.add_argument(
         '--bucket-mb', type=float, default=d.bucket_mb, metavar='MB',
         help='dg with one device per worker: all-reduce the gradients in '

@@ -15,9 +15,11 @@ import copy
 
 import chainer
 import numpy as np
+from chainer.serializers import DictionarySerializer, NpzDeserializer
 
 from dasktrain.parallel.buckets import gradients
 from dasktrain.parallel.comm.base import Solo
+from dasktrain.parallel.correction import LocalCorrection, check_recipe
 from dasktrain.parallel.devices import Clock, resolve_devices, transfer
 from dasktrain.parallel.exchange import GradientExchange, check_exchange
 from dasktrain.parallel.prediction import WeightPrediction
@@ -55,18 +57,23 @@ class GPUDistributedGradient:
         dtype (half the bytes; ChainerMN's ``allreduce_grad_dtype``), then
         cast back. None: as they are (float32).
     double_buffering : bool, default False
-        dg: each step applies the previous step's summed gradient while
-        this step's travels (ChainerMN's; :mod:`~dasktrain.parallel.
-        exchange`): updates are one step stale; :meth:`end_epoch` applies
-        the last, and averages BatchNorm statistics.
+        dg: each step's all-reduce travels while the next step computes
+        (:mod:`~dasktrain.parallel.exchange`), so the job's summed gradient
+        of a step is applied one step late, as ``stale`` says.
     warmup : int or 'epoch', default 'epoch'
         double buffering: exact steps first ('epoch': until the first
         :meth:`end_epoch`).
-    predict : bool, default True
-        double buffering: compute each stale step's gradient at the
-        weights one update ahead, where it will be applied
-        (:mod:`~dasktrain.parallel.prediction`); without it momentum and
-        Adam can stall (``bench/double_buffering.py``).
+    stale : {'corrected', 'predicted', 'plain'}, default 'corrected'
+        double buffering: 'corrected' (delayed gradient averaging,
+        :mod:`~dasktrain.parallel.correction`): every replica applies its
+        own gradient at once and the job's mean a step late in its place,
+        each replica with its own optimizer, all averaged at every
+        :meth:`end_epoch`; 'predicted': the job's mean a step late,
+        computed at the weights one update ahead
+        (:mod:`~dasktrain.parallel.prediction`); 'plain': the job's mean
+        a step late, as ChainerMN does (momentum and Adam can stall,
+        ``bench/double_buffering.py``). The last two apply the step in
+        flight at :meth:`end_epoch`.
     bucket_mb : float, default 0
         dg across processes with one replica here: all-reduce buckets of
         about this many MiB of gradients while back-propagation goes on
@@ -96,7 +103,7 @@ class GPUDistributedGradient:
     def __init__(self, chain, devices, mode='dg', mix_every=None,
                  mix_optimizer_state=False, comm=None, comm_dtype=None,
                  double_buffering=False, bucket_mb=0.0, warmup='epoch',
-                 predict=True):
+                 stale='corrected'):
         if mode not in MODES:
             raise ValueError(f"mode must be 'dg' or 'ipm', got {mode!r}")
         if mix_every is not None and mode != 'ipm':
@@ -109,6 +116,7 @@ class GPUDistributedGradient:
                              f'None, got {mix_every!r}')
         comm_dtype, bucket_mb = check_exchange(comm_dtype, bucket_mb,
                                                warmup)
+        stale = check_recipe(stale)
         devices = resolve_devices(devices)
         self.mode = mode
         self.mix_every = mix_every
@@ -123,8 +131,11 @@ class GPUDistributedGradient:
         self.exchange = GradientExchange(self.group, self.clock, comm_dtype,
                                          bool(double_buffering), bucket_mb,
                                          warmup)
-        self.ahead = WeightPrediction(self.group, double_buffering and
-                                      predict and mode == 'dg')
+        stale = stale if double_buffering and mode == 'dg' else None
+        self.ahead = WeightPrediction(self.group, stale == 'predicted')
+        self.local = LocalCorrection(self.group) \
+            if stale == 'corrected' else None
+        self._others_behind = False  # the master's optimizer updated alone
         self.optimizers = []
         self.iteration = 0
         self.drift = None      # RMS distance of replicas from their mean
@@ -171,7 +182,7 @@ class GPUDistributedGradient:
         if target is None:
             optimizer.setup(self.master)
         self.optimizers = [optimizer]
-        if self.mode == 'ipm':
+        if self.mode == 'ipm' or self.local is not None:
             for replica in self.replicas[1:]:
                 other = copy.deepcopy(template)
                 other.setup(replica)
@@ -255,8 +266,17 @@ class GPUDistributedGradient:
         return False  # exceptions propagate
 
     def flush(self):
-        """Apply the gradient in flight (double buffering; epoch ends)."""
-        self._apply(self.exchange.flush(self.iteration))
+        """Double buffering, at an epoch's end: apply the gradient in
+        flight, or after corrected steps average the replicas (weights,
+        statistics, optimizer state) over the job instead: their mean has
+        taken it already."""
+        summed = self.exchange.flush(self.iteration)
+        if self.local is not None and self.local.active:
+            self.local.forget()
+            squared = self.clock.timed(lambda: self.group.mix(states=True))
+            self.drift = (squared / self.total_replicas) ** 0.5
+        else:
+            self._apply(summed)
         self.ahead.forget()  # what a resumed run knows at this point
 
     def _apply(self, summed):
@@ -265,7 +285,27 @@ class GPUDistributedGradient:
             self.ahead.before_update()
             with chainer.using_device(self.devices[0]):
                 self.optimizer.update()
+            self._others_behind = True
             self.sync_replicas(summed.groups, summed.means)
+
+    def _corrected(self, summed):
+        """A corrected stale step: every replica's optimizer updates it
+        with its own gradient now and the job's mean of the last step
+        (``summed``, None on a first stale step) in place of its own."""
+        if self._others_behind:  # after exact steps: the master's state
+            self._others_behind = False
+            state = DictionarySerializer()
+            self.optimizer.serialize(state)
+            for optimizer in self.optimizers[1:]:
+                optimizer.serialize(NpzDeserializer(state.target))
+        self.local.correct(None if summed is None else
+                           self.exchange.grads())
+        settings = self.optimizer.hyperparam.get_dict()
+        for optimizer, device in zip(self.optimizers, self.devices):
+            for name, value in settings.items():  # a schedule's lr too
+                setattr(optimizer.hyperparam, name, value)
+            with chainer.using_device(device):
+                optimizer.update()
 
     def sync_replicas(self, groups, means):
         """Write averaged statistics and copy the master's parameters."""
@@ -298,7 +338,10 @@ class GPUDistributedGradient:
         if not self.optimizers:
             raise RuntimeError('call setup(optimizer) before update()')
         if self.mode == 'dg':
-            if self.comm.size > 1 or self.exchange.double_buffering:
+            stale = self.exchange.stale(self.iteration)
+            if self.local is not None and stale:
+                self._corrected(self.exchange.step(self.iteration))
+            elif self.comm.size > 1 or self.exchange.double_buffering:
                 self._apply(self.exchange.step(self.iteration))
             else:
                 with chainer.using_device(self.devices[0]):
@@ -338,6 +381,9 @@ class GPUDistributedGradient:
             self(xs, ts, total=total)
             self.backward(overlap=True)
         if self.mode == 'dg':
+            if self.local is not None and \
+                    self.exchange.stale(self.iteration):
+                self.local.keep(self._sizes, self._total)  # before merging
             self.syncgrads()
         self.update()
         self.group.accumulate(self._sizes)

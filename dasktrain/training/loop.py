@@ -230,7 +230,7 @@ def _model(config, comm, devices, n_classes=10):
         comm_dtype=config.comm_dtype,
         double_buffering=config.double_buffering,
         warmup=config.exact_warmup, bucket_mb=config.bucket_mb,
-        predict=config.weight_prediction)
+        stale=config.stale_steps)
     model.setup(make_optimizer(config))
     if config.weight_decay:
         model.add_hook(chainer.optimizer_hooks.WeightDecay(

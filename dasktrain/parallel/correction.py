@@ -1,0 +1,151 @@
+"""Corrected stale steps, double buffering's default: each replica applies
+its own gradient at once and the job's mean one step late, in place of its
+own.
+
+Double buffering hides a step's all-reduce behind the next step's compute,
+so the job's mean gradient of step t is known only at step t+1. Applying it
+then (ChainerMN's way) makes every update one step stale, and heavy-ball
+momentum, or Adam's first moment, turns a stale gradient into divergence
+(``docs/scale-out.md``). Delayed gradient averaging (Zhu et al., NeurIPS
+2021) keeps the fresh part fresh: every replica ``r`` updates its own
+weights with
+
+    g_hat_r(t) = l_r(t) + (G(t-1) - l_r(t-1))
+
+where ``l_r(t)`` is its own mean gradient of step t (of its images) and
+``G(t-1)`` the job's mean gradient of step t-1, just arrived. Summed over
+steps the local terms cancel: after T steps a replica has applied
+``G(0) + ... + G(T-2) + l_r(T-1)``, and with equal shares the replicas'
+mean has applied every ``G`` exactly once. Where every replica's gradient
+equals the job's (the noiseless limit) the update is exact dg's, at exact
+dg's stable learning rates; what is late is only the difference between a
+replica's batch and the job's. Each replica carries its own weights and
+optimizer state between epoch ends (like ipm), and at every epoch's end
+the wrapper averages weights, BatchNorm statistics and optimizer state
+over the job's replicas, so evaluation, checkpoints and the next epoch
+start from one model; for SGD and momentum SGD, linear in the gradients,
+that mean is exactly the exact-dg recurrence driven by the same ``G``.
+
+Owns each replica's kept local gradient and the corrected gradient it
+writes into the replica's parameters; the all-reduce is
+:mod:`~dasktrain.parallel.exchange`'s, the updates and the epoch's mix
+:mod:`~dasktrain.parallel.gradient`'s.
+"""
+import chainer
+
+from dasktrain.parallel.buckets import gradients, parameters
+from dasktrain.parallel.devices import transfer
+
+RECIPES = ('corrected', 'predicted', 'plain')
+
+
+def check_recipe(stale):
+    """Validate GPUDistributedGradient's ``stale`` option."""
+    if stale not in RECIPES:
+        raise ValueError(f"stale must be one of {', '.join(RECIPES)}, got "
+                         f'{stale!r}')
+    return stale
+
+
+class LocalCorrection:
+    """The corrected stale steps of the replicas of ``replicas`` (a
+    :class:`~dasktrain.parallel.replicas.Replicas`).
+
+    Each step, :meth:`keep` takes every replica's own mean gradient (before
+    the replicas' gradients are merged into the master's), and after the
+    exchange :meth:`correct` writes each replica's corrected gradient into
+    its parameters. Two persistent buffers per replica and parameter hold
+    the kept gradients of this step and of the last one; :meth:`forget`
+    (an epoch's end) drops the last.
+
+    Examples
+    --------
+    >>> import numpy as np, chainer.links as L
+    >>> from dasktrain.parallel.comm.base import Solo
+    >>> from dasktrain.parallel.devices import resolve_devices
+    >>> from dasktrain.parallel.replicas import Replicas
+    >>> group = Replicas(L.Linear(1, 1, nobias=True),
+    ...                  resolve_devices(['@numpy']), Solo())
+    >>> local = LocalCorrection(group)
+    >>> group.master.W.grad = np.array([[2.0]], np.float32)
+    >>> local.keep([5], 10)   # 5 images of 10: weighted 1/2, so l = 4
+    >>> local.correct(None)   # nothing arrived yet: l(0)
+    >>> group.master.W.grad
+    array([[4.]], dtype=float32)
+    >>> group.master.W.grad = np.array([[1.0]], np.float32)
+    >>> local.keep([5], 10)   # l(1) = 2
+    >>> local.correct([np.array([[3.0]], np.float32)])  # G(0) = 3
+    >>> group.master.W.grad   # l(1) + G(0) - l(0)
+    array([[1.]], dtype=float32)
+    """
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+        self._params = None   # each replica's parameters, found once
+        self._buffers = None  # [replica][which][parameter]
+        self._now = 0         # which buffer holds this step's
+        self._last = False    # whether the other one holds the last step's
+
+    def _lists(self):
+        if self._params is None:
+            self._params = [parameters(link) for link in self.replicas.links]
+        return self._params
+
+    def keep(self, sizes, total):
+        """Keep each replica's mean gradient of this step: its gradient
+        (weighted by its ``sizes[r]`` images of the job's ``total``) times
+        ``total / sizes[r]``; zeros for a replica without images."""
+        lists, devices = self._lists(), self.replicas.devices
+        if self._buffers is None:
+            self._buffers = []
+            for params, device in zip(lists, devices):
+                with chainer.using_device(device):
+                    self._buffers.append([[device.xp.zeros_like(p.array)
+                                           for p in params]
+                                          for _ in range(2)])
+        self._now = 1 - self._now if self._last else self._now
+        for r, (link, device) in enumerate(zip(self.replicas.links,
+                                               devices)):
+            kept = self._buffers[r][self._now]
+            scale = total / sizes[r] if sizes[r] else 0.0
+            with chainer.using_device(device):
+                for k, g in zip(kept, gradients(link, device,
+                                                params=lists[r])):
+                    device.xp.multiply(g, scale, out=k, casting='unsafe')
+
+    def correct(self, summed):
+        """Write into every replica's gradients its kept gradient of this
+        step, plus ``summed`` (the job's mean gradients of the last step,
+        in :func:`~dasktrain.parallel.buckets.parameters`' order on the
+        master's device; None when none arrived) minus its kept gradient of
+        the last step."""
+        lists, devices = self._lists(), self.replicas.devices
+        master = devices[0]
+        for r, (params, device) in enumerate(zip(lists, devices)):
+            now = self._buffers[r][self._now]
+            if summed is None or not self._last:  # l(t): a fresh copy,
+                with chainer.using_device(device):  # which hooks may scale
+                    for p, k in zip(params, now):
+                        p.grad = k.copy()
+                continue
+            arrived = transfer(summed, master, device)
+            late = self._buffers[r][1 - self._now]
+            with chainer.using_device(device):
+                for p, k, g, old in zip(params, now, arrived, late):
+                    # into the last step's buffer, free once read: l(t) +
+                    # (G(t-1) - l(t-1)), a new gradient, no allocation
+                    device.xp.subtract(g, old, out=old, casting='unsafe')
+                    old += k
+                    p.grad = old
+        self._last = True
+
+    @property
+    def active(self):
+        """Whether a corrected step ran since the last :meth:`forget`: the
+        replicas may differ."""
+        return self._last
+
+    def forget(self):
+        """No last step's gradient to correct (an epoch's end: the wrapper
+        averages the replicas)."""
+        self._last = False
