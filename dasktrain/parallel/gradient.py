@@ -294,10 +294,11 @@ class GPUDistributedGradient:
         (``summed``, None on a first stale step) in place of its own."""
         if self._others_behind:  # after exact steps: the master's state
             self._others_behind = False
-            state = DictionarySerializer()
+            state = DictionarySerializer()  # on the host, no copies
             self.optimizer.serialize(state)
-            for optimizer in self.optimizers[1:]:
-                optimizer.serialize(NpzDeserializer(state.target))
+            for optimizer in self.optimizers[1:]:  # each its own arrays
+                optimizer.serialize(NpzDeserializer(
+                    {k: np.array(v) for k, v in state.target.items()}))
         self.local.correct(None if summed is None else
                            self.exchange.grads())
         settings = self.optimizer.hyperparam.get_dict()
