@@ -289,6 +289,9 @@ def test_local_workers_listen_on_loopback_only_and_require_tls(listening):
         address = client.scheduler.address
         new = listening([me]) - before
         workers = set(client.run(os.getpid).values())
+        # nor do they spend CPU profiling themselves for no one
+        assert set(client.run(lambda: __import__('dask').config.get(
+            'distributed.worker.profile.enabled')).values()) == {False}
         assert address.startswith('tls://127.0.0.1:')
         with pytest.raises(TypeError, match='TLS expects'):
             Client(address, timeout=3)  # no certificates, no connection

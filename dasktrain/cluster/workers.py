@@ -16,6 +16,11 @@ from dasktrain.parallel.gpus import gpu_ids, visible_gpus
 from dasktrain.spawn import check_main_guard
 
 _BLAS_THREADS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
+# Dask's statistical profiler samples every thread's stack each 10 ms and
+# folds them each second: 2-3 % of a CPU rank's time (py-spy, 2 ranks on 2
+# cores), for a profile no one reads in a cluster that lives for one run.
+# A Nanny hands the config it was made under to its worker process.
+_QUIET = {'distributed.worker.profile.enabled': False}
 
 
 @contextlib.contextmanager
@@ -40,6 +45,7 @@ def local_device_workers(devices, blas_threads=1):
         with local_workers(len(devices), blas_threads) as client:
             yield client
         return
+    import dask
     from distributed import Client, Nanny, Scheduler, SpecCluster
     from distributed.security import Security
     count, _ = gpu_count()
@@ -54,9 +60,9 @@ def local_device_workers(devices, blas_threads=1):
         env=dict(env, CUDA_VISIBLE_DEVICES=entries[i]))} for i in ids}
     scheduler = {'cls': Scheduler, 'options': dict(
         common, dashboard_address='127.0.0.1:0')}
-    with restore_default_scheduler(always=True), SpecCluster(
-            workers=workers, scheduler=scheduler,
-            security=security) as cluster:
+    with restore_default_scheduler(always=True), dask.config.set(
+            _QUIET), SpecCluster(workers=workers, scheduler=scheduler,
+                                 security=security) as cluster:
         with Client(cluster, security=security,
                     set_as_default=False) as client:
             client.wait_for_workers(len(ids))
@@ -94,8 +100,9 @@ def local_workers(n, blas_threads=1, dashboard=True, method=None):
         # The preload: a terminal's Ctrl-C reaches every process of its
         # group; the workers leave it to this process, which shuts them
         # down, instead of each printing its own traceback.
-        config = {'distributed.worker.multiprocessing-method': method} \
-            if method else {}
+        config = dict(_QUIET, **{
+            'distributed.worker.multiprocessing-method': method} if method
+            else {})
         with restore_default_scheduler(always=True), dask.config.set(
                 config), LocalCluster(
                 n_workers=n, threads_per_worker=1, processes=True,
