@@ -68,6 +68,7 @@ from dasktrain.parallel.placement import (
     gpus_per_rank,
     place,
     rank_resources,
+    rank_threads,
 )
 from dasktrain.training.checkpoint import prepare_out
 from dasktrain.training.loop import run
@@ -140,7 +141,8 @@ def train(config=None, callbacks=(), client=None, **overrides):
         resolve_devices(placement.devices)
         progress.say(f'training on {placement.ranks} worker processes, one '
                      f'per device ({argument("in_process")}: all in this one)')
-        with local_device_workers(placement.devices) as client:
+        with local_device_workers(placement.devices, rank_threads(
+                placement.ranks, os.cpu_count())) as client:
             return _job(config.replace(workers=placement.ranks,
                                        devices=placement.rank_devices),
                         callbacks, client, progress)

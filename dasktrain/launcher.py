@@ -40,6 +40,7 @@ from dasktrain.cluster.local import connect, restore_default_scheduler
 from dasktrain.cluster.workers import local_device_workers, local_workers
 from dasktrain.errors import UserError, argument
 from dasktrain.parallel.comm.rendezvous import rank_environment
+from dasktrain.parallel.placement import rank_threads
 from dasktrain.ranks import run_rank, variable
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,8 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
                 # No dashboard, workers forked from one that imported
                 # Dask once: a launch's start-up is waited on.
                 client = stack.enter_context(local_workers(
-                    n, dashboard=False, method='forkserver'))
+                    n, rank_threads(n, os.cpu_count()), dashboard=False,
+                    method='forkserver'))
         tls = stack.enter_context(_tls_files(client.security))
         return _run(client, argv, n, bool(gpus), out, timeout, grace, echo,
                     tls, local)

@@ -765,3 +765,12 @@ def test_a_lazily_initialised_model_starts_equal_everywhere(mode, float64):
     for name, value in params(one).items():
         np.testing.assert_allclose(params(model.master)[name], value,
                                    rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_the_parallel_examples_hold():
+    import doctest
+
+    from dasktrain.parallel import correction, flat, prediction
+    for module in (correction, flat, prediction):
+        assert doctest.testmod(module).failed == 0, module.__name__
+        assert doctest.testmod(module).attempted > 0, module.__name__

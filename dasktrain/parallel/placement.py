@@ -108,6 +108,20 @@ def place(config, available=None):
     return Placement(PER_DEVICE, devices, workers, (device,))
 
 
+def rank_threads(ranks, cores):
+    """BLAS threads for each of ``ranks`` CPU processes of one job on a
+    machine of ``cores`` cores: the cores shared out, at least one. One
+    process alone takes every core through BLAS, so N ranks with one
+    thread each would leave a big machine idle and lose to one process.
+
+    >>> rank_threads(2, 2), rank_threads(2, 16), rank_threads(3, 16)
+    (1, 8, 5)
+    >>> rank_threads(4, 2)
+    1
+    """
+    return max(1, int(cores or 1) // max(1, ranks))
+
+
 def gpus_per_rank(devices, workers, asked=None):
     """GPUs each rank of a job on a cluster holds: ``asked`` where given
     (``TrainConfig.gpus_per_worker``, which ``submit --gpus`` sets); else
