@@ -16,15 +16,29 @@ where ``l_r(t)`` is its own mean gradient of step t (of its images) and
 ``G(t-1)`` the job's mean gradient of step t-1, just arrived. Summed over
 steps the local terms cancel: after T steps a replica has applied
 ``G(0) + ... + G(T-2) + l_r(T-1)``, and with equal shares the replicas'
-mean has applied every ``G`` exactly once. Where every replica's gradient
-equals the job's (the noiseless limit) the update is exact dg's, at exact
-dg's stable learning rates; what is late is only the difference between a
-replica's batch and the job's. Each replica carries its own weights and
-optimizer state between epoch ends (like ipm), and at every epoch's end
-the wrapper averages weights, BatchNorm statistics and optimizer state
-over the job's replicas, so evaluation, checkpoints and the next epoch
-start from one model; for SGD and momentum SGD, linear in the gradients,
-that mean is exactly the exact-dg recurrence driven by the same ``G``.
+mean applies exactly ``G(t)`` at every step t: exact dg's recurrence. Each
+replica carries its own weights and optimizer state between epoch ends
+(like ipm), and at every epoch's end the wrapper averages weights,
+BatchNorm statistics and optimizer state over the job's replicas, so
+evaluation, checkpoints and the next epoch start from one model; for SGD
+and momentum SGD, linear in the gradients, that mean is exactly exact dg's
+recurrence driven by the same ``G``.
+
+What is late is only each replica's distance from the mean, and that has
+a smaller stable range: on a quadratic of curvature ``h`` under heavy-ball
+momentum ``m`` the distance obeys ``e(t+1) = (m - lr h) e(t)`` (its steps'
+differences), stable while ``lr h < 1 + m``, half of exact dg's
+``2 (1 + m)``. A run that starts corrected from its first step settles
+where that holds. A run trained exactly first sits at exact dg's edge of
+stability (the sharpness rises until ``lr h`` nears ``2 (1 + m)``, Cohen et
+al., ICLR 2021), and switching straight to corrected steps there throws
+it off (measured: momentum SGD fell to chance for an epoch). So after an
+exact warm-up the correction fades in: ``l_r(t) + w (G(t-1) - l_r(t-1))``
+with ``w`` growing from 0 to 1 over as many steps as the warm-up took
+(:func:`fade_in`). Every ``w`` keeps the replicas' mean exact; at ``w = 0``
+each replica takes its own steps (stable as exact dg, drifting apart by
+its own noise until the epoch's end), and the stable range narrows to
+``2 (1 + m) / (1 + w)`` gradually enough for the training to follow.
 
 Owns each replica's kept local gradient and the corrected gradient it
 writes into the replica's parameters; the all-reduce is
@@ -37,6 +51,22 @@ from dasktrain.parallel.buckets import gradients, parameters
 from dasktrain.parallel.devices import transfer
 
 RECIPES = ('corrected', 'predicted', 'plain')
+
+
+def fade_in(iteration, stale_from):
+    """The correction's weight at step ``iteration`` of a run whose
+    corrected steps began at ``stale_from`` after as many exact ones: it
+    grows from 0 to 1 over as many steps as the exact warm-up took, and is
+    1 at once without a warm-up.
+
+    >>> [fade_in(i, 4) for i in range(4, 10)]
+    [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    >>> fade_in(3, 0)
+    1.0
+    """
+    if stale_from <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (iteration - stale_from) / stale_from))
 
 
 def check_recipe(stale):
@@ -113,12 +143,12 @@ class LocalCorrection:
                                                 params=lists[r])):
                     device.xp.multiply(g, scale, out=k, casting='unsafe')
 
-    def correct(self, summed):
+    def correct(self, summed, weight=1.0):
         """Write into every replica's gradients its kept gradient of this
-        step, plus ``summed`` (the job's mean gradients of the last step,
-        in :func:`~dasktrain.parallel.buckets.parameters`' order on the
-        master's device; None when none arrived) minus its kept gradient of
-        the last step."""
+        step, plus ``weight`` times ``summed`` (the job's mean gradients of
+        the last step, in :func:`~dasktrain.parallel.buckets.parameters`'
+        order on the master's device; None when none arrived) minus its
+        kept gradient of the last step: l(t) + w (G(t-1) - l(t-1))."""
         lists, devices = self._lists(), self.replicas.devices
         master = devices[0]
         for r, (params, device) in enumerate(zip(lists, devices)):
@@ -133,8 +163,10 @@ class LocalCorrection:
             with chainer.using_device(device):
                 for p, k, g, old in zip(params, now, arrived, late):
                     # into the last step's buffer, free once read: l(t) +
-                    # (G(t-1) - l(t-1)), a new gradient, no allocation
+                    # w (G(t-1) - l(t-1)), a new gradient, no allocation
                     device.xp.subtract(g, old, out=old, casting='unsafe')
+                    if weight != 1.0:
+                        old *= weight
                     old += k
                     p.grad = old
         self._last = True

@@ -19,7 +19,11 @@ from chainer.serializers import DictionarySerializer, NpzDeserializer
 
 from dasktrain.parallel.buckets import gradients
 from dasktrain.parallel.comm.base import Solo
-from dasktrain.parallel.correction import LocalCorrection, check_recipe
+from dasktrain.parallel.correction import (
+    LocalCorrection,
+    check_recipe,
+    fade_in,
+)
 from dasktrain.parallel.devices import Clock, resolve_devices, transfer
 from dasktrain.parallel.exchange import GradientExchange, check_exchange
 from dasktrain.parallel.prediction import WeightPrediction
@@ -299,8 +303,9 @@ class GPUDistributedGradient:
             for optimizer in self.optimizers[1:]:  # each its own arrays
                 optimizer.serialize(NpzDeserializer(
                     {k: np.array(v) for k, v in state.target.items()}))
-        self.local.correct(None if summed is None else
-                           self.exchange.grads())
+        self.local.correct(
+            None if summed is None else self.exchange.grads(),
+            fade_in(self.iteration, self.exchange.stale_from))
         settings = self.optimizer.hyperparam.get_dict()
         for optimizer, device in zip(self.optimizers, self.devices):
             for name, value in settings.items():  # a schedule's lr too
