@@ -40,17 +40,19 @@ each replica takes its own steps (stable as exact dg, drifting apart by
 its own noise until the epoch's end), and the stable range narrows to
 ``2 (1 + m) / (1 + w)`` gradually enough for the training to follow.
 
-Owns each replica's kept local gradient and the corrected gradient it
-writes into the replica's parameters; the all-reduce is
-:mod:`~dasktrain.parallel.exchange`'s, the updates and the epoch's mix
+Owns each replica's kept local gradient, the corrected gradient it writes
+into the replica's parameters and the replicas' own updates (their
+optimizers take the master's state after exact steps and follow its
+hyperparameters); the all-reduce is :mod:`~dasktrain.parallel.exchange`'s,
+when a step is stale and the epoch's mix
 :mod:`~dasktrain.parallel.gradient`'s.
 """
 import chainer
+import numpy as np
+from chainer.serializers import DictionarySerializer, NpzDeserializer
 
 from dasktrain.parallel.buckets import gradients, parameters
 from dasktrain.parallel.devices import transfer
-
-RECIPES = ('corrected', 'predicted', 'plain')
 
 
 def fade_in(iteration, stale_from):
@@ -67,14 +69,6 @@ def fade_in(iteration, stale_from):
     if stale_from <= 0:
         return 1.0
     return min(1.0, max(0.0, (iteration - stale_from) / stale_from))
-
-
-def check_recipe(stale):
-    """Validate GPUDistributedGradient's ``stale`` option."""
-    if stale not in RECIPES:
-        raise ValueError(f"stale must be one of {', '.join(RECIPES)}, got "
-                         f'{stale!r}')
-    return stale
 
 
 class LocalCorrection:
@@ -115,6 +109,7 @@ class LocalCorrection:
         self._buffers = None  # [replica][which][parameter]
         self._now = 0         # which buffer holds this step's
         self._last = False    # whether the other one holds the last step's
+        self._behind = False  # the master's optimizer updated alone since
 
     def _lists(self):
         if self._params is None:
@@ -170,6 +165,34 @@ class LocalCorrection:
                     old += k
                     p.grad = old
         self._last = True
+
+    def master_moved(self):
+        """The master's optimizer updated alone (an exact step): the other
+        replicas' optimizers take its state before the next corrected
+        step."""
+        self._behind = True
+
+    def update(self, optimizers, summed, weight=1.0):
+        """One corrected step: :meth:`correct` (``summed``, ``weight``),
+        then every replica's optimizer (``optimizers``, the master's first)
+        updates it on its device. After exact steps the others first take
+        the master's optimizer state, each its own copy; every step they
+        take its hyperparameters (a schedule's learning rate too)."""
+        master = optimizers[0]
+        if self._behind:
+            self._behind = False
+            state = DictionarySerializer()  # host arrays, not copied
+            master.serialize(state)
+            for optimizer in optimizers[1:]:
+                optimizer.serialize(NpzDeserializer(
+                    {k: np.array(v) for k, v in state.target.items()}))
+        self.correct(summed, weight)
+        settings = master.hyperparam.get_dict()
+        for optimizer, device in zip(optimizers, self.replicas.devices):
+            for name, value in settings.items():
+                setattr(optimizer.hyperparam, name, value)
+            with chainer.using_device(device):
+                optimizer.update()
 
     @property
     def active(self):

@@ -6,30 +6,38 @@ one-call :meth:`GPUDistributedGradient.step`, a mean (not summed) merged
 gradient, and an iterative-parameter-mixture mode.
 
 It owns the update, dg and ipm, and mixing; the replicas on their devices
-(and how arrays move between GPUs) are :mod:`~dasktrain.parallel.replicas`'
-and the sums between processes :mod:`~dasktrain.parallel.exchange`'s. It
-starts no process and writes no file (a checkpoint's arrays come and go
-through :meth:`~GPUDistributedGradient.serialize` and ``restore``).
+are :mod:`~dasktrain.parallel.replicas`', the sums between processes
+:mod:`~dasktrain.parallel.exchange`'s, double buffering's late steps
+:mod:`~dasktrain.parallel.stale`'s. It starts no process and writes no
+file (checkpoints go through ``serialize`` and ``restore``).
 """
 import copy
 
 import chainer
 import numpy as np
-from chainer.serializers import DictionarySerializer, NpzDeserializer
 
-from dasktrain.parallel.buckets import gradients
 from dasktrain.parallel.comm.base import Solo
-from dasktrain.parallel.correction import (
-    LocalCorrection,
-    check_recipe,
-    fade_in,
-)
-from dasktrain.parallel.devices import Clock, resolve_devices, transfer
+from dasktrain.parallel.devices import Clock, resolve_devices
 from dasktrain.parallel.exchange import GradientExchange, check_exchange
-from dasktrain.parallel.prediction import WeightPrediction
+from dasktrain.parallel.passes import Passes
 from dasktrain.parallel.replicas import Replicas, load, saved_replicas
+from dasktrain.parallel.stale import StaleSteps, check_recipe
 
 MODES = ('dg', 'ipm')
+
+
+def check_mode(mode, mix_every):
+    """Validate GPUDistributedGradient's ``mode`` and ``mix_every``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'dg' or 'ipm', got {mode!r}")
+    if mix_every is not None and mode != 'ipm':
+        raise ValueError(f"mix_every applies to mode='ipm' only, got "
+                         f'mix_every={mix_every!r} with mode={mode!r}')
+    if not (mix_every is None or mix_every == 'epoch' or
+            (isinstance(mix_every, (int, np.integer)) and
+             not isinstance(mix_every, bool) and mix_every >= 1)):
+        raise ValueError(f"mix_every must be an int >= 1, 'epoch' or "
+                         f'None, got {mix_every!r}')
 
 
 class GPUDistributedGradient:
@@ -62,22 +70,17 @@ class GPUDistributedGradient:
         cast back. None: as they are (float32).
     double_buffering : bool, default False
         dg: each step's all-reduce travels while the next step computes
-        (:mod:`~dasktrain.parallel.exchange`), so the job's summed gradient
-        of a step is applied one step late, as ``stale`` says.
+        (:mod:`~dasktrain.parallel.exchange`): the job's summed gradient
+        of a step arrives one step late.
     warmup : int or 'epoch', default 'epoch'
         double buffering: exact steps first ('epoch': until the first
         :meth:`end_epoch`).
     stale : {'corrected', 'predicted', 'plain'}, default 'corrected'
-        double buffering: 'corrected' (delayed gradient averaging,
-        :mod:`~dasktrain.parallel.correction`): every replica applies its
-        own gradient at once and the job's mean a step late in its place,
-        each replica with its own optimizer, all averaged at every
-        :meth:`end_epoch`; 'predicted': the job's mean a step late,
-        computed at the weights one update ahead
-        (:mod:`~dasktrain.parallel.prediction`); 'plain': the job's mean
-        a step late, as ChainerMN does (momentum and Adam can stall,
-        ``bench/double_buffering.py``). The last two apply the step in
-        flight at :meth:`end_epoch`.
+        double buffering: what a step does with the late sum
+        (:mod:`~dasktrain.parallel.stale`): each replica its own gradient
+        now and the late mean in its place, replicas averaged at every
+        :meth:`end_epoch`; the late mean computed one update ahead; or
+        the late mean as it is (ChainerMN's).
     bucket_mb : float, default 0
         dg across processes with one replica here: all-reduce buckets of
         about this many MiB of gradients while back-propagation goes on
@@ -91,8 +94,8 @@ class GPUDistributedGradient:
 
     Examples
     --------
-    >>> model = GPUDistributedGradient(L.Classifier(net),
-    ...                                [0, 1, 2, 3])  # doctest: +SKIP
+    >>> model = GPUDistributedGradient(L.Classifier(net), [0, 1, 2, 3])
+    ... # doctest: +SKIP
     >>> model.setup(chainer.optimizers.Adam())  # doctest: +SKIP
     >>> loss, accuracy = model.step(x, t)  # doctest: +SKIP
 
@@ -108,16 +111,7 @@ class GPUDistributedGradient:
                  mix_optimizer_state=False, comm=None, comm_dtype=None,
                  double_buffering=False, bucket_mb=0.0, warmup='epoch',
                  stale='corrected'):
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'dg' or 'ipm', got {mode!r}")
-        if mix_every is not None and mode != 'ipm':
-            raise ValueError(f"mix_every applies to mode='ipm' only, got "
-                             f'mix_every={mix_every!r} with mode={mode!r}')
-        if not (mix_every is None or mix_every == 'epoch' or
-                (isinstance(mix_every, (int, np.integer)) and
-                 not isinstance(mix_every, bool) and mix_every >= 1)):
-            raise ValueError(f"mix_every must be an int >= 1, 'epoch' or "
-                             f'None, got {mix_every!r}')
+        check_mode(mode, mix_every)
         comm_dtype, bucket_mb = check_exchange(comm_dtype, bucket_mb,
                                                warmup)
         stale = check_recipe(stale)
@@ -135,18 +129,13 @@ class GPUDistributedGradient:
         self.exchange = GradientExchange(self.group, self.clock, comm_dtype,
                                          bool(double_buffering), bucket_mb,
                                          warmup)
-        stale = stale if double_buffering and mode == 'dg' else None
-        self.ahead = WeightPrediction(self.group, stale == 'predicted')
-        self.local = LocalCorrection(self.group) \
-            if stale == 'corrected' else None
-        self._others_behind = False  # the master's optimizer updated alone
+        self.stale = StaleSteps(self.group, self.exchange, stale if
+                                double_buffering and mode == 'dg' else None)
         self.optimizers = []
         self.iteration = 0
         self.drift = None      # RMS distance of replicas from their mean
         self.drifts = []       # ... before each mix so far
-        self._losses = []
-        self._sizes = []
-        self._total = 0
+        self.passes = Passes(self.group, mode, self.exchange, self.clock)
 
     def __len__(self):
         return len(self.replicas)
@@ -186,7 +175,7 @@ class GPUDistributedGradient:
         if target is None:
             optimizer.setup(self.master)
         self.optimizers = [optimizer]
-        if self.mode == 'ipm' or self.local is not None:
+        if self.mode == 'ipm' or self.stale.own_optimizers:
             for replica in self.replicas[1:]:
                 other = copy.deepcopy(template)
                 other.setup(replica)
@@ -216,47 +205,18 @@ class GPUDistributedGradient:
         """Forward every replica on its part: ``m(xs, ts)`` with one array
         per replica in each argument. Returns the master's loss. ``total``:
         images in the whole job's step (default: these parts')."""
-        parts = list(zip(*args))
-        if len(parts) != len(self):
-            raise ValueError(f'expected one part per replica ({len(self)}), '
-                             f'got {len(parts)}')
-        self._sizes = [len(part[0]) for part in parts]
-        self._total = sum(self._sizes) if total is None else total
-        self.group.initialize(parts)  # lazily initialised links, once
-        self._losses = self.group.forward(parts)
-        return self._losses[0]
+        return self.passes.forward(args, total)
 
     def backward(self, overlap=False):
-        """Back-propagate every replica's loss. In dg mode each loss is
-        weighted by its share of the batch, so the merged gradient is the
-        gradient of the mean loss over the whole batch. With ``overlap``
-        (:meth:`step` across processes), the master's gradient buckets
-        start their all-reduce during its backward pass."""
-        total = self._total
-        for i, (device, loss, size) in enumerate(zip(
-                self.devices, self._losses, self._sizes)):
-            with chainer.using_device(device):
-                if loss is not None and self.mode == 'dg' and size != total:
-                    loss = loss * (size / total)
-                if i == 0 and overlap and self.mode == 'dg':
-                    self.exchange.backward(loss)  # with or without a loss
-                elif loss is not None:
-                    loss.backward()
+        """Back-propagate every replica's loss (in dg weighted by its share
+        of the batch); with ``overlap`` the master's buckets start their
+        all-reduce during its backward pass (:mod:`~dasktrain.parallel.
+        passes`)."""
+        self.passes.backward(overlap)
 
     def syncgrads(self):
         """Add every other replica's gradients into the master's."""
-        def merge():
-            master, device = self.master, self.devices[0]
-            targets = gradients(master, device)
-            for replica, d, size in zip(self.replicas[1:], self.devices[1:],
-                                        self._sizes[1:]):
-                if size:
-                    moved = transfer(gradients(replica, d), d, device)
-                    with chainer.using_device(device):
-                        for target, g in zip(targets, moved):
-                            target += g
-        if len(self.replicas) > 1:
-            self.clock.timed(merge)
+        self.passes.merge()
 
     def __enter__(self):
         self.cleargrads()
@@ -275,43 +235,19 @@ class GPUDistributedGradient:
         statistics, optimizer state) over the job instead: their mean has
         taken it already."""
         summed = self.exchange.flush(self.iteration)
-        if self.local is not None and self.local.active:
-            self.local.forget()
+
+        def average():
             squared = self.clock.timed(lambda: self.group.mix(states=True))
             self.drift = (squared / self.total_replicas) ** 0.5
-        else:
-            self._apply(summed)
-        self.ahead.forget()  # what a resumed run knows at this point
+        self.stale.end_epoch(lambda: self._apply(summed), average)
 
     def _apply(self, summed):
         """dg's update after an exchange (``summed``: None, none yet)."""
         if summed is not None:
-            self.ahead.before_update()
+            self.stale.before_master_update()
             with chainer.using_device(self.devices[0]):
                 self.optimizer.update()
-            self._others_behind = True
             self.sync_replicas(summed.groups, summed.means)
-
-    def _corrected(self, summed):
-        """A corrected stale step: every replica's optimizer updates it
-        with its own gradient now and the job's mean of the last step
-        (``summed``, None on a first stale step) in place of its own."""
-        if self._others_behind:  # after exact steps: the master's state
-            self._others_behind = False
-            state = DictionarySerializer()  # on the host, no copies
-            self.optimizer.serialize(state)
-            for optimizer in self.optimizers[1:]:  # each its own arrays
-                optimizer.serialize(NpzDeserializer(
-                    {k: np.array(v) for k, v in state.target.items()}))
-        self.local.correct(
-            None if summed is None else self.exchange.grads(),
-            fade_in(self.iteration, self.exchange.stale_from))
-        settings = self.optimizer.hyperparam.get_dict()
-        for optimizer, device in zip(self.optimizers, self.devices):
-            for name, value in settings.items():  # a schedule's lr too
-                setattr(optimizer.hyperparam, name, value)
-            with chainer.using_device(device):
-                optimizer.update()
 
     def sync_replicas(self, groups, means):
         """Write averaged statistics and copy the master's parameters."""
@@ -344,9 +280,9 @@ class GPUDistributedGradient:
         if not self.optimizers:
             raise RuntimeError('call setup(optimizer) before update()')
         if self.mode == 'dg':
-            stale = self.exchange.stale(self.iteration)
-            if self.local is not None and stale:
-                self._corrected(self.exchange.step(self.iteration))
+            if self.stale.corrected(self.iteration):
+                self.stale.update(self.iteration, self.optimizers,
+                                  self.exchange.step(self.iteration))
             elif self.comm.size > 1 or self.exchange.double_buffering:
                 self._apply(self.exchange.step(self.iteration))
             else:
@@ -355,7 +291,7 @@ class GPUDistributedGradient:
                 self.syncparams()
         else:
             for optimizer, device, size in zip(self.optimizers, self.devices,
-                                               self._sizes):
+                                               self.passes.sizes):
                 if size:
                     with chainer.using_device(device):
                         optimizer.update()
@@ -382,17 +318,15 @@ class GPUDistributedGradient:
                              f'{len(x)} and {len(t)}')
         xs, ts = self.split(x, t)
         self.cleargrads()  # the seed's protocol, unrolled
-        with self.ahead.shifted(self.exchange.stale(self.iteration) and
-                                self.exchange.pending):
+        with self.stale.shifted(self.iteration):
             self(xs, ts, total=total)
             self.backward(overlap=True)
         if self.mode == 'dg':
-            if self.local is not None and \
-                    self.exchange.stale(self.iteration):
-                self.local.keep(self._sizes, self._total)  # before merging
+            self.stale.keep(self.iteration, self.passes.sizes,
+                            self.passes.total)
             self.syncgrads()
         self.update()
-        self.group.accumulate(self._sizes)
+        self.group.accumulate(self.passes.sizes)
         return self.observed() if observe else None
 
     def take_metrics(self):
@@ -403,7 +337,7 @@ class GPUDistributedGradient:
 
     def observed(self):
         """Batch-weighted mean of the replicas' last loss and accuracy."""
-        return self.group.observed(self._sizes)
+        return self.group.observed(self.passes.sizes)
 
     # -------------------------------------------------------- mixing
 
