@@ -669,3 +669,30 @@ def test_a_users_program_dies_with_a_killed_worker(lab):
         worker.kill()
     wait_until(lambda: not _alive(pid), 15, "bob's program to die")
     assert lab.wait_for(job_id, timeout=120)['state'] == 'lost'
+
+
+def test_a_stopped_shared_cluster_brings_back_every_users_jobs(lab):
+    # Last: it stops and starts the cluster again.
+    job_id = lab.submit('bob', '--', 'sh', '-c', 'exec sleep 300')
+    lab.wait_for(job_id, ('running',))
+    shared = ['--shared', '--shared-dir', str(lab.where.root)]
+    with child([str(CONSOLE), 'cluster', 'stop', '--requeue', *shared],
+               env=lab.env()) as c:
+        assert c.wait(120) == 0, c.stderr()
+        assert f'job {job_id}: queued' in ''.join(c.lines)
+    code, _, err = lab.run('bob', 'jobs')
+    assert (code, err) == (1, f'dasktrain jobs: error: the shared queue at '
+                              f'{lab.where.socket} is not there (No such '
+                              'file or directory); is the shared cluster '
+                              'running? (`sudo dasktrain cluster start '
+                              '--shared` starts it)\n')
+    with child([str(CONSOLE), 'cluster', 'start', *shared, '--port', '0',
+                '--dashboard-port', '0', '--gpus', '0', '--cpu-slots', '3'],
+               env=lab.env(SUDO_UID=str(lab.uid('ann')))) as c:
+        assert c.wait(120) == 0, c.stderr()
+        assert f'requeued job {job_id} (its cluster had gone)' in \
+            ''.join(c.lines)
+    lab.state = json.loads((lab.where.private / 'cluster.json').read_text())
+    lab.wait_for(job_id, ('running',))
+    assert lab.run('ann', 'cancel', job_id)[:2] == (0, f'{job_id}: '
+                                                       'cancelled\n')

@@ -204,13 +204,14 @@ def _wait_for_door(where, timeout):
 
 
 def stop_shared(root=None):
-    """Stop the shared cluster of the place ``root``; its public record
-    and socket go. Returns :func:`~dasktrain.cluster.local.stop_cluster`'s
-    state."""
+    """Stop the shared cluster of the place ``root``; its socket goes, its
+    public record stays (users' clients then say, in one line, that the
+    machine's shared queue is not there, rather than fall back to a
+    cluster of their own). Returns
+    :func:`~dasktrain.cluster.local.stop_cluster`'s state."""
     check_root()
     where = layout(shared_dir(root))
     try:
         return stop_cluster(where.private)
     finally:
-        where.record.unlink(missing_ok=True)
         where.socket.unlink(missing_ok=True)
