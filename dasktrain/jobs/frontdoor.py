@@ -44,6 +44,7 @@ from dasktrain.jobs.protocol import (
     LOG_CHUNK,
     MAX_REQUEST,
     NO_WORKERS,
+    ProtocolError,
     check_request,
     decode,
     encode,
@@ -110,29 +111,36 @@ class FrontDoor(SchedulerPlugin):
                 raw = writer.get_extra_info('socket').getsockopt(
                     socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED)
                 peer = peer_credentials(raw)
-                line = await asyncio.wait_for(reader.readline(), READ_TIMEOUT)
-                request = check_request(decode(line))
+                request = check_request(decode(await self.read(reader)))
                 with flag_names() if request['cli'] else \
                         contextlib.nullcontext():
                     reply = dict(self.serve(peer, request), ok=True)
-            except asyncio.TimeoutError:
-                reply = {'error': f'no request within {READ_TIMEOUT:g} s'}
-            except (ValueError, asyncio.LimitOverrunError):
-                reply = {'error': f'a request is at most '
-                                  f'{MAX_REQUEST // 2 ** 20} MiB'}
             except Error as e:  # the asker's mistake, or a refusal
-                reply = {'error': str(e)}
+                reply = {'ok': False, 'error': str(e)}
             except Exception:  # ours: logged, and one line for the asker
                 logger.exception('dasktrain front door: a request failed')
-                reply = {'error': 'the shared queue failed on this request; '
-                                  "see its scheduler's log"}
-            writer.write(encode({'ok': False, **reply}
-                                if 'ok' not in reply else reply))
+                reply = {'ok': False, 'error': 'the shared queue failed on '
+                                               "this request; see its "
+                                               "scheduler's log"}
+            writer.write(encode(reply))
             await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
         except Exception:  # the asker went away: nothing to tell
             pass
         finally:
             writer.close()
+
+    @staticmethod
+    async def read(reader):
+        """The request's line; ProtocolError if it does not come within
+        :data:`READ_TIMEOUT` or is over the limit."""
+        try:
+            return await asyncio.wait_for(reader.readline(), READ_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise ProtocolError(f'no request within {READ_TIMEOUT:g} s'
+                                ) from None
+        except (ValueError, asyncio.LimitOverrunError):  # over `limit`
+            raise ProtocolError(f'a request is at most '
+                                f'{MAX_REQUEST // 2 ** 20} MiB') from None
 
     def serve(self, peer, request):
         """The answer to one checked ``request`` of ``peer`` (a dict)."""
