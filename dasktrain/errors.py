@@ -51,6 +51,11 @@ def argument(name):
 FLAGS = {'model_args': '--model-arg'}
 
 
+def naming_flags():
+    """Whether messages name flags now (under :func:`flag_names`)."""
+    return _FLAG_NAMES
+
+
 @contextlib.contextmanager
 def flag_names():
     """Within: messages built by :func:`argument` name flags (the CLI)."""

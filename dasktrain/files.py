@@ -1,8 +1,15 @@
 """Files written atomically: a reader sees the old file or the new one,
-never half of either, and a failed write leaves nothing behind. And where
-the checkout's own folders are (``data/``, ``runs/``), from anywhere."""
+never half of either, and a failed write leaves nothing behind; files
+read from a place someone else controls (:func:`read_regular`: never
+through a symlink, never a FIFO, only a regular file of the owner
+expected), and decoded a chunk at a time (:func:`decode_upto`). And
+where the checkout's own folders are (``data/``, ``runs/``), from
+anywhere."""
+import codecs
+import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -29,9 +36,59 @@ def atomic_write(path, write, mode=None):
         raise
 
 
-def write_json(path, obj, indent=4):
+def write_json(path, obj, indent=4, mode=None):
     atomic_write(path, lambda f: f.write(
-        json.dumps(obj, indent=indent).encode() + b'\n'))
+        json.dumps(obj, indent=indent).encode() + b'\n'), mode=mode)
+
+
+def read_regular(path, owner=None, offset=0, limit=None):
+    """The bytes of ``path`` from ``offset`` (at most ``limit``), only if
+    it is a regular file and, where ``owner`` (a uid) is given, that
+    user's: never through a symlink at its last component (a user may
+    plant ``out/log -> /etc/shadow`` where root reads), never blocking on
+    a FIFO. OSError otherwise (ELOOP for a symlink, EINVAL for another
+    kind of file, EPERM for another owner).
+
+    Examples
+    --------
+    >>> read_regular('/etc/hostname', owner=0)  # doctest: +SKIP
+    b'gpu-server\\n'
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                 os.O_CLOEXEC)
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise OSError(errno.EINVAL, 'not a regular file', str(path))
+        if owner is not None and found.st_uid != owner:
+            raise OSError(errno.EPERM, f'owned by uid {found.st_uid}, not '
+                          f'{owner}', str(path))
+        if offset:
+            os.lseek(fd, offset, os.SEEK_SET)
+        chunks, left = [], limit
+        while left is None or left > 0:
+            chunk = os.read(fd, 1 << 20 if left is None else
+                            min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left = None if left is None else left - len(chunk)
+        return b''.join(chunks)
+    finally:
+        os.close(fd)
+
+
+def decode_upto(data, offset):
+    """``(text, offset + bytes decoded)`` of UTF-8 ``data`` read at
+    ``offset``, leaving a character cut at its end for the next read.
+
+    >>> decode_upto('é'.encode()[:1], 10), decode_upto(b'ok', 10)
+    (('', 10), ('ok', 12))
+    """
+    decoder = codecs.getincrementaldecoder('utf-8')('replace')
+    text = decoder.decode(data, final=False)
+    left = len(decoder.getstate()[0])
+    return text, offset + len(data) - left
 
 
 def _is_checkout(folder):

@@ -19,7 +19,10 @@ start`` runs) installs three things in the scheduler process:
 * the read-only jobs page (:mod:`dasktrain.jobs.page`) at ``/dasktrain/jobs``.
 
 On a scheduler it also installs the queue's
-:class:`~dasktrain.jobs.dispatch.Dispatcher`.
+:class:`~dasktrain.jobs.dispatch.Dispatcher`, and in a shared cluster
+(``cluster start --shared`` set ``$DASKTRAIN_SHARED_SERVE``, as root) its
+front door (:class:`~dasktrain.jobs.frontdoor.FrontDoor`), the Unix
+socket every local user submits through.
 
 ``dask worker --preload dasktrain.monitor`` adds the worker's GPU readings
 (:func:`gpu_readings`) to its heartbeats, and its GPUs' ids with who uses
@@ -38,8 +41,10 @@ import os
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dasktrain.gpuuse import USE_METRIC, worker_use
+from dasktrain.cluster.shared import OWNER_ENV, SERVE_ENV
+from dasktrain.gpuuse import USE_METRIC, cluster_use, worker_use
 from dasktrain.jobs.dispatch import Dispatcher
+from dasktrain.jobs.frontdoor import FrontDoor
 from dasktrain.jobs.page import PATH, add_routes
 from dasktrain.jobs.records import EVENTS, STATES, list_jobs
 from dasktrain.parallel.gpus import visible_gpus
@@ -312,6 +317,11 @@ def dask_setup(server):
     server.add_plugin(board)
     queue = Dispatcher()  # the queue's order (its jobs come back by recover)
     server.add_plugin(queue, name=queue.name)
+    if os.environ.get(SERVE_ENV) and os.geteuid() == 0:  # a shared cluster
+        owner = os.environ.get(OWNER_ENV, '')
+        server.add_plugin(FrontDoor(
+            os.environ[SERVE_ENV], int(owner) if owner.isdigit() else None,
+            gpu_use=cluster_use))
     collector = _installed.get('collector')
     if collector is None:
         collector = _installed['collector'] = Collector(server, board)

@@ -25,13 +25,12 @@ import ipaddress
 import json
 import logging
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 from dasktrain.cluster import tls as _tls
 from dasktrain.cluster.guard import starting
+from dasktrain.cluster.processes import kill, running, spawn, wait_for
 from dasktrain.cluster.settings import environment, settings
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
@@ -52,25 +51,27 @@ def home():
     return Path(os.environ.get(HOME_ENV) or Path.home() / '.dasktrain')
 
 
-def state_path():
-    return home() / 'cluster.json'
+def state_path(folder=None):
+    """The record of the cluster in ``folder`` (default :func:`home`)."""
+    return Path(folder or home()) / 'cluster.json'
 
 
-def tls_dir():
+def tls_dir(folder=None):
     """Where the cluster's CA and certificates live: ``home() / 'tls'``."""
-    return home() / 'tls'
+    return Path(folder or home()) / 'tls'
 
 
-def read_state():
-    """The recorded cluster, or None."""
+def read_state(folder=None):
+    """The recorded cluster (of ``folder``, default :func:`home`), or
+    None."""
     try:
-        return json.loads(state_path().read_text())
+        return json.loads(state_path(folder).read_text())
     except (OSError, ValueError):
         return None
 
 
-def _write_state(state):
-    path = state_path()
+def _write_state(state, folder):
+    path = state_path(folder)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, state, indent=2)
 
@@ -190,7 +191,8 @@ def _with_port(host, port):
 def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
                   gpus=None, cpu_slots=1, tls_ca_file=None, tls_cert=None,
                   tls_key=None, insecure=False, timeout=60,
-                  dashboard_host=None, notify=None, busy_mib=None):
+                  dashboard_host=None, notify=None, busy_mib=None,
+                  folder=None, env=None, umask=-1):
     """Start a scheduler and a worker in the background; record them.
 
     Parameters
@@ -218,6 +220,13 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         listens on the network: reach it through an SSH tunnel.
     notify, busy_mib : optional
         See :mod:`dasktrain.cluster.settings`.
+    folder : Path, optional
+        Its state, certificates and logs (default :func:`home`; a shared
+        cluster's own, see :mod:`~dasktrain.cluster.shared`).
+    env : dict, optional
+        Variables added to its processes' environment.
+    umask : int, default -1 (this process's)
+        Its processes' umask.
 
     Returns
     -------
@@ -226,20 +235,22 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         their start times, resources, TLS files, settings.
     """
     extra = settings(notify, busy_mib)  # checked before anything starts
-    with starting(home()):
+    folder = Path(folder or home())
+    with starting(folder):
         return _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
                       tls_cert, tls_key, insecure, timeout, dashboard_host,
-                      extra)
+                      extra, folder, env or {}, umask)
 
 
 def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
-           tls_cert, tls_key, insecure, timeout, dashboard_host, extra):
+           tls_cert, tls_key, insecure, timeout, dashboard_host, extra,
+           folder, more_env, umask):
     given = any((tls_ca_file, tls_cert, tls_key))
     if insecure and given:
         raise ClusterError(f'{argument("insecure")} and the TLS files '
                            'contradict each other; pass one or the other')
-    state = read_state()
-    if state is not None and _running(state):
+    state = read_state(folder)
+    if state is not None and running(state):
         raise ClusterError(f"a cluster is already running at "
                            f"{state['scheduler']}; stop it with `dasktrain "
                            "cluster stop` first")
@@ -250,24 +261,24 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
         tls = {'tls_ca_file': tls_ca_file, 'tls_cert': tls_cert,
                'tls_key': tls_key}
     else:
-        tls = _tls.ensure_certificates(tls_dir(), host)
+        tls = _tls.ensure_certificates(tls_dir(folder), host)
     warning = exposure_warning(host, tls is not None)
     if warning:
         logger.warning(warning)
     gpus = detect_gpus() if gpus is None else gpus
     # CPU slots on every machine: a GPU server runs CPU jobs (--gpus 0) too.
     resources = f'GPU={gpus} CPU={cpu_slots}' if gpus else f'CPU={cpu_slots}'
-    folder = home()
-    (folder / 'logs').mkdir(parents=True, exist_ok=True)
+    logs = folder / 'logs'
+    logs.mkdir(parents=True, exist_ok=True)
     scheduler_file = folder / 'scheduler.json'
     scheduler_file.unlink(missing_ok=True)
-    tls_args, env = [], environment(os.environ, extra)
+    tls_args, env = [], dict(environment(os.environ, extra), **more_env)
     if tls:
         tls_args = ['--tls-ca-file', tls['tls_ca_file'], '--tls-cert',
                     tls['tls_cert'], '--tls-key', tls['tls_key']]
         # Nothing in these processes may fall back to plain TCP.
         env['DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION'] = '1'
-    processes = [_spawn(python('dask',
+    processes = [spawn(python('dask',
         # dasktrain's metrics and jobs page on the dashboard's server
         'scheduler', '--preload', MONITOR, '--host', host,
         '--port', str(port),
@@ -275,12 +286,13 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
                                           dashboard_port),
         '--scheduler-file', str(scheduler_file),
         *(['--protocol', 'tls'] if tls else []), *tls_args),
-        folder / 'logs' / 'scheduler.log', env)]
+        logs / 'scheduler.log', env, umask)]
     try:
-        info = _wait_for(lambda: json.loads(scheduler_file.read_text()),
-                         timeout, 'the scheduler', processes)
+        info = wait_for(lambda: json.loads(scheduler_file.read_text()),
+                        timeout, 'the scheduler', processes, logs,
+                        ClusterError)
         address = info['address']
-        processes.append(_spawn(python(
+        processes.append(spawn(python(
             'dask', 'worker', address, '--preload', MONITOR, '--nworkers', '1',
             # One thread more than slots: a scale-out job's driver holds
             # a thread (and no GPU) while its ranks hold the slots.
@@ -290,97 +302,23 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
             # interface otherwise.
             '--dashboard-address', _with_port(host, 0),
             '--local-directory', str(folder / 'worker-space'),
-            *tls_args), folder / 'logs' / 'worker.log', env))
+            *tls_args), logs / 'worker.log', env, umask))
         client = connect(address, security_from(**tls) if tls else None)
         with client:
-            _wait_for(lambda: worker_info(client) or None,
-                      timeout, 'the worker', processes)
+            wait_for(lambda: worker_info(client) or None, timeout,
+                     'the worker', processes, logs, ClusterError)
             dashboard = client.dashboard_link
     except BaseException:
         for process in processes:
-            _kill(process.pid, process.created)
+            kill(process.pid, process.created)
         raise
     state = {'scheduler': address, 'dashboard': dashboard,
              'pids': [p.pid for p in processes],
              'created': [p.created for p in processes],
              'resources': resources, 'host': host, 'tls': tls,
              'started': time.time(), **extra}
-    _write_state(state)
+    _write_state(state, folder)
     return state
-
-
-def _spawn(argv, log_path, env=None):
-    import psutil
-    log = open(log_path, 'ab')
-    # A session of its own: the cluster outlives the command that started
-    # it, and a Ctrl-C there does not reach it.
-    # In the cluster's own folder: nothing where `cluster start` ran is
-    # importable (dasktrain.spawn).
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, env=env,
-                               cwd=log_path.parent.parent,
-                               start_new_session=True)
-    # With the pid, what tells this process from a later one that the
-    # system gives the same pid.
-    process.created = psutil.Process(process.pid).create_time()
-    return process
-
-
-def _wait_for(probe, timeout, what, processes):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for process in processes:
-            if process.poll() is not None:
-                raise ClusterError(f'{what} exited at start (code '
-                                   f'{process.returncode}); see the logs in '
-                                   f"{home() / 'logs'}")
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            if value := probe():
-                return value
-        time.sleep(0.2)
-    raise ClusterError(f'{what} did not come up within {timeout:.0f} s; '
-                       f"see the logs in {home() / 'logs'}")
-
-
-def _is(pid, created):
-    """Whether ``pid`` is still the process that started at ``created``
-    (and has not exited)."""
-    import psutil
-    try:
-        process = psutil.Process(pid)
-        return abs(process.create_time() - created) < 0.01 and \
-            process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _running(state):
-    """The recorded (pid, start time) pairs that are still those
-    processes; a state without start times matches none."""
-    return [(pid, created) for pid, created in
-            zip(state.get('pids', ()), state.get('created', ()))
-            if _is(pid, created)]
-
-
-def _kill(pid, created, grace=5.0):
-    """SIGTERM a process group, SIGKILL it if it lingers; only while its
-    leader is the process recorded."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if not _is(pid, created):
-            return
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            try:  # reap it if it is our child
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            if not _is(pid, created):
-                return
-            time.sleep(0.1)
 
 
 def cluster_status(address=None):
@@ -394,26 +332,29 @@ def cluster_status(address=None):
                 'dashboard': client.dashboard_link, 'workers': workers}
 
 
-def stop_cluster():
-    """Shut down the recorded cluster and forget it.
+def stop_cluster(folder=None):
+    """Shut down the recorded cluster (of ``folder``, default
+    :func:`home`) and forget it.
 
     Only processes that are still the ones recorded (same pid, same start
     time) are signalled. Returns the recorded state with ``stale`` True
     when none of them was running any more (the record is removed all
     the same).
     """
-    state = read_state()
+    state = read_state(folder)
     if state is None:
         raise ClusterError('no cluster is recorded; nothing to stop')
-    running = _running(state)
-    if running:
+    alive = running(state)
+    if alive:
         try:
+            security = security_from(**state['tls']) if state.get('tls') \
+                else None
             with restore_default_scheduler(always=True), \
-                    connect(state['scheduler'], timeout=5) as client:
+                    connect(state['scheduler'], security, timeout=5) as client:
                 client.shutdown()
         except ClusterError:
             pass  # not answering; the signals below end it
-        for pid, created in running:
-            _kill(pid, created)
-    state_path().unlink(missing_ok=True)
-    return dict(state, stale=not running)
+        for pid, created in alive:
+            kill(pid, created)
+    state_path(folder).unlink(missing_ok=True)
+    return dict(state, stale=not alive)

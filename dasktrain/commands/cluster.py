@@ -1,6 +1,16 @@
 """``dasktrain cluster start|status|stop``: a Dask cluster on this machine,
-with the links to its dashboard, jobs page and metrics."""
+with the links to its dashboard, jobs page and metrics; a cluster of
+your own, or (``--shared``, as root) one queue for every user of the
+machine (:mod:`dasktrain.cluster.shared`)."""
 from dasktrain.commands import Command, Parser, add_jobs_dir, add_scheduler
+
+
+def _add_shared_arguments(parser, what):
+    parser.add_argument('--shared', action='store_true', help=what)
+    parser.add_argument('--shared-dir', metavar='DIR', default=None,
+                        help='with --shared: its machine-wide folder '
+                             '(default: $DASKTRAIN_SHARED_DIR, else '
+                             '/var/lib/dasktrain)')
 
 
 def _add_tls_arguments(parser):
@@ -61,6 +71,10 @@ class Cluster(Command):
                             'no limit)')
         _add_tls_arguments(p)
         add_jobs_dir(p)
+        _add_shared_arguments(p, 'one queue for every user of this machine, '
+                              'each job run as its submitter (as root: '
+                              'sudo); users submit through its socket, '
+                              'never to Dask')
         p.set_defaults(command_parser=p)
         p = actions.add_parser('status', help='the scheduler, dashboard and '
                                'workers')
@@ -79,23 +93,38 @@ class Cluster(Command):
                          help='first wait until its jobs ended (at most S '
                               'seconds, then stop as with --requeue)')
         add_jobs_dir(p)
+        _add_shared_arguments(p, 'the shared cluster (as root: sudo); its '
+                              'jobs are every user\'s')
         p.set_defaults(command_parser=p)
 
     def run(self, args):
         from dasktrain.cluster import local as cluster
+        from dasktrain.cluster import shared
+        if args.action in ('start', 'stop'):
+            if args.shared_dir is not None and not args.shared:
+                args.command_parser.error('--shared-dir needs --shared')
+            if args.shared and args.jobs_dir is not None:
+                args.command_parser.error(
+                    "--jobs-dir and --shared: a shared cluster's jobs are "
+                    'in its --shared-dir')
+            if args.shared:
+                shared.check_root()  # one line, before anything starts
         if args.action == 'start':
             if args.max_gpus_per_user is not None and \
                     args.max_gpus_per_user < 1:  # before anything starts
                 args.command_parser.error(
                     f'--max-gpus-per-user must be >= 1, got '
                     f'{args.max_gpus_per_user}')
-            state = cluster.start_cluster(
+            start = shared.start_shared if args.shared else \
+                cluster.start_cluster
+            more = {'root': args.shared_dir} if args.shared else {}
+            state = start(
                 host=args.host, port=args.port,
                 dashboard_port=args.dashboard_port, gpus=args.gpus,
                 cpu_slots=args.cpu_slots, tls_ca_file=args.tls_ca_file,
                 tls_cert=args.tls_cert, tls_key=args.tls_key,
                 insecure=args.insecure, dashboard_host=args.dashboard_host,
-                notify=args.notify, busy_mib=args.busy_mib)
+                notify=args.notify, busy_mib=args.busy_mib, **more)
             from dasktrain.monitor import links
             tls = ', '.join(state['tls'].values()) if state['tls'] else \
                 'none (--insecure)'
@@ -103,15 +132,24 @@ class Cluster(Command):
                   f"dashboard: {state['dashboard']}")
             for what, link in links(state['dashboard']).items():
                 print(f'{what}: {link}')
+            where = state.get('shared')
             print(f"worker resources: {state['resources']}\n"
-                  f'TLS: {tls}\nrecorded in {cluster.state_path()}')
+                  f'TLS: {tls}\nrecorded in '
+                  f'{where.record if where else cluster.state_path()}')
+            if where:
+                print(f'shared: every user submits through {where.socket}; '
+                      f'their jobs in {where.jobs}')
             if state.get('notify'):
                 from dasktrain.notify import redacted
                 print(f"jobs' ends told to: {redacted(state['notify'])}")
-            self.recover(state, args.jobs_dir, args.max_gpus_per_user)
+            self.recover(state, where.jobs if where else args.jobs_dir,
+                         args.max_gpus_per_user)
         elif args.action == 'status':
+            from dasktrain.jobs.door import front_door
             from dasktrain.monitor import links
-            status = cluster.cluster_status(args.scheduler)
+            door = front_door(args.scheduler)
+            status = door.cluster() if door is not None else \
+                cluster.cluster_status(args.scheduler)
             print(f"scheduler: {status['scheduler']}\n"
                   f"dashboard: {status['dashboard']}")
             for what, link in links(status['dashboard']).items():
@@ -122,12 +160,16 @@ class Cluster(Command):
                 print(f"worker {address} ({worker['name']}): "
                       f"{resources or 'no resources'}, "
                       f"{worker['threads']} threads")
+            if door is not None:
+                print(f'shared: front door {door.path}, owners '
+                      f"{', '.join(status['owners'])}; you are "
+                      f"{status['you']}")
         else:
             state = self.stop(cluster, args)
             if state['stale']:
                 print(f"no cluster was running at {state['scheduler']} (its "
                       'processes are gone); removed the stale record '
-                      f'{cluster.state_path()}')
+                      f"{state['record']}")
             else:
                 print(f"stopped the cluster at {state['scheduler']}")
             for job_id, job_state in state['jobs'].items():
@@ -139,31 +181,40 @@ class Cluster(Command):
         """Set the queue's per-user GPU limit, then requeue the jobs a
         cluster that is gone left queued or running (this user's, in the
         jobs dir)."""
-        from dasktrain.cluster.local import connect
+        from dasktrain.cluster.local import connect, security_from
         from dasktrain.jobs.dispatch import set_user_limit
         from dasktrain.jobs.recover import recover
-        with connect(state['scheduler']) as client:
+        security = security_from(**state['tls']) if state['tls'] else None
+        with connect(state['scheduler'], security) as client:
             if max_gpus_per_user is not None:
                 set_user_limit(client, max_gpus_per_user)
                 print(f'GPUs one user\'s jobs may hold at once: '
                       f'{max_gpus_per_user}')
-            for job in recover(client, jobs_dir):
+            for job in recover(client, jobs_dir,
+                               anyone=bool(state.get('shared'))):
                 print(f'requeued job {job.id} (its cluster had gone)')
 
     @staticmethod
     def stop(cluster, args):
         """Stop the cluster; then record what became of its jobs."""
+        from dasktrain.cluster import shared
         from dasktrain.jobs.recover import live_jobs, settle
-        recorded = cluster.read_state()
+        where = shared.layout(shared.shared_dir(args.shared_dir)) \
+            if args.shared else None
+        folder, jobs_dir = (where.private, where.jobs) if where else \
+            (None, args.jobs_dir)
+        recorded = cluster.read_state(folder)
         # no cluster recorded: stop_cluster says so; no job is touched
         jobs = [] if recorded is None else \
-            live_jobs(args.jobs_dir, recorded['scheduler'])
+            live_jobs(jobs_dir, recorded['scheduler'], anyone=args.shared)
         ended = {}
         if args.wait is not None and jobs:
             print(f'waiting for {len(jobs)} job(s) to end')
             ended = settle(jobs, 'wait',
                            None if args.wait < 0 else args.wait)
-        state = cluster.stop_cluster()
+        state = shared.stop_shared(args.shared_dir) if args.shared else \
+            cluster.stop_cluster()
+        state['record'] = cluster.state_path(folder)
         left = [j for j in jobs if j.id not in ended or ended[j.id] in
                 ('queued', 'running')]
         policy = 'requeue' if args.requeue or args.wait is not None else \

@@ -17,12 +17,20 @@ class Gpus(Command):
         add_jobs_dir(parser)
 
     def run(self, args):
+        from dasktrain.jobs.door import front_door
+        door = front_door(args.scheduler, args.jobs_dir)
+        if door is not None:  # a shared cluster: its front door reads them
+            answer = door.gpus()
+            print(self.table(answer['seen'], answer['running']))
+            return 0
         from dasktrain.cluster.local import connect
         from dasktrain.gpuuse import cluster_use
+        from dasktrain.jobs.asking import running_jobs
         with connect(args.scheduler) as client:
             seen = client.run_on_scheduler(cluster_use)
             address = client.scheduler.address
-        print(self.table(seen, running(args.jobs_dir, address, seen['jobs'])))
+        print(self.table(seen, running_jobs(args.jobs_dir, address,
+                                            seen['jobs'])))
         return 0
 
     @staticmethod
@@ -73,19 +81,3 @@ class Gpus(Command):
 
 def _job(job):
     return f"{job['id']} ({job['name']})" if job else 'free'
-
-
-def running(jobs_dir, address, board):
-    """Summaries of the running jobs on the scheduler at ``address``: the
-    monitor's (``board``), with those the jobs dir holds."""
-    from dasktrain.jobs.records import JobError, list_jobs
-    found = {j['id']: j for j in board if j.get('state') == 'running'}
-    for job in list_jobs(jobs_dir):
-        try:
-            summary = job.summary()
-            if summary['state'] == 'running' and \
-                    job.spec().get('scheduler') == address:
-                found[job.id] = summary
-        except JobError:
-            continue
-    return list(found.values())

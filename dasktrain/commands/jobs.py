@@ -1,5 +1,7 @@
 """The job queue's commands: ``dasktrain submit``, ``jobs`` (the table,
-once or ``--watch``), ``logs``, ``cancel``, ``requeue`` and ``result``."""
+once or ``--watch``), ``logs``, ``cancel``, ``requeue`` and ``result``;
+each asks a cluster of your own or a shared cluster's front door, as
+:func:`dasktrain.jobs.door.front_door` decides."""
 import argparse
 import sys
 import time
@@ -147,14 +149,15 @@ class Jobs(Command):
             args.command_parser.error(
                 f'--interval must be > 0, got {args.interval:g}')
         from dasktrain.jobs.asking import SchedulerPoller, ask_scheduler
+        from dasktrain.jobs.door import rows
         if not args.watch:
-            print(self.table(args.jobs_dir, ask_scheduler))
+            print(self.table(*rows(args.jobs_dir, ask_scheduler)))
             return 0
         clear = '\x1b[H\x1b[2J' if sys.stdout.isatty() else '\n'
         poller = SchedulerPoller(args.interval)
         try:
             while True:
-                table = self.table(args.jobs_dir, poller.ask)
+                table = self.table(*rows(args.jobs_dir, poller.ask))
                 sys.stdout.write(f"{clear}every {args.interval:g} s, Ctrl-C "
                                  f"to stop; {time.strftime('%H:%M:%S')}\n"
                                  f'{table}\n')
@@ -165,55 +168,33 @@ class Jobs(Command):
             return 0
 
     @staticmethod
-    def table(jobs_dir, ask=None):
-        """The jobs table; a job folder that cannot be read is one row
-        'unreadable' and a line with its reason below, never an error.
-
-        ``ask(keys, address)`` says what the scheduler at ``address`` knows
-        of those job keys (None: unreachable); without it the table reads
-        the job folders only."""
-        from dasktrain.jobs.asking import scheduler_view
-        from dasktrain.jobs.records import DONE, JobError, list_jobs
-        jobs, unreadable = [], []
-        for job in list_jobs(jobs_dir):
-            try:  # one bad job folder must not hide the others
-                jobs.append((job, job.spec(), job.status()))
-            except JobError as e:
-                unreadable.append((job, str(e)))
-        live = [(j, spec) for j, spec, s in jobs if s['state'] not in DONE]
-        known = {}
-        if live and ask is not None:
-            known = ask([j.key for j, _ in live], live[0][1].get('scheduler'))
-        rows = [('ID', 'NAME', 'USER', 'STATE', 'GPUS', 'PROGRESS',
-                 'ACCURACY', 'SUBMITTED', 'STARTED', 'ENDED', 'SCHEDULER',
-                 'ESTIMATE', 'REASON')]
-        for job, spec, s in jobs:
-            accuracy = f"{s['accuracy']:.4f}" if s['accuracy'] is not None \
-                else '-'
-            gpus = ','.join(s['gpus']) if s.get('gpus') else \
-                str(spec.get('gpus', '-'))
-            view = (known or {}).get(job.key) or {}
-            seen = '-' if s['state'] in DONE else 'unreachable' \
-                if known is None else scheduler_view(
-                    s['state'], view.get('task'))
-            rows.append((job.id, str(spec.get('name', '-')),
-                         str(spec.get('user', '-')), s['state'], gpus,
-                         f"{s['epoch']}/{s['epochs']}" if s['epochs']
-                         else '-', accuracy,
-                         _when(spec['submitted']), _when(s.get('started')),
-                         _when(s.get('ended')), seen,
-                         estimate_words(s['state'], view),
-                         view.get('reason') or '-'))
-        rows += [(job.id, '-', '-', 'unreadable') + ('-',) * 9
-                 for job, _ in unreadable]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-                 for r in rows]
-        lines += [f'unreadable: {reason}' for _, reason in unreadable]
-        if any(r[11] != '-' for r in rows[1:]):
-            lines.append('ESTIMATE: the queue\'s estimate (#position in '
-                         'line), from --time and measured epoch times')
-        return '\n'.join(lines)
+    def table(rows, unreadable=()):
+        """The jobs table of ``rows`` (as
+        :func:`dasktrain.jobs.asking.job_rows` gives them: a cluster of
+        your own's job folders and scheduler, or a shared cluster's front
+        door); a job folder that cannot be read is one row 'unreadable'
+        and a line with its reason below, never an error."""
+        lines = [('ID', 'NAME', 'USER', 'STATE', 'GPUS', 'PROGRESS',
+                  'ACCURACY', 'SUBMITTED', 'STARTED', 'ENDED', 'SCHEDULER',
+                  'ESTIMATE', 'REASON')]
+        for r in rows:
+            view = r.get('view') or {}
+            lines.append((
+                r['id'], r['name'], r['user'], r['state'], r['gpus'],
+                r['progress'], '-' if r['accuracy'] is None else
+                f"{r['accuracy']:.4f}", _when(r['submitted']),
+                _when(r['started']), _when(r['ended']), r['seen'],
+                estimate_words(r['state'], view), view.get('reason') or '-'))
+        lines += [(job_id, '-', '-', 'unreadable') + ('-',) * 9
+                  for job_id, _ in unreadable]
+        widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
+        text = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                for r in lines]
+        text += [f'unreadable: {reason}' for _, reason in unreadable]
+        if any(r[11] != '-' for r in lines[1:]):
+            text.append('ESTIMATE: the queue\'s estimate (#position in '
+                        'line), from --time and measured epoch times')
+        return '\n'.join(text)
 
 
 class _JobCommand(Command):
@@ -222,8 +203,10 @@ class _JobCommand(Command):
         add_jobs_dir(parser)
 
     def job(self, args):
-        from dasktrain.jobs.records import Job
-        return Job.find(args.id, args.jobs_dir)
+        """The job, from a cluster of your own or a shared cluster's
+        front door (:func:`dasktrain.jobs.door.find` decides)."""
+        from dasktrain.jobs.door import find
+        return find(args.id, args.jobs_dir)
 
 
 class Logs(_JobCommand):
@@ -236,21 +219,23 @@ class Logs(_JobCommand):
                             help='keep printing until the job ends')
 
     def run(self, args):
+        from dasktrain.jobs.asking import ask_scheduler
         from dasktrain.jobs.records import DONE, JobError
-        from dasktrain.jobs.recover import lost_reason
         job = self.job(args)
-        shown, checked = 0, time.monotonic()
+        offset, checked = 0, time.monotonic()
         while True:
             done = job.status()['state'] in DONE
-            text = job.logs()
-            sys.stdout.write(text[shown:])
-            sys.stdout.flush()
-            shown = len(text)
+            while True:  # all there is now, a chunk at a time
+                text, offset = job.read_log(offset)
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                if not text:
+                    break
             if done or not args.follow:
                 return 0
             if time.monotonic() - checked > LOST_CHECK:
                 checked = time.monotonic()
-                reason = lost_reason(job)
+                reason = job.lost_reason(ask_scheduler)
                 if reason:
                     raise JobError(reason)
             time.sleep(0.5)
@@ -298,8 +283,13 @@ class Requeue(_JobCommand):
 
     def run(self, args):
         from dasktrain.cluster.local import connect
+        from dasktrain.jobs.door import front_door
         from dasktrain.jobs.records import JobError
         from dasktrain.jobs.recover import orphans, requeue
+        door = front_door(args.scheduler, args.jobs_dir)
+        if door is not None:  # a shared cluster: its front door decides
+            print(f'{args.id}: queued on {door.requeue(args.id)}')
+            return 0
         job = self.job(args)
         state = job.status()['state']
         if state in ('queued', 'running') and not orphans([job]):
@@ -322,8 +312,8 @@ class Result(_JobCommand):
                             help='wait for the job to end')
 
     def run(self, args):
+        from dasktrain.jobs.asking import ask_scheduler
         from dasktrain.jobs.records import DONE, JobError
-        from dasktrain.jobs.recover import lost_reason
         job = self.job(args)
         status = job.status()
         if status['state'] not in DONE and not args.wait:
@@ -331,7 +321,7 @@ class Result(_JobCommand):
                            f"{status['epoch']}/{status['epochs']}); pass "
                            '--wait to wait for it')
         while status['state'] not in DONE:
-            reason = lost_reason(job)
+            reason = job.lost_reason(ask_scheduler)
             if reason:
                 raise JobError(reason)
             try:

@@ -4,8 +4,12 @@
 :mod:`~dasktrain.jobs.dispatch`), asking the scheduler about it
 (:mod:`~dasktrain.jobs.asking`), requeueing what a scheduler lost
 (:mod:`~dasktrain.jobs.recover`), running it on a worker
-(:mod:`~dasktrain.jobs.worker`) and the live jobs page
-(:mod:`~dasktrain.jobs.page`).
+(:mod:`~dasktrain.jobs.worker`, as its submitter in a shared cluster:
+:mod:`~dasktrain.jobs.runas`) and the live jobs page
+(:mod:`~dasktrain.jobs.page`); a shared cluster's front door
+(:mod:`~dasktrain.jobs.frontdoor`, its wire
+:mod:`~dasktrain.jobs.protocol`) and the choice of queue a client talks
+to (:mod:`~dasktrain.jobs.door`).
 
 Each name below imports its module on first use (importing the package
 loads no dask.distributed). ``submit``, ``recover`` and ``queue`` are
@@ -39,6 +43,8 @@ _EXPORTS = {
     **dict.fromkeys((
         'CHILD', 'child_module', 'run_child', 'run_job'),
         'dasktrain.jobs.worker'),
+    **dict.fromkeys(('DoorJob', 'FrontDoor', 'find', 'front_door'),
+                    'dasktrain.jobs.door'),
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

@@ -2,7 +2,10 @@
 queue's view of each job it holds (position, waiting reason, estimates):
 :func:`scheduler_answer`, :func:`scheduler_states`, :func:`ask_scheduler`,
 :class:`SchedulerPoller` (``jobs --watch``), and :func:`scheduler_view`,
-what a task state means in the jobs table's words.
+what a task state means in the jobs table's words; :func:`job_rows`, the
+jobs table's rows from the job files and that answer, and
+:func:`running_jobs`, the running jobs ``dasktrain gpus`` shows (both
+for a cluster of your own and for a shared cluster's front door).
 
 Owns asking only: it changes nothing on the scheduler or in a job's
 files.
@@ -11,6 +14,7 @@ import threading
 
 from dasktrain.cluster.local import connect
 from dasktrain.jobs.dispatch import HELD, answer
+from dasktrain.jobs.records import DONE, JobError, list_jobs
 
 
 def scheduler_answer(keys, client):
@@ -134,3 +138,58 @@ class SchedulerPoller:
 
     def stop(self):
         self.stopped.set()
+
+
+def job_rows(jobs_dir=None, ask=None):
+    """The jobs table's rows, oldest first: ``(rows, unreadable)``, each
+    row a dict (``id``, ``name``, ``user``, ``state``, ``gpus``,
+    ``progress``, ``accuracy``, ``submitted``, ``started``, ``ended``,
+    ``seen``: what the scheduler knows in words, ``view``: the queue's
+    position, reason and estimates), and ``[(id, reason)]`` of the job
+    folders that cannot be read (one bad folder hides no other).
+
+    ``ask(keys, address)`` says what the scheduler at ``address`` knows
+    of those job keys (None: unreachable); without it the rows come from
+    the job folders only."""
+    jobs, unreadable = [], []
+    for job in list_jobs(jobs_dir):
+        try:
+            jobs.append((job, job.spec(), job.status()))
+        except JobError as e:
+            unreadable.append((job.id, str(e)))
+    live = [(j, spec) for j, spec, s in jobs if s['state'] not in DONE]
+    known = {}
+    if live and ask is not None:
+        known = ask([j.key for j, _ in live], live[0][1].get('scheduler'))
+    rows = []
+    for job, spec, s in jobs:
+        view = (known or {}).get(job.key) or {}
+        rows.append({
+            'id': job.id, 'name': str(spec.get('name', '-')),
+            'user': str(spec.get('user', '-')), 'state': s['state'],
+            'gpus': ','.join(s['gpus']) if s.get('gpus') else
+            str(spec.get('gpus', '-')),
+            'progress': f"{s['epoch']}/{s['epochs']}" if s['epochs']
+            else '-', 'accuracy': s['accuracy'],
+            'submitted': spec['submitted'], 'started': s.get('started'),
+            'ended': s.get('ended'),
+            'seen': '-' if s['state'] in DONE else 'unreachable'
+            if known is None else scheduler_view(s['state'],
+                                                 view.get('task')),
+            'view': {k: v for k, v in view.items() if k != 'task'}})
+    return rows, unreadable
+
+
+def running_jobs(jobs_dir, address, board):
+    """Summaries of the running jobs on the scheduler at ``address``: the
+    monitor's (``board``), with those the jobs dir holds."""
+    found = {j['id']: j for j in board if j.get('state') == 'running'}
+    for job in list_jobs(jobs_dir):
+        try:
+            summary = job.summary()
+            if summary['state'] == 'running' and \
+                    job.spec().get('scheduler') == address:
+                found[job.id] = summary
+        except JobError:
+            continue
+    return list(found.values())

@@ -31,6 +31,7 @@ Owns applying the plan on the scheduler; the rules are
 """
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -379,8 +380,8 @@ def estimated_end(job, spec, status, now):
     epochs = (spec.get('config') or {}).get('epochs')
     if rows and epochs and rows[-1].get('elapsed_time'):
         per_epoch = rows[-1]['elapsed_time'] / max(rows[-1]['epoch'], 1)
-        try:
-            written = (job.folder / 'out' / 'log').stat().st_mtime
+        try:  # never a symlink's target (a user's out/ in a shared cluster)
+            written = os.lstat(job.folder / 'out' / 'log').st_mtime
         except OSError:
             written = now
         return written + per_epoch * max(epochs - rows[-1]['epoch'], 0)

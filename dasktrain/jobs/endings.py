@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from dasktrain.cluster.local import read_state
+from dasktrain.files import read_regular
 from dasktrain.notify import ENV, send_later
 
 logger = logging.getLogger(__name__)
@@ -127,8 +128,11 @@ def ended(folder, before, status):
         where = target(spec)
         if not where:
             return None
-        try:
-            rows = json.loads((folder / 'out' / 'log').read_text())
+        try:  # a shared cluster's out/ is its user's: no symlink followed
+            uid = spec.get('uid')
+            rows = json.loads(read_regular(folder / 'out' / 'log',
+                                           uid if type(uid) is int else None,
+                                           limit=2 ** 26))
             rows = rows if isinstance(rows, list) else []
         except (OSError, ValueError):
             rows = []

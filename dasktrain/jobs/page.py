@@ -27,6 +27,8 @@ from pathlib import Path
 
 from tornado.web import HTTPError, RequestHandler
 
+from dasktrain.jobs.records import Job
+
 POLL_MS = 2000
 CURVE_KEYS = ('epoch', 'main/loss', 'validation/main/loss', 'main/accuracy',
               'validation/main/accuracy')
@@ -106,13 +108,9 @@ class LogHandler(_Handler):
         job = self.board.jobs.get(job_id)
         if job is None:
             raise HTTPError(404)
-        try:
-            rows = json.loads((Path(job['folder']) / 'out' / 'log')
-                              .read_text())
-        except (OSError, ValueError):
-            rows = []  # not trained an epoch yet, or mid-rename
-        if not isinstance(rows, list):
-            rows = []
+        # Not trained an epoch yet, mid-rename, or not a regular file of
+        # the job's user (a symlink planted in a shared cluster): none.
+        rows = Job(job_id, Path(job['folder'])).log_rows()
         self.send_json([{k: r.get(k) for k in CURVE_KEYS}
                         for r in rows if isinstance(r, dict)])
 

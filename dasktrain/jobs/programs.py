@@ -3,9 +3,10 @@
 
 :func:`submit_command` records the program (argv), the submitter's working
 directory and environment (PATH, the active virtualenv or conda, every
-variable, plus ``env`` additions) in the job's private folder (0700:
-secrets in the environment are readable by the submitter only) and queues
-it like a training job. On a worker,
+variable, plus ``env`` additions) in the job's private folder (0700, or a
+shared cluster's root-only file: secrets in the environment are readable
+by the submitter only) and queues it like a training job (a shared
+cluster's through its front door, :mod:`~dasktrain.jobs.door`). On a worker,
 :func:`dasktrain.jobs.worker.run_program` starts it in a new
 process group (its own session) in that directory, with that environment
 and ``CUDA_VISIBLE_DEVICES`` set to exactly its GPUs (none for 0), its
@@ -20,24 +21,26 @@ Owns submitting command jobs; the queue and the records are
 :mod:`~dasktrain.jobs.submit`'s and :mod:`~dasktrain.jobs.records`'; running
 every job :mod:`~dasktrain.jobs.worker`'s.
 """
-import json
 import os
 import re
-import time as clock  # `time` is an argument of submit_command
-from pathlib import Path
+from types import SimpleNamespace
 
+from dasktrain.cluster.local import connect
 from dasktrain.errors import argument
-from dasktrain.jobs.records import (
-    Job,
-    JobError,
-    current_host,
-    current_user,
-    jobs_dir,
-    new_job_id,
+from dasktrain.jobs.door import front_door
+from dasktrain.jobs.folders import PROGRAM, create, me
+from dasktrain.jobs.queue import parse_time
+from dasktrain.jobs.records import Job, JobError, jobs_dir
+from dasktrain.jobs.submit import (
+    after_ids,
+    check_owner,
+    check_resources,
+    queue,
+    queue_options,
 )
+from dasktrain.notify import check_target
 
-KIND = 'program'
-ENV_FILE = 'env.json'  # in the job's 0700 folder: the submitter's only
+KIND = PROGRAM  # job.json's kind of a command job
 
 
 def check_argv(argv):
@@ -105,16 +108,36 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
     >>> job.result()['state']  # doctest: +SKIP
     'finished'
     """
-    from types import SimpleNamespace
+    door = None if client is not None else front_door(scheduler, path)
+    request = command_request(argv, gpus, name, env, cwd, grace, requeue,
+                              notify, time, time_limit)
+    if door is not None:
+        return door.submit(dict(request, after=after_ids(after),
+                                after_any=bool(after_any)))
+    options = queue_options(jobs_dir(path), after, after_any, time,
+                            time_limit)
+    owned = client is None
+    client = client or connect(scheduler)
+    try:
+        check_owner(client)
+        check_resources(client, SimpleNamespace(workers=None), gpus)
+        job_id, folder, spec = create(jobs_dir(path).resolve(), request,
+                                      options, me(), client.scheduler.address)
+        job = Job(job_id, folder)
+        job.announce(client)
+        queue(client, folder, spec)
+        return job
+    finally:
+        if owned:
+            client.close()
 
-    from dasktrain.cluster.local import connect
-    from dasktrain.jobs.submit import (
-        check_owner,
-        check_resources,
-        queue,
-        queue_options,
-    )
-    from dasktrain.notify import check_target
+
+def command_request(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
+                    requeue=False, notify=None, time=None, time_limit=None):
+    """What a command job's submitter decides, checked in their process:
+    the program, their folder (made absolute) and their environment as
+    it is now, plus ``env``. The request
+    :func:`dasktrain.jobs.folders.create` takes, and the front door."""
     argv = check_argv(argv)
     notify = check_target(notify)
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
@@ -126,47 +149,13 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
     cwd = os.path.abspath(cwd or os.getcwd())
     if not os.path.isdir(cwd):
         raise JobError(f'the job would run in {cwd}, which is not a folder')
-    options = queue_options(jobs_dir(path), after, after_any, time,
-                            time_limit)
-    environment = dict(os.environ, **(env or {}))
-    owned = client is None
-    client = client or connect(scheduler)
-    try:
-        check_owner(client)
-        check_resources(client, SimpleNamespace(workers=None), gpus)
-        label = name or Path(argv[0]).name
-        job_id = new_job_id(label)
-        root = jobs_dir(path).resolve()
-        folder = root / job_id
-        spec = {'id': job_id, 'name': label, 'kind': KIND,
-                'user': current_user(), 'host': current_host(),
-                'gpus': gpus, 'workers': None,
-                'command': argv, 'cwd': cwd, 'grace': float(grace),
-                'requeue': bool(requeue), 'notify': notify,
-                'scheduler': client.scheduler.address,
-                'submitted': clock.time(), **options}
-        _make_folder(root, folder, spec, environment)
-        job = Job(job_id, folder)
-        job.announce(client)
-        queue(client, folder, spec)
-        return job
-    finally:
-        if owned:
-            client.close()
-
-
-def _make_folder(root, folder, spec, environment):
-    from dasktrain.jobs.submit import make_folder
-    tmp_env = root / f'.{folder.name}.env'
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp_env, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, 'w') as f:
-            json.dump(environment, f)
-        make_folder(root, folder, spec, {ENV_FILE: tmp_env})
-        os.chmod(folder / ENV_FILE, 0o600)
-    finally:
-        tmp_env.unlink(missing_ok=True)
+    return {'kind': KIND, 'name': name, 'gpus': gpus, 'notify': notify,
+            'time': None if time is None else parse_time(time, 'time'),
+            'time_limit': None if time_limit is None else
+            parse_time(time_limit, 'time_limit'),
+            'command': argv, 'cwd': cwd, 'grace': float(grace),
+            'requeue': bool(requeue),
+            'env': dict(os.environ, **(env or {}))}
 
 
 def describe(spec):

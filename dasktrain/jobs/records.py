@@ -17,8 +17,12 @@ Owns the files, and the two things anyone holding a job may do with the
 scheduler: :meth:`Job.cancel` and :meth:`Job.announce` (queueing is
 :mod:`~dasktrain.jobs.submit`'s, running a job
 :mod:`~dasktrain.jobs.worker`'s). A job folder is made whole (in a
-hidden temp folder, then renamed): a folder without both files, or one
-whose name starts with a dot, is not a job yet.
+hidden temp folder, then renamed: :mod:`~dasktrain.jobs.folders`): a
+folder without both files, or one whose name starts with a dot, is not a
+job yet. What a job's user controls (``out/log``, ``output.log``) is read
+with :func:`dasktrain.files.read_regular`: never through a symlink they
+planted, only a regular file of theirs (a shared cluster's root reads
+them).
 """
 import dataclasses
 import json
@@ -26,13 +30,14 @@ import os
 import pwd
 import re
 import socket
+import stat
 import time
 import uuid
 from pathlib import Path
 
 from dasktrain.cluster.local import connect, home
 from dasktrain.errors import UserError
-from dasktrain.files import write_json
+from dasktrain.files import decode_upto, read_regular, write_json
 from dasktrain.jobs import endings
 
 KEY_PREFIX = 'dasktrain-job-'  # + the job's id: its Dask task's key
@@ -110,7 +115,8 @@ def update_status(folder, **changes):
     status = json.loads(path.read_text())
     before = status.get('state')
     status.update(changes)
-    write_json(path, status)
+    # As private as it was (0600 in a shared cluster's 0711 folder).
+    write_json(path, status, mode=stat.S_IMODE(os.stat(path).st_mode))
     endings.ended(folder, before, status)  # --notify: in the background
     return status
 
@@ -185,10 +191,21 @@ class Job:
         """``job.json``; JobError if it cannot be read."""
         return _read(self.folder, 'job.json')
 
-    def log_rows(self):
-        """The rows of ``out/log`` (none while it is missing or damaged)."""
+    def owner(self):
+        """The uid the job runs as (a shared cluster's ``job.json``), or
+        None (a cluster of your own: yours)."""
         try:
-            rows = json.loads((self.folder / 'out' / 'log').read_text())
+            uid = json.loads((self.folder / 'job.json').read_text()).get('uid')
+        except (OSError, ValueError, AttributeError):
+            return None
+        return uid if type(uid) is int else None
+
+    def log_rows(self):
+        """The rows of ``out/log`` (none while it is missing or damaged,
+        or not a regular file of the job's user)."""
+        try:
+            rows = json.loads(read_regular(self.folder / 'out' / 'log',
+                                           self.owner(), limit=2 ** 26))
         except (OSError, ValueError):
             return []
         ok = isinstance(rows, list) and all(
@@ -301,10 +318,36 @@ class Job:
             pass  # scheduler gone: the flag file stops it on its next run
 
     def logs(self):
+        """The whole ``output.log`` ('' while there is none)."""
+        text, offset = '', 0
+        while True:
+            more, offset = self.read_log(offset)
+            if not more:
+                return text
+            text += more
+
+    def read_log(self, offset=0, limit=2 ** 20):
+        """``(text, next offset)``: ``output.log`` from byte ``offset``, at
+        most ``limit`` bytes of it, cut before a character split at the
+        end (``logs --follow`` asks again from the next offset)."""
         try:
-            return (self.folder / 'output.log').read_text()
+            data = read_regular(self.folder / 'output.log', self.owner(),
+                                offset, limit)
         except OSError:
-            return ''
+            return '', offset
+        return decode_upto(data, offset)
+
+    def lost_reason(self, ask):
+        """Why this job (queued or running) can no longer finish, or None
+        while its scheduler still holds it; ``ask(keys, address)`` as
+        :func:`dasktrain.jobs.asking.ask_scheduler`."""
+        address = self.spec().get('scheduler')
+        known = ask([self.key], address) if address else None
+        if known is not None and self.key in known:
+            return None
+        return (f'job {self.id} can no longer finish: its scheduler '
+                f'({address}) is gone or no longer holds it; `dasktrain '
+                f'requeue {self.id}` hands it to the running cluster')
 
     def result(self, timeout=None, poll=0.5):
         """Wait until the job ends; its summary, or JobError if it failed."""

@@ -14,6 +14,8 @@ why a job can no longer finish, for ``result --wait`` and
 
 Owns those decisions; queueing itself is :mod:`~dasktrain.jobs.submit`'s.
 """
+import os
+import stat
 import time
 
 from dasktrain.files import write_json
@@ -31,16 +33,17 @@ from dasktrain.jobs.submit import queue
 STOP_POLICIES = ('cancel', 'requeue', 'wait')
 
 
-def live_jobs(path=None, scheduler=None):
-    """This user's jobs that are queued or running (on ``scheduler``
-    only, when given); unreadable folders are skipped."""
+def live_jobs(path=None, scheduler=None, anyone=False):
+    """This user's jobs (everyone's with ``anyone``: a shared cluster's)
+    that are queued or running (on ``scheduler`` only, when given);
+    unreadable folders are skipped."""
     found, me = [], current_user()
     for job in list_jobs(path):
         try:
             spec, state = job.spec(), job.status()['state']
         except JobError:
             continue
-        if state in DONE or spec.get('user') != me:
+        if state in DONE or not (anyone or spec.get('user') == me):
             continue
         if scheduler is None or spec.get('scheduler') == scheduler:
             found.append(job)
@@ -66,22 +69,32 @@ def requeue(job, client):
     """Hand ``job`` to the scheduler of ``client`` again: queued anew (a
     training job resumes from its checkpoint), recorded in its files.
     A finished job is refused (JobError)."""
-    status = job.status()
-    if status['state'] == 'finished':
-        raise JobError(f'job {job.id} finished; nothing to requeue')
-    spec = dict(job.spec(), scheduler=client.scheduler.address)
-    (job.folder / 'cancel').unlink(missing_ok=True)
-    write_json(job.folder / 'job.json', spec)
-    update_status(job.folder, state='queued', ended=None, error=None,
-                  gpus=None, worker=None)
+    spec = reset(job, client.scheduler.address)
     job.announce(client)
     queue(client, job.folder, spec)
 
 
-def recover(client, path=None, ask=ask_scheduler):
-    """Requeue on ``client``'s cluster every live job of this user in the
-    jobs dir ``path`` that its scheduler lost; returns them."""
-    lost = orphans(live_jobs(path), ask)
+def reset(job, address):
+    """``job``'s files made queued anew on the scheduler at ``address``
+    (what :func:`requeue` and a shared cluster's front door hand to
+    the queue); its spec. JobError for a finished job."""
+    status = job.status()
+    if status['state'] == 'finished':
+        raise JobError(f'job {job.id} finished; nothing to requeue')
+    spec = dict(job.spec(), scheduler=address)
+    (job.folder / 'cancel').unlink(missing_ok=True)
+    path = job.folder / 'job.json'
+    write_json(path, spec, mode=stat.S_IMODE(os.stat(path).st_mode))
+    update_status(job.folder, state='queued', ended=None, error=None,
+                  gpus=None, worker=None)
+    return spec
+
+
+def recover(client, path=None, ask=ask_scheduler, anyone=False):
+    """Requeue on ``client``'s cluster every live job of this user (of
+    every user with ``anyone``: a shared cluster's) in the jobs dir
+    ``path`` that its scheduler lost; returns them."""
+    lost = orphans(live_jobs(path, anyone=anyone), ask)
     for job in lost:
         requeue(job, client)
     return lost
@@ -119,11 +132,7 @@ def settle(jobs, policy, timeout=None, poll=0.5):
 
 def lost_reason(job, ask=ask_scheduler):
     """Why ``job`` (queued or running) can no longer finish, or None while
-    its scheduler still holds it."""
-    if not orphans([job], ask):
-        return None
-    address = job.spec().get('scheduler')
-    return (f'job {job.id} can no longer finish: its scheduler '
-            f'({address}) is gone or no longer holds it; `dasktrain '
-            f'requeue {job.id}` hands it to the running cluster')
+    its scheduler still holds it (its ``lost_reason``: a shared cluster's
+    job asks its front door)."""
+    return job.lost_reason(ask)
 

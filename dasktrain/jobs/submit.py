@@ -1,7 +1,10 @@
-"""Checking and queueing a job on the scheduler, and asking the scheduler
-about the jobs it holds.
+"""Checking and queueing a training job on the scheduler.
 
-:func:`submit` writes the job's folder (:mod:`~dasktrain.jobs.records`)
+:func:`submit` checks what the submitter asked for in their own process
+(:func:`training_request`: the config, their model and data files read
+as bytes), then either hands that request to a shared cluster's front
+door (:mod:`~dasktrain.jobs.door`, where you have no cluster of your
+own), or writes the job's folder (:func:`dasktrain.jobs.folders.create`)
 and hands one task (:func:`~dasktrain.jobs.worker.run_job`) to the
 scheduler's queue (:mod:`~dasktrain.jobs.dispatch`), which starts it in
 order as one task holding K GPUs. Cancelling is the job's own
@@ -14,31 +17,28 @@ Owns the submitter's side only: it never runs a job (that is
 """
 import json
 import os
-import shutil
-import time as clock  # `time` is an argument of submit
 from pathlib import Path
 
 from dasktrain.cluster.local import connect, worker_info
 from dasktrain.data.datasets import resolve_spec
 from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.errors import argument
-from dasktrain.files import write_json
 from dasktrain.jobs.dispatch import enqueue
+from dasktrain.jobs.door import front_door
+from dasktrain.jobs.folders import create, me
+from dasktrain.jobs.protocol import NO_WORKERS
 from dasktrain.jobs.queue import parse_time
 from dasktrain.jobs.records import (
     KEY_PREFIX,
     Job,
     JobError,
-    current_host,
-    current_user,
     jobs_dir,
-    new_job_id,
     user_name,
 )
 from dasktrain.jobs.worker import run_job
 from dasktrain.notify import check_target
 from dasktrain.parallel.gpus import GpuError, place_devices
-from dasktrain.training.usermodel import is_spec, spec_file, split_spec
+from dasktrain.userspec import is_spec, spec_file
 
 
 def check_resources(client, config, gpus):
@@ -50,23 +50,29 @@ def check_resources(client, config, gpus):
     >>> check_resources(client, TrainConfig(), gpus=3)  # doctest: +SKIP
     JobError: no worker has 3 GPU (largest: 2 among 1 workers); ...
     """
+    check_fits({addr: w.get('resources', {})
+                for addr, w in worker_info(client).items()},
+               config.workers, gpus)
+
+
+def check_fits(resources, workers, gpus):
+    """:func:`check_resources` on the workers' ``resources`` (``{address:
+    {'GPU': n, 'CPU': m}}``) for a job of ``gpus`` (per rank, with
+    ``workers`` ranks; None: one)."""
     resource = 'GPU' if gpus else 'CPU'
     need = max(gpus, 1)
-    workers = worker_info(client)
-    have = {addr: w.get('resources', {}).get(resource, 0)
-            for addr, w in workers.items()}
-    if config.workers is not None:
+    have = {addr: r.get(resource, 0) for addr, r in resources.items()}
+    if workers is not None:
         able = sum(1 for n in have.values() if n >= gpus)
-        if able < config.workers:
+        if able < workers:
             each = f'{gpus} GPUs' if gpus else 'a CPU slot'
-            raise JobError(f'{argument("workers")} {config.workers} needs as '
+            raise JobError(f'{argument("workers")} {workers} needs as '
                            f'many Dask workers with {each}; the cluster has '
                            f'{able}; add workers or lower '
                            f'{argument("workers")}')
     elif not have or max(have.values()) < need:
         largest = max(have.values(), default=0)
-        slots = sum(w.get('resources', {}).get('CPU', 0)
-                    for w in workers.values())
+        slots = sum(r.get('CPU', 0) for r in resources.values())
         instead = (f'pass {argument("gpus")} 0 to take one of the {slots:g} '
                    f'CPU slot{"s" * (slots != 1)} the workers offer, '
                    if gpus and slots else 'ask for fewer, ')
@@ -148,7 +154,9 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     name : str, optional
         A label for listings; default the model's name.
     client : distributed.Client, optional
-        Default: connect to ``scheduler`` or the recorded cluster.
+        Default: connect to ``scheduler`` or the recorded cluster; with
+        neither (nor ``path``), a shared cluster's front door where you
+        have no cluster of your own (see :mod:`dasktrain.jobs.door`).
     scheduler : str, optional
         The scheduler's address, when no ``client`` is given.
     path : str, optional
@@ -186,58 +194,26 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     >>> job.result()['final']['epoch']  # doctest: +SKIP
     2
     """
-    if not isinstance(gpus, int) or gpus < 0:
-        raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
-    notify = check_target(notify)
-    check_devices(config, gpus)
+    door = None if client is not None else front_door(scheduler, path)
+    if door is not None and (config.workers is not None or extra):
+        raise JobError(NO_WORKERS if config.workers is not None else
+                       'a shared cluster runs no search\'s trials '
+                       '(`dasktrain tune`): use a cluster of your own')
+    request = training_request(config, gpus, name, notify, time, time_limit)
+    if door is not None:
+        return door.submit(dict(request, after=after_ids(after),
+                                after_any=bool(after_any)))
     options = queue_options(jobs_dir(path), after, after_any, time,
                             time_limit)
-    if is_spec(config.model):  # the user's model: one line if wrong, here
-        from dasktrain.training.models import resolve_model  # Chainer: now
-        config = config.replace(model=resolve_model(config.model,
-                                                    config.model_args))
-    # The data: its spec checked and made absolute here (the job runs in
-    # its own folder).
-    config = config.replace(dataset=resolve_spec(config.dataset))
     owned = client is None
     client = client or connect(scheduler)
     try:
         check_owner(client)
         if check:
             check_resources(client, config, gpus)
-        model_name = split_spec(config.model)[1] \
-            if is_spec(config.model) else config.model
-        label = name or model_name
-        job_id = new_job_id(label)
-        root = jobs_dir(path).resolve()
-        folder = root / job_id
-        # A model file as it is now: editing it later changes no job.
-        files = {}
-        source = spec_file(config.model) if is_spec(config.model) else None
-        if source is not None:
-            files[f'model/{source.name}'] = source
-            config = config.replace(
-                model=f'{folder / "model" / source.name}:{model_name}')
-        source = dataset_file(config.dataset)  # a dataset function's too
-        if source is not None:
-            files[f'data/{source.name}'] = source
-            config = config.replace(dataset=f'{folder / "data" / source.name}'
-                                            f':{split_spec(config.dataset)[1]}')
-        # Paths as the submitter meant them: the job runs in its folder.
-        config = config.replace(out=str(folder / 'out'), resume=True,
-                                progress=True,
-                                data_dir=os.path.abspath(config.data_dir))
-        if config.workers is not None:  # every rank holds `gpus`
-            config = config.replace(gpus_per_worker=gpus)
-        spec = {
-            'id': job_id, 'name': label,
-            'user': current_user(), 'host': current_host(), 'gpus': gpus,
-            'workers': config.workers,
-            'config': json.loads(config.to_json()),
-            'scheduler': client.scheduler.address,
-            'submitted': clock.time(), 'notify': notify, **options,
-            **(extra or {})}
-        make_folder(root, folder, spec, files)
+        job_id, folder, spec = create(
+            jobs_dir(path).resolve(), request, options, me(),
+            client.scheduler.address, extra)
         job = Job(job_id, folder)
         # Before the task: the scheduler sees 'queued' before 'running'.
         job.announce(client)
@@ -248,28 +224,56 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
             client.close()
 
 
-def make_folder(root, folder, spec, files=None):
-    """Write the job's folder whole: in a hidden temp folder, renamed into
-    place once both files are there (readers never see half a job), and
-    readable by its owner only (its logs and weights are the owner's);
-    a failure (a full disk) leaves nothing behind."""
-    tmp = root / f'.{folder.name}.tmp'
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir(mode=0o700)
-        for name, source in (files or {}).items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, tmp / name)
-        write_json(tmp / 'job.json', spec)
-        write_json(tmp / 'status.json', {
-            'state': 'queued', 'attempts': 0, 'gpus': None,
-            'worker': None, 'started': None, 'ended': None,
-            'error': None})
-        os.rename(tmp, folder)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise JobError(f'cannot write the job to {root}: {e.strerror} '
-                       f'({argument("path")} names the jobs dir)') from None
+def after_ids(after):
+    """``after`` (job ids, or ``'ID,ID'``) as a list of ids.
+
+    >>> after_ids('a, b,'), after_ids(None)
+    (['a', 'b'], [])
+    """
+    if isinstance(after, str):
+        after = after.split(',')
+    return [str(a).strip() for a in after or () if str(a).strip()]
+
+
+def training_request(config, gpus=1, name=None, notify=None, time=None,
+                     time_limit=None):
+    """What a training job's submitter decides, checked in the
+    submitter's process (as that user): the config with its user's model
+    and data checked and made absolute, and their files read (a shared
+    cluster's root never opens a file a user names). The request
+    :func:`dasktrain.jobs.folders.create` takes, and the front door."""
+    if not isinstance(gpus, int) or gpus < 0:
+        raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
+    notify = check_target(notify)
+    check_devices(config, gpus)
+    for value, what in ((time, 'time'), (time_limit, 'time_limit')):
+        if value is not None:
+            parse_time(value, what)
+    if is_spec(config.model):  # the user's model: one line if wrong, here
+        from dasktrain.training.models import resolve_model  # Chainer: now
+        config = config.replace(model=resolve_model(config.model,
+                                                    config.model_args))
+    # The data: its spec checked and made absolute here (the job runs in
+    # its own folder).
+    config = config.replace(dataset=resolve_spec(config.dataset),
+                            data_dir=os.path.abspath(config.data_dir))
+    # A model file as it is now: editing it later changes no job.
+    files = {}
+    for key, source in (('model', spec_file(config.model)
+                         if is_spec(config.model) else None),
+                        ('dataset', dataset_file(config.dataset))):
+        if source is not None:
+            try:
+                files[key] = (source.name, source.read_bytes())
+            except OSError as e:
+                raise JobError(f'cannot read {argument(key)} file {source} '
+                               f'({e.strerror})') from None
+    return {'kind': 'train', 'name': name, 'gpus': int(gpus),
+            'notify': notify,
+            'time': None if time is None else parse_time(time, 'time'),
+            'time_limit': None if time_limit is None else
+            parse_time(time_limit, 'time_limit'),
+            'config': json.loads(config.to_json()), 'files': files}
 
 
 def _uid():

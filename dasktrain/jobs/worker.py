@@ -6,7 +6,9 @@ a command job's program (:func:`run_program`, see
 The task picks the GPUs no other job on its worker holds and runs the
 job's child module (``job.json``'s ``child``, default this one) with
 ``CUDA_VISIBLE_DEVICES`` set to them, always with ``--resume``: a job that
-Dask reruns after its worker died continues from its last checkpoint. The
+Dask reruns after its worker died continues from its last checkpoint. In
+a shared cluster the child runs as the job's submitter
+(:mod:`~dasktrain.jobs.runas`), given its spec on stdin. The
 child trains the job's config; what it prints goes to the job's
 ``output.log``, which is why this module, a process of its own, prints.
 
@@ -34,8 +36,17 @@ from dasktrain.jobs.records import (
     DONE,
     PRUNED,
     Job,
+    JobError,
     Pruned,
     update_status,
+)
+from dasktrain.jobs.runas import (
+    cannot_start,
+    environment,
+    job_user,
+    last_line,
+    open_output,
+    popen_options,
 )
 from dasktrain.parallel.gpus import (
     VISIBLE,
@@ -43,7 +54,7 @@ from dasktrain.parallel.gpus import (
     job_environment,
     place_devices,
 )
-from dasktrain.spawn import die_with_parent, python
+from dasktrain.spawn import python
 
 CHILD = 'dasktrain.jobs.worker'  # the child module of a plain job
 # Child modules that job folders written by earlier versions name, and
@@ -106,6 +117,11 @@ def run_job(folder, gpus=None):
     if not module.startswith('dasktrain.'):  # job.json names code
         return update_status(folder, state='failed', ended=time.time(),
                              error=f'{module!r} is not ours')['state']
+    try:
+        user = job_user(spec)  # a shared cluster's: its submitter
+    except JobError as e:
+        return update_status(folder, state='failed', ended=time.time(),
+                             error=str(e))['state']
     job = Job(spec['id'], folder)
     rows = job.log_rows()
     gpus = GpuPool.acquire(spec['gpus'], want=want) \
@@ -119,12 +135,15 @@ def run_job(folder, gpus=None):
     log_path = folder / 'out' / 'log'
     seen = _mtime(log_path)
     # The child sees exactly its GPUs (as 0..k-1), or none at all.
-    env = job_environment(dict(os.environ, PYTHONUNBUFFERED='1'), gpus)
+    env = job_environment(environment(dict(os.environ, PYTHONUNBUFFERED='1'),
+                                      user), gpus)
     start = f'resuming after epoch {rows[-1]["epoch"]}' if rows else \
         'starting'
+    # Its submitter cannot read root's job.json: the spec comes on stdin.
+    argv = python(module, folder) + (['--spec-stdin'] if user else [])
     child = None
     try:
-        with open(folder / 'output.log', 'ab') as log:
+        with open_output(folder, user) as log:
             log.write(f'=== attempt {attempt} on {worker}, GPUs '
                       f'{",".join(ids) or "none"} '
                       f'(CUDA_VISIBLE_DEVICES='
@@ -132,11 +151,21 @@ def run_job(folder, gpus=None):
                       f'{start}'
                       f' ===\n'.encode())
             log.flush()
-            child = subprocess.Popen(
-                python(module, folder), cwd=folder, stdout=log,
-                stderr=subprocess.STDOUT, env=env,
-                stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+            try:
+                child = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                    stdin=subprocess.PIPE if user else subprocess.DEVNULL,
+                    **popen_options(user, folder))
+            except (OSError, subprocess.SubprocessError) as e:
+                error = cannot_start(argv[0], user, e)
+                log.write(f'error: {error}\n'.encode())
+                update_status(folder, state='failed', error=error,
+                              ended=time.time())
+                job.announce()
+                return 'failed'
             _children[child.pid] = job.id
+            if user:
+                _hand(child, spec)
             while child.poll() is None:
                 if (folder / 'cancel').exists():
                     child.terminate()
@@ -156,8 +185,8 @@ def run_job(folder, gpus=None):
             state, error = 'pruned', None
         else:
             state = 'failed'
-            lines = (folder / 'output.log').read_text().strip().splitlines()
-            error = lines[-1] if lines else f'exit code {child.returncode}'
+            error = last_line(folder, user) or \
+                f'exit code {child.returncode}'
         # Recorded before the GPUs are free: the next job starts after it.
         update_status(folder, state=state, error=error, ended=time.time())
         job.announce()
@@ -165,6 +194,15 @@ def run_job(folder, gpus=None):
         _children.pop(child.pid if child is not None else None, None)
         GpuPool.release(gpus)
     return state
+
+
+def _hand(child, spec):
+    """Give the child its spec on stdin, then close it."""
+    try:
+        with child.stdin:
+            child.stdin.write(json.dumps(spec).encode())
+    except OSError:  # it died at once: its exit code tells
+        pass
 
 
 def exit_words(returncode):
@@ -198,15 +236,23 @@ def run_program(folder, spec, status, gpus, worker):
                             'resumes by itself')
         job.announce()
         return 'lost'
+    try:
+        user = job_user(spec)  # a shared cluster's: its submitter
+    except JobError as e:
+        update_status(folder, state='failed', error=str(e),
+                      ended=time.time())
+        job.announce()
+        return 'failed'
     ids = [g.id for g in gpus]
     attempt = status['attempts'] + 1
     update_status(folder, state='running', attempts=attempt, gpus=ids,
                   worker=worker, started=status['started'] or time.time())
     job.announce()
     env = json.loads((folder / 'env.json').read_text())
-    env = job_environment(dict(env, PYTHONUNBUFFERED='1'), gpus)
+    env = job_environment(environment(dict(env, PYTHONUNBUFFERED='1'), user,
+                                      recorded=True), gpus)
     cancelled = None
-    with open(folder / 'output.log', 'ab') as log:
+    with open_output(folder, user) as log:
         log.write(f'=== attempt {attempt} on {worker}, GPUs '
                   f'{",".join(ids) or "none"} (CUDA_VISIBLE_DEVICES='
                   f'{env["CUDA_VISIBLE_DEVICES"]!r}), in {spec["cwd"]}: '
@@ -214,11 +260,12 @@ def run_program(folder, spec, status, gpus, worker):
         log.flush()
         try:
             child = subprocess.Popen(
-                spec['command'], cwd=spec['cwd'], env=env, stdout=log,
+                spec['command'], env=env, stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=die_with_parent)
-        except OSError as e:  # no such program, not executable
-            error = f'cannot start {spec["command"][0]}: {e.strerror}'
+                start_new_session=True, **popen_options(user, spec['cwd']))
+        except (OSError, subprocess.SubprocessError) as e:
+            # no such program, not executable; its folder not enterable
+            error = cannot_start(spec['command'][0], user, e, spec['cwd'])
             log.write(f'error: {error}\n'.encode())
             update_status(folder, state='failed', error=error,
                           ended=time.time())
@@ -289,8 +336,8 @@ def _group_alive(pgid):
 
 
 def _mtime(path):
-    try:
-        return path.stat().st_mtime_ns
+    try:  # a symlink's own time: its target may be anyone's
+        return os.lstat(path).st_mtime_ns
     except OSError:
         return None
 
@@ -306,7 +353,7 @@ def _log_devices(devices):
                                       for d in devices), flush=True)
 
 
-def run_child(folder, callbacks=()):
+def run_child(folder, callbacks=(), spec=None):
     """The child process: train the job's config, calling ``callbacks``
     after each epoch; one line for a user's mistake, the whole traceback
     for anything else. Returns the exit code: 0, 1, or
@@ -317,7 +364,8 @@ def run_child(folder, callbacks=()):
     --------
     >>> sys.exit(run_child(folder, callbacks=[reporter]))  # doctest: +SKIP
     """
-    spec = json.loads((Path(folder) / 'job.json').read_text())
+    if spec is None:  # a shared cluster's child is given it: see run_job
+        spec = json.loads((Path(folder) / 'job.json').read_text())
     config = TrainConfig.from_json(json.dumps(spec['config']))
     if config.workers is not None:
         # Across workers each rank takes its worker's free GPUs itself.
@@ -347,4 +395,5 @@ def run_child(folder, callbacks=()):
 
 
 if __name__ == '__main__':
-    sys.exit(run_child(sys.argv[1]))
+    sys.exit(run_child(sys.argv[1], spec=json.load(sys.stdin)
+                       if sys.argv[2:] == ['--spec-stdin'] else None))

@@ -1,0 +1,96 @@
+"""The background processes of a recorded cluster: started in a session
+of their own (:func:`spawn`), waited for (:func:`wait_for`), told from a
+later process the system gives the same pid (:func:`is_process`,
+:func:`running`), and ended, only while still the ones recorded
+(:func:`kill`).
+
+Owns those mechanics only; which processes a cluster runs, and its
+record, are :mod:`~dasktrain.cluster.local`'s.
+"""
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+from dasktrain.errors import UserError
+
+
+def spawn(argv, log_path, env=None, umask=-1):
+    """Start ``argv`` in the background, its output appended to
+    ``log_path``, in the folder above that log's folder; ``umask`` for
+    the process (-1: this one's). The process gets ``created``, its
+    start time."""
+    import psutil
+    log = open(log_path, 'ab')
+    # A session of its own: the cluster outlives the command that started
+    # it, and a Ctrl-C there does not reach it.
+    # In the cluster's own folder: nothing where `cluster start` ran is
+    # importable (dasktrain.spawn).
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env=env,
+                               cwd=log_path.parent.parent,
+                               start_new_session=True, umask=umask)
+    # With the pid, what tells this process from a later one that the
+    # system gives the same pid.
+    process.created = psutil.Process(process.pid).create_time()
+    return process
+
+
+def wait_for(probe, timeout, what, processes, logs, error=UserError):
+    """``probe()``'s first true value within ``timeout`` seconds; ``error``
+    naming ``what`` and the ``logs`` folder when one of ``processes``
+    exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for process in processes:
+            if process.poll() is not None:
+                raise error(f'{what} exited at start (code '
+                            f'{process.returncode}); see the logs in {logs}')
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if value := probe():
+                return value
+        time.sleep(0.2)
+    raise error(f'{what} did not come up within {timeout:.0f} s; see the '
+                f'logs in {logs}')
+
+
+def is_process(pid, created):
+    """Whether ``pid`` is still the process that started at ``created``
+    (and has not exited)."""
+    import psutil
+    try:
+        process = psutil.Process(pid)
+        return abs(process.create_time() - created) < 0.01 and \
+            process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def running(state):
+    """The recorded (pid, start time) pairs that are still those
+    processes; a state without start times matches none."""
+    return [(pid, created) for pid, created in
+            zip(state.get('pids', ()), state.get('created', ()))
+            if is_process(pid, created)]
+
+
+def kill(pid, created, grace=5.0):
+    """SIGTERM a process group, SIGKILL it if it lingers; only while its
+    leader is the process recorded."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not is_process(pid, created):
+            return
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:  # reap it if it is our child
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            if not is_process(pid, created):
+                return
+            time.sleep(0.1)
