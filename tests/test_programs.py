@@ -149,16 +149,54 @@ def _alive(pid):
 
 
 def test_a_worker_killed_under_a_program_leaves_it_lost(cluster, tmp_path):
+    # ... and takes every process of the job with it: the program's, its
+    # shell's background child, and one that left the session (setsid).
     worker = cluster.worker(gpus=0, resources='CPU=1', nthreads=1)
+    pids = tmp_path / 'pids'
+    script = (f'sleep 300 & echo $! > {pids}.1; '
+              f'setsid sh -c "echo \\$\\$ > {pids}.2; exec sleep 300" & '
+              f'{sys.executable} -c "import os, time; '
+              f"open('{pids}.3', 'w').write(str(os.getpid())); "
+              f"print('up', flush=True); time.sleep(300)\"")
     with Client(cluster.address) as client:
         client.wait_for_workers(1)
-        job = submit_command([sys.executable, '-c',
-                              'import time; print("up", flush=True); '
-                              'time.sleep(300)'], gpus=0, client=client,
+        job = submit_command(['sh', '-c', script], gpus=0, client=client,
                              path=tmp_path / 'j')
         started(job, 'up')
-        os.killpg(worker.pid, signal.SIGKILL)
+        wait_until(lambda: all(os.path.exists(f'{pids}.{i}') and
+                               open(f'{pids}.{i}').read().strip()
+                               for i in (1, 2, 3)), 30, 'the pids written')
+        children = [int(open(f'{pids}.{i}').read()) for i in (1, 2, 3)]
+        try:
+            assert all(_alive(pid) for pid in children)
+            os.killpg(worker.pid, signal.SIGKILL)
+            for pid in children:
+                wait_until(lambda pid=pid: not _alive(pid), 30, f'{pid} gone')
+        finally:
+            for pid in children:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
         cluster.worker(gpus=0, resources='CPU=1', nthreads=1)  # Dask reruns
     status = wait_for_end(job)
     assert status['state'] == 'lost'
     assert 'died while it ran' in status['error']
+
+
+def test_what_a_program_leaves_running_ends_with_it(cluster, tmp_path):
+    # A job is over when its program is: a background process it left
+    # (a shell's `cmd &`) does not hold the worker's GPUs on.
+    cluster.worker(gpus=0, resources='CPU=1', nthreads=1)
+    pid = tmp_path / 'pid'
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        job = submit_command(['sh', '-c', f'sleep 300 & echo $! > {pid}'],
+                             gpus=0, grace=2, client=client,
+                             path=tmp_path / 'j')
+    status = wait_for_end(job)
+    left = int(pid.read_text())
+    try:
+        assert status['state'] == 'finished'
+        wait_until(lambda: not _alive(left), 10, 'the sleep gone')
+    finally:
+        if _alive(left):
+            os.kill(left, signal.SIGKILL)

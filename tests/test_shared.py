@@ -663,7 +663,10 @@ def test_a_users_program_dies_with_a_killed_worker(lab):
     pid = _pid(lab.job(job_id))
     program = psutil.Process(pid)
     assert program.uids().real == lab.uid('bob')
-    worker = program.parent()  # the worker process, root's
+    keeper = program.parent()  # the job's keeper (leash.py), root's
+    assert 'dasktrain.jobs.leash' in keeper.cmdline()
+    assert keeper.uids().real == 0 and keeper.environ() == {}
+    worker = keeper.parent()  # the worker process, root's
     assert worker.uids().real == 0
     with contextlib.suppress(psutil.NoSuchProcess):
         worker.kill()

@@ -7,15 +7,17 @@ variable, plus ``env`` additions) in the job's private folder (0700, or a
 shared cluster's root-only file: secrets in the environment are readable
 by the submitter only) and queues it like a training job (a shared
 cluster's through its front door, :mod:`~dasktrain.jobs.door`). On a worker,
-:func:`dasktrain.jobs.worker.run_program` starts it in a new
-process group (its own session) in that directory, with that environment
-and ``CUDA_VISIBLE_DEVICES`` set to exactly its GPUs (none for 0), its
-output into ``output.log``. The exit code decides the end: 0 ``finished``,
-else ``failed (exit 3)`` or ``failed (killed by SIGKILL)``. A cancel sends
-SIGTERM to the whole group, then SIGKILL after ``grace`` seconds, and says
-which; a shell's children go with it. A program whose worker died under it
-is ``lost`` (Dask would start it again from scratch elsewhere), unless it
-was submitted with ``requeue=True``, for programs that resume themselves.
+:func:`dasktrain.jobs.worker.run_program` starts it under its keeper
+(:mod:`~dasktrain.jobs.leash`, in a session of its own) in that directory,
+with that environment and ``CUDA_VISIBLE_DEVICES`` set to exactly its GPUs
+(none for 0), its output into ``output.log``. The exit code decides the
+end: 0 ``finished``, else ``failed (exit 3)`` or ``failed (killed by
+SIGKILL)``. A cancel sends SIGTERM to every process of the job, then
+SIGKILL after ``grace`` seconds, and says which; nothing the program
+started outlives the job, nor its worker. A program whose worker died
+under it is ``lost`` (Dask would start it again from scratch elsewhere),
+unless it was submitted with ``requeue=True``, for programs that resume
+themselves.
 
 Owns submitting command jobs; the queue and the records are
 :mod:`~dasktrain.jobs.submit`'s and :mod:`~dasktrain.jobs.records`'; running

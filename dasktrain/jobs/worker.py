@@ -32,6 +32,7 @@ from pathlib import Path
 
 from dasktrain.config import TrainConfig
 from dasktrain.errors import Error
+from dasktrain.jobs import leash
 from dasktrain.jobs.records import (
     DONE,
     PRUNED,
@@ -251,35 +252,32 @@ def run_program(folder, spec, status, gpus, worker):
     env = json.loads((folder / 'env.json').read_text())
     env = job_environment(environment(dict(env, PYTHONUNBUFFERED='1'), user,
                                       recorded=True), gpus)
-    cancelled = None
+    cancelled, grace = None, spec.get('grace', 30.0)
     with open_output(folder, user) as log:
         log.write(f'=== attempt {attempt} on {worker}, GPUs '
                   f'{",".join(ids) or "none"} (CUDA_VISIBLE_DEVICES='
                   f'{env["CUDA_VISIBLE_DEVICES"]!r}), in {spec["cwd"]}: '
                   f'{" ".join(spec["command"])} ===\n'.encode())
         log.flush()
+        # Its keeper (leash.py): nothing the program starts outlives it.
+        child, report = leash.start(spec['command'], env, grace, log, user,
+                                    spec['cwd'])
+        _children[child.pid] = job.id
         try:
-            child = subprocess.Popen(
-                spec['command'], env=env, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, **popen_options(user, spec['cwd']))
-        except (OSError, subprocess.SubprocessError) as e:
-            # no such program, not executable; its folder not enterable
-            error = cannot_start(spec['command'][0], user, e, spec['cwd'])
+            while child.poll() is None:
+                if cancelled is None and (folder / 'cancel').exists():
+                    cancelled = leash.stop(child, grace)
+                    log.write(f'=== cancelled: {cancelled} ===\n'.encode())
+                time.sleep(0.2)
+        finally:
+            _children.pop(child.pid, None)
+        error = leash.start_error(report)
+        if error is not None:  # no such program; its folder not enterable
             log.write(f'error: {error}\n'.encode())
             update_status(folder, state='failed', error=error,
                           ended=time.time())
             job.announce()
             return 'failed'
-        _children[child.pid] = job.id
-        try:
-            while child.poll() is None:
-                if cancelled is None and (folder / 'cancel').exists():
-                    cancelled = stop_group(child, spec.get('grace', 30.0))
-                    log.write(f'=== cancelled: {cancelled} ===\n'.encode())
-                time.sleep(0.2)
-        finally:
-            _children.pop(child.pid, None)
     words = exit_words(child.returncode)
     if cancelled is not None:
         state, error = stopped_state(folder, cancelled)
@@ -305,34 +303,6 @@ def stopped_state(folder, how):
     if not reason:
         return 'cancelled', how
     return 'failed', f'{reason}: {how}' if how else reason
-
-
-def stop_group(child, grace):
-    """SIGTERM to ``child``'s whole process group, SIGKILL to what is left
-    after ``grace`` seconds; returns what it took, in words."""
-    try:
-        os.killpg(child.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return 'it had ended'
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if child.poll() is not None and not _group_alive(child.pid):
-            return 'stopped by SIGTERM'
-        time.sleep(0.1)
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return 'stopped by SIGTERM'
-    child.wait()
-    return f'SIGTERM ignored for {grace:g} s: killed by SIGKILL'
-
-
-def _group_alive(pgid):
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _mtime(path):
