@@ -8,9 +8,10 @@ into its view once (:meth:`FlatBuckets.fill`; in float16, scaled by its
 power of two on the way), the communicator sums the buffers in place (one
 array per dtype: nothing re-flattened, one host transfer per buffer), and
 :meth:`FlatBuckets.bind` makes each parameter's gradient the view of the
-summed buffer (no copy back), or, in float16, a new array holding the
-unscaled sum (one copy out). Two copies where there were four (gradient,
-a copy to send, the communicator's flat buffer, the copy, the gradient).
+summed buffer (no copy back), or, in float16, an array of its own
+holding the unscaled sum (one copy out). Two copies where there were four
+(gradient, a copy to send, the communicator's flat buffer, the copy, the
+gradient).
 
 In float16 each bucket's buffer ends with one *probe* per array (each
 rank's largest magnitude at its scale, :mod:`~dasktrain.parallel.wire`),
@@ -103,6 +104,7 @@ class FlatBuckets:
                        for key, count in sorted(mine.items())}
                       for mine in counts]
         self.buffers = [list(mine.values()) for mine in by_key]
+        self._decoded = {}  # float16's sums, decoded: by parameter index
         self.probes = [mine[np.dtype(wire).str][-len(bucket):]
                        for mine, bucket in zip(by_key, self.plan)] \
             if probes else None
@@ -150,23 +152,28 @@ class FlatBuckets:
     def bind(self, k, params, scales=1.0):
         """After the sum: each parameter of bucket ``k`` (``params``, all
         the master's) takes its view as its gradient where the dtypes
-        match; else (float16 on the wire) a new array, the view divided by
-        its scale (a power of two: exact). A new array, not the gradient
-        the parameter had: that one may still be needed to send the
-        bucket again (double buffering's float16 sums are judged a step
-        later)."""
+        match; else (float16 on the wire) its decoded array: the view
+        times the inverse of its scale (a power of two: exact), computed
+        in the gradient's dtype, in an array of these buffers' own (made
+        once), not in the gradient the parameter had: that one may be
+        needed to send the bucket again (double buffering's float16 sums
+        are judged a step later, and its two buffer sets alternate)."""
         scales = scales if isinstance(scales, list) else \
             [scales] * len(self.plan[k])
+        xp = self.device.xp
         with chainer.using_device(self.device):
             for i, s in zip(self.plan[k], scales):
                 p, view = params[i], self.views[i]
                 if view.dtype == p.array.dtype and s == 1.0:
                     p.grad = view
                     continue
-                grad = view.astype(p.array.dtype)  # a copy, in any case
-                if s != 1.0:
-                    grad /= s
-                p.grad = grad
+                out = self._decoded.get(i)
+                if out is None:
+                    out = self._decoded[i] = xp.empty_like(p.array)
+                # dtype=: computed in the gradient's dtype, never float16's
+                xp.multiply(view, 1.0 / s, out=out, dtype=out.dtype,
+                            casting='unsafe')
+                p.grad = out
 
 
 def _quiet(xp):
