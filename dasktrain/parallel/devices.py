@@ -111,13 +111,17 @@ def synchronize_streams(devices):
     """Wait until this thread's current stream on every GPU among
     ``devices`` has finished (its kernels), not the whole device: work on
     other streams, such as a side stream's all-reduce, goes on. CuPy's
-    current stream is per thread and per device
-    (``cupy.cuda.get_current_stream(device_id)``)."""
+    current stream is per thread and per device, and each GPU is made
+    current for its own: CuPy's ``Stream.null`` is one object for every
+    device (``cuda/stream.pyx``: ``ptr = 0, device_id = -1``), and
+    ``cudaStreamSynchronize(0)`` waits for the legacy stream of the
+    *current* device."""
     gpus = gpus_of(devices)
     if gpus:
         import cupy
         for gpu in gpus:
-            cupy.cuda.get_current_stream(gpu.id).synchronize()
+            with gpu:
+                cupy.cuda.get_current_stream().synchronize()
 
 
 class Clock:
