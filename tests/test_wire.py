@@ -267,3 +267,26 @@ def test_float16_runs_resume_bit_identical(tmp_path, options):
     for (key, a), (_, b) in zip(sorted(whole.master.namedparams()),
                                 sorted(resumed.master.namedparams())):
         np.testing.assert_array_equal(a.array, b.array, err_msg=key)
+
+
+def test_gradients_too_small_for_any_scale_cost_no_extra_collectives():
+    # 1e-38 (float32's normal floor) needs a scale past 2**126: the
+    # largest stands, no all-gather every step for what cannot improve.
+    shapes, plan = [(5,), (40,)], [[0, 1]]
+    magnitudes = [[1e-38, 1.0]] * 6
+    ranks, results = Ranks(2), [None, None]
+
+    def run(rank):
+        results[rank] = _rank(Threaded(ranks, rank), len(magnitudes), plan,
+                              shapes, magnitudes, seed=rank)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for step in range(2, len(magnitudes)):
+        assert results[0][step][3] == {'allreduce': 1}, step
+        grads, sums = [r[step][0] for r in results], results[0][step][1]
+        want = grads[0][0].astype(np.float64) + grads[1][0]
+        assert np.abs(sums[0] - want).max() <= 2.0 ** -9 * sum(
+            np.abs(g[0]).max() for g in grads)

@@ -107,21 +107,33 @@ def clamp(k):
     return max(-KMAX, min(KMAX, int(k)))
 
 
-def ideal(bounds, ranks, wire=np.float16):
-    """Each array's exponent ``k`` for the exact ``bounds`` (the sum over
-    the ranks of each array's largest magnitude, from an all-gather): the
-    largest with ``2**k * F * bound <= fmax / 2``; 0 (a scale of 1) where
-    the bound is 0 (the sum is 0 at any scale) or not finite (a NaN or inf
-    gradient travels as it is, as in float32).
+def raw_ideal(bound, ranks, wire=np.float16):
+    """The largest ``k`` with ``2**k * F * bound <= fmax / 2``, not yet
+    clamped to KMAX (how far beyond it matters to the prediction); None
+    where ``bound`` is 0 (the sum is 0 at any scale) or not finite (a NaN
+    or inf gradient travels as it is, as in float32).
 
-    >>> ideal([1.0, 0.0, float('nan')], 4)
-    [14, 0, 0]
+    >>> raw_ideal(1.0, 4), raw_ideal(2.0 ** -140, 2), raw_ideal(0.0, 2)
+    (14, 154, None)
+    """
+    if not (math.isfinite(bound) and bound > 0):
+        return None
+    return floor_log2(float(np.finfo(wire).max) /
+                      (2 * spread(ranks)) / bound)
+
+
+def ideal(bounds, ranks, wire=np.float16):
+    """Each array's exponent for the exact ``bounds`` (the sum over the
+    ranks of each array's largest magnitude, from an all-gather):
+    :func:`raw_ideal` within KMAX, 0 (a scale of 1) where it has none.
+
+    >>> ideal([1.0, 0.0, float('nan'), 2.0 ** -140], 4)
+    [14, 0, 0, 126]
     >>> 4 * 3.0 * 2.0 ** ideal([4 * 3.0], 4)[0] <= 65504
     True
     """
-    top = float(np.finfo(wire).max) / (2 * spread(ranks))
-    return [clamp(floor_log2(top / b)) if math.isfinite(b) and b > 0
-            else 0 for b in bounds]
+    raw = [raw_ideal(b, ranks, wire) for b in bounds]
+    return [0 if r is None else clamp(r) for r in raw]
 
 
 def judge(probes, used, ranks, wire=np.float16):
@@ -142,22 +154,33 @@ def judge(probes, used, ranks, wire=np.float16):
         ``now``: per array, the exponent to send it at again, or None where
         its sum stands; ``ask``: per array, whether ``P`` cannot tell (the
         exact maxima must be all-gathered first); ``after``: the exponent
-        predicted for the next step (None where it must ask).
+        predicted for the next step (None where it must ask). A scale at
+        its limit stands where no other could do better: gradients below
+        2**-100 or so at 2**KMAX, and at 2**-KMAX (warned) ones beyond
+        float16 at any scale.
 
     Examples
     --------
     Steady, 4-fold growth, 8-fold growth (sent again 1 bit lower), a
-    probe past float16 (ask), all zero:
+    probe past float16 (ask), all zero, too small to tell at the largest
+    scale:
 
-    >>> judge([0.25, 1.0, 2.0, float('inf'), 0.0], [0, 0, 0, 0, 5], 2)
-    ([None, None, -1, None, None], [False, False, False, True, False], [0, -2, -3, None, 5])
-    """  # noqa: E501
+    >>> judge([0.25, 1.0, 2.0, float('inf'), 0.0, 1e-6],
+    ...       [0, 0, 0, 0, 5, 126], 2)  # doctest: +NORMALIZE_WHITESPACE
+    ([None, None, -1, None, None, None],
+     [False, False, False, True, False, False], [0, -2, -3, None, 5, 126])
+    """
     fmax = float(np.finfo(wire).max)
     top = fmax / (2.0 ** (probe_exponent(ranks) + 1) * spread(ranks))
     now, ask, after = [], [], []
     for p, k in zip(probes, used):
         p = float(p)
-        if p == 0 or math.isnan(p):  # all zero, or a NaN that travels
+        stuck = (math.isinf(p) and k <= -KMAX) or \
+            (p < ranks * TINY * 2 and k >= KMAX)
+        if p == 0 or math.isnan(p) or stuck:  # zero, NaN, no better scale
+            if stuck and math.isinf(p):
+                logger.warning('a gradient beyond float16 even at a scale '
+                               'of 2**-%d: its sum is inf', KMAX)
             now.append(None), ask.append(False), after.append(k)
             continue
         if math.isinf(p) or p < ranks * TINY * 2:  # P cannot tell
@@ -173,7 +196,7 @@ def judge(probes, used, ranks, wire=np.float16):
         again = new < k or new > k + GUARD + SLACK
         now.append(new if again else None)
         ask.append(False)
-        after.append(clamp(new - GUARD))
+        after.append(clamp(raw - GUARD))
     return now, ask, after
 
 
@@ -185,14 +208,14 @@ def settle_asked(used, bounds, ranks, wire=np.float16):
     >>> settle_asked([0, 3], [1.0, float('inf')], 2)
     ([14, None], [12, 3])
     """
-    exact = ideal(bounds, ranks, wire)
     now, after = [], []
-    for k, b, e in zip(used, bounds, exact):
-        if not (math.isfinite(b) and b > 0):
+    for k, b in zip(used, bounds):
+        raw = raw_ideal(b, ranks, wire)
+        if raw is None:
             now.append(None), after.append(k)
             continue
-        now.append(e if e != k else None)
-        after.append(clamp(e - GUARD))
+        now.append(clamp(raw) if clamp(raw) != k else None)
+        after.append(clamp(raw - GUARD))
     return now, after
 
 
@@ -201,12 +224,12 @@ def first(bounds, ranks, wire=np.float16):
     ``bounds`` (an all-gather before sending) and the next step's
     prediction.
 
-    >>> first([1.0, 0.0], 2)
-    ([14, 0], [12, 0])
+    >>> first([1.0, 0.0, 2.0 ** -140], 2)
+    ([14, 0, 126], [12, 0, 126])
     """
-    exact = ideal(bounds, ranks, wire)
-    return exact, [clamp(e - GUARD) if math.isfinite(b) and b > 0 else e
-                   for e, b in zip(exact, bounds)]
+    raw = [raw_ideal(b, ranks, wire) for b in bounds]
+    return ([0 if r is None else clamp(r) for r in raw],
+            [0 if r is None else clamp(r - GUARD) for r in raw])
 
 
 def bounds_of(maxima):
