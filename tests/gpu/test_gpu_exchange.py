@@ -5,6 +5,7 @@ synchronisation in a step. The all-reduce is a two-rank mirror that first
 spins a kernel on the stream it runs on, as NCCL would take a while there:
 whatever read a sum before that stream finished would read the unsummed
 array and differ from the CPU. Skipped without a GPU."""
+import contextlib
 import warnings
 
 import chainer
@@ -89,8 +90,20 @@ def strict():
     return context
 
 
+def current_gpu(i):
+    """GPU ``i`` current inside (nothing for None)."""
+    if i is None:
+        return contextlib.nullcontext()
+    import cupy
+    return cupy.cuda.Device(i)
+
+
 LAYOUTS = [pytest.param(('@cupy:0', '@cupy:0'), id='one-gpu'),
            pytest.param(('@cupy:0', '@cupy:1'), id='two-gpus',
+                        marks=needs(2)),
+           # the master on GPU 1 while GPU 0 is current (a user's
+           # --devices 1,0 in one process): every op on its own GPU
+           pytest.param(('@cupy:1', '@cupy:0'), id='master-on-gpu-1',
                         marks=needs(2))]
 
 
@@ -108,7 +121,8 @@ def test_double_buffering_on_gpus_equals_the_cpu(recipe, devices, float64,
         model.setup(chainer.optimizers.MomentumSGD(lr=0.02))
         context = strict()
         try:
-            with chainer.using_config('cudnn_deterministic', True):
+            with chainer.using_config('cudnn_deterministic', True), \
+                    current_gpu(0 if where[0] != '@numpy' else None):
                 for epoch in range(2):
                     for s in range(4):
                         before = device_syncs[0]
