@@ -64,3 +64,57 @@ def test_bench_overlap_times_dg_steps_with_and_without_buckets(capsys):
     assert re.search(r'speed-up vs after the backward pass \| \d\.\d+x', out)
     assert main(['bench', 'overlap', '--buckets', '1,-2']) == 2
     assert "got '1,-2'" in capsys.readouterr().err
+
+
+def _gpu_script(monkeypatch):
+    """bench/gpu.py as the module ``gpu`` (a script, not in the package),
+    importable by the workers it starts (they inherit ``sys.path``)."""
+    import importlib
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[1] / 'bench'
+    monkeypatch.syspath_prepend(str(bench))
+    return importlib.import_module('gpu'), bench / 'gpu.py'
+
+
+def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(monkeypatch):
+    import subprocess
+    import sys
+
+    import pytest
+
+    from dasktrain.parallel.devices import gpu_count
+    if gpu_count()[0]:
+        pytest.skip('this machine has a GPU: tests/gpu runs bench/gpu.py')
+    _, path = _gpu_script(monkeypatch)
+    out = subprocess.run([sys.executable, str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout == ''
+    assert len(out.stderr.splitlines()) == 1
+    assert out.stderr.startswith('bench/gpu.py: no GPU here (')
+
+
+def test_bench_gpu_rows_from_two_ranks_on_cpu_stand_ins(monkeypatch):
+    # The script's own machinery (throwaway TLS workers, the rank body
+    # sent by value, its rows) on '@numpy' in place of each rank's GPU,
+    # over Dask's shared memory as ranks without NCCL sum.
+    import argparse
+
+    from dasktrain.bench.benchmarks import table
+    gpu, _ = _gpu_script(monkeypatch)
+    rows = gpu.one_gpu('tiny', 4, 1, 1, where='@numpy')
+    args = argparse.Namespace(model='tiny', batch_size=4, steps=1, rounds=1,
+                              mbytes=0.1, iterations=1)
+    how = gpu.rank_layout(['0'], True)[1]
+    rows += gpu.rank_rows(gpu.two_ranks(['', ''], False, args, '@numpy'),
+                          how, args.mbytes)
+    out = table(rows, 'bench/gpu.py')
+    for label, _ in gpu.CONFIGS:
+        ms = re.search(rf'\| dg step, 2 ranks, {re.escape(label)} \| '
+                       r'([\d,.]+) \| ms \|', out)
+        assert ms and float(ms.group(1).replace(',', '')) > 0, label
+    assert 'NCCL all-reduce, 0.1 MB, 2 GPUs | skipped: this machine has ' \
+        'one GPU' in out
+    assert '| ranks sum over | Dask shared memory, both ranks on one GPU' \
+        in out
+    assert re.search(r'step, GPUDistributedGradient, 1 GPU \| [\d.]+ \| ms',
+                     out)

@@ -64,11 +64,21 @@ class Processes:
     def worker(self, gpus=2, resources=None, nthreads=None, visible=None):
         """A worker offering ``gpus`` GPUs (or ``resources``), in a working
         directory of its own: paths relative to the test's mean nothing
-        there. ``visible``: its CUDA_VISIBLE_DEVICES (the GPU suite's)."""
+        there. ``visible``: its CUDA_VISIBLE_DEVICES (the GPU suite's).
+
+        The test folders are on its PYTHONPATH: a test's function submitted
+        to it travels by reference (Dask pickles the task, not the
+        function, so cloudpickle's by-value registry is not consulted) and
+        the worker imports the test module, as workers that
+        multiprocessing starts do with the parent's ``sys.path``."""
         cwd = self.tmp_path / 'worker-cwd'
         cwd.mkdir(exist_ok=True)
-        env = None if visible is None else \
-            dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (here, os.path.join(here, 'gpu'),
+                        os.environ.get('PYTHONPATH')) if p))
+        if visible is not None:
+            env['CUDA_VISIBLE_DEVICES'] = visible
         return self.spawn('worker', self.address, '--no-nanny', '--nthreads',
                           str(nthreads or gpus or 1), '--resources',
                           resources or f'GPU={gpus}', '--host', '127.0.0.1',

@@ -187,7 +187,8 @@ def test_a_flat_buffer_travels_as_itself_and_small_arrays_join():
 
 
 def test_the_flat_layout_places_each_gradient_once():
-    from dasktrain.parallel.flat import layout, wire_scales
+    from dasktrain.parallel.flat import layout
+    from dasktrain.parallel.wire import ideal
     f2, f4, f8 = (np.dtype(t) for t in ('float16', 'float32', 'float64'))
     counts, where = layout([f4, f8, f4, f4], [3, 2, 4, 5], [[2, 0], [1, 3]])
     assert counts == [{'<f4': 7}, {'<f8': 2, '<f4': 5}]
@@ -195,7 +196,7 @@ def test_the_flat_layout_places_each_gradient_once():
                      1: (1, '<f8', 0), 3: (1, '<f4', 0)}
     counts, _ = layout([f4, f8], [3, 2], [[0, 1]], wire=f2)
     assert counts == [{'<f2': 5}]  # everything in the wire's dtype
-    # the largest sum of 4 ranks stays below float16's maximum
-    assert wire_scales([1.0, 0.0, float('nan')], f2, 4) == [4096.0, 1.0,
-                                                            1.0]
-    assert 4 * 3.0 * wire_scales([3.0], f2, 4)[0] <= 65504
+    # the largest sum of 4 ranks stays below float16's maximum, with a
+    # bit to spare: 2**k times the sum of the ranks' maxima <= 65504 / 2
+    assert ideal([1.0, 0.0, float('nan')], 4, f2) == [14, 0, 0]
+    assert 4 * 3.0 * 2.0 ** ideal([4 * 3.0], 4, f2)[0] <= 65504 / 2

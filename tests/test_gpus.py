@@ -225,3 +225,35 @@ def test_a_failed_runs_model_can_be_collected_before_its_error_is_gone():
         assert refs[0]() is None  # freeable while the error still exists
         lines = ''.join(traceback.format_tb(e.__traceback__))
         assert "raise ValueError('the run failed')" in lines
+
+
+@pytest.mark.parametrize('options', [
+    {}, {'comm': 'mirror'}, {'comm': 'mirror', 'bucket_mb': 1e-3},
+    {'mode': 'ipm', 'mix_every': 1},
+    *({'comm': 'mirror', 'double_buffering': True, 'warmup': 0,
+       'stale': recipe} for recipe in ('corrected', 'predicted', 'plain'))],
+    ids=str)
+def test_no_step_synchronises_a_whole_device(options, monkeypatch):
+    # devices.synchronize is cudaDeviceSynchronize on each GPU: it would
+    # also wait for a side stream's all-reduce (no overlap left, and its
+    # time counted nowhere). Steps order their work by streams and events
+    # (Clock, devices.transfer); the CPU counts the calls all the same.
+    import chainer
+    from test_parallel import Mirror, batch, fresh
+
+    import dasktrain.parallel.devices as devices_module
+    import dasktrain.parallel.replicas as replicas_module
+    from dasktrain.parallel import GPUDistributedGradient
+    calls = []
+    for module in (devices_module, replicas_module):
+        monkeypatch.setattr(module, 'synchronize', calls.append)
+    options = dict(options)
+    comm = Mirror() if options.pop('comm', None) else None
+    replicas = 1 if options.get('bucket_mb') else 3
+    model = GPUDistributedGradient(fresh(), ['@numpy'] * replicas,
+                                   comm=comm, **options)
+    model.setup(chainer.optimizers.MomentumSGD(lr=0.01))
+    for step in range(4):
+        model.step(*batch(6, step), total=12 if comm else None)
+    model.end_epoch()
+    assert calls == []

@@ -702,10 +702,12 @@ def test_gradients_are_views_of_flat_buffers_made_once(options):
     wire = np.float16 if options.get('comm_dtype') else np.float32
     steps = [comm.handed[a:b] for a, b in zip([0] + ends, ends)] \
         if not stale else [[call] for call in comm.handed]
+    # float16: each array's probe travels behind its bucket (parallel.wire)
+    probes = len(list(model.master.params())) if wire == np.float16 else 0
     for s in range(2, 5):  # after the first step, which finds the order
         flat = _flat(steps[s], wire)
         # every gradient element travels once, in one flat array per bucket
-        assert sum(a.size for a in flat) == sizes and \
+        assert sum(a.size for a in flat) == sizes + probes and \
             all(a.ndim == 1 and a.flags.c_contiguous for a in flat)
         before = _flat(steps[s - 2 if stale else s - 1], wire)
         assert [id(a) for a in flat] == [id(a) for a in before]  # reused

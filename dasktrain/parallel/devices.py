@@ -111,21 +111,28 @@ def synchronize_streams(devices):
     """Wait until this thread's current stream on every GPU among
     ``devices`` has finished (its kernels), not the whole device: work on
     other streams, such as a side stream's all-reduce, goes on. CuPy's
-    current stream is per thread and per device
-    (``cupy.cuda.get_current_stream(device_id)``)."""
+    current stream is per thread and per device, and each GPU is made
+    current for its own: CuPy's ``Stream.null`` is one object for every
+    device (``cuda/stream.pyx``: ``ptr = 0, device_id = -1``), and
+    ``cudaStreamSynchronize(0)`` waits for the legacy stream of the
+    *current* device."""
     gpus = gpus_of(devices)
     if gpus:
         import cupy
         for gpu in gpus:
-            cupy.cuda.get_current_stream(gpu.id).synchronize()
+            with gpu:
+                cupy.cuda.get_current_stream().synchronize()
 
 
 class Clock:
     """Seconds spent in the work handed to :meth:`timed`, summed in
     :attr:`total` (communication time: merging gradients, syncing and
-    mixing replicas). GPUs are synchronised before and after each: CUDA
-    calls return before the work is done, and the work queued before is
-    not the timed work."""
+    mixing replicas). This thread's streams on the GPUs are synchronised
+    before and after each: CUDA calls return before the work is done, and
+    the work queued before is not the timed work. Only this thread's
+    streams (:func:`synchronize_streams`), not the whole devices: a
+    double-buffered all-reduce on a side stream goes on meanwhile, and
+    the timed work never needs it."""
 
     def __init__(self, devices):
         self.devices = devices
@@ -133,10 +140,10 @@ class Clock:
 
     def timed(self, work):
         """``work()``'s result, its time added to :attr:`total`."""
-        synchronize(self.devices)
+        synchronize_streams(self.devices)
         began = time.perf_counter()
         result = work()
-        synchronize(self.devices)
+        synchronize_streams(self.devices)
         self.total += time.perf_counter() - began
         return result
 
@@ -166,6 +173,19 @@ def mark(device):
         event = cupy.cuda.Event(disable_timing=True)  # a marker, no clock
         event.record(cupy.cuda.get_current_stream())
         return event
+
+
+def after(device, event):
+    """Make this thread's current stream on ``device`` wait, on the GPU,
+    for ``event`` (from :func:`mark`, perhaps of another GPU: CUDA's
+    ``cudaStreamWaitEvent`` takes an event of any device): what is queued
+    there next starts once the work before the event is done. The host
+    does not wait. A no-op on the CPU or without an event."""
+    if event is None or device.xp is np:
+        return
+    import cupy
+    with device.device:
+        cupy.cuda.get_current_stream().wait_event(event)
 
 
 class SideStream:
@@ -341,10 +361,16 @@ def transfer(arrays, src, dst):
 
     Between devices they travel as one flat buffer (concatenated on
     ``src``, one copy, split into views on ``dst``): one transfer, not one
-    per array. Views come in :func:`common_dtype`. Reading another GPU's
-    memory is not ordered after the work queued there, so ``src`` is
-    synchronised first; the copy itself is made with ``dst`` current
-    (CuPy's cross-device ``copy``, a memcpy that needs no peer access).
+    per array. Views come in :func:`common_dtype`. Ordered by events on
+    this thread's streams, the host never waiting: CuPy's cross-device
+    copy (``_core/core.pyx``, ``ndarray.copy``:
+    ``copy_from_device_async`` with ``dst`` current) runs on ``dst``'s
+    current stream, which first waits for the kernel that wrote ``flat``
+    on ``src``'s; ``src``'s stream then waits for the copy, since CuPy's
+    pool hands ``flat``'s block, once freed, to the next allocation on the
+    stream it was allocated on (``cuda/memory.pyx``, arenas by stream).
+    What reads the views on ``dst``'s stream in this thread is ordered
+    after the copy; another thread marks that stream first (:func:`mark`).
     """
     arrays = list(arrays)
     if src == dst or not arrays:
@@ -353,12 +379,10 @@ def transfer(arrays, src, dst):
     with chainer.using_device(src):
         flat = src.xp.concatenate([a.ravel().astype(dtype, copy=False)
                                    for a in arrays])
-    synchronize([src])
+    after(dst, mark(src))
     with chainer.using_device(dst):
         moved = dst.send(flat)
-    # The copy runs on dst's stream; until it is done, ``flat``'s block
-    # must not go back to src's memory pool for the next transfer to fill.
-    synchronize([dst])
+    after(src, mark(dst))
     views, start = [], 0
     for a in arrays:
         views.append(moved[start:start + a.size].reshape(a.shape))

@@ -43,9 +43,11 @@ every replica) is
   linear in the batches' statistics, so that mean is what exact dg's
   averaging every step gives.
 
-``comm_dtype='float16'`` works with the first two: each array travels
-scaled by its own power of two (the same on every rank), so the sum cannot
-overflow and small gradients keep their bits.
+``comm_dtype='float16'`` works with all three: each array travels scaled
+by its own power of two (the same on every rank), so the sum cannot
+overflow and small gradients keep their bits; the ranks agree on the
+powers in the all-reduce that sums the bucket (one collective per bucket,
+a second only after a sudden jump or drop: :mod:`~dasktrain.parallel.wire`).
 
 On GPUs a bucket's all-reduce, and a double-buffered step's, runs on one
 non-blocking side stream that first waits for an event marking the
@@ -73,8 +75,9 @@ from dasktrain.parallel.buckets import (
     plan_buckets,
 )
 from dasktrain.parallel.comm.base import CollectiveError
-from dasktrain.parallel.devices import SideStream, mark, synchronize
-from dasktrain.parallel.flat import FlatBuckets, largest, wire_scales
+from dasktrain.parallel.devices import SideStream, mark
+from dasktrain.parallel.flat import FlatBuckets, largest
+from dasktrain.parallel.wire import WireScales
 
 
 def check_exchange(comm_dtype, bucket_mb, warmup):
@@ -133,6 +136,9 @@ class GradientExchange:
         self._side = None
         self._param_list = None
         self._flat = [None] * 3  # buffers: exact's, double buffering's 2
+        # float16's scales, agreed in the sums themselves
+        self.wire = None if comm_dtype is None else \
+            WireScales(replicas.comm, self.device, largest)
 
     @property
     def comm(self):
@@ -155,15 +161,22 @@ class GradientExchange:
         return gradients(self.replicas.master, self.device, indices,
                          self._params())
 
-    def _scales(self, grads):
-        """Each of ``grads``' power of two on the wire, the same on every
-        rank (one small all-gather of each array's largest magnitude), in
-        float16; else 1."""
-        if self.comm_dtype is None or not grads:
-            return 1.0 if self.comm_dtype is None else []
-        return wire_scales(np.max(self.comm.allgather(
-            largest(grads, self.device)), axis=0), self.comm_dtype,
-            self.comm.size)
+    def _fill(self, flat, k, grads, timed=None):
+        """Bucket ``k`` of ``flat`` filled with ``grads`` for its sum (in
+        float16 at scales :attr:`wire` agrees on; ``timed``: the clock
+        of a wait on the training thread, if any); the buffers and what
+        :meth:`_settle` needs."""
+        if self.wire is None:
+            return flat.fill(k, grads), None
+        return self.wire.send(flat, k, grads, timed)
+
+    def _settle(self, flat, k, grads, sent, timed=None):
+        """After the sum of bucket ``k``: the scales it stands at (1
+        without float16), sent again first where the probes say so."""
+        if self.wire is None:
+            return 1.0
+        return self.wire.settle(flat, k, grads, sent, self.comm.allreduce,
+                                timed)
 
     def _buffers(self, which, plan=None):
         """The flat buffers ``which`` (0: exact, 1 and 2: double
@@ -173,7 +186,8 @@ class GradientExchange:
         flat = self._flat[which]
         if flat is None or flat.plan != plan:
             flat = self._flat[which] = FlatBuckets(
-                params, plan, self.device, self.comm_dtype)
+                params, plan, self.device, self.comm_dtype,
+                probes=self.wire is not None)
         return flat
 
     def _statistics(self):
@@ -259,13 +273,13 @@ class GradientExchange:
         statistics); its scales go to ``results``, for :meth:`step` to
         bind."""
         with self._side.after(event):
-            scale = self._scales(grads)
-            sent = self._buffers(0, self.plan).fill(k, grads, scale)
+            flat = self._buffers(0, self.plan)
+            sent, wire = self._fill(flat, k, grads)
             if statistics is None:
                 self.comm.allreduce(sent)
             else:
                 self.replicas.reduce(statistics, also=sent)
-            results.append((k, scale))
+            results.append((k, self._settle(flat, k, grads, wire)))
 
     @property
     def pending(self):
@@ -295,15 +309,14 @@ class GradientExchange:
         state = self._step
         groups, sums = self._statistics()
         if state is None:  # everything after the backward pass
-            grads = self.grads()
-            scale = self._scales(grads)
-            flat = self._buffers(0)
-            sent = flat.fill(0, grads, scale)
+            grads, flat = self.grads(), self._buffers(0)
+            sent, wire = self._fill(flat, 0, grads, self.clock.waited)
             # The all-reduce returns once its sums are done (NCCL's stream
             # polled, host copies synchronous): only this thread's kernels
             # need waiting for before the clock starts.
             self.clock.waited(lambda: self.replicas.reduce(sums, also=sent))
-            flat.bind(0, self._params(), scale)
+            flat.bind(0, self._params(), self._settle(
+                flat, 0, grads, wire, self.clock.waited))
             if self._order is not None:
                 self._agree()
         else:
@@ -341,37 +354,43 @@ class GradientExchange:
         """Start this step's sums; hand back the previous step's."""
         previous = self._inflight
         if previous is not None:  # one collective at a time, same order
-            self.clock.waited(previous[0].wait)
+            previous = self._waited(previous)
         grads = self.grads()
-        scale = self._scales(grads)
         # Never the set in flight: its sums are bound below, after this.
         flat = self._buffers(2 if previous is not None and
-                             previous[2] is self._flat[1] else 1)
-        sent = flat.fill(0, grads, scale)
+                             previous.flat is self._flat[1] else 1)
+        sent, wire = self._fill(flat, 0, grads, self.clock.waited)
         groups, sums = self._statistics()
-        # The copies and statistics are written by this thread's kernels
-        # (and, from replicas on other GPUs, by transfers those GPUs ran):
-        # the side stream starts after them, and the all-reduce runs there,
-        # beside the next step's kernels; wait() returns once it is done.
-        synchronize([d for d in self.replicas.devices if d != self.device])
+        # The copies and statistics are written on the master's stream (by
+        # this thread's kernels, and by copies from other GPUs that
+        # devices.transfer orders by events): the side stream starts after
+        # them and sums there, beside the next step's kernels.
         event, side = mark(self.device), self._side_stream()
-        self._inflight = (self.replicas.ireduce(
+        self._inflight = _Inflight(self.replicas.ireduce(
             sums, also=sent, around=lambda: side.after(event)), groups,
-            flat, scale)
+            flat, grads if self.wire is not None else None, wire)
         if previous is None:
             return None
         return self._arrived(previous, statistics=False)
 
+    def _waited(self, inflight):
+        """``inflight`` once its sums are done and (float16) settled: sent
+        again first where the probes say so, on this thread, before any
+        other collective."""
+        self.clock.waited(inflight.reduction.wait)
+        return inflight._replace(wire=self._settle(
+            inflight.flat, 0, inflight.grads, inflight.wire,
+            self.clock.waited), grads=None)
+
     def _arrived(self, inflight, statistics=True):
-        """Bind a finished double-buffered step's sums to the master's
-        gradients; the statistics' means only when asked (:meth:`flush`):
-        mid-epoch they are a step old, and every replica's own running
-        statistics already hold this step's batch."""
-        reduction, groups, flat, scale = inflight
-        means = reduction.wait()
-        self.grads()  # float16 decodes into the gradients: made if missing
-        flat.bind(0, self._params(), scale)
-        return Summed(groups, means) if statistics else Summed([], [])
+        """Bind a finished, settled double-buffered step's sums to the
+        master's gradients; the statistics' means only when asked
+        (:meth:`flush`): mid-epoch they are a step old, and every replica's
+        own running statistics already hold this step's batch."""
+        means = inflight.reduction.wait()
+        inflight.flat.bind(0, self._params(), inflight.wire)
+        return Summed(inflight.groups, means) if statistics else \
+            Summed([], [])
 
     def flush(self, iteration=0):
         """Double buffering: the sums still travelling, written into the
@@ -381,7 +400,20 @@ class GradientExchange:
         if self.stale_from < 0:
             self.stale_from = iteration
         inflight, self._inflight = self._inflight, None
-        if inflight is None:
-            return None
-        self.clock.waited(inflight[0].wait)
-        return self._arrived(inflight)
+        if inflight is not None:
+            inflight = self._arrived(self._waited(inflight))
+        if self.wire is not None:  # what a resumed run knows here
+            self.wire.forget()
+        return inflight
+
+
+class _Inflight(NamedTuple):
+    """A double-buffered step's sums in flight: the reduction's handle,
+    the statistics' groups, the flat buffers summed, and in float16 the
+    gradients sent (kept to send them again) and the wire's send record
+    (its scales once settled)."""
+    reduction: object
+    groups: list
+    flat: FlatBuckets
+    grads: list | None
+    wire: object

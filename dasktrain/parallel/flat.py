@@ -8,10 +8,15 @@ into its view once (:meth:`FlatBuckets.fill`; in float16, scaled by its
 power of two on the way), the communicator sums the buffers in place (one
 array per dtype: nothing re-flattened, one host transfer per buffer), and
 :meth:`FlatBuckets.bind` makes each parameter's gradient the view of the
-summed buffer (no copy back), or, in float16, writes the unscaled sum into
-the gradient it had (one copy out). Two copies where there were four
+summed buffer (no copy back), or, in float16, an array of its own
+holding the unscaled sum (one copy out). Two copies where there were four
 (gradient, a copy to send, the communicator's flat buffer, the copy, the
 gradient).
+
+In float16 each bucket's buffer ends with one *probe* per array (each
+rank's largest magnitude at its scale, :mod:`~dasktrain.parallel.wire`),
+summed in the same all-reduce: the ranks agree on the next scales, and on
+whether this sum stands, without a collective of their own.
 
 A parameter's gradient is such a view from :meth:`~FlatBuckets.bind` to
 the next ``cleargrads()``; the next step's backward pass makes new
@@ -22,10 +27,12 @@ one in flight and the one being filled.
 It sums nothing and knows no communicator; :func:`layout` is the pure
 decision of where each gradient lies.
 """
-import math
+import contextlib
 
 import chainer
 import numpy as np
+
+from dasktrain.parallel.wire import TINY
 
 
 def layout(dtypes, sizes, plan, wire=None):
@@ -67,7 +74,9 @@ class FlatBuckets:
     """The persistent buffers of one bucket ``plan`` of ``params`` (the
     master's parameters in :func:`~dasktrain.parallel.buckets.parameters`'
     order) on ``device``, in the dtype ``wire`` (None: each gradient's
-    own). Allocated once, here; every step reuses them.
+    own), with ``probes`` (float16's scaled wire: one per array, behind the
+    bucket's arrays in its one buffer). Allocated once, here; every step
+    reuses them.
 
     Attributes
     ----------
@@ -75,20 +84,30 @@ class FlatBuckets:
     buffers : list of lists
         Each bucket's flat buffers, one per dtype in a fixed order (what
         an all-reduce sums).
+    probes : list or None
+        Each bucket's probes: the views of its buffer's last elements.
     """
 
-    def __init__(self, params, plan, device, wire=None):
+    def __init__(self, params, plan, device, wire=None, probes=False):
         self.plan = [list(b) for b in plan]
         self.device, self.wire = device, wire
         counts, where = layout([p.array.dtype for p in params],
                                [p.array.size for p in params],
                                self.plan, wire)
+        if probes:  # one dtype per bucket on a wire: the probes behind it
+            key = np.dtype(wire).str
+            for mine, bucket in zip(counts, self.plan):
+                mine[key] = mine.get(key, 0) + len(bucket)
         xp = device.xp
         with chainer.using_device(device):
             by_key = [{key: xp.empty(count, np.dtype(key))
                        for key, count in sorted(mine.items())}
                       for mine in counts]
         self.buffers = [list(mine.values()) for mine in by_key]
+        self._decoded = {}  # float16's sums, decoded: by parameter index
+        self.probes = [mine[np.dtype(wire).str][-len(bucket):]
+                       for mine, bucket in zip(by_key, self.plan)] \
+            if probes else None
         # Each parameter's view, in its shape (a slice of a contiguous
         # buffer reshaped: contiguous, as Chainer's update rules expect).
         self.views = {}
@@ -98,26 +117,47 @@ class FlatBuckets:
             self.views[i] = by_key[k][key][offset:offset + size] \
                 .reshape(shape)
 
-    def fill(self, k, grads, scales=1.0):
+    def fill(self, k, grads, scales=1.0, probes=None):
         """Copy bucket ``k``'s gradients ``grads`` (in the plan's order)
-        into its buffers, each times its scale (a list, or one for all);
-        returns the buffers."""
+        into its buffers, each times its scale (a list, or one for all),
+        and with ``probes`` (a factor per array) each one's largest
+        magnitude times its factor into the bucket's probe (at least
+        :data:`~dasktrain.parallel.wire.TINY` where the array is not all
+        zero; NaN stays NaN); returns the buffers. A value beyond the
+        wire's range becomes inf (what the probes reveal), quietly."""
         scales = scales if isinstance(scales, list) else \
             [scales] * len(grads)
         xp = self.device.xp
-        with chainer.using_device(self.device):
+        with chainer.using_device(self.device), _quiet(xp):
             for i, g, s in zip(self.plan[k], grads, scales):
                 if s == 1.0:
                     xp.copyto(self.views[i], g, casting='unsafe')
                 else:  # computed in g's dtype, rounded once to the wire's
                     xp.multiply(g, s, out=self.views[i], casting='unsafe')
+            if self.probes is not None and probes is None:
+                self.probes[k].fill(0)  # a second send: nothing to probe
+            elif probes is not None:
+                # max and -min: two reads of g, no |g| array written
+                tops = xp.stack([xp.maximum(g.max(), -g.min()) * f
+                                 for g, f in zip(grads, probes)])
+                xp.copyto(self.probes[k], xp.where(
+                    tops == 0, 0, xp.maximum(tops, TINY)), casting='unsafe')
         return self.buffers[k]
+
+    def read_probes(self, k):
+        """Bucket ``k``'s summed probes, on the host (after the sum: a
+        read of a few numbers on this thread's stream, which ran it)."""
+        return chainer.backends.cuda.to_cpu(self.probes[k]).tolist()
 
     def bind(self, k, params, scales=1.0):
         """After the sum: each parameter of bucket ``k`` (``params``, all
         the master's) takes its view as its gradient where the dtypes
-        match; else (float16 on the wire) its gradient := the view divided
-        by its scale (a power of two: exact)."""
+        match; else (float16 on the wire) its decoded array: the view
+        times the inverse of its scale (a power of two: exact), computed
+        in the gradient's dtype, in an array of these buffers' own (made
+        once), not in the gradient the parameter had: that one may be
+        needed to send the bucket again (double buffering's float16 sums
+        are judged a step later, and its two buffer sets alternate)."""
         scales = scales if isinstance(scales, list) else \
             [scales] * len(self.plan[k])
         xp = self.device.xp
@@ -127,9 +167,20 @@ class FlatBuckets:
                 if view.dtype == p.array.dtype and s == 1.0:
                     p.grad = view
                     continue
-                xp.copyto(p.grad, view, casting='unsafe')
-                if s != 1.0:
-                    p.grad /= s
+                out = self._decoded.get(i)
+                if out is None:
+                    out = self._decoded[i] = xp.empty_like(p.array)
+                # dtype=: computed in the gradient's dtype, never float16's
+                xp.multiply(view, 1.0 / s, out=out, dtype=out.dtype,
+                            casting='unsafe')
+                p.grad = out
+
+
+def _quiet(xp):
+    """NumPy's overflow warnings off (a first float16 send may overflow;
+    the probes tell, and it is sent again); nothing for CuPy."""
+    return np.errstate(over='ignore', invalid='ignore') if xp is np \
+        else contextlib.nullcontext()
 
 
 def largest(grads, device):
@@ -138,21 +189,4 @@ def largest(grads, device):
     with chainer.using_device(device):
         xp = device.xp
         return chainer.backends.cuda.to_cpu(xp.stack(
-            [xp.abs(g).max() for g in grads])).tolist()
-
-
-def wire_scales(largest, wire, ranks):
-    """The power of two each array travels scaled by in ``wire`` (a float
-    dtype), given its ``largest`` magnitude over all ``ranks``: the
-    largest that keeps the sum of the ranks' arrays below ``wire``'s
-    maximum, so the sum cannot overflow and small gradients keep their
-    bits (1 where the largest is 0, inf or nan).
-
-    Examples
-    --------
-    >>> wire_scales([1.0, 0.0], np.float16, 2)
-    [8192.0, 1.0]
-    """
-    top = float(np.finfo(wire).max) / (2 * ranks)
-    return [2.0 ** math.floor(math.log2(top / m))
-            if math.isfinite(m) and m > 0 else 1.0 for m in largest]
+            [xp.maximum(g.max(), -g.min()) for g in grads])).tolist()

@@ -69,12 +69,20 @@ class WeightPrediction:
     @staticmethod
     def _save(params, into):
         """Copies of ``params``' arrays, in the buffers ``into`` when they
-        fit (allocated once, not every step)."""
-        if into is None or len(into) != len(params):
-            return [p.array.copy() for p in params]
-        for saved, p in zip(into, params):
-            saved[...] = p.array
-        return into
+        fit (allocated once, not every step), each made with its array's
+        device current: CuPy's ``ndarray.copy`` copies to the current
+        device (``_core/core.pyx``), and a kernel reading another GPU's
+        array needs peer access."""
+        fresh = into is None or len(into) != len(params)
+        saved = []
+        for i, p in enumerate(params):
+            with chainer.using_device(
+                    chainer.backend.get_device_from_array(p.array)):
+                if fresh:
+                    saved.append(p.array.copy())
+                else:
+                    into[i][...] = p.array
+        return saved if fresh else into
 
     def before_update(self):
         """Save the master's weights an update is about to change."""
@@ -107,4 +115,6 @@ class WeightPrediction:
             yield True
         finally:
             for p, now in zip(params, self._now):
-                p.array[...] = now
+                with chainer.using_device(
+                        chainer.backend.get_device_from_array(p.array)):
+                    p.array[...] = now

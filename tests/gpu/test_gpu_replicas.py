@@ -130,7 +130,6 @@ def test_nothing_is_allocated_on_a_gpu_outside_the_list():
         import cupy, chainer, numpy as np
         from dasktrain.training.models import get_model
         from dasktrain.parallel import GPUDistributedGradient
-from dasktrain.parallel.comm.base import Communicator
         for mode in ('dg', 'ipm'):
             model = GPUDistributedGradient(get_model('resnet20'), [1, 1],
                                            mode=mode)

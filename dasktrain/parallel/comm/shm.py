@@ -191,11 +191,12 @@ class SharedMemoryReducer:
                     'or optimizer state)')
         for _, dtype, offset, count in regions:  # 3. my slice's sums
             lo, hi = bounds(count, self.size)[self.rank]
-            if hi > lo:
+            if hi > lo:  # past the dtype's range: inf, as DaskComm's
                 acc = result.view(dtype, offset, count)[lo:hi]
                 acc[...] = ins[0].view(dtype, offset, count)[lo:hi]
-                for peer in ins[1:]:
-                    acc += peer.view(dtype, offset, count)[lo:hi]
+                with np.errstate(over='ignore', invalid='ignore'):
+                    for peer in ins[1:]:
+                        acc += peer.view(dtype, offset, count)[lo:hi]
         self.comm.barrier()  # 4. every slice summed
         for key, dtype, offset, count in regions:  # 5. read the result
             flat, start = result.view(dtype, offset, count), 0
