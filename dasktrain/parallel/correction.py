@@ -145,7 +145,7 @@ class LocalCorrection:
         order on the master's device; None when none arrived) minus its
         kept gradient of the last step: l(t) + w (G(t-1) - l(t-1))."""
         lists, devices = self._lists(), self.replicas.devices
-        master = devices[0]
+        master, moved = devices[0], {}
         for r, (params, device) in enumerate(zip(lists, devices)):
             now = self._buffers[r][self._now]
             if summed is None or not self._last:  # l(t): a fresh copy,
@@ -153,7 +153,9 @@ class LocalCorrection:
                     for p, k in zip(params, now):
                         p.grad = k.copy()
                 continue
-            arrived = transfer(summed, master, device)
+            if str(device) not in moved:  # once per device, not replica
+                moved[str(device)] = transfer(summed, master, device)
+            arrived = moved[str(device)]
             late = self._buffers[r][1 - self._now]
             with chainer.using_device(device):
                 for p, k, g, old in zip(params, now, arrived, late):
@@ -183,9 +185,11 @@ class LocalCorrection:
             self._behind = False
             state = DictionarySerializer()  # host arrays, not copied
             master.serialize(state)
-            for optimizer in optimizers[1:]:
-                optimizer.serialize(NpzDeserializer(
-                    {k: np.array(v) for k, v in state.target.items()}))
+            for optimizer, device in zip(optimizers[1:],
+                                         self.replicas.devices[1:]):
+                with chainer.using_device(device):  # ndarray.set's stream
+                    optimizer.serialize(NpzDeserializer(
+                        {k: np.array(v) for k, v in state.target.items()}))
         self.correct(summed, weight)
         settings = master.hyperparam.get_dict()
         for optimizer, device in zip(optimizers, self.replicas.devices):
