@@ -194,6 +194,9 @@ def test_the_default_cluster_requires_its_certificates_and_stays_local(
                        require_encryption=True)
         with Client(address, timeout=10, security=own) as client:
             assert len(client.scheduler_info()['workers']) == 1
+            # glibc's allocator settings in the worker, not Dask's
+            assert set(client.run(lambda: os.environ.get(
+                'MALLOC_TRIM_THRESHOLD_')).values()) == {None}
         jobs = str(tmp_path / 'jobs')
         assert main(['submit', '--gpus', '1', '--jobs-dir', jobs, '--',
                      '--model', 'tiny', '--epochs', '1', '--devices', 'cpu',
@@ -299,9 +302,12 @@ def test_local_workers_listen_on_loopback_only_and_require_tls(listening):
         address = client.scheduler.address
         new = listening([me]) - before
         workers = set(client.run(os.getpid).values())
-        # nor do they spend CPU profiling themselves for no one
+        # nor do they spend CPU profiling themselves for no one, nor page
+        # faults on NumPy's temporaries (Dask's allocator setting)
         assert set(client.run(lambda: __import__('dask').config.get(
             'distributed.worker.profile.enabled')).values()) == {False}
+        assert set(client.run(lambda: os.environ.get(
+            'MALLOC_TRIM_THRESHOLD_')).values()) == {None}
         assert address.startswith('tls://127.0.0.1:')
         with pytest.raises(TypeError, match='TLS expects'):
             Client(address, timeout=3)  # no certificates, no connection

@@ -294,6 +294,8 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
         address = info['address']
         processes.append(spawn(python(
             'dask', 'worker', address, '--preload', MONITOR, '--nworkers', '1',
+            # glibc's allocator settings, not Dask's (cluster/malloc.py)
+            '--preload-nanny', 'dasktrain.cluster.malloc',
             # One thread more than slots: a scale-out job's driver holds
             # a thread (and no GPU) while its ranks hold the slots.
             '--nthreads', str(gpus + max(cpu_slots, 1) + 1),

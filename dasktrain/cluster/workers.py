@@ -11,6 +11,7 @@ not touch training (what runs on them is the caller's).
 import contextlib
 import os
 
+from dasktrain.cluster import malloc
 from dasktrain.cluster.local import restore_default_scheduler
 from dasktrain.parallel.gpus import gpu_ids, visible_gpus
 from dasktrain.spawn import check_main_guard
@@ -20,7 +21,8 @@ _BLAS_THREADS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
 # folds them each second: 2-3 % of a CPU rank's time (py-spy, 2 ranks on 2
 # cores), for a profile no one reads in a cluster that lives for one run.
 # A Nanny hands the config it was made under to its worker process.
-_QUIET = {'distributed.worker.profile.enabled': False}
+# And glibc's own allocator settings, not Dask's (cluster/malloc.py).
+_QUIET = {'distributed.worker.profile.enabled': False, **malloc.CONFIG}
 
 
 @contextlib.contextmanager
