@@ -137,11 +137,14 @@ class TrainConfig:
     #                                 weights one update ahead), 'plain'
     #                                 (ChainerMN's; momentum and Adam stall:
     #                                 bench/double_buffering.py)
-    bucket_mb: float = 4.0          # dg, one replica per process: MiB of
+    bucket_mb: float | None = None  # dg, one replica per process: MiB of
     #                                 gradients all-reduced as one bucket
     #                                 while the backward pass goes on (0:
-    #                                 one all-reduce after it); default
-    #                                 measured with `bench scaleout`
+    #                                 one all-reduce after it); None: 4 on
+    #                                 GPUs, 0 on CPUs, where every core
+    #                                 computes and there is no idle one to
+    #                                 hide the sums' copies behind (measured:
+    #                                 bench/two_workers.py)
 
     def __post_init__(self):
         def fail(field, expected):
@@ -255,7 +258,8 @@ class TrainConfig:
         if not (isinstance(self.collective_timeout, (int, float)) and
                 self.collective_timeout > 0):
             fail('collective_timeout', 'a number of seconds > 0')
-        if not self.bucket_mb >= 0:  # also refuses nan
+        if self.bucket_mb is not None and \
+                not self.bucket_mb >= 0:  # also refuses nan
             fail('bucket_mb', 'a number of MiB >= 0')
         if not isinstance(self.tta, int) or not 1 <= self.tta <= \
                 MAX_TTA_VIEWS:

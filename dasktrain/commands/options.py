@@ -215,8 +215,8 @@ def add_arguments(parser):
         '--bucket-mb', type=float, default=d.bucket_mb, metavar='MB',
         help='dg with one device per worker: all-reduce the gradients in '
              'buckets of MB MiB during the backward pass, overlapping '
-             'communication with computation (0: after it; default: '
-             '%(default)s)')
+             'communication with computation (0: after it; default: 4 '
+             'on GPUs, 0 on CPUs, where every core computes)')
     group.add_argument(
         '--collective-timeout', type=float, default=d.collective_timeout,
         metavar='S', help='seconds a worker waits for the others before '

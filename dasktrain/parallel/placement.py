@@ -108,6 +108,21 @@ def place(config, available=None):
     return Placement(PER_DEVICE, devices, workers, (device,))
 
 
+def default_bucket_mb(devices):
+    """MiB of gradients per overlapped all-reduce bucket by default, for a
+    rank on ``devices``: 4 where any is a GPU (its all-reduce runs beside
+    the GPU's kernels, NCCL or a host copy); 0 on CPUs, one all-reduce
+    after the backward pass, since :func:`rank_threads` gives every core
+    to computing and the sums' copies would take their time from it:
+    measured on 2 cores, buckets of 4 MiB were no faster (1.76x against
+    1.80x for 2 workers over 1, ``bench/two_workers.py``).
+
+    >>> default_bucket_mb(('@cupy:0',)), default_bucket_mb(('@numpy',))
+    (4.0, 0.0)
+    """
+    return 4.0 if gpu_ids(devices) else 0.0
+
+
 def rank_threads(ranks, cores):
     """BLAS threads for each of ``ranks`` CPU processes of one job on a
     machine of ``cores`` cores: the cores shared out, at least one. One

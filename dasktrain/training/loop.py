@@ -35,7 +35,7 @@ from dasktrain.parallel.devices import (
     unused_gpus_message,
 )
 from dasktrain.parallel.gradient import GPUDistributedGradient
-from dasktrain.parallel.placement import default_devices
+from dasktrain.parallel.placement import default_bucket_mb, default_devices
 from dasktrain.training.checkpoint import (
     CHECKPOINT,
     load_checkpoint,
@@ -229,7 +229,9 @@ def _model(config, comm, devices, n_classes=10):
         mix_optimizer_state=config.mix_optimizer_state, comm=comm,
         comm_dtype=config.comm_dtype,
         double_buffering=config.double_buffering,
-        warmup=config.exact_warmup, bucket_mb=config.bucket_mb,
+        warmup=config.exact_warmup,
+        bucket_mb=default_bucket_mb(devices) if config.bucket_mb is None
+        else config.bucket_mb,
         stale=config.stale_steps)
     model.setup(make_optimizer(config))
     if config.weight_decay:
