@@ -32,6 +32,7 @@ calling :func:`train`).
 """
 import logging
 import os
+import queue
 import time
 import uuid
 
@@ -232,6 +233,16 @@ def _nccl_module():
     return nccl
 
 
+def _drain(inbox):
+    """What ``inbox`` (a queue) holds now, in order."""
+    items = []
+    while True:
+        try:
+            items.append(inbox.get_nowait())
+        except queue.Empty:
+            return items
+
+
 def _rank(config, name, rank, size, gpus):
     """The task body of rank ``rank``: join the others, train, report."""
     held = GpuPool.acquire(gpus) if gpus else []
@@ -281,11 +292,16 @@ def _drive(client, config, callbacks, progress):
         name = f'dasktrain-{job}-{attempt}'
         ranks = config.replace(resume=config.resume or attempt > 1,
                                progress=False)
+        # Events pushed to us as they come: polling get_events would fetch
+        # the topic's whole log (up to 1,000 of them) five times a second.
+        inbox = queue.SimpleQueue()
+        client.subscribe_topic(name, inbox.put)
         futures = _launch(client, ranks, name, workers, gpus)
         try:
-            outcome, value = _watch(client, futures, workers, name,
+            outcome, value = _watch(client, futures, workers, inbox,
                                     progress, callbacks)
         finally:
+            client.unsubscribe_topic(name)
             client.cancel(futures, force=True)
             for rank in range(len(workers)):
                 Variable(f'{name}/rank{rank}', client=client).delete()
@@ -336,13 +352,14 @@ def _launch(client, config, name, workers, gpus):
         for rank, address in enumerate(workers)]
 
 
-def _watch(client, futures, workers, topic, progress, callbacks):
-    """Relay progress until the ranks end. Returns ('done', summary) or
-    ('lost', addresses); raises the root error of a failed job."""
-    seen = 0  # the scheduler keeps every event of the topic: skip old ones
+def _watch(client, futures, workers, inbox, progress, callbacks):
+    """Relay progress (the ranks' events, as ``inbox`` receives them) until
+    the ranks end. Returns ('done', summary) or ('lost', addresses); raises
+    the root error of a failed job."""
+    seen = 0  # a rank's events in order, each once
     failed_since = None
     while True:
-        for _, event in client.get_events(topic):
+        for _, event in _drain(inbox):
             if event['seq'] <= seen:
                 continue
             seen = event['seq']

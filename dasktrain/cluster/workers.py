@@ -21,8 +21,14 @@ _BLAS_THREADS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
 # folds them each second: 2-3 % of a CPU rank's time (py-spy, 2 ranks on 2
 # cores), for a profile no one reads in a cluster that lives for one run.
 # A Nanny hands the config it was made under to its worker process.
-# And glibc's own allocator settings, not Dask's (cluster/malloc.py).
-_QUIET = {'distributed.worker.profile.enabled': False, **malloc.CONFIG}
+# And glibc's own allocator settings, not Dask's (cluster/malloc.py). And
+# fewer wake-ups of the processes' event loops, which take CPU from the
+# ranks on a machine whose every core computes: Dask's health tick every
+# 20 ms, the nanny's memory look every 100 ms, the system monitor's 500 ms.
+_QUIET = {'distributed.worker.profile.enabled': False, **malloc.CONFIG,
+          'distributed.admin.tick.interval': '500ms',
+          'distributed.worker.memory.monitor-interval': '1s',
+          'distributed.admin.system-monitor.interval': '2s'}
 
 
 @contextlib.contextmanager
