@@ -125,7 +125,8 @@ def plot(results, args):
             curve = results.get((model, optimizer, way))
             if curve is None:
                 continue
-            ax.plot(range(1, len(curve) + 1), curve, style, marker='o',
+            ax.plot(range(1, len(curve) + 1), curve, linestyle=style,
+                    marker='o',
                     label=way)
         ax.set_title(f'{model}, {optimizer}')
         ax.set_xlabel('epoch')
