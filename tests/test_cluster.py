@@ -315,3 +315,32 @@ def test_local_workers_listen_on_loopback_only_and_require_tls(listening):
     assert int(address.rsplit(':', 1)[1]) in ports
     assert workers <= {pid for pid, _, _ in new}  # each worker listens
     assert {ip for _, ip, _ in new} == {'127.0.0.1'}
+
+
+def test_workers_start_with_glibcs_allocator_after_a_plain_dask_cluster(
+        monkeypatch):
+    # A plain Dask nanny in this process writes its pre-spawn environment
+    # (MALLOC_TRIM_THRESHOLD_=65536) into os.environ, where every later
+    # child process would inherit it; dasktrain's workers must not.
+    from distributed import LocalCluster
+
+    from dasktrain.cluster import malloc
+    from dasktrain.cluster.workers import local_workers
+    monkeypatch.delenv(malloc.VARIABLE, raising=False)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                      host='127.0.0.1', dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            assert set(client.run(lambda: os.environ.get(
+                'MALLOC_TRIM_THRESHOLD_')).values()) == {'65536'}
+    assert os.environ.get(malloc.VARIABLE) == '65536'  # Dask's leftover
+    with local_workers(1) as client:
+        assert set(client.run(lambda: os.environ.get(
+            'MALLOC_TRIM_THRESHOLD_')).values()) == {None}
+    assert malloc.VARIABLE not in os.environ
+    # the same for the environment of `cluster start`'s processes, and a
+    # value the user had set stays
+    env = {malloc.VARIABLE: '65536', 'PATH': '/bin'}
+    assert malloc.users_environ(env) == {'PATH': '/bin'}
+    monkeypatch.setattr(malloc, '_USERS', '131072')
+    assert malloc.users_environ(env) == {'PATH': '/bin',
+                                         malloc.VARIABLE: '131072'}

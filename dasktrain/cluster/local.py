@@ -28,6 +28,7 @@ import os
 import time
 from pathlib import Path
 
+from dasktrain.cluster import malloc
 from dasktrain.cluster import tls as _tls
 from dasktrain.cluster.guard import starting
 from dasktrain.cluster.processes import kill, running, spawn, wait_for
@@ -273,6 +274,7 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
     scheduler_file = folder / 'scheduler.json'
     scheduler_file.unlink(missing_ok=True)
     tls_args, env = [], dict(environment(os.environ, extra), **more_env)
+    malloc.users_environ(env)  # not a value Dask left in os.environ
     if tls:
         tls_args = ['--tls-ca-file', tls['tls_ca_file'], '--tls-cert',
                     tls['tls_cert'], '--tls-key', tls['tls_key']]

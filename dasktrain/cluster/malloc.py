@@ -21,12 +21,31 @@ workers start without it:
   the nanny starts it.
 
 A value the user set in the environment that starts the workers is theirs
-and stays. Owns that one setting.
+and stays. But a nanny also writes its pre-spawn environment into its own
+process's ``os.environ`` before each start (``WorkerProcess.start``), so
+after a plain Dask ``LocalCluster`` in the same Python process the
+variable looks set by the user; :func:`users_environ` undoes that,
+against the value this process had when dasktrain first imported this
+module. Owns that one setting.
 """
 import os
 
 VARIABLE = 'MALLOC_TRIM_THRESHOLD_'
 CONFIG = {f'distributed.nanny.pre-spawn-environ.{VARIABLE}': None}
+# Before any nanny of this process could have written it: the user's.
+_USERS = os.environ.get(VARIABLE)
+
+
+def users_environ(env=os.environ):
+    """Put the variable in ``env`` (default: this process's environment,
+    which child processes and nannies inherit) back to the user's value,
+    undoing what an earlier in-process Dask nanny wrote; returns ``env``."""
+    if env.get(VARIABLE) != _USERS:
+        if _USERS is None:
+            env.pop(VARIABLE, None)
+        else:
+            env[VARIABLE] = _USERS
+    return env
 
 
 def dask_setup(nanny):

@@ -79,7 +79,7 @@ def kill(pid, created, grace=5.0):
     """SIGTERM a process group, SIGKILL it if it lingers; only while its
     leader is the process recorded."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        if not is_process(pid, created):
+        if not _alive(pid, created):
             return
         try:
             os.killpg(pid, sig)
@@ -87,10 +87,22 @@ def kill(pid, created, grace=5.0):
             return
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            try:  # reap it if it is our child
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            if not is_process(pid, created):
+            if not _alive(pid, created):
                 return
             time.sleep(0.1)
+
+
+def _alive(pid, created):
+    """:func:`is_process`; once the recorded process has exited, reaps it
+    if it is a child of this one (a zombie keeps its pid taken)."""
+    import psutil
+    if is_process(pid, created):
+        return True
+    try:
+        if abs(psutil.Process(pid).create_time() - created) < 0.01:
+            # A leader shown as a zombie while its other threads still
+            # run is not reapable yet: still exiting.
+            return os.waitpid(pid, os.WNOHANG)[0] == 0
+    except (psutil.Error, ChildProcessError):
+        pass
+    return False

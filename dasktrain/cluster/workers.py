@@ -68,6 +68,7 @@ def local_device_workers(devices, blas_threads=1):
         env=dict(env, CUDA_VISIBLE_DEVICES=entries[i]))} for i in ids}
     scheduler = {'cls': Scheduler, 'options': dict(
         common, dashboard_address='127.0.0.1:0')}
+    malloc.users_environ()  # the workers inherit it: not Dask's leftover
     with restore_default_scheduler(always=True), dask.config.set(
             _QUIET), SpecCluster(workers=workers, scheduler=scheduler,
                                  security=security) as cluster:
@@ -101,6 +102,7 @@ def local_workers(n, blas_threads=1, dashboard=True, method=None):
     # BLAS reads these once, when it loads: set before the workers spawn.
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    malloc.users_environ()  # the workers inherit it: not Dask's leftover
     try:
         # Every listener on 127.0.0.1 (':0' would put the dashboard on
         # every interface); TLS with throwaway certificates, so that other
