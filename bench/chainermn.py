@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -79,24 +80,27 @@ def main():
     mpi_env.update(OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
                    MKL_NUM_THREADS='1')
     launch_env = dict(mpi_env)
-    dasktrain = str(Path(sys.executable).with_name('dasktrain'))
-    runs = {'dasktrain launch': [], 'mpiexec + ChainerMN': []}
-    for r in range(args.rounds):
-        for name in (runs if r % 2 == 0 else reversed(list(runs))):
-            folder = work / f'{r}-{name.split()[0]}'
-            if name.startswith('dasktrain'):
-                argv = [dasktrain, 'launch', '-n', '2', '--out',
-                        str(folder / 'ranks'), '--', sys.executable,
-                        str(mine), *common, '--out', str(folder)]
-                got = run(argv, launch_env, work)
-            else:
-                argv = [*mpi_argv, sys.executable, str(SCRIPT), *common,
-                        '--out', str(folder)]
-                got = run(argv, mpi_env, work)
-            runs[name].append(got)
-            print(f'round {r + 1} {name}: {got["images_per_s"]:.0f} '
-                  f'images/s, {got["train_s"]:.1f} s training, '
-                  f'{got["wall_s"]:.1f} s wall', file=sys.stderr)
+    try:  # the scripts and runs' folders go with it, whatever happens
+        dasktrain = str(Path(sys.executable).with_name('dasktrain'))
+        runs = {'dasktrain launch': [], 'mpiexec + ChainerMN': []}
+        for r in range(args.rounds):
+            for name in (runs if r % 2 == 0 else reversed(list(runs))):
+                folder = work / f'{r}-{name.split()[0]}'
+                if name.startswith('dasktrain'):
+                    argv = [dasktrain, 'launch', '-n', '2', '--out',
+                            str(folder / 'ranks'), '--', sys.executable,
+                            str(mine), *common, '--out', str(folder)]
+                    got = run(argv, launch_env, work)
+                else:
+                    argv = [*mpi_argv, sys.executable, str(SCRIPT), *common,
+                            '--out', str(folder)]
+                    got = run(argv, mpi_env, work)
+                runs[name].append(got)
+                print(f'round {r + 1} {name}: {got["images_per_s"]:.0f} '
+                      f'images/s, {got["train_s"]:.1f} s training, '
+                      f'{got["wall_s"]:.1f} s wall', file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     machine = (f'{platform.node()}: {os.cpu_count()} CPUs '
                f'({platform.processor() or platform.machine()}), shared '
                'with other work while measured')

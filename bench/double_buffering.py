@@ -18,6 +18,7 @@ on 2 quiet cores with both models.
 """
 import argparse
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -80,17 +81,20 @@ def main(argv=None):
         args.epochs = max(len(c) for c in results.values())
         return report(results, args, machine())
     work = Path(tempfile.mkdtemp(prefix='dasktrain-bench-db-'))
-    synthetic_cifar10(work / 'data', n_train=args.train_size,
-                      n_test=args.test_size)
-    for model in args.models.split(','):
-        for optimizer in args.optimizers.split(','):
-            label = optimizer if optimizer not in args.lr else \
-                f'{optimizer} lr {args.lr[optimizer]:g}'
-            for way, extra in WAYS:
-                curve = run(work, model, optimizer, extra, args)
-                results[model, label, way] = curve
-                print(f'{model:8} {label:13} {way:44} ' +
-                      ' '.join(f'{a:.3f}' for a in curve), flush=True)
+    try:  # the runs' folders and data go with it, whatever happens
+        synthetic_cifar10(work / 'data', n_train=args.train_size,
+                          n_test=args.test_size)
+        for model in args.models.split(','):
+            for optimizer in args.optimizers.split(','):
+                label = optimizer if optimizer not in args.lr else \
+                    f'{optimizer} lr {args.lr[optimizer]:g}'
+                for way, extra in WAYS:
+                    curve = run(work, model, optimizer, extra, args)
+                    results[model, label, way] = curve
+                    print(f'{model:8} {label:13} {way:44} ' +
+                          ' '.join(f'{a:.3f}' for a in curve), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(
             [dict(model=m, optimizer=o, way=w, accuracy=c)

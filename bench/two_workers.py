@@ -12,6 +12,7 @@ rounds and its ratio to 1 worker.
 """
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -52,12 +53,15 @@ def main(argv=None):
     ways[f'2 workers, ipm, mix every {args.mix_every}'] = (
         2, {'mode': 'ipm', 'mix_every': args.mix_every})
     rates = {name: [] for name in ways}
-    for r in range(args.rounds):
-        for i, name in enumerate(ways if r % 2 == 0 else reversed(ways)):
-            workers, options = ways[name]
-            rate = run(base, work / f'{r}-{i}', workers, **options)
-            rates[name].append(rate)
-            print(f'round {r + 1} {name}: {rate:.1f} images/s', flush=True)
+    try:  # the runs' folders and data go with it, whatever happens
+        for r in range(args.rounds):
+            for i, name in enumerate(ways if r % 2 == 0 else reversed(ways)):
+                workers, options = ways[name]
+                rate = run(base, work / f'{r}-{i}', workers, **options)
+                rates[name].append(rate)
+                print(f'round {r + 1} {name}: {rate:.1f} images/s', flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps({'machine': machine(),
                                          'rates': rates}, indent=1))

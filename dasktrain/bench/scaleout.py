@@ -17,11 +17,23 @@ def bench_scaleout(workers=(1, 2), model='cifar10', batch_size=100,
     """Images/s of one job across 1, 2, ... Dask worker processes (one BLAS
     thread each) in dg and ipm, communication per step, final accuracy,
     and the single process using every core, on the same data and epochs.
+    The runs' folders go to ``out``; without it, to a temporary folder
+    removed at the end.
     """
+    options = dict(workers=workers, model=model, batch_size=batch_size,
+                   mix_every=mix_every, epochs=epochs, train_size=train_size,
+                   test_size=test_size, data_dir=data_dir)
+    if out is not None:
+        return _rows(Path(out), **options)
+    with tempfile.TemporaryDirectory(prefix='dasktrain-bench-') as scratch:
+        return _rows(Path(scratch), **options)
+
+
+def _rows(scratch, workers, model, batch_size, mix_every, epochs,
+          train_size, test_size, data_dir):
     from dasktrain.cluster.workers import local_workers
     from dasktrain.config import TrainConfig
     from dasktrain.launch import train
-    scratch = Path(out or tempfile.mkdtemp(prefix='dasktrain-bench-'))
     if data_dir is None:
         data_dir = scratch / 'data'
         synthetic_cifar10(data_dir, n_train=train_size, n_test=test_size)
