@@ -122,22 +122,30 @@ def plot(results, args):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     panels = sorted({(m, o) for m, o, _ in results})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4),
-                             sharey=True, squeeze=False)
-    for ax, (model, optimizer) in zip(axes[0], panels):
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    # A spare cell holds the legend; without one it goes below the grid.
+    spare = rows * cols > len(panels)
+    rows += not spare
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows),
+                             squeeze=False)
+    cells = axes.ravel()
+    for ax, (model, optimizer) in zip(cells, panels):
         for (way, _), style in zip(WAYS, ('-', ':', '-.', '--', (0, (5, 1)))):
             curve = results.get((model, optimizer, way))
             if curve is None:
                 continue
             ax.plot(range(1, len(curve) + 1), curve, linestyle=style,
-                    marker='o',
-                    label=way)
+                    marker='o', label=way)
         ax.set_title(f'{model}, {optimizer}')
         ax.set_xlabel('epoch')
+        ax.set_ylabel('validation accuracy')
+        ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel('validation accuracy')
-    # Where the curves leave room: low on the right of an Adam panel.
-    axes[0][min(1, len(panels) - 1)].legend(fontsize=8, loc='lower right')
+    for ax in cells[len(panels):]:
+        ax.axis('off')
+    cells[-1].legend(*cells[0].get_legend_handles_labels(), loc='center',
+                     fontsize=9, title='exchange')
     fig.tight_layout()
     args.figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.figure, dpi=100)
