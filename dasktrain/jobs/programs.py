@@ -31,12 +31,12 @@ from dasktrain.cluster.local import connect
 from dasktrain.errors import argument
 from dasktrain.jobs.door import front_door
 from dasktrain.jobs.folders import PROGRAM, create, me
-from dasktrain.jobs.queue import parse_time
 from dasktrain.jobs.records import Job, JobError, jobs_dir
 from dasktrain.jobs.submit import (
     after_ids,
     check_owner,
     check_resources,
+    durations,
     queue,
     queue_options,
 )
@@ -152,11 +152,8 @@ def command_request(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
     if not os.path.isdir(cwd):
         raise JobError(f'the job would run in {cwd}, which is not a folder')
     return {'kind': KIND, 'name': name, 'gpus': gpus, 'notify': notify,
-            'time': None if time is None else parse_time(time, 'time'),
-            'time_limit': None if time_limit is None else
-            parse_time(time_limit, 'time_limit'),
-            'command': argv, 'cwd': cwd, 'grace': float(grace),
-            'requeue': bool(requeue),
+            **durations(time, time_limit), 'command': argv, 'cwd': cwd,
+            'grace': float(grace), 'requeue': bool(requeue),
             'env': dict(os.environ, **(env or {}))}
 
 

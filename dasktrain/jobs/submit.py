@@ -120,9 +120,7 @@ def queue_options(root, after=None, after_any=False, time=None,
     >>> queue_options('/tmp/none', time='2h')
     {'after': [], 'after_any': False, 'time': 7200.0, 'time_limit': None}
     """
-    if isinstance(after, str):
-        after = [a for a in after.split(',') if a.strip()]
-    after = [str(a).strip() for a in (after or ())]
+    after = after_ids(after)
     for dep in after:
         if not (Path(root) / dep / 'job.json').exists():
             raise JobError(f'{argument("after")}: no job {dep!r} in {root}; '
@@ -131,7 +129,17 @@ def queue_options(root, after=None, after_any=False, time=None,
         raise JobError(f'{argument("after_any")} needs '
                        f'{argument("after")} ID[,ID]')
     return {'after': after, 'after_any': bool(after_any),
-            'time': None if time is None else parse_time(time, 'time'),
+            **durations(time, time_limit)}
+
+
+def durations(time=None, time_limit=None):
+    """``{'time': s, 'time_limit': s}``: ``--time`` and ``--time-limit`` in
+    seconds (None where not given); JobError naming the argument.
+
+    >>> durations('2h')
+    {'time': 7200.0, 'time_limit': None}
+    """
+    return {'time': None if time is None else parse_time(time, 'time'),
             'time_limit': None if time_limit is None else
             parse_time(time_limit, 'time_limit')}
 
@@ -246,9 +254,7 @@ def training_request(config, gpus=1, name=None, notify=None, time=None,
         raise JobError(f'gpus must be an int >= 0, got {gpus!r}')
     notify = check_target(notify)
     check_devices(config, gpus)
-    for value, what in ((time, 'time'), (time_limit, 'time_limit')):
-        if value is not None:
-            parse_time(value, what)
+    times = durations(time, time_limit)
     if is_spec(config.model):  # the user's model: one line if wrong, here
         from dasktrain.training.models import resolve_model  # Chainer: now
         config = config.replace(model=resolve_model(config.model,
@@ -269,10 +275,7 @@ def training_request(config, gpus=1, name=None, notify=None, time=None,
                 raise JobError(f'cannot read {argument(key)} file {source} '
                                f'({e.strerror})') from None
     return {'kind': 'train', 'name': name, 'gpus': int(gpus),
-            'notify': notify,
-            'time': None if time is None else parse_time(time, 'time'),
-            'time_limit': None if time_limit is None else
-            parse_time(time_limit, 'time_limit'),
+            'notify': notify, **times,
             'config': json.loads(config.to_json()), 'files': files}
 
 
