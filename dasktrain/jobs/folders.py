@@ -168,14 +168,10 @@ def _new_file(path, data, mode=0o600):
 def _hand_over(tmp, files, who):
     """A shared cluster's folder: ``output.log``, ``out/`` and the user's
     copied files are the submitter's; the folder is traversable."""
-    fd = os.open(tmp / 'output.log', os.O_WRONLY | os.O_CREAT | os.O_EXCL |
-                 os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchown(fd, who.uid, who.gid)
-    finally:
-        os.close(fd)
+    _new_file(tmp / 'output.log', b'')
     (tmp / 'out').mkdir(mode=0o700)
-    mine = {tmp / 'out'} | {tmp / name for name in files} | \
+    mine = {tmp / 'output.log', tmp / 'out'} | \
+        {tmp / name for name in files} | \
         {(tmp / name).parent for name in files}
     for path in mine:
         os.chown(path, who.uid, who.gid, follow_symlinks=False)

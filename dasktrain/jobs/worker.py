@@ -116,13 +116,11 @@ def run_job(folder, gpus=None):
             GpuPool.release(gpus)
     module = child_module(spec)
     if not module.startswith('dasktrain.'):  # job.json names code
-        return update_status(folder, state='failed', ended=time.time(),
-                             error=f'{module!r} is not ours')['state']
+        return _failed(folder, f'{module!r} is not ours')
     try:
         user = job_user(spec)  # a shared cluster's: its submitter
     except JobError as e:
-        return update_status(folder, state='failed', ended=time.time(),
-                             error=str(e))['state']
+        return _failed(folder, str(e))
     job = Job(spec['id'], folder)
     rows = job.log_rows()
     gpus = GpuPool.acquire(spec['gpus'], want=want) \
@@ -158,12 +156,8 @@ def run_job(folder, gpus=None):
                     stdin=subprocess.PIPE if user else subprocess.DEVNULL,
                     **popen_options(user, folder))
             except (OSError, subprocess.SubprocessError) as e:
-                error = cannot_start(argv[0], user, e)
-                log.write(f'error: {error}\n'.encode())
-                update_status(folder, state='failed', error=error,
-                              ended=time.time())
-                job.announce()
-                return 'failed'
+                return _failed(folder, cannot_start(argv[0], user, e), job,
+                               log)
             _children[child.pid] = job.id
             if user:
                 _hand(child, spec)
@@ -195,6 +189,18 @@ def run_job(folder, gpus=None):
         _children.pop(child.pid if child is not None else None, None)
         GpuPool.release(gpus)
     return state
+
+
+def _failed(folder, error, job=None, log=None):
+    """Record that the job in ``folder`` failed before its child ran,
+    with ``error`` (also written to its output ``log``, when given), and
+    tell the job's watchers (``job``, when given); 'failed'."""
+    if log is not None:
+        log.write(f'error: {error}\n'.encode())
+    update_status(folder, state='failed', error=error, ended=time.time())
+    if job is not None:
+        job.announce()
+    return 'failed'
 
 
 def _hand(child, spec):
@@ -240,10 +246,7 @@ def run_program(folder, spec, status, gpus, worker):
     try:
         user = job_user(spec)  # a shared cluster's: its submitter
     except JobError as e:
-        update_status(folder, state='failed', error=str(e),
-                      ended=time.time())
-        job.announce()
-        return 'failed'
+        return _failed(folder, str(e), job)
     ids = [g.id for g in gpus]
     attempt = status['attempts'] + 1
     update_status(folder, state='running', attempts=attempt, gpus=ids,
@@ -273,11 +276,7 @@ def run_program(folder, spec, status, gpus, worker):
             _children.pop(child.pid, None)
         error = leash.start_error(report)
         if error is not None:  # no such program; its folder not enterable
-            log.write(f'error: {error}\n'.encode())
-            update_status(folder, state='failed', error=error,
-                          ended=time.time())
-            job.announce()
-            return 'failed'
+            return _failed(folder, error, job, log)
     words = exit_words(child.returncode)
     if cancelled is not None:
         state, error = stopped_state(folder, cancelled)
