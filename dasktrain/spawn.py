@@ -46,13 +46,13 @@ def python(module, *args, version=None):
     return [sys.executable, *safe, '-m', module, *map(str, args)]
 
 
-def die_with_parent():
-    """A ``preexec_fn``: the child gets SIGKILL when the thread that
-    started it ends (Linux ``PR_SET_PDEATHSIG``). A job's or a rank's
-    program must not outlive a killed worker: a rerun elsewhere would
-    share its output folder with a ghost."""
+def die_with_parent(signum=signal.SIGKILL):
+    """A ``preexec_fn``: the child gets ``signum`` (default SIGKILL) when
+    the thread that started it ends (Linux ``PR_SET_PDEATHSIG``). A job's
+    or a rank's program must not outlive a killed worker: a rerun
+    elsewhere would share its output folder with a ghost."""
     libc = ctypes.CDLL('libc.so.6', use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    libc.prctl(1, signum)  # PR_SET_PDEATHSIG
 
 
 def unguarded_call(main_module=None, stack=None):

@@ -35,6 +35,7 @@ worker does with the end is :mod:`~dasktrain.jobs.worker`'s, who the
 program runs as :mod:`~dasktrain.jobs.runas`'.
 """
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -42,7 +43,10 @@ import subprocess
 import sys
 import time
 
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # linux/prctl.h
+from dasktrain.jobs.runas import User, cannot_start, popen_options
+from dasktrain.spawn import die_with_parent
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 CANNOT_START = 127
 POLL = 0.05  # s between looks at the job's processes
 
@@ -68,12 +72,6 @@ def job_text(program, env, grace, user=None, cwd=None, report=None):
     return json.dumps(spec).encode()
 
 
-def _die_by_sigterm():
-    # The keeper's preexec_fn: SIGTERM when the worker's thread ends; it
-    # then stops the job's processes itself.
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def start(program, env, grace, stdout, user=None, cwd=None):
     """A keeper (a ``Popen``) running ``program`` (see :func:`job_text`),
     its output and the program's to ``stdout``; and the read end of its
@@ -83,7 +81,10 @@ def start(program, env, grace, stdout, user=None, cwd=None):
         keeper = subprocess.Popen(
             ARGV, stdin=subprocess.PIPE, stdout=stdout,
             stderr=subprocess.STDOUT, env={}, start_new_session=True,
-            pass_fds=(write,), preexec_fn=_die_by_sigterm)
+            pass_fds=(write,),
+            # SIGTERM when the worker's thread ends: the keeper then
+            # stops the job's processes itself.
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
     except BaseException:
         os.close(read)
         raise
@@ -163,26 +164,19 @@ def signal_all(root, signum):
 
 
 def _start(spec):
-    """The program, as asked; the error in words if it cannot start."""
-    program = spec['program']
-    def preexec():  # after the change of user: the kernel keeps this
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if spec.get('uid') is not None and spec.get('cwd'):
-            os.chdir(spec['cwd'])  # entered as the user, never as root
-    options = {'cwd': spec.get('cwd'), 'preexec_fn': preexec}
-    if spec.get('uid') is not None:
-        options = {'user': spec['uid'], 'group': spec['gid'],
-                   'extra_groups': spec['groups'], 'umask': 0o077,
-                   'preexec_fn': preexec}
+    """The program, as asked (as :func:`~dasktrain.jobs.runas.popen_options`
+    starts a job's child, dying with the keeper by SIGKILL); the error in
+    words if it cannot start."""
+    program, cwd = spec['program'], spec.get('cwd')
+    user = None if spec.get('uid') is None else User(
+        spec['uid'], spec['gid'], spec.get('user'), None, None,
+        spec['groups'])
     try:
         return subprocess.Popen(program, stdin=subprocess.DEVNULL,
-                                env=spec['env'], **options), None
+                                env=spec['env'],
+                                **popen_options(user, cwd)), None
     except (OSError, subprocess.SubprocessError) as e:
-        who = f' as {spec["user"]}' if spec.get('user') else ''
-        if isinstance(e, OSError):
-            return None, f'cannot start {program[0]}{who}: {e.strerror}'
-        return None, (f'cannot start {program[0]}: {spec.get("user")} '
-                      f'cannot enter {spec.get("cwd")}')
+        return None, cannot_start(program[0], user, e, cwd)
 
 
 def keep(spec):
