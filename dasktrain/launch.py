@@ -194,16 +194,14 @@ class _RankProgress(Progress):
         super().__init__(False, None)
         self.worker, self.key = get_worker(), thread_state.key
         self.topic, self.relay, self.every = topic, relay, every
-        self.seq, self.last, self.done = 0, 0.0, 0
+        self.last, self.done = 0.0, 0
 
     def _send(self, kind, **data):
         task = self.worker.state.tasks.get(self.key)
         if task is None or task.state == 'cancelled':
             raise RankCancelled(f'{self.key} was cancelled')
         if self.relay:
-            self.seq += 1
-            self.worker.log_event(self.topic, dict(kind=kind, seq=self.seq,
-                                                   **data))
+            self.worker.log_event(self.topic, dict(kind=kind, **data))
 
     def warn(self, line):
         """One line for the user, logged by the driver."""
@@ -356,13 +354,9 @@ def _watch(client, futures, workers, inbox, progress, callbacks):
     """Relay progress (the ranks' events, as ``inbox`` receives them) until
     the ranks end. Returns ('done', summary) or ('lost', addresses); raises
     the root error of a failed job."""
-    seen = 0  # a rank's events in order, each once
     failed_since = None
     while True:
-        for _, event in _drain(inbox):
-            if event['seq'] <= seen:
-                continue
-            seen = event['seq']
+        for _, event in _drain(inbox):  # each once, in order
             if event['kind'] == 'warning':
                 progress.warn(event['line'])
             elif event['kind'] == 'start':
