@@ -3,6 +3,7 @@ queued like a training run (`dasktrain submit -- PROGRAM ARGS`), in the
 submitter's folder and environment, with exactly its GPUs visible; its
 exit code, a cancel of its whole process tree (SIGTERM, then SIGKILL),
 and a worker killed under it (lost)."""
+import contextlib
 import os
 import signal
 import socket
@@ -126,26 +127,32 @@ def test_cancel_stops_the_whole_process_tree(cluster, tmp_path, trap):
         assert took >= 2
     else:
         assert status['error'] == 'stopped by SIGTERM'
-    try:
+    with killed_at_end(children):
         for pid in children:
-            wait_until(lambda pid=pid: not _alive(pid), 10, f'{pid} gone')
-    finally:
-        for pid in children:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+            wait_until(lambda pid=pid: not alive(pid), 10, f'{pid} gone')
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie (not yet reaped by its dead parent's reaper) is gone too
+def alive(pid):
+    """Whether ``pid`` runs (a zombie, not yet reaped by its dead
+    parent's reaper, is gone too)."""
     try:
         with open(f'/proc/{pid}/stat') as f:
             return f.read().split(')')[-1].split()[0] != 'Z'
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def killed_at_end(pids):
+    """Within: SIGKILL to those of ``pids`` still running at the end,
+    whatever happened: a failing test leaves no process behind."""
+    try:
+        yield
+    finally:
+        for pid in pids:
+            if alive(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_a_worker_killed_under_a_program_leaves_it_lost(cluster, tmp_path):
@@ -167,15 +174,11 @@ def test_a_worker_killed_under_a_program_leaves_it_lost(cluster, tmp_path):
                                open(f'{pids}.{i}').read().strip()
                                for i in (1, 2, 3)), 30, 'the pids written')
         children = [int(open(f'{pids}.{i}').read()) for i in (1, 2, 3)]
-        try:
-            assert all(_alive(pid) for pid in children)
+        with killed_at_end(children):
+            assert all(alive(pid) for pid in children)
             os.killpg(worker.pid, signal.SIGKILL)
             for pid in children:
-                wait_until(lambda pid=pid: not _alive(pid), 30, f'{pid} gone')
-        finally:
-            for pid in children:
-                if _alive(pid):
-                    os.kill(pid, signal.SIGKILL)
+                wait_until(lambda pid=pid: not alive(pid), 30, f'{pid} gone')
         cluster.worker(gpus=0, resources='CPU=1', nthreads=1)  # Dask reruns
     status = wait_for_end(job)
     assert status['state'] == 'lost'
@@ -194,9 +197,6 @@ def test_what_a_program_leaves_running_ends_with_it(cluster, tmp_path):
                              path=tmp_path / 'j')
     status = wait_for_end(job)
     left = int(pid.read_text())
-    try:
+    with killed_at_end([left]):
         assert status['state'] == 'finished'
-        wait_until(lambda: not _alive(left), 10, 'the sleep gone')
-    finally:
-        if _alive(left):
-            os.kill(left, signal.SIGKILL)
+        wait_until(lambda: not alive(left), 10, 'the sleep gone')

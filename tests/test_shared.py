@@ -30,6 +30,7 @@ from children import child
 from cifar_fixture import make_batches, write_archive
 from test_cluster import wait_until
 from test_notify import Hook
+from test_programs import alive
 
 from dasktrain.cluster.processes import kill
 from dasktrain.cluster.shared import NEEDS_ROOT, check_root, layout
@@ -458,7 +459,7 @@ def test_only_the_submitter_or_the_clusters_owner_cancels(lab):
         pid = _pid(lab.job(job_id))
         code, out, err = lab.run(who, 'cancel', job_id)
         assert (code, out) == (0, f'{job_id}: cancelled\n'), err
-        wait_until(lambda pid=pid: not _alive(pid), 10, f'{pid} gone')
+        wait_until(lambda pid=pid: not alive(pid), 10, f'{pid} gone')
 
 
 def _pid(job):
@@ -468,14 +469,6 @@ def _pid(job):
                 if line.startswith('pid ')]
     wait_until(printed, 30, f'{job.id} to print its pid')
     return int(printed()[0].split()[1])
-
-
-def _alive(pid):
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().split(')')[-1].split()[0] != 'Z'
-    except OSError:
-        return False
 
 
 def test_a_forged_request_does_not_change_whose_job_it_is(lab):
@@ -670,7 +663,7 @@ def test_a_users_program_dies_with_a_killed_worker(lab):
     assert worker.uids().real == 0
     with contextlib.suppress(psutil.NoSuchProcess):
         worker.kill()
-    wait_until(lambda: not _alive(pid), 15, "bob's program to die")
+    wait_until(lambda: not alive(pid), 15, "bob's program to die")
     assert lab.wait_for(job_id, timeout=120)['state'] == 'lost'
 
 
