@@ -45,9 +45,11 @@ class Processes:
         self.tmp_path = tmp_path
         self.procs = []
         info = tmp_path / 'scheduler.json'
+        # The scheduler unpickles the tasks' graph too (Dask 2025.4+): it
+        # imports a test module whose function a test submits, as workers do
         self.spawn('scheduler', '--host', '127.0.0.1', '--port', '0',
                    '--dashboard-address', '127.0.0.1:0',
-                   '--scheduler-file', str(info))
+                   '--scheduler-file', str(info), env=self.environ())
         wait_until(info.exists, 60, 'the scheduler')
         wait_until(lambda: json.loads(info.read_text() or '{}'), 10,
                    'the scheduler file')
@@ -73,10 +75,7 @@ class Processes:
         multiprocessing starts do with the parent's ``sys.path``."""
         cwd = self.tmp_path / 'worker-cwd'
         cwd.mkdir(exist_ok=True)
-        here = os.path.dirname(os.path.abspath(__file__))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (here, os.path.join(here, 'gpu'),
-                        os.environ.get('PYTHONPATH')) if p))
+        env = self.environ()
         if visible is not None:
             env['CUDA_VISIBLE_DEVICES'] = visible
         return self.spawn('worker', self.address, '--no-nanny', '--nthreads',
@@ -84,6 +83,14 @@ class Processes:
                           resources or f'GPU={gpus}', '--host', '127.0.0.1',
                           '--local-directory', str(self.tmp_path / 'space'),
                           cwd=cwd, env=env)
+
+    @staticmethod
+    def environ():
+        """This environment with the test folders on PYTHONPATH."""
+        here = os.path.dirname(os.path.abspath(__file__))
+        return dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (here, os.path.join(here, 'gpu'),
+                        os.environ.get('PYTHONPATH')) if p))
 
     def close(self):
         for proc in self.procs:

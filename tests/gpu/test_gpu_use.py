@@ -2,14 +2,16 @@
 outside the queue holding GPU memory is seen with its pid, Unix user and
 memory, makes the GPU busy over the threshold, and belongs to a job once
 its pid is a job's."""
+import json
 import os
+import subprocess
 import sys
 import time
 
 from children import child
 from gpu_marks import needs
 
-from dasktrain.gpuuse import outside_use, worker_use
+from dasktrain.gpuuse import outside_use
 from dasktrain.jobs.records import current_user
 
 HOLD = ('import cupy, time\n'
@@ -17,6 +19,17 @@ HOLD = ('import cupy, time\n'
         'cupy.cuda.Device().synchronize()\n'
         'print("ready", flush=True)\n'
         'time.sleep(120)\n')
+
+
+def _worker_use(env):
+    """worker_use as a worker process runs it: not an ancestor of the
+    holder (a process's own descendants are its job's, or the worker's)."""
+    out = subprocess.run(
+        [sys.executable, '-c', 'import json, sys; from dasktrain.gpuuse '
+         'import worker_use; print(json.dumps(worker_use(env=json.loads('
+         'sys.argv[1]))))', json.dumps(env)],
+        capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
 
 
 @needs(1)
@@ -31,7 +44,7 @@ def test_a_process_holding_a_gpu_is_seen_with_its_user_and_memory():
         pid = holder.proc.pid
         deadline = time.monotonic() + 30
         while True:  # NVML lists a process a moment after its context
-            use = worker_use(env=env)
+            use = _worker_use(env)
             mine = [p for p in use['processes'] if p['pid'] == pid]
             if mine or time.monotonic() > deadline:
                 break
