@@ -29,7 +29,7 @@ RUNS ?= results
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: train test lint test-gpu notebooks install browser chainerui chainerui-env clean
+.PHONY: train test lint test-gpu gpu-check notebooks install browser chainerui chainerui-env clean
 
 install: $(STAMP)
 
@@ -73,6 +73,14 @@ browser:
 # picks the CuPy extra from the driver (CUDA=12 or CUDA=13 to choose).
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests/gpu -rs $(PYTEST_ARGS)
+
+# The first thing to run on a GPU machine: the GPU suite, then
+# bench/gpu.py, into one report (docs/gpu-check.md) headed by the GPUs,
+# driver, CUDA, CuPy, NCCL and cuDNN; under 8 minutes on one GPU, offline
+# once installed. GPU_CHECK_ARGS: bench/gpu_check.py --help.
+GPU_CHECK_ARGS ?=
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Every notebook at its default (full CIFAR-10) size; executed copies and
 # their figures go to notebooks/executed/ (ignored by git).

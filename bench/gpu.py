@@ -15,7 +15,13 @@
   Dask's shared memory (what GPU ranks without NCCL do), and the rows say
   so;
 * a host all-gather of a few numbers: what float16 on the wire cost per
-  bucket before its scales rode in the all-reduce itself.
+  bucket before its scales rode in the all-reduce itself;
+* one NCCL call's cost on a one-rank communicator: after 0, 50 and
+  500 us and 5 ms of GPU work, the host polling the stream sleeping 100 us
+  between queries, yielding, as ``NcclComm`` does (comm.base.pause), or
+  blocked in a synchronise; and 4 KiB to 22.5 MB through ``NcclComm.allreduce``
+  against calls queued in stream order with one synchronise at the end
+  (the floor NCCL and the GPU set).
 
 Prints a Markdown table headed by the GPUs (CuPy's names and versions)
 and the host. Without a GPU it says so in one line and exits with 1.
@@ -270,6 +276,117 @@ def two_ranks(entries, nccl, args, where='@cupy:0'):
             for r, w in enumerate(addresses)])
 
 
+class _Alone:
+    """The host communicator of a one-rank NCCL communicator: rank 0 of
+    1, a deadline, and the unique id handed to itself."""
+    rank, size, timeout = 0, 1, 60.0
+
+    def bcast(self, obj):
+        return obj
+
+
+SPIN = r'''
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+'''
+
+#: How the host can wait for a queued NCCL call: (label, seconds to sleep
+#: between queries given the seconds waited so far; None: a blocking
+#: synchronise, which has no deadline).
+WAITS = (
+    ('polls, sleeping 100 us', lambda waited: 1e-4),
+    ('polls, yielding (sleep 0)', lambda waited: 0.0),
+    ('polls as dasktrain does (comm.base.pause)', None),
+    ('blocking synchronise (no deadline)', None),
+)
+
+
+def call_floor(sizes_mb, iterations, device=0,
+               spins_us=(0, 50, 500, 5000)):
+    """Rows: ms per NCCL all-reduce on a one-rank communicator, the host
+    waiting each of the ways in :data:`WAITS`, after a kernel that keeps
+    the stream busy for ``spins_us`` microseconds (what a peer's lateness
+    or the sum's own time would), and the calls of each size in ``sizes_mb``
+    queued in stream order with one synchronise at the end (the floor
+    NCCL and the GPU set)."""
+    import cupy
+    from cupy.cuda import nccl
+
+    from dasktrain.parallel.comm import NcclComm
+    from dasktrain.parallel.comm.base import pause
+    comm = NcclComm(_Alone(), device)
+    rows = []
+    try:
+        with cupy.cuda.Device(device):
+            stream = cupy.cuda.get_current_stream()
+            kernel = cupy.RawKernel(SPIN, 'spin')
+
+            def queue(buf):
+                # NcclComm._call: a non-blocking communicator may answer
+                # 'in progress' to a call it has queued
+                comm._call(comm._comm.allReduce, buf.data.ptr, buf.data.ptr,
+                           buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                           stream.ptr)
+                while not comm._settled():  # until it is on the stream
+                    pass
+
+            def timed(run, n):
+                stream.synchronize()
+                began = time.perf_counter()
+                for _ in range(n):
+                    run()
+                stream.synchronize()
+                return (time.perf_counter() - began) / n
+
+            # the GPU's clock64 rate, from one long spin
+            kernel((1,), (1,), (1 << 26,))
+            rate = (1 << 26) / timed(
+                lambda: kernel((1,), (1,), (1 << 26,)), 3)
+            small = cupy.zeros(1024, 'float32')
+            comm.allreduce([small])  # warm-up: NCCL's first launch
+            for us in spins_us:
+                cycles = int(rate * us * 1e-6)
+                spin = timed(lambda c=cycles: kernel((1,), (1,), (c,)),
+                             iterations) if cycles else 0.0
+                for label, sleep in WAITS:
+                    if label.startswith('polls as dasktrain'):
+                        sleep = pause
+
+                    def once(c=cycles, sleep=sleep):
+                        if c:
+                            kernel((1,), (1,), (c,))
+                        queue(small)
+                        if sleep is None:
+                            stream.synchronize()
+                            return
+                        began = time.monotonic()
+                        while not comm._done(stream):
+                            waited = time.monotonic() - began
+                            if waited > 60:
+                                raise RuntimeError('NCCL call hung')
+                            time.sleep(sleep(waited))
+                    seconds = timed(once, iterations)
+                    rows.append((f'NCCL call, 1 rank, 4 kB, after '
+                                 f'{1e6 * spin:.0f} us of GPU work: host '
+                                 f'{label}', 1000 * seconds, 'ms'))
+            for mb in sizes_mb:
+                buf = cupy.zeros(max(1, int(mb * 1e6 / 4)), 'float32')
+                comm.allreduce([buf])
+                size = f'{mb * 1000:g} kB' if mb < 1 else f'{mb:g} MB'
+                rows += [
+                    (f'NCCL call, 1 rank, {size}: NcclComm.allreduce',
+                     1000 * timed(lambda b=buf: comm.allreduce([b]),
+                                  iterations), 'ms'),
+                    ('  calls in stream order, one synchronise',
+                     1000 * timed(lambda b=buf: queue(b), iterations),
+                     'ms')]
+    finally:
+        comm.close()
+    return rows
+
+
 def machine_gpus(count):
     import cupy
 
@@ -303,6 +420,9 @@ def main(argv=None):
                              "%(default)s, the seed network's gradients)")
     parser.add_argument('--iterations', type=int, default=10,
                         help='timed all-reduces (default: %(default)s)')
+    parser.add_argument('--floor-sizes', default='0.004,1,4,22.5',
+                        help='MB per one-rank NCCL call, comma-separated '
+                             '(default: %(default)s)')
     args = parser.parse_args(argv)
     from dasktrain.parallel.devices import free_gpu_memory, gpu_count
     count, reason = gpu_count()
@@ -322,6 +442,12 @@ def main(argv=None):
                                nccl_problem(nccl) is None)
     rows += rank_rows(two_ranks(entries, how == 'NCCL', args), how,
                       args.mbytes)
+    if nccl_problem(nccl) is None:
+        rows += call_floor([float(s) for s in args.floor_sizes.split(',')],
+                           max(args.iterations, 20))
+    else:
+        rows.append(('NCCL call, 1 rank', 'skipped: '
+                     f'{nccl_problem(nccl)}', ''))
     print(table(rows, f'bench/gpu.py (model={args.model}, batch '
                       f'{args.batch_size} per GPU)\n\nGPUs: '
                       f'{machine_gpus(count)}'))
