@@ -139,6 +139,12 @@ def test_nccl_is_used_only_where_it_loaded_and_is_recent():
         assert 'Dask comms' in problem and '\n' not in problem
     assert nccl_problem(nccl_module(version=21901)) is None
     assert nccl_problem(nccl_module(version=22703)) is None
+    # 2.23-2.25 keep a sum's group job in the starting thread's storage
+    for code in (22304, 22505):
+        problem = nccl_problem(nccl_module(version=code))
+        assert '2.23 to 2.25' in problem and '\n' not in problem
+        assert not use_nccl(('@cupy:0',), nccl_module(version=code))
+    assert nccl_problem(nccl_module(version=22602)) is None
     assert nccl_version(20906) == (2, 9, 6)
 
 

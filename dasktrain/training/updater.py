@@ -121,11 +121,15 @@ class DistributedUpdater(StandardUpdater):
         for key, pairs in terms.items():
             where = {_gpu_of(value) for _, value in pairs}
             if len(where) == 1 and None not in where:
-                total = sum(size * value for size, value in pairs)
+                # on that GPU, whichever is current (a kernel on another
+                # would read across devices)
+                with chainer.backends.cuda.Device(where.pop()):
+                    total = sum(size * value for size, value in pairs)
+                    means[key] = total / weights[key]
             else:
                 total = sum(size * float(chainer.backends.cuda.to_cpu(v))
                             for size, v in pairs)
-            means[key] = total / weights[key]
+                means[key] = total / weights[key]
         return means
 
     def serialize(self, serializer):
