@@ -161,7 +161,8 @@ def test_every_mistake_in_the_data_is_one_line(lab, arrays, message,
     (['--dataset', 'npz:none.npz'], 'no file none.npz'),
     (['--dataset', 'nets.py:nothing'], "nets.py has no attribute "
                                        "'nothing'"),
-    (['--dataset', 'cifar1000'], 'must be cifar10, cifar100, npz:PATH'),
+    (['--dataset', 'cifar1000'],
+     'must be cifar10, cifar100, sample, npz:PATH'),
     (['--model', 'nets.py:MLP', '--dataset', 'nets.py:features',
       '--augment', 'crop-flip'], 'crops and flips images'),
     (['--dataset', 'npz:gray.npz'], '--model cifar10 takes images of 3 x H '

@@ -20,9 +20,10 @@ from dasktrain.config import (
 def add_data_arguments(parser):
     parser.add_argument(
         '--dataset', default='cifar10', metavar='SPEC',
-        help='cifar10, cifar100, npz:PATH (keys x_train, y_train, x_test, '
-             'y_test) or your own function returning those four arrays, '
-             'as file.py:NAME or package.module:NAME (default: '
+        help='cifar10, cifar100, sample (4,000 Fashion-MNIST images '
+             'shipped with dasktrain), npz:PATH (keys x_train, y_train, '
+             'x_test, y_test) or your own function returning those four '
+             'arrays, as file.py:NAME or package.module:NAME (default: '
              '%(default)s)')
     parser.add_argument('--label-set', choices=('fine', 'coarse'),
                         default='fine',
