@@ -52,7 +52,9 @@ def test_what_other_users_cannot_use(path, need, found):
 
 
 def test_the_install_problem_names_the_path_and_the_closed_folder():
-    same = lambda p: p  # noqa: E731: no symlinks in this table
+    def same(path):  # no symlinks in this table
+        return path
+
     assert everyone.install_problem('/opt/dt/bin/python', '/opt/dt/ok',
                                     MODES.get, same) is None
     assert everyone.install_problem(

@@ -98,9 +98,10 @@ def check_install(env=None, problem=_ASK):
 
     >>> check_install({}, problem=None)
     >>> check_install({}, problem='other users cannot run /root/py: ...')
+    ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ...
-    dasktrain.cluster.local.ClusterError: other users cannot run /root/py: ..., and a shared cluster runs each training job as its submitter with it: install dasktrain for every user (`sudo make install-shared PREFIX=/opt/dasktrain` in its clone, docs/security.md) and start that one: `sudo /opt/dasktrain/bin/dasktrain cluster start --shared`
+    dasktrain.cluster.local.ClusterError: other users cannot run ... \
+`sudo /opt/dasktrain/bin/dasktrain cluster start --shared`
     """
     env = os.environ if env is None else env
     if env.get(PRIVATE_PYTHON_ENV) == '1':
