@@ -46,7 +46,7 @@ SHOWN = {'text', 'ini', 'json'}
 SHELL = {'', 'sh', 'bash'}
 # What a block may need that this machine (2 CPUs, no GPU, no network,
 # one host) cannot give; the first words after "# needs".
-NEEDS = ('GPU', 'GPUs', '2 GPUs', '4 GPUs', 'root', 'a lab server',
+NEEDS = ('GPU', 'GPUs', 'a GPU', '2 GPUs', '4 GPUs', 'root', 'a lab server',
          'the internet', 'a lab mirror', 'your own')
 # Of about 65 blocks, those that need GPUs, root, a lab's other machines
 # or the internet; no more may join without a reason that cannot wait.

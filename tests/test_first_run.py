@@ -9,6 +9,7 @@ import zipfile
 import numpy as np
 import pytest
 
+import dasktrain.commands.options as options
 import dasktrain.commands.train as train_command
 import dasktrain.data.sample as sample
 import dasktrain.training.progress as progress
@@ -16,7 +17,8 @@ from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 
 
-@pytest.mark.parametrize('module', [sample, train_command, progress])
+@pytest.mark.parametrize('module', [sample, train_command, progress,
+                                    options])
 def test_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -62,7 +62,10 @@ class _ModelArg(argparse.Action):
             value = json.loads(value)
         except ValueError:
             pass  # a bare string
-        args = dict(getattr(namespace, self.dest) or {})
+        # a dict so far, or the default (None; given_fields' probe: a
+        # sentinel that is not one)
+        so_far = getattr(namespace, self.dest, None)
+        args = dict(so_far) if isinstance(so_far, dict) else {}
         args[key] = value
         setattr(namespace, self.dest, args)
 
@@ -83,6 +86,8 @@ def given_fields(argv):
     --------
     >>> sorted(given_fields(['--resume', '--out', 'r', '--epochs', '20']))
     ['epochs', 'out', 'resume']
+    >>> sorted(given_fields(['--model-arg', 'n=1', '--model-arg', 'm=2']))
+    ['model_args']
     """
     import dataclasses
 
