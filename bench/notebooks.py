@@ -112,7 +112,7 @@ def main(argv=None):
             print(f'error: {e}', file=sys.stderr)
             return 1
         if args.commit:
-            text = executed.read_bytes()
+            text = committed(executed, work)
             atomic_write(NOTEBOOKS / executed.name,
                          lambda f, text=text: f.write(text))
         for figure in figures:
@@ -122,6 +122,20 @@ def main(argv=None):
         print(f'{name}: {len(figures)} figures in '
               f'{time.perf_counter() - start:.0f} s', flush=True)
     return 0
+
+
+def committed(executed, work):
+    """The executed notebook's bytes as committed: its injected
+    parameters without those naming the temporary ``work`` folder (a
+    reader's "Run All" then writes under the repository's runs/)."""
+    import nbformat
+    nb = nbformat.read(executed, as_version=4)
+    for cell in nb.cells:
+        if 'injected-parameters' in cell.metadata.get('tags', ()):
+            cell.source = '\n'.join(
+                line for line in cell.source.splitlines()
+                if str(work) not in line)
+    return nbformat.writes(nb).encode() + b'\n'
 
 
 if __name__ == '__main__':

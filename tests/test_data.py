@@ -113,8 +113,8 @@ def test_retries_transient_server_errors(tmp_path, archive_server,
 def test_gives_up_after_retries(tmp_path, archive_server, cifar_archive):
     archive_server.faults = [503] * 10
     with pytest.raises(DataError, match=r': the server kept failing \(too '
-                                        r'many 503 error responses\); use a '
-                                        r'mirror \(url'):
+                                        r'many 503 error responses\); check '
+                                        r'the mirror \(url'):
         download_cifar10(tmp_path, url=archive_server.url(),
                          md5=cifar_archive[1], retries=2, **FAST)
     assert len(archive_server.requests) == 3
@@ -135,15 +135,24 @@ def test_no_network_is_one_clear_error(tmp_path):
     # What failed, in words; not urllib3's nested reprs.
     assert str(error.value) == (
         'cannot download http://127.0.0.1:9/x.tar.gz: 127.0.0.1:9 refused '
-        'the connection; use a mirror (url, or $DASKTRAIN_CIFAR10_URL) or '
-        'put cifar-10-python.tar.gz into the data dir')
+        'the connection; check the mirror (url or $DASKTRAIN_CIFAR10_URL), '
+        'or put cifar-10-python.tar.gz into the data dir')
+
+
+def test_a_failed_first_download_leaves_no_empty_folder(tmp_path):
+    data = tmp_path / 'data'
+    with pytest.raises(DataError):
+        download_cifar10(data, url='http://127.0.0.1:9/x.tar.gz',
+                         retries=0, **FAST)
+    assert not data.exists()
 
 
 def test_a_name_that_does_not_resolve_is_said_so(tmp_path):
     # .invalid never resolves (RFC 6761): no network is needed to fail.
     with pytest.raises(DataError, match=r'^cannot download http://cifar\.'
                        r'invalid/x\.tar\.gz: the name cifar\.invalid cannot '
-                       r'be resolved \(offline, or no DNS\); use a mirror'):
+                       r'be resolved \(offline, or no DNS\); check the '
+                       r'mirror'):
         download_cifar10(tmp_path, url='http://cifar.invalid/x.tar.gz',
                          retries=0, **FAST)
 

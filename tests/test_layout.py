@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / 'dasktrain'
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
     {'errors', 'files', 'config', '_compat', '_lazy', 'cuda_extra',
-     'spawn', 'userspec', 'notify'},
+     'everyone', 'spawn', 'userspec', 'notify'},
     {'data'},
     {'parallel'},
     {'training', 'chainermn'},

@@ -271,9 +271,13 @@ class Lab:
         of one's own; ``more`` on top."""
         env = {k: v for k, v in os.environ.items() if k not in (
             'DASKTRAIN_JOBS_DIR', 'DASKTRAIN_QUEUE', 'SUDO_UID')}
+        # The test's venv may live where only root can run it (under
+        # /root): started anyway, as for a queue of command jobs that
+        # bring their own Python (test_shared_install.py installs one
+        # every user can run).
         return dict(env, DASKTRAIN_SHARED_DIR=str(self.where.root),
                     DASKTRAIN_HOME=str(self.root / 'no-cluster-of-ones-own'),
-                    **more)
+                    DASKTRAIN_SHARED_PRIVATE_PYTHON='1', **more)
 
     def run(self, who, *args, cwd=None, timeout=90, preload='', **env):
         """``dasktrain ARGS`` as ``who``: (exit code, stdout, stderr)."""

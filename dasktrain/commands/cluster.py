@@ -109,6 +109,8 @@ class Cluster(Command):
                     'in its --shared-dir')
             if args.shared:
                 shared.check_root()  # one line, before anything starts
+                if args.action == 'start':
+                    shared.check_install()
         if args.action == 'start':
             if args.max_gpus_per_user is not None and \
                     args.max_gpus_per_user < 1:  # before anything starts

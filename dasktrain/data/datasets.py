@@ -1,5 +1,6 @@
 """A run's data, named by ``--dataset``: CIFAR-10 (the default), CIFAR-100,
-an ``npz:PATH`` file, or the user's own function (``file.py:NAME``,
+the built-in ``sample`` (:mod:`~dasktrain.data.sample`), an ``npz:PATH``
+file, or the user's own function (``file.py:NAME``,
 ``package.module:NAME``) returning ``(x_train, y_train, x_test, y_test)``
 as NumPy or Dask arrays.
 
@@ -34,7 +35,7 @@ from dasktrain.data.augment import (
 from dasktrain.errors import DataError, argument
 from dasktrain.userspec import SpecError, is_spec, load_attribute
 
-BUILT_IN = ('cifar10', 'cifar100')
+BUILT_IN = ('cifar10', 'cifar100', 'sample')
 # --augment: 'auto' is crop-flip for images and nothing for other inputs
 AUGMENTS = ('auto', 'crop-flip', 'crop', 'none')
 NPZ_KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
@@ -120,7 +121,7 @@ def check_spec(spec):
     """Validate the form of a ``--dataset`` value (not its contents)."""
     if not isinstance(spec, str) or not spec:
         raise DataError(f'{argument("dataset")} must be cifar10, cifar100, '
-                        f'npz:PATH or file.py:NAME, got {spec!r}')
+                        f'sample, npz:PATH or file.py:NAME, got {spec!r}')
     if spec in BUILT_IN or spec.startswith('npz:'):
         if spec == 'npz:':
             raise DataError(f'{argument("dataset")} npz: needs a path, '
@@ -128,8 +129,8 @@ def check_spec(spec):
         return
     if not is_spec(spec):
         raise DataError(f'{argument("dataset")} must be cifar10, cifar100, '
-                        'npz:PATH, or your own function as file.py:NAME or '
-                        f'package.module:NAME, got {spec!r}')
+                        'sample, npz:PATH, or your own function as '
+                        f'file.py:NAME or package.module:NAME, got {spec!r}')
 
 
 def resolve_spec(spec, cwd=None):
@@ -169,7 +170,7 @@ def load_dataset(spec='cifar10', data_dir='data', url=None, md5=None,
     Parameters
     ----------
     spec : str, default 'cifar10'
-        ``cifar10``, ``cifar100``, ``npz:PATH`` (keys ``x_train``,
+        ``cifar10``, ``cifar100``, ``sample``, ``npz:PATH`` (keys ``x_train``,
         ``y_train``, ``x_test``, ``y_test``) or ``file.py:NAME`` /
         ``package.module:NAME`` (a function returning those four arrays).
     data_dir, url, md5 : optional
@@ -204,6 +205,9 @@ def load_dataset(spec='cifar10', data_dir='data', url=None, md5=None,
         from dasktrain.data.cifar import load_cifar100
         arrays = load_cifar100(data_dir, download=download, url=url, md5=md5,
                                label_set=label_set)
+    elif spec == 'sample':
+        from dasktrain.data.sample import load_sample
+        arrays = load_sample()
     elif spec.startswith('npz:'):
         arrays = _npz(spec)
     else:
