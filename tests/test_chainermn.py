@@ -382,12 +382,23 @@ def test_what_remains_unsupported_names_itself():
         chainermn.DoubleBufferingOptimizer)
     with pytest.raises(chainermn.Unsupported, match='mpi_comm'):
         chainermn.create_communicator(mpi_comm=object())
-    with pytest.raises(chainermn.Unsupported,
-                       match='allreduce_grad_dtype=float16'):
-        chainermn.create_communicator(allreduce_grad_dtype='float16')
-    with pytest.raises(chainermn.Unsupported, match="backend='nccl'"):
+    # ChainerMN's rules for allreduce_grad_dtype, and its configs
+    half = chainermn.create_communicator(allreduce_grad_dtype='float16')
+    assert half.get_config('allreduce_grad_dtype') == np.float16
+    assert half.get_config() == {'allreduce_grad_dtype': np.float16,
+                                 'batched_copy': True}
+    with pytest.raises(ValueError, match="only available at 'pure_nccl'"):
+        chainermn.create_communicator('naive', allreduce_grad_dtype='float16')
+    with pytest.raises(ValueError, match='must be numpy.float16'):
+        chainermn.create_communicator(allreduce_grad_dtype='int32')
+    with pytest.raises(ValueError, match='Unknown config'):
+        comm.set_config('bucket_size', 3)
+    for backend in ('auto', 'mpi', 'nccl'):  # all: the comm's transport
         chainermn.links.MultiNodeBatchNormalization(
-            3, comm, communication_backend='nccl')
+            3, comm, communication_backend=backend)
+    with pytest.raises(ValueError, match="does not support 'gloo'"):
+        chainermn.links.MultiNodeBatchNormalization(
+            3, comm, communication_backend='gloo')
     # a job of one rank: every call is its own answer
     assert comm.split(3, 0).size == 1
     x = np.arange(3.0)

@@ -250,7 +250,7 @@ def test_the_pure_decisions():
     from dasktrain.chainermn.models import groups
     from dasktrain.parallel.comm.mailbox import take
     from dasktrain.parallel.comm.mesh import group
-    from dasktrain.parallel.comm.ncclpair import byte_layout, route
+    from dasktrain.parallel.comm.ncclpair import byte_layout, route, unpack
     assert group([(1, 0), (0, 0), (1, -1), (0, 0)], 1) == [2, 0]
     assert group([(1, 0), (0, 0), (1, -1), (0, 0)], 0) == [1, 3]
     # every array at an offset aligned for any dtype, in one buffer
@@ -261,6 +261,20 @@ def test_the_pure_decisions():
     assert route([True, False], [0, 8], True) == 'host'  # no GPU bytes
     assert route([True], [8], False) == 'host'
     assert route([False, False], [8, 8], True) is None
+    # a message's arrays back from its one buffer: views, nothing copied
+    # (a NumPy buffer here, a GPU's under NCCL)
+    sent = [np.arange(3, dtype=np.float16), np.array(5, np.int64),
+            np.zeros((0, 2)), np.array([[True, False]]),
+            np.arange(6.0).reshape(2, 3)]
+    offsets, total = byte_layout([a.nbytes for a in sent])
+    buffer = np.zeros(total, np.uint8)
+    for a, start in zip(sent, offsets):
+        buffer[start:start + a.nbytes] = a.reshape(-1).view(np.uint8)
+    got = unpack(buffer, [(a.shape, a.dtype.str) for a in sent])
+    for a, b in zip(got, sent):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        np.testing.assert_array_equal(a, b)
+        assert a.size == 0 or np.shares_memory(a, buffer)
     import collections
     kept = collections.deque([(2, 'b'), (1, 'a'), (2, 'c')])
     assert take(kept, 2) == ('b', True) and take(kept, None) == ('a', True)

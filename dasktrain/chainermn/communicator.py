@@ -28,7 +28,6 @@ import os
 import socket
 import sys
 
-import chainer
 import numpy as np
 from chainermn.communicators.communicator_base import CommunicatorBase
 
@@ -37,7 +36,7 @@ from dasktrain.chainermn.models import ModelCalls
 from dasktrain.chainermn.support import Unsupported, fatal, say
 from dasktrain.parallel.comm.base import CollectiveError, Solo
 from dasktrain.parallel.comm.mailbox import Mailbox
-from dasktrain.parallel.comm.rendezvous import join
+from dasktrain.parallel.comm.rendezvous import JOB, join
 
 #: Every name ChainerMN (any version) accepts; all run on the same
 #: collectives here.
@@ -58,8 +57,10 @@ def create_communicator(communicator_name='pure_nccl', mpi_comm=None,
     mpi_comm : None
         MPI communicators do not exist here: one given is an error.
     **kwargs
-        ChainerMN's ``allreduce_grad_dtype`` (None or the parameters'
-        dtype; a cast is an error) and ``batched_copy`` (ignored).
+        ChainerMN's ``allreduce_grad_dtype`` (``pure_nccl`` only, as in
+        ChainerMN: gradients are summed in this float dtype, e.g.
+        float16 to halve the bytes, and cast back) and ``batched_copy``
+        (kept, without effect: packing is always one copy per array).
 
     Returns
     -------
@@ -78,15 +79,16 @@ def create_communicator(communicator_name='pure_nccl', mpi_comm=None,
         raise Unsupported('create_communicator(mpi_comm=...)',
                           'ranks meet through `dasktrain launch`, not MPI')
     dtype = kwargs.pop('allreduce_grad_dtype', None)
-    kwargs.pop('batched_copy', None)
+    batched_copy = kwargs.pop('batched_copy', True)
     if kwargs:
         raise TypeError('create_communicator() got unexpected keyword '
                         f'argument(s) {", ".join(sorted(kwargs))}')
-    if dtype is not None and np.dtype(dtype) != chainer.get_dtype():
-        raise Unsupported(f'create_communicator(allreduce_grad_dtype='
-                          f'{np.dtype(dtype).name})',
-                          'gradients are summed in their own dtype')
-    comm = DaskCommunicator(join(), communicator_name)
+    if dtype is not None and communicator_name != 'pure_nccl':
+        raise ValueError("allreduce_grad_dtype is only available at "
+                         "'pure_nccl' communicator.")
+    comm = DaskCommunicator(join(_environment()), communicator_name)
+    comm.set_config('allreduce_grad_dtype', dtype)
+    comm.set_config('batched_copy', batched_copy)
     if comm.rank == 0 and comm.size > 1:
         say(f'dasktrain.chainermn: {communicator_name!r} runs on '
             f'{comm.transport} among {comm.size} ranks on '
@@ -94,6 +96,19 @@ def create_communicator(communicator_name='pure_nccl', mpi_comm=None,
             + ('; GPU arrays go rank to rank over NCCL'
                if comm.gpu_direct else ''))
     return comm
+
+
+_made = [0]  # communicators this process has made
+
+
+def _environment():
+    """The environment the next communicator joins from: every call makes
+    a new one (as ChainerMN's), all ranks in the same order, each meeting
+    under a name of its own (``DASKTRAIN_JOB#k``)."""
+    made, _made[0] = _made[0], _made[0] + 1
+    if made == 0 or JOB not in os.environ:
+        return os.environ
+    return dict(os.environ, **{JOB: f'{os.environ[JOB]}#{made}'})
 
 
 def gpu_direct_possible(environ=None):
@@ -143,6 +158,8 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
         self._ranks = (same.index(comm.rank), len(same),
                        machines.index(mine), len(machines))
         self.gpu_direct = all(ok for _, ok in facts) and comm.size > 1
+        self.allreduce_grad_dtype = None  # set_config's
+        self.batched_copy = True
         self._closed = False
         self._nccl = None  # NcclComm, or False: decided at the first GPU sum
         self._pending = None  # double buffering: (reduction, packed)
@@ -192,6 +209,30 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
         return 'shared memory' if self.comm.shared_memory else \
             'TLS/TCP peer-to-peer connections'
 
+    def set_config(self, name, value=True, **kwargs):
+        """ChainerMN's configurations: ``allreduce_grad_dtype`` (a float
+        dtype, or None: each gradient in its own) and ``batched_copy``."""
+        if name == 'allreduce_grad_dtype':
+            if value is not None:
+                value = np.dtype(value)
+                if value.kind != 'f':
+                    raise ValueError('allreduce_grad_dtype must be '
+                                     'numpy.float16, numpy.float32, '
+                                     f'numpy.float64, or None, got {value}')
+            with self.config_scope():
+                self.allreduce_grad_dtype = value
+        elif name == 'batched_copy':
+            with self.config_scope():
+                self.batched_copy = value
+        else:
+            super().set_config(name, **kwargs)
+
+    def get_config(self, name=None):
+        """A configuration's value; all of them by name without one."""
+        configs = {'allreduce_grad_dtype': self.allreduce_grad_dtype,
+                   'batched_copy': self.batched_copy}
+        return configs if name is None else configs[name]
+
     rank = property(lambda self: self.comm.rank)
     size = property(lambda self: self.comm.size)
     intra_rank = property(lambda self: self._ranks[0])
@@ -217,7 +258,10 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
         if not isinstance(color, (int, np.integer)) or color < 0:
             raise ValueError(f'color must be an int >= 0, got {color!r}')
         sub = self.comm.split(int(color), key) if self.size > 1 else Solo()
-        return DaskCommunicator(sub, self.name)
+        child = DaskCommunicator(sub, self.name)
+        for name, value in self.get_config().items():
+            child.set_config(name, value)
+        return child
 
     @fatal
     def allreduce_obj(self, obj):

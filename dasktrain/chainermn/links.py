@@ -30,21 +30,20 @@ from chainer import initializers, variable
 from chainermn.links.n_step_rnn import _MultiNodeNStepRNN
 
 from dasktrain.chainermn import functions
-from dasktrain.chainermn.support import Unsupported
 
 
 class MultiNodeBatchNormalization(chainermn.links.MultiNodeBatchNormalization):
     """Batch normalisation over the ranks of ``comm`` (ChainerMN's
-    arguments; ``communication_backend`` may be ``'auto'`` or ``'mpi'``,
-    both meaning the communicator's own transport)."""
+    arguments; every ``communication_backend``, ``'auto'``, ``'mpi'`` or
+    ``'nccl'``, means the communicator's own transport: NCCL for GPU
+    arrays where every rank has it)."""
 
     def __init__(self, size, comm, decay=0.9, eps=2e-5, dtype=None,
                  use_gamma=True, use_beta=True, initial_gamma=None,
                  initial_beta=None, communication_backend='auto'):
-        if communication_backend not in ('auto', 'mpi'):
-            raise Unsupported(f'MultiNodeBatchNormalization(communication_'
-                              f'backend={communication_backend!r})',
-                              "use 'auto'")
+        if communication_backend not in ('auto', 'mpi', 'nccl'):
+            raise ValueError('MultiNodeBatchNormalization does not support '
+                             f'{communication_backend!r}')
         # ChainerMN's __init__ without its backend probe, which imports
         # mpi4py: the same persistent values and parameters.
         chainer.Link.__init__(self)

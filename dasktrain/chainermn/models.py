@@ -110,6 +110,49 @@ def scale(flat, factor):
         flat *= factor
 
 
+def cast(flat, dtype):
+    """``flat`` as ``dtype`` (itself where it is one already, or where
+    ``dtype`` is None), on its own device."""
+    if dtype is None or flat.dtype == dtype:
+        return flat
+    if on_gpu(flat):
+        with flat.device:
+            return flat.astype(dtype)
+    return flat.astype(dtype)
+
+
+def back(flat, wire):
+    """The summed ``wire`` (from :func:`cast`) into ``flat``."""
+    if wire is flat:
+        return
+    if on_gpu(flat):
+        with flat.device:
+            flat[...] = wire
+    else:
+        flat[...] = wire
+
+
+def pack_all(arrays, dtype=None):
+    """``(members, flat, wire)`` of each group of ``arrays``: the flat
+    buffer holding them, and that buffer as it travels (cast to ``dtype``,
+    ChainerMN's ``allreduce_grad_dtype``, where one is set)."""
+    packed = []
+    for members in groups(arrays):
+        flat = flatten(members)
+        packed.append((members, flat, cast(flat, dtype)))
+    return packed
+
+
+def unpack_mean(packed, size):
+    """Each summed wire of :func:`pack_all` made the mean (``* 1 /
+    size``, as ChainerMN scales, in the wire's dtype) and written back
+    into its arrays."""
+    for members, flat, wire in packed:
+        scale(wire, 1.0 / size)
+        back(flat, wire)
+        spread(flat, members)
+
+
 class ModelCalls:
     """ChainerMN's calls on a model's arrays; the communicator provides
     ``comm``, ``rank``, ``size``, ``_nccl``, ``_pending`` and ``_side``."""
@@ -153,8 +196,9 @@ class ModelCalls:
 
     @fatal
     def multi_node_mean_grad(self, model, zero_fill=False):
-        """Every parameter's gradient made the mean over the ranks."""
-        self._mean(self._grads(model, zero_fill))
+        """Every parameter's gradient made the mean over the ranks (summed
+        in ``allreduce_grad_dtype`` where it is set)."""
+        self._mean(self._grads(model, zero_fill), self.allreduce_grad_dtype)
 
     @fatal
     def multi_node_mean_grad_async(self, model, zero_fill=False):
@@ -167,8 +211,8 @@ class ModelCalls:
         grads = self._grads(model, zero_fill)
         if self.size == 1 or not grads:
             return
-        packed = [(members, flatten(members)) for members in groups(grads)]
-        flats = [flat for _, flat in packed]
+        packed = pack_all(grads, self.allreduce_grad_dtype)
+        flats = [wire for _, _, wire in packed]
         device = chainer.backend.get_device_from_array(flats[0])
         if self._side is None or self._side.device != device:
             self._side = SideStream(device)
@@ -187,9 +231,7 @@ class ModelCalls:
         if pending is not None:
             reduction, packed = pending
             reduction.wait()
-            for members, flat in packed:
-                scale(flat, 1.0 / self.size)
-                spread(flat, members)
+            unpack_mean(packed, self.size)
 
     @fatal
     def _multi_node_mean(self, sendbuf, recvbuf):
@@ -225,17 +267,16 @@ class ModelCalls:
                        f'host copies ({problem or "a rank lacks NCCL"})'))
         return self._nccl or self.comm
 
-    def _mean(self, arrays):
+    def _mean(self, arrays, dtype=None):
         """``arrays`` made their mean over the ranks, in place: one
-        all-reduce of one buffer per dtype and device."""
+        all-reduce of one buffer per dtype and device (summed as
+        ``dtype`` where it is given)."""
         if self.size == 1 or not arrays:
             return
-        packed = [(members, flatten(members)) for members in groups(arrays)]
-        flats = [flat for _, flat in packed]
-        self._summing(flats).allreduce(flats)
-        for members, flat in packed:
-            scale(flat, 1.0 / self.size)  # as ChainerMN scales its sums
-            spread(flat, members)
+        packed = pack_all(arrays, dtype)
+        wires = [wire for _, _, wire in packed]
+        self._summing(wires).allreduce(wires)
+        unpack_mean(packed, self.size)
 
 
 def _by_dtype(arrays):

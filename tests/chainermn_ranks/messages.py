@@ -108,5 +108,27 @@ assert calls == [[3 * 4 + 4 + 4 * 2 + 2]], calls
 for p in model.params():
     eq(p.grad, np.full(p.shape, 1.0))  # the mean of 0, 1, 2
 
+# A second communicator, as ChainerMN makes one per call, summing the
+# gradients as float16 (pure_nccl's allreduce_grad_dtype), cast back.
+half = chainermn.create_communicator('pure_nccl',
+                                     allreduce_grad_dtype='float16')
+assert half.get_config('allreduce_grad_dtype') == np.float16
+assert (half.rank, half.size) == (r, n)
+model = chainer.Sequential(L.Linear(3, 2))
+for p in model.params():
+    p.grad = np.full(p.shape, (r + 1) / 3, dtype=np.float32)
+dtypes = []
+summing = half.comm.allreduce
+half.comm.allreduce = lambda arrays, check=False: dtypes.extend(
+    a.dtype for a in arrays) or summing(arrays, check)
+half.multi_node_mean_grad(model)
+assert dtypes == [np.float16], dtypes
+mean = np.float16(1 / 3) + np.float16(2 / 3)
+mean = (mean + np.float16(3 / 3)) * np.float16(1 / 3)
+for p in model.params():
+    assert p.grad.dtype == np.float32
+    eq(p.grad, np.full(p.shape, np.float32(mean)))
+half.finalize()
+
 comm.finalize()
 print(f'rank {r} ok', flush=True)

@@ -77,9 +77,10 @@ def pack(arrays, device):
         buffer = cupy.empty(total, dtype=cupy.uint8)
         for a, start in zip(arrays, offsets):
             if a.size:
+                if a.device.id != device:  # a peer copy, onto this GPU
+                    a = cupy.array(a)
                 view = buffer[start:start + a.nbytes].view(a.dtype)
-                # copyto also reads another GPU's array and fills from a
-                # non-contiguous view
+                # copyto also reads a non-contiguous view
                 cupy.copyto(view.reshape(a.shape), a)
     return buffer
 
