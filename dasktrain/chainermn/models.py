@@ -4,11 +4,13 @@ part of :class:`~dasktrain.chainermn.communicator.DaskCommunicator`:
 (and its double-buffered ``_async``/``wait_mean``) and
 ``_multi_node_mean`` (ChainerMN's hook for its batch normalisation).
 
-Each packs the arrays into one flat buffer per dtype and device
-(:func:`groups`, :func:`flatten`; a lone contiguous array is its own
-buffer) and makes one collective of those buffers, as ChainerMN's NCCL
-communicator packs its gradients: one NCCL all-reduce (or one
-shared-memory or socket all-reduce) per step, not one per parameter.
+Each makes one collective of all the arrays. GPU arrays are packed into
+one flat buffer per dtype and GPU first (:func:`groups`,
+:func:`flatten`; a lone contiguous array is its own buffer), as
+ChainerMN's NCCL communicator packs its gradients: one NCCL all-reduce
+per step, not one per parameter. Host arrays go as they are: the host's
+communicators put them in one buffer per dtype themselves (shared
+memory), or in one message per peer (sockets).
 The maths are ChainerMN's: parameters in ``sorted(namedparams())`` order,
 the sum multiplied by ``1 / size``. Every array is written where it
 lies, on its own device, whatever device is current.
@@ -133,13 +135,30 @@ def back(flat, wire):
 
 
 def pack_all(arrays, dtype=None):
-    """``(members, flat, wire)`` of each group of ``arrays``: the flat
-    buffer holding them, and that buffer as it travels (cast to ``dtype``,
-    ChainerMN's ``allreduce_grad_dtype``, where one is set)."""
+    """``(members, flat, wire)`` for ``arrays``: each group of GPU arrays
+    (one dtype, one GPU) joined in one flat buffer, which travels as
+    ``wire`` (cast to ``dtype``, ChainerMN's ``allreduce_grad_dtype``,
+    where one is set); each host array as itself (the host's
+    communicators pack them into one buffer per dtype already: shared
+    memory, or the sockets' one message; a flat copy here would only add
+    two copies of every array), or cast where ``dtype`` says.
+
+    Examples
+    --------
+    >>> a, b = np.zeros(3), np.ones(2)
+    >>> [(len(m), w is a) for m, _, w in pack_all([a, b])]
+    [(1, True), (1, False)]
+    >>> [w.dtype.name for _, _, w in pack_all([a, b], np.float16)]
+    ['float16']
+    """
     packed = []
     for members in groups(arrays):
-        flat = flatten(members)
-        packed.append((members, flat, cast(flat, dtype)))
+        if on_gpu(members[0]) or (dtype is not None and
+                                  members[0].dtype != dtype):
+            flat = flatten(members)
+            packed.append((members, flat, cast(flat, dtype)))
+        else:
+            packed.extend(([a], a, a) for a in members)
     return packed
 
 

@@ -136,7 +136,7 @@ def take_the_name(package, path=None):
         sys.modules[f'chainermn.{name}'] = sys.modules[
             f'{package.__name__}.{mine}']
     if os.environ.get(RANK) == '0':
-        say("dasktrain launch: the ranks' `import chainermn` is "
+        say("dasktrain.chainermn: the ranks' `import chainermn` is "
             f'dasktrain.chainermn (ChainerMN {package.__version__} on '
             'Dask, no MPI; `dasktrain launch --no-chainermn` for the '
             'installed ChainerMN)')

@@ -4,7 +4,8 @@ matched by source and tag as MPI matches them (a message with another
 tag waits for its own recv); objects with tags; collectives from any
 root; alltoall and scatter; split into sub-communicators with their own
 ranks, collectives and messages; messages and collectives interleaved;
-a model's gradients averaged in one all-reduce of one buffer.
+a model's gradients averaged in one all-reduce, summed as float16 where
+``allreduce_grad_dtype`` says.
 
     python messages.py
 """
@@ -88,7 +89,8 @@ columns = comm.split(0, r)
 assert (columns.rank, columns.size) == (r, n)
 eq(columns.allgather(np.int32([r])), [[0], [1], [2]])
 
-# A model's gradients: one all-reduce of one buffer, not one per array.
+# A model's gradients: one all-reduce of them all, not one per array
+# (host arrays as they are: shared memory packs them into one buffer).
 model = chainer.Sequential(L.Linear(3, 4), L.Linear(4, 2))
 for p in model.params():
     p.grad = np.full(p.shape, r, dtype=p.dtype)
@@ -104,7 +106,7 @@ def spy(arrays, check=False):
 comm.comm.allreduce = spy
 comm.multi_node_mean_grad(model)
 comm.comm.allreduce = summing
-assert calls == [[3 * 4 + 4 + 4 * 2 + 2]], calls
+assert calls == [[3 * 4, 4, 4 * 2, 2]], calls
 for p in model.params():
     eq(p.grad, np.full(p.shape, 1.0))  # the mean of 0, 1, 2
 
