@@ -74,7 +74,8 @@ def batches(steps, batch, seed=1):
 
 def params(link):
     """``link``'s parameters by path, as host arrays."""
-    return {name: np.array(p.array) for name, p in link.namedparams()}
+    return {name: chainer.backend.CpuDevice().send(p.array).copy()
+            for name, p in link.namedparams()}
 
 
 def train_whole(steps, batch, skip_first=False):
