@@ -14,8 +14,13 @@
   step still waits for. On one GPU the two ranks share it and sum over
   Dask's shared memory (what GPU ranks without NCCL do), and the rows say
   so;
+* a float16 bucket of all the gradients filled with its probes: two
+  fused kernels against array by array;
 * a host all-gather of a few numbers: what float16 on the wire cost per
   bucket before its scales rode in the all-reduce itself;
+* dg steps on one GPU with gradient buckets through a one-rank NCCL
+  communicator posing as two ranks (timing only): buckets queued one
+  after another against waiting for each;
 * one NCCL call's cost on a one-rank communicator: after 0, 50 and
   500 us and 5 ms of GPU work, the host polling the stream sleeping 100 us
   between queries, yielding, as ``NcclComm`` does (comm.base.pause), or
@@ -276,6 +281,133 @@ def two_ranks(entries, nccl, args, where='@cupy:0'):
             for r, w in enumerate(addresses)])
 
 
+def nccl_bucket_rows(model, batch, steps, rounds, sizes_mb=(1, 4)):
+    """Rows: dg steps on one GPU whose gradient buckets go through a
+    one-rank NCCL communicator posing as one of two ranks (the sums are
+    one rank's: timing only): buckets queued one after another (NCCL
+    orders them on the side stream) against waiting for each before the
+    next, the host polling as dasktrain does."""
+    import chainer
+
+    from dasktrain.parallel import GPUDistributedGradient
+    from dasktrain.parallel.comm import NcclComm
+    from dasktrain.parallel.comm.base import Communicator
+    from dasktrain.training.models import get_model
+
+    class AsTwo(Communicator):
+        solo, sums_on_device = False, True
+
+        def __init__(self, nccl, queued):
+            super().__init__(0, 2, nccl.timeout)
+            self.nccl, self.queued = nccl, queued
+
+        def allreduce(self, arrays, check=False):
+            return self.nccl.allreduce(arrays)
+
+        def allreduce_queued(self, arrays):
+            if self.queued:
+                return self.nccl.allreduce_queued(arrays)
+            return self.nccl.allreduce(arrays)
+
+        def finish_queued(self):
+            self.nccl.finish_queued()
+
+        def allgather(self, obj):
+            return [obj, obj]
+
+        def gather(self, obj):
+            return [obj, obj]
+
+        def bcast(self, obj):
+            return obj
+
+        def close(self):
+            pass
+
+    x, t = _data(batch)
+    nccl = NcclComm(_Alone(), 0)
+    rows = []
+    try:
+        with chainer.using_device(chainer.get_device('@cupy:0')):
+            for mb in sizes_mb:
+                runs, models = [], []
+                for queued in (True, False):
+                    np.random.seed(0)
+                    m = GPUDistributedGradient(
+                        get_model(model), ['@cupy:0'],
+                        comm=AsTwo(nccl, queued), bucket_mb=mb)
+                    m.setup(chainer.optimizers.Adam())
+                    for _ in range(3):  # the buckets' order, then warm
+                        m.step(x, t, total=2 * batch, observe=False)
+                    models.append(m)
+
+                    def run(m=m):
+                        _sync('@cupy:0')
+                        spent, began = m.comm_time, time.perf_counter()
+                        for _ in range(steps):
+                            m.step(x, t, total=2 * batch, observe=False)
+                        _sync('@cupy:0')
+                        return ((time.perf_counter() - began) / steps,
+                                (m.comm_time - spent) / steps)
+                    runs.append(run)
+                best = [(float('inf'), 0.0)] * 2
+                for _ in range(rounds):  # interleaved
+                    for i, run in enumerate(runs):
+                        best[i] = min(best[i], run())
+                buckets = len(models[0].exchange.plan)
+                for (step, exposed), how in zip(best, (
+                        'queued, one wait', 'waiting for each')):
+                    rows.append((f'dg step, 1 GPU, NCCL posing as 2 ranks, '
+                                 f'{mb:g} MiB buckets ({buckets}), {how}',
+                                 1000 * step, 'ms'))
+                    rows.append(('  communication waited for',
+                                 1000 * exposed, 'ms'))
+    finally:
+        nccl.close()
+    return rows
+
+
+def fill_rows(model, iterations, device='@cupy:0'):
+    """Rows: ms to fill one float16 bucket of all of ``model``'s
+    gradients with their probes, by the two fused kernels and array by
+    array (what each step's communication thread launches)."""
+    import chainer
+    import cupy
+
+    import dasktrain.parallel.flat as flat_module
+    from dasktrain.parallel.buckets import parameters
+    from dasktrain.training.models import get_model
+    link = get_model(model)
+    where = chainer.get_device(device)
+    link.to_device(where)
+    params = parameters(link)
+    grads = [cupy.ones_like(p.array) for p in params]
+    plan = [list(range(len(params)))]
+    scales, factors = [2.0 ** -3] * len(grads), [2.0 ** -12] * len(grads)
+    rows, fusable = [], flat_module.fusable
+    with chainer.using_device(where):
+        for label, fused in (('two fused kernels', True),
+                             ('array by array', False)):
+            flat_module.fusable = fusable if fused else \
+                (lambda grads: False)
+            try:
+                flat = flat_module.FlatBuckets(params, plan, where,
+                                               np.dtype('float16'),
+                                               probes=True)
+                flat.fill(0, grads, scales, probes=factors)  # compiled
+                cupy.cuda.get_current_stream().synchronize()
+                began = time.perf_counter()
+                for _ in range(iterations):
+                    flat.fill(0, grads, scales, probes=factors)
+                cupy.cuda.get_current_stream().synchronize()
+                seconds = (time.perf_counter() - began) / iterations
+            finally:
+                flat_module.fusable = fusable
+            rows.append((f'float16 fill of {len(grads)} gradients with '
+                         f'probes, {label}', 1000 * seconds, 'ms'))
+    return rows
+
+
 class _Alone:
     """The host communicator of a one-rank NCCL communicator: rank 0 of
     1, a deadline, and the unique id handed to itself."""
@@ -437,12 +569,15 @@ def main(argv=None):
     except Exception:  # CuPy without its NCCL module: Dask's sums
         nccl = None
     rows = one_gpu(args.model, args.batch_size, args.steps, args.rounds)
+    rows += fill_rows(args.model, max(args.iterations, 20))
     free_gpu_memory([0])
     entries, how = rank_layout(visible_gpus(count=count),
                                nccl_problem(nccl) is None)
     rows += rank_rows(two_ranks(entries, how == 'NCCL', args), how,
                       args.mbytes)
     if nccl_problem(nccl) is None:
+        rows += nccl_bucket_rows(args.model, args.batch_size, args.steps,
+                                 args.rounds)
         rows += call_floor([float(s) for s in args.floor_sizes.split(',')],
                            max(args.iterations, 20))
     else:

@@ -112,7 +112,7 @@ def test_devices_naming_other_gpus_than_reserved_are_refused():
     assert gpu_ids(('@cupy:3', '@numpy', '@cupy:3', '@cupy:0')) == [3, 0]
 
 
-def nccl_module(available=True, version=21403):
+def nccl_module(available=True, version=22809):
     """What launch reads of ``cupy.cuda.nccl``: ``available`` and
     ``get_version()`` (ncclGetVersion's code)."""
     return types.SimpleNamespace(available=available,
@@ -128,16 +128,23 @@ def test_nccl_is_used_only_where_it_loaded_and_is_recent():
     assert not use_nccl(('@numpy',), loaded)      # CPU ranks: Dask comms
     assert 'nvidia-nccl' in NCCL_MISSING and '\n' not in NCCL_MISSING
     assert nccl_problem(missing) == NCCL_MISSING
-    # NCCL_COMM_BLOCKING needs 2.14: older ones fall back, saying which
-    for code, words in ((21306, '2.13.6'), (2708, '2.7.8'),
-                        (0, 'older than 2.3.4')):
+    # NCCL_COMM_BLOCKING needs 2.14, an abort from another thread 2.19.1:
+    # older ones fall back, saying which
+    for code, words in ((21900, '2.19.0'), (21306, '2.13.6'),
+                        (2708, '2.7.8'), (0, 'older than 2.3.4')):
         old = nccl_module(version=code)
         assert not use_nccl(('@cupy:0',), old)
         problem = nccl_problem(old)
-        assert f'NCCL {words} is older than 2.14' in problem
+        assert f'NCCL {words} is older than 2.19.1' in problem
         assert 'Dask comms' in problem and '\n' not in problem
-    assert nccl_problem(nccl_module(version=21400)) is None
+    assert nccl_problem(nccl_module(version=21901)) is None
     assert nccl_problem(nccl_module(version=22703)) is None
+    # 2.23-2.25 keep a sum's group job in the starting thread's storage
+    for code in (22304, 22505):
+        problem = nccl_problem(nccl_module(version=code))
+        assert '2.23 to 2.25' in problem and '\n' not in problem
+        assert not use_nccl(('@cupy:0',), nccl_module(version=code))
+    assert nccl_problem(nccl_module(version=22602)) is None
     assert nccl_version(20906) == (2, 9, 6)
 
 

@@ -23,7 +23,7 @@ LAYERS = [
     {'bench', 'nbrun', 'commands', 'cli'},
     {'entry'},
 ]
-MAX_LINES = 420  # "about 400"
+MAX_LINES = 600  # a smell alarm, not a cut: files are cut by concept
 
 
 def modules():

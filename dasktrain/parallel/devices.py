@@ -1,7 +1,7 @@
 """Which devices this process can train on, by Chainer specifier, and the
 few CUDA calls the rest of the package makes about them (synchronise,
 streams and events, free memory, say why CuPy cannot be used), and a
-:class:`Clock` that times work with the GPUs synchronised around it.
+:class:`Clock` that times work on GPUs by events, read later.
 
 Decisions about *which* GPU ids a worker, job or rank gets live in
 :mod:`dasktrain.parallel.gpus` (no CUDA needed); this module asks CuPy
@@ -107,57 +107,83 @@ def synchronize(devices):
         gpu.synchronize()
 
 
-def synchronize_streams(devices):
-    """Wait until this thread's current stream on every GPU among
-    ``devices`` has finished (its kernels), not the whole device: work on
-    other streams, such as a side stream's all-reduce, goes on. CuPy's
-    current stream is per thread and per device, and each GPU is made
-    current for its own: CuPy's ``Stream.null`` is one object for every
-    device (``cuda/stream.pyx``: ``ptr = 0, device_id = -1``), and
-    ``cudaStreamSynchronize(0)`` waits for the legacy stream of the
-    *current* device."""
-    gpus = gpus_of(devices)
-    if gpus:
-        import cupy
-        for gpu in gpus:
-            with gpu:
-                cupy.cuda.get_current_stream().synchronize()
-
-
 class Clock:
-    """Seconds spent in the work handed to :meth:`timed`, summed in
-    :attr:`total` (communication time: merging gradients, syncing and
-    mixing replicas). This thread's streams on the GPUs are synchronised
-    before and after each: CUDA calls return before the work is done, and
-    the work queued before is not the timed work. Only this thread's
-    streams (:func:`synchronize_streams`), not the whole devices: a
-    double-buffered all-reduce on a side stream goes on meanwhile, and
-    the timed work never needs it."""
+    """Communication time: seconds that :meth:`timed` work took, summed in
+    :attr:`total` (merging gradients, syncing and mixing replicas, and the
+    waits for sums from a communication thread), without making the host
+    wait for a GPU.
+
+    On the CPU each call's wall time. On GPUs a CUDA event is recorded on
+    this thread's current stream of each GPU before and after the work,
+    and their elapsed time read once both are done: when :attr:`total` is
+    read, or as older calls' events complete. For work queued on those
+    streams (a merge's copies and kernels) that is its GPU time; for a
+    wait on another thread (a side stream's all-reduce) it is the time the
+    GPU sat idle between the last kernel before and the first after,
+    i.e. the communication the step did not hide, and none where the host
+    came back before the GPU ran out of work. A call spanning several GPUs
+    counts its slowest. Synchronising the stream instead, every step,
+    kept the host from running ahead of the GPU; a device-wide wait would
+    also wait for the side stream and count nothing.
+    """
+
+    #: Calls whose events are kept before the completed ones are read.
+    KEEP = 64
 
     def __init__(self, devices):
         self.devices = devices
-        self.total = 0.0
+        self._gpus = gpus_of(devices)
+        self._total = 0.0
+        self._pending = []  # per call on GPUs: [(start, end) per GPU]
+
+    @property
+    def total(self):
+        self._read(wait=True)
+        return self._total
+
+    @total.setter
+    def total(self, seconds):
+        self._pending = []
+        self._total = float(seconds)
+
+    def _marks(self):
+        import cupy
+        marks = []
+        for gpu in self._gpus:
+            with gpu:  # an event belongs to the device current at record
+                event = cupy.cuda.Event()  # timing on: it is read later
+                event.record(cupy.cuda.get_current_stream())
+                marks.append(event)
+        return marks
+
+    def _read(self, wait):
+        """Add the calls whose events are done (all, with ``wait``)."""
+        if not self._pending:  # the CPU's, or all read already
+            return
+        import cupy
+        while self._pending:
+            pairs = self._pending[0]
+            if wait:
+                for _, end in pairs:
+                    end.synchronize()
+            elif not all(end.done for _, end in pairs):
+                return
+            self._pending.pop(0)
+            self._total += max(cupy.cuda.get_elapsed_time(start, end)
+                               for start, end in pairs) / 1000
 
     def timed(self, work):
         """``work()``'s result, its time added to :attr:`total`."""
-        synchronize_streams(self.devices)
-        began = time.perf_counter()
+        if not self._gpus:
+            began = time.perf_counter()
+            result = work()
+            self._total += time.perf_counter() - began
+            return result
+        start = self._marks()
         result = work()
-        synchronize_streams(self.devices)
-        self.total += time.perf_counter() - began
-        return result
-
-    def waited(self, work):
-        """:meth:`timed` for ``work`` that waits on a communication thread
-        (which synchronises its own side stream before it ends): the clock
-        starts once this thread's own kernels are done, so what it counts
-        is the communication they did not hide. A device-wide wait first
-        would let the side stream finish before the clock starts, and
-        count nothing."""
-        synchronize_streams(self.devices)
-        began = time.perf_counter()
-        result = work()
-        self.total += time.perf_counter() - began
+        self._pending.append(list(zip(start, self._marks())))
+        if len(self._pending) > self.KEEP:
+            self._read(wait=False)
         return result
 
 
@@ -204,11 +230,14 @@ class SideStream:
         self._stream = None
 
     @contextlib.contextmanager
-    def after(self, event):
+    def after(self, event, wait=True):
         """Inside the block, this thread's current device and stream are
         ``device`` and the side stream, whose work starts after ``event``
         (from :func:`mark`); on leaving, this thread waits until that work
-        is done, so the arrays it wrote can be read on any stream."""
+        is done, so the arrays it wrote can be read on any stream. With
+        ``wait=False`` it leaves at once (more work follows on the side
+        stream, and a later block waits for all of it), except after an
+        error: nothing may still write then."""
         if self.device.xp is np:
             yield
             return
@@ -219,11 +248,14 @@ class SideStream:
             stream = self._stream
             if event is not None:
                 stream.wait_event(event)
+            failed = True
             try:
                 with stream:
                     yield
-            finally:  # also after an error: nothing may still write
-                stream.synchronize()
+                failed = False
+            finally:
+                if wait or failed:
+                    stream.synchronize()
 
 
 @contextlib.contextmanager
@@ -271,15 +303,19 @@ def format_uuid(raw):
 
 
 def _driver_uuid(ordinal):
-    """The GPU's 16 UUID bytes from the driver (cuDeviceGetUuid), which
-    numbers devices as the runtime does; CuPy's device properties pass
-    them through a C string, cut at the first zero byte."""
+    """The GPU's 16 UUID bytes from the driver, which numbers devices as
+    the runtime does; CuPy's device properties pass them through a C
+    string, cut at the first zero byte. ``cuDeviceGetUuid_v2`` (CUDA 11.4
+    and later) gives a MIG instance its own UUID, where the first version
+    gives the whole GPU's; a driver without it answers with the first."""
     import ctypes
     cuda = ctypes.CDLL('libcuda.so.1')
     device = ctypes.c_int()
     raw = ctypes.create_string_buffer(16)
+    get_uuid = getattr(cuda, 'cuDeviceGetUuid_v2', None) or \
+        cuda.cuDeviceGetUuid
     if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), ordinal) \
-            or cuda.cuDeviceGetUuid(raw, device):
+            or get_uuid(raw, device):
         return None
     return raw.raw
 

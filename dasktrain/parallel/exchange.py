@@ -271,14 +271,28 @@ class GradientExchange:
         buffers (on the side stream, after the kernels that wrote it) and
         sum them over the ranks in place (and, with the last, the
         statistics); its scales go to ``results``, for :meth:`step` to
-        bind."""
-        with self._side.after(event):
+        bind.
+
+        In float32 a bucket other than the last is only queued (NCCL runs
+        the sums in order on the side stream; the host waits for none of
+        them): the next bucket leaves as soon as its gradients are final,
+        and the last bucket's sum, which follows them all on the stream,
+        is waited for. float16 waits for each bucket's sum: its probes
+        say whether it stands before the next scales are chosen."""
+        last = statistics is not None
+        queue = not last and self.wire is None
+        with self._side.after(event, wait=not queue):
             flat = self._buffers(0, self.plan)
             sent, wire = self._fill(flat, k, grads)
-            if statistics is None:
-                self.comm.allreduce(sent)
-            else:
+            if queue:
+                self.comm.allreduce_queued(sent)
+                results.append((k, 1.0))
+                return
+            if last:
                 self.replicas.reduce(statistics, also=sent)
+                self.comm.finish_queued()  # done: they ran before it
+            else:
+                self.comm.allreduce(sent)
             results.append((k, self._settle(flat, k, grads, wire)))
 
     @property
@@ -310,13 +324,12 @@ class GradientExchange:
         groups, sums = self._statistics()
         if state is None:  # everything after the backward pass
             grads, flat = self.grads(), self._buffers(0)
-            sent, wire = self._fill(flat, 0, grads, self.clock.waited)
+            sent, wire = self._fill(flat, 0, grads, self.clock.timed)
             # The all-reduce returns once its sums are done (NCCL's stream
-            # polled, host copies synchronous): only this thread's kernels
-            # need waiting for before the clock starts.
-            self.clock.waited(lambda: self.replicas.reduce(sums, also=sent))
+            # polled, host copies synchronous).
+            self.clock.timed(lambda: self.replicas.reduce(sums, also=sent))
             flat.bind(0, self._params(), self._settle(
-                flat, 0, grads, wire, self.clock.waited))
+                flat, 0, grads, wire, self.clock.timed))
             if self._order is not None:
                 self._agree()
         else:
@@ -324,7 +337,7 @@ class GradientExchange:
                 self._launch(k)  # parameters no gradient reached: zeros
             self._launch(len(self.plan) - 1, sums)
             self._step = None
-            self.clock.waited(state['courier'].close)
+            self.clock.timed(state['courier'].close)
             flat = self._buffers(0, self.plan)
             for k, scale in state['results']:
                 flat.bind(k, self._params(), scale)
@@ -353,13 +366,16 @@ class GradientExchange:
     def _double_buffered(self):
         """Start this step's sums; hand back the previous step's."""
         previous = self._inflight
+        # The exact steps' buffers are done with once the stale ones begin
+        # (a gradient's worth of memory, on the GPU).
+        self._flat[0] = None
         if previous is not None:  # one collective at a time, same order
             previous = self._waited(previous)
         grads = self.grads()
         # Never the set in flight: its sums are bound below, after this.
         flat = self._buffers(2 if previous is not None and
                              previous.flat is self._flat[1] else 1)
-        sent, wire = self._fill(flat, 0, grads, self.clock.waited)
+        sent, wire = self._fill(flat, 0, grads, self.clock.timed)
         groups, sums = self._statistics()
         # The copies and statistics are written on the master's stream (by
         # this thread's kernels, and by copies from other GPUs that
@@ -377,10 +393,10 @@ class GradientExchange:
         """``inflight`` once its sums are done and (float16) settled: sent
         again first where the probes say so, on this thread, before any
         other collective."""
-        self.clock.waited(inflight.reduction.wait)
+        self.clock.timed(inflight.reduction.wait)
         return inflight._replace(wire=self._settle(
             inflight.flat, 0, inflight.grads, inflight.wire,
-            self.clock.waited), grads=None)
+            self.clock.timed), grads=None)
 
     def _arrived(self, inflight, statistics=True):
         """Bind a finished, settled double-buffered step's sums to the

@@ -32,6 +32,7 @@ import contextlib
 import chainer
 import numpy as np
 
+from dasktrain.parallel.fused import FusedFill, fusable
 from dasktrain.parallel.wire import TINY
 
 
@@ -105,6 +106,8 @@ class FlatBuckets:
                       for mine in counts]
         self.buffers = [list(mine.values()) for mine in by_key]
         self._decoded = {}  # float16's sums, decoded: by parameter index
+        self._where = where
+        self._fused = {}  # float16 on a GPU: each bucket's two kernels
         self.probes = [mine[np.dtype(wire).str][-len(bucket):]
                        for mine, bucket in zip(by_key, self.plan)] \
             if probes else None
@@ -128,6 +131,9 @@ class FlatBuckets:
         scales = scales if isinstance(scales, list) else \
             [scales] * len(grads)
         xp = self.device.xp
+        if xp is not np and self.wire is not None and \
+                np.dtype(self.wire) == np.float16 and fusable(grads):
+            return self._fill_fused(k, grads, scales, probes)
         with chainer.using_device(self.device), _quiet(xp):
             for i, g, s in zip(self.plan[k], grads, scales):
                 if s == 1.0:
@@ -142,6 +148,27 @@ class FlatBuckets:
                                  for g, f in zip(grads, probes)])
                 xp.copyto(self.probes[k], xp.where(
                     tops == 0, 0, xp.maximum(tops, TINY)), casting='unsafe')
+        return self.buffers[k]
+
+    def _fill_fused(self, k, grads, scales, probes):
+        """:meth:`fill` of float32 gradients into a float16 bucket on a
+        GPU: two kernels for the bucket (:mod:`~dasktrain.parallel.fused`),
+        the same bits."""
+        import cupy
+        with chainer.using_device(self.device):
+            fused = self._fused.get(k)
+            if fused is None:
+                fused = self._fused[k] = FusedFill(
+                    [int(g.size) for g in grads],
+                    [self._where[i][2] for i in self.plan[k]])
+            (buffer,) = self.buffers[k]  # one dtype on the wire
+            wanted = probes is not None and self.probes is not None
+            fused(grads, [float(s) for s in scales], buffer.view(cupy.uint16),
+                  factors=[float(f) for f in probes] if wanted else None,
+                  probes=self.probes[k].view(cupy.uint16) if wanted
+                  else None)
+            if self.probes is not None and probes is None:
+                self.probes[k].fill(0)  # a second send: nothing to probe
         return self.buffers[k]
 
     def read_probes(self, k):

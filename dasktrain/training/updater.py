@@ -101,19 +101,36 @@ class DistributedUpdater(StandardUpdater):
                     optimizer.new_epoch(auto=True)
 
     def _means(self, values, n):
-        """Each key the replicas reported, weighted by their parts."""
+        """Each key the replicas reported, weighted by their parts. Where
+        a key's values all lie on one GPU, the mean is computed there and
+        reported as a GPU scalar: Chainer's summaries add it up on the GPU
+        and read it when the log is written, so a step never waits for
+        the GPU to report (a read per key and replica would). Host values,
+        and values spread over several GPUs, are summed as floats."""
         sizes = [len(p) for p in np.array_split(np.empty(n),
                                                 len(self.model))]
-        sums, weights = {}, {}
+        terms, weights = {}, {}
         for name, value in values.items():
             replica, _, key = name.partition('/')
             size = sizes[int(replica[1:])]
             if isinstance(value, chainer.Variable):
                 value = value.array
-            value = float(chainer.backends.cuda.to_cpu(value))
-            sums[key] = sums.get(key, 0.0) + size * value
+            terms.setdefault(key, []).append((size, value))
             weights[key] = weights.get(key, 0) + size
-        return {key: sums[key] / weights[key] for key in sums}
+        means = {}
+        for key, pairs in terms.items():
+            where = {_gpu_of(value) for _, value in pairs}
+            if len(where) == 1 and None not in where:
+                # on that GPU, whichever is current (a kernel on another
+                # would read across devices)
+                with chainer.backends.cuda.Device(where.pop()):
+                    total = sum(size * value for size, value in pairs)
+                    means[key] = total / weights[key]
+            else:
+                total = sum(size * float(chainer.backends.cuda.to_cpu(v))
+                            for size, v in pairs)
+                means[key] = total / weights[key]
+        return means
 
     def serialize(self, serializer):
         """The master and its optimizer as ``StandardUpdater`` saves them;
@@ -130,3 +147,10 @@ class DistributedUpdater(StandardUpdater):
                     serializer[f'optimizer:replica:{i}'])
         elif isinstance(serializer, chainer.serializer.Deserializer):
             self.model.syncparams()
+
+
+def _gpu_of(value):
+    """The GPU id a reported value lies on, None on the host."""
+    device = getattr(value, 'device', None)
+    return getattr(device, 'id', None) if not isinstance(
+        value, (np.ndarray, np.generic, float, int)) else None

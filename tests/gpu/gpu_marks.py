@@ -1,4 +1,5 @@
-"""What the GPU suite needs, asked once: GPUs, and NCCL for two ranks."""
+"""What the GPU suite needs, asked once: GPUs, and an NCCL that dasktrain
+uses (present and recent enough) for two ranks."""
 import pytest
 
 from dasktrain.parallel.devices import gpu_count
@@ -10,8 +11,10 @@ def _nccl():
     if COUNT == 0:
         return False, f'no GPU here ({REASON})'
     from cupy.cuda import nccl
-    return bool(nccl.available), 'cupy.cuda.nccl.available is False: ' \
-        "install NCCL (pip install 'dasktrain[cuda12]' brings nvidia-nccl)"
+
+    from dasktrain.parallel.gpus import nccl_problem
+    problem = nccl_problem(nccl)  # present, and recent enough to be used
+    return problem is None, problem or "NCCL is usable"
 
 
 NCCL, NCCL_REASON = _nccl()

@@ -179,11 +179,71 @@ def test_float16_on_a_gpu_sums_a_1000x_jump_without_inf(options):
 def test_a_one_gpu_rank_overlapping_buckets_syncs_no_device(device_syncs):
     # The default layout: one replica, buckets during the backward pass on
     # the side stream; the clock waits for this thread's stream only.
-    model = GPUDistributedGradient(fresh('resnet20'), ['@cupy:0'],
-                                   comm=SlowTwin(), bucket_mb=0.05)
-    model.setup(chainer.optimizers.MomentumSGD(lr=0.01))
-    for s in range(4):
-        before = device_syncs[0]
-        model.step(*batch(8, s), total=16, observe=False)
-        assert device_syncs[0] == before
-    assert model.exchange.early > 0 and model.comm_time > 0
+    weights = {}
+    for mb in (0.05, 0):  # buckets during the backward pass; one after it
+        np.random.seed(0)
+        model = GPUDistributedGradient(fresh('resnet20'), ['@cupy:0'],
+                                       comm=SlowTwin(), bucket_mb=mb)
+        model.setup(chainer.optimizers.MomentumSGD(lr=0.01))
+        with chainer.using_config('cudnn_deterministic', True):
+            for s in range(4):
+                before = device_syncs[0]
+                model.step(*batch(8, s), total=16, observe=False)
+                assert device_syncs[0] == before
+        weights[mb] = host(model.master)
+        if mb:
+            assert model.exchange.early > 0 and model.comm_time > 0
+            assert len(model.exchange.plan) > 2  # queued buckets, one wait
+    # a sum bound before the side stream ran would differ (SlowTwin spins
+    # there first): the same steps as one all-reduce after the pass
+    for key, want in weights[0].items():
+        np.testing.assert_allclose(weights[0.05][key], want, rtol=1e-5,
+                                   atol=1e-7, err_msg=key)
+
+
+def test_a_fused_float16_fill_gives_the_array_by_array_bits(monkeypatch):
+    # flat.fill on a GPU fills a float16 bucket with two kernels
+    # (dasktrain.parallel.fused): the same bits as the array-by-array
+    # path, which the CPU shares, through NaN, inf, overflow, all-zero
+    # arrays and chunks that end mid-array.
+    import cupy
+
+    import dasktrain.parallel.flat as flat_module
+    from dasktrain.parallel.flat import FlatBuckets
+    rng = np.random.default_rng(0)
+    shapes = [(3, 5), (5000,), (7,), (64, 3, 3, 3), (4097,), (8193,)]
+    arrays = [(rng.standard_normal(s) * 10.0 ** rng.integers(-6, 6))
+              .astype(np.float32) for s in shapes]
+    arrays[0][0, 0] = np.nan
+    arrays[1][5], arrays[1][6] = np.inf, -3e38
+    arrays[2][:] = 0.0
+    arrays[2][3] = -0.0
+    arrays[4][4096] = 7e4  # beyond float16 at a scale of 1
+    params = [chainer.Parameter(a.copy()) for a in arrays]
+    plan = [[0, 1, 2], [5, 3, 4]]
+    scales = [[2.0 ** -3, 2.0 ** 10, 1.0], [2.0 ** -20, 1.0, 2.0 ** 3]]
+    factors = [[2.0 ** -12, 2.0 ** 5, 1.0], [2.0 ** 14, 2.0 ** -1, 1.0]]
+    device = chainer.get_device('@cupy:0')
+    grads = [cupy.asarray(a) for a in arrays]
+    got = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(flat_module, 'fusable', lambda grads: False)
+        flat = FlatBuckets(params, plan, device, np.dtype('float16'),
+                           probes=True)
+        out = []
+        for k in range(2):
+            bucket = [grads[i] for i in plan[k]]
+            flat.fill(k, bucket, scales[k], probes=factors[k])
+            out.append(cupy.asnumpy(flat.buffers[k][0]).copy())
+        flat.fill(1, [grads[i] for i in plan[1]], 2.0)  # sent again
+        out.append(cupy.asnumpy(flat.buffers[1][0]).copy())
+        got[fused] = out, flat
+    assert got[True][1]._fused and not got[False][1]._fused
+    for a, b in zip(got[True][0], got[False][0]):
+        # bit for bit: -0.0 apart from 0.0, and NaN's bits (both round
+        # with the same conversion instruction)
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert np.signbit(got[True][0][0][15 + 5000 + 3])  # -0.0 stays -0.0
+    probes = got[True][0][0][-3:]
+    assert np.isnan(probes[0]) and probes[1] == np.inf and probes[2] == 0

@@ -3,7 +3,7 @@
 import time
 import urllib.request
 
-from gpu_marks import needs
+from gpu_marks import COUNT, needs
 from prometheus_client.parser import text_string_to_metric_families
 
 from dasktrain.cluster import start_cluster, stop_cluster
@@ -12,10 +12,26 @@ from dasktrain.monitor import gpu_readings
 
 def _check(reading):
     assert reading['uuid'].startswith(('GPU-', 'MIG-'))
-    assert 0 <= reading['utilization'] <= 1
     assert 0 < reading['memory_used'] <= reading['memory_total']
-    assert 10 < reading['temperature'] < 110
+    # NVML answers NOT_SUPPORTED for a MIG instance's utilisation and
+    # temperature (and some boards' power): None, never a made-up number
+    mig = reading['uuid'].startswith('MIG-')
+    for key, low, high in (('utilization', 0, 1), ('temperature', 10, 110)):
+        value = reading[key]
+        assert (value is None and mig) or low <= value <= high, (key, value)
     assert reading['power'] is None or 1 < reading['power'] < 2000
+
+
+@needs(1)
+def test_the_driver_names_each_gpu_as_nvml_does():
+    # cuDeviceGetUuid_v2: a MIG instance's own UUID, not its parent's
+    from dasktrain.parallel.devices import driver_uuids
+    readings = gpu_readings(env={})
+    digits = [r['uuid'].split('-', 1)[1] for r in readings]
+    found = driver_uuids()
+    assert found and all(u.startswith('GPU-') for u in found)
+    assert len(found) == COUNT  # CUDA's devices, in CUDA's order
+    assert {u.split('-', 1)[1] for u in found} <= set(digits)
 
 
 @needs(1)

@@ -1,5 +1,6 @@
 """GPUDistributedGradient on real GPUs: equal to the CPU and to one device,
 on the right device, deterministic when asked. Skipped without a GPU."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from gpu_marks import COUNT, needs
 
 from dasktrain.parallel import GPUDistributedGradient
 from dasktrain.parallel.comm.base import Communicator
+from dasktrain.parallel.devices import Clock, SideStream
 from dasktrain.training.models import get_model
 
 pytestmark = needs(1)
@@ -317,28 +319,56 @@ class StreamMirror(Communicator):
         pass
 
 
+def double_buffered(device):
+    """Three double-buffered steps and the epoch's end on ``device``
+    through a StreamMirror: (the mirror, the master's arrays)."""
+    comm = StreamMirror()
+    model = GPUDistributedGradient(fresh(), [device], comm=comm,
+                                   double_buffering=True, warmup=0)
+    model.setup(chainer.optimizers.SGD(lr=0.1))
+    for s in range(3):
+        model.step(*batch(8, s), total=16)
+    model.end_epoch()
+    return comm, host(model.master)
+
+
+def side_stream_problems(comm):
+    """What is wrong with where the steps' sums ran: the communication
+    thread's three all-reduces, each on the one non-blocking side stream
+    (the epoch's end then mixes the replicas on the training thread,
+    waiting, on its own stream)."""
+    side = [s for s, thread in zip(comm.streams, comm.threads)
+            if thread == 'dasktrain-allreduce']
+    problems = []
+    if len(side) != 3:
+        problems.append(f'{len(side)} sums on the communication thread')
+    if any(s.ptr in (0, 1, 2) for s in side):  # null, legacy, per-thread
+        problems.append('a sum on a default stream')
+    if len({s.ptr for s in side}) > 1:
+        problems.append('sums on several streams')
+    return problems
+
+
 def test_double_buffering_sums_on_a_side_stream_and_equals_numpy():
     # A thread's CuPy stream is the legacy default one unless set: NCCL
     # there would queue behind the next step's kernels and block them.
-    results = {}
-    for device in ('@numpy', '@cupy:0'):
-        comm = StreamMirror()
-        model = GPUDistributedGradient(fresh(), [device], comm=comm,
-                                       double_buffering=True, warmup=0)
-        model.setup(chainer.optimizers.SGD(lr=0.1))
-        for s in range(3):
-            model.step(*batch(8, s), total=16)
-        model.end_epoch()
-        results[device] = host(model.master)
-        if device != '@numpy':
-            # the steps' sums, on the communication thread (the epoch's
-            # end then mixes the replicas on the training thread, waiting)
-            side = [s for s, thread in zip(comm.streams, comm.threads)
-                    if thread == 'dasktrain-allreduce']
-            assert len(side) == 3, comm.threads
-            assert all(s.ptr not in (0, 1, 2) for s in side)  # null,
-            assert len({s.ptr for s in side}) == 1  # legacy, per-thread
-    close(results['@cupy:0'], results['@numpy'])
+    comm, on_gpu = double_buffered('@cupy:0')
+    assert side_stream_problems(comm) == []
+    close(on_gpu, double_buffered('@numpy')[1])
+
+
+@contextlib.contextmanager
+def _no_side_stream(self, event, wait=True):
+    with self.device.device:  # the thread's own (default) stream
+        yield
+
+
+def test_the_side_stream_check_fails_without_a_side_stream(monkeypatch):
+    # The subject broken on purpose: the sums run on the communication
+    # thread's default stream. The check above must say so.
+    monkeypatch.setattr(SideStream, 'after', _no_side_stream)
+    comm, _ = double_buffered('@cupy:0')
+    assert 'a sum on a default stream' in side_stream_problems(comm)
 
 
 SPIN = r'''
@@ -364,9 +394,9 @@ class SlowMirror(StreamMirror):
         return super().allreduce(arrays, check)
 
 
-def test_comm_time_counts_the_side_streams_exposed_time():
-    # A device-wide synchronise before the clock starts would wait for the
-    # side stream's kernel first and count none of it.
+def exposed_and_spin():
+    """(communication time a double-buffered step counted while waiting
+    for a sum whose kernel spins on the side stream, the spin's time)."""
     import time
 
     import cupy
@@ -387,5 +417,58 @@ def test_comm_time_counts_the_side_streams_exposed_time():
     # and starts its own sum without waiting for that one.
     model.step(*batch(8, 1), total=16)
     exposed = model.comm_time - before
-    assert 0.5 * spin <= exposed < 1.5 * spin  # not its own sum too
     model.end_epoch()
+    return exposed, spin
+
+
+def test_comm_time_counts_the_side_streams_exposed_time():
+    exposed, spin = exposed_and_spin()
+    assert 0.5 * spin <= exposed < 1.5 * spin  # not its own sum too
+
+
+def test_comm_time_check_fails_if_the_clock_waits_for_the_device(
+        monkeypatch):
+    # The subject broken on purpose: a device-wide wait before the clock
+    # starts also waits for the side stream's sum, and counts none of it.
+    import cupy
+    real = Clock.timed
+
+    def device_wide_first(self, work):
+        cupy.cuda.Device(0).synchronize()
+        return real(self, work)
+    monkeypatch.setattr(Clock, 'timed', device_wide_first)
+    exposed, spin = exposed_and_spin()
+    assert exposed < 0.5 * spin
+
+
+def test_the_updater_reports_gpu_means_the_log_reads_later(tmp_path,
+                                                            monkeypatch):
+    # DistributedUpdater reports each key's mean as a GPU scalar where the
+    # replicas share a GPU (no read per key and step); the log reads it
+    # once per line, the same as a CPU run's.
+    import json
+
+    from test_updater import trainer
+
+    from dasktrain import DistributedUpdater
+    seen = []
+    real = DistributedUpdater._means
+
+    def means(self, values, n):
+        out = real(self, values, n)
+        seen.append({type(v).__module__.split('.')[0] for v in out.values()})
+        return out
+    monkeypatch.setattr(DistributedUpdater, '_means', means)
+    logs = {}
+    for devices in (['@cupy:0', '@cupy:0'], 'cpu:2'):
+        out = tmp_path / str(len(logs))
+        t, _ = trainer(lambda it, opt, devices=devices: DistributedUpdater(
+            it, opt, devices=devices), out)
+        t.run()
+        logs[str(devices)] = json.loads((out / 'log').read_text())
+    assert seen[0] == {'cupy'} and 'cupy' not in seen[-1]
+    gpu, cpu = logs["['@cupy:0', '@cupy:0']"], logs['cpu:2']
+    assert len(gpu) == len(cpu) == 2
+    for a, b in zip(gpu, cpu):
+        for key in ('main/loss', 'main/accuracy'):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

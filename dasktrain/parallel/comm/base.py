@@ -66,8 +66,9 @@ class Communicator(abc.ABC):
 
     #: Every member a communicator has, for checking one (tests).
     MEMBERS = ('rank', 'size', 'timeout', 'solo', 'sums_on_device',
-               'allreduce', 'iallreduce', 'allgather', 'gather', 'bcast',
-               'barrier', 'send', 'recv', 'close')
+               'allreduce', 'allreduce_queued', 'finish_queued',
+               'iallreduce', 'allgather', 'gather', 'bcast', 'barrier',
+               'send', 'recv', 'close')
     solo: bool
     sums_on_device: bool
 
@@ -79,6 +80,18 @@ class Communicator(abc.ABC):
         """Sum ``arrays`` over the ranks, in place, and return them. With
         ``check``, ranks whose arrays differ in dtype or size raise
         :class:`CollectiveError` instead of summing the wrong elements."""
+
+    def allreduce_queued(self, arrays):
+        """:meth:`allreduce`, allowed to return before the sums are done
+        where they run in order on a GPU stream (NCCL): the caller may
+        queue the next ones at once, and reads none before
+        :meth:`finish_queued`. Elsewhere the sums are done on return."""
+        return self.allreduce(arrays)
+
+    def finish_queued(self):
+        """Return once every sum :meth:`allreduce_queued` queued is done
+        (within the timeout)."""
+        return None  # nothing queued: every sum was done on return
 
     def iallreduce(self, arrays, check=False, around=None):
         """Start :meth:`allreduce` of ``arrays`` on a thread of its own and
