@@ -24,7 +24,7 @@ pair is made.
 """
 import time
 
-from dasktrain.parallel.comm.base import poll
+from dasktrain.parallel.comm.base import CollectiveError, poll
 from dasktrain.parallel.comm.nccl import NcclComm
 
 #: Bytes each array's offset in a message's buffer is a multiple of:
@@ -130,14 +130,36 @@ class NcclPair(NcclComm):
         super().__init__(PairHost(rank, uid, timeout), device)
 
     def _transfer(self, call, buffer, what):
+        """``call`` (the NCCL communicator's ``send`` or ``recv``) of
+        ``buffer`` with the other rank, on this thread's current stream
+        of the pair's GPU, as :class:`NcclComm` makes its sums: under its
+        lock, counted as in flight (a close then aborts), waited for
+        within the timeout."""
         cupy = self._cupy
-        with cupy.cuda.Device(self.device):
-            stream = cupy.cuda.get_current_stream()
-            self._call(call, buffer.data.ptr, buffer.size,
-                       self._nccl.NCCL_UINT8, 1 - self.rank, stream.ptr)
-            poll(lambda: self._done(stream),
-                 time.monotonic() + self.timeout,
-                 f'NCCL {what} on rank {self.rank} of a pair', self._abort)
+        self._enter()
+        try:
+            with cupy.cuda.Device(self.device):
+                stream = cupy.cuda.get_current_stream()
+                if stream.ptr == cupy.cuda.runtime.streamPerThread:
+                    # NCCL launches from a thread of its own, where this
+                    # handle names another stream (see NcclComm._sum)
+                    raise CollectiveError(
+                        'NCCL cannot send on CuPy\'s per-thread default '
+                        'stream: unset CUPY_CUDA_PER_THREAD_DEFAULT_STREAM '
+                        'or make another stream current')
+                with self._lock:
+                    if self._failed:
+                        raise CollectiveError(f'NCCL on rank {self.rank} '
+                                              'of a pair was aborted')
+                    self._call(call, buffer.data.ptr, buffer.size,
+                               self._nccl.NCCL_UINT8, 1 - self.rank,
+                               stream.ptr)
+                poll(lambda: self._done(stream),
+                     time.monotonic() + self.timeout,
+                     f'NCCL {what} on rank {self.rank} of a pair',
+                     self._abort)
+        finally:
+            self._leave()
 
     def push(self, buffer):
         """Send ``buffer`` (uint8, contiguous, on this pair's GPU) to the
