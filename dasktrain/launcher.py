@@ -89,7 +89,7 @@ def exit_words(code):
 
 
 def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
-           grace=5.0, echo=None, client=None):
+           grace=5.0, echo=None, client=None, chainermn=True):
     """Run ``argv`` as ``n`` ranks until they end; the exit status.
 
     Parameters
@@ -116,6 +116,10 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
         rank 0's output, and a failed rank's; default: dropped.
     client : distributed.Client, optional
         Run on this cluster instead.
+    chainermn : bool
+        The ranks' ``import chainermn`` gets :mod:`dasktrain.chainermn`
+        (:mod:`dasktrain.chainermn.substitution`); False: the installed
+        ChainerMN's.
 
     Returns
     -------
@@ -159,8 +163,11 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
                     n, rank_threads(n, os.cpu_count()), dashboard=False,
                     method='forkserver'))
         tls = stack.enter_context(_tls_files(client.security))
+        from dasktrain.chainermn import substitution
+        extra = substitution.rank_environment(stack.enter_context(
+            substitution.shim_folder(out)), os.environ) if chainermn else {}
         return _run(client, argv, n, bool(gpus), out, timeout, grace, echo,
-                    tls, local)
+                    tls, local, extra)
 
 
 @contextlib.contextmanager
@@ -189,12 +196,13 @@ def _tls_files(security):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local):
+def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local,
+         extra):
     from distributed import Event
     from distributed.comm.addressing import parse_address
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     scheme = parse_address(client.scheduler.address)[0]
-    environ = dict(os.environ, PYTHONUNBUFFERED='1')
+    environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
     if not gpus:  # one core per CPU rank, unless the user chose
         environ.update({k: environ.get(k, '1') for k in _BLAS})
     pids = {}

@@ -1,6 +1,6 @@
 """``dasktrain launch`` and ``dasktrain.chainermn`` with real processes:
-a ChainerMN script (bench/chainermn_example/train_mnist.py) with its
-import line changed trains as one process on the whole batch; the
+a ChainerMN script (bench/chainermn_example/train_mnist.py), as it is or
+with its import line changed, trains as one process on the whole batch; the
 communicator's calls between two ranks; a rank that fails, is killed or
 hangs ends the job with one line; Ctrl-C leaves no process; a launch
 runs as a job of the queue; the same script under ``mpiexec`` with real
@@ -366,7 +366,7 @@ def test_mistakes_are_one_line(tmp_path):
         assert 'Traceback' not in run.stderr
 
 
-def test_unsupported_calls_name_themselves():
+def test_what_remains_unsupported_names_itself():
     import chainer
 
     import dasktrain.chainermn as chainermn
@@ -377,15 +377,34 @@ def test_unsupported_calls_name_themselves():
         assert chainermn.create_communicator(name).size == 1
     with pytest.raises(ValueError, match='unrecognized communicator'):
         chainermn.create_communicator('mpi')
-    with pytest.raises(chainermn.Unsupported, match=r'chainermn\.functions'):
-        chainermn.functions  # noqa: B018
-    with pytest.raises(chainermn.Unsupported, match=r'split\(\)'):
-        comm.split(0, 0)
     assert isinstance(chainermn.create_multi_node_optimizer(
         chainer.optimizers.SGD(), comm, double_buffering=True),
         chainermn.DoubleBufferingOptimizer)
     with pytest.raises(chainermn.Unsupported, match='mpi_comm'):
         chainermn.create_communicator(mpi_comm=object())
+    # ChainerMN's rules for allreduce_grad_dtype, and its configs
+    half = chainermn.create_communicator(allreduce_grad_dtype='float16')
+    assert half.get_config('allreduce_grad_dtype') == np.float16
+    assert half.get_config() == {'allreduce_grad_dtype': np.float16,
+                                 'batched_copy': True}
+    with pytest.raises(ValueError, match="only available at 'pure_nccl'"):
+        chainermn.create_communicator('naive', allreduce_grad_dtype='float16')
+    with pytest.raises(ValueError, match='must be numpy.float16'):
+        chainermn.create_communicator(allreduce_grad_dtype='int32')
+    with pytest.raises(ValueError, match='Unknown config'):
+        comm.set_config('bucket_size', 3)
+    for backend in ('auto', 'mpi', 'nccl'):  # all: the comm's transport
+        chainermn.links.MultiNodeBatchNormalization(
+            3, comm, communication_backend=backend)
+    with pytest.raises(ValueError, match="does not support 'gloo'"):
+        chainermn.links.MultiNodeBatchNormalization(
+            3, comm, communication_backend='gloo')
+    # a job of one rank: every call is its own answer
+    assert comm.split(3, 0).size == 1
+    x = np.arange(3.0)
+    assert comm.allgather(x)[0] is not x
+    np.testing.assert_array_equal(comm.alltoall([x])[0], x)
+    np.testing.assert_array_equal(comm.scatter(x[None]), x)
 
 
 def _mpi_problem():
@@ -414,7 +433,9 @@ def mpiexec(n):
                     reason=str(_mpi_problem()))
 def test_the_same_accuracy_curve_as_chainermn_under_mpiexec(tmp_path,
                                                            float64):
-    code, _, err = launch(tmp_path, 2, [dasktrain_script(tmp_path), *SMALL,
+    """The same file under both: its ``import chainermn`` is dasktrain's
+    under launch, ChainerMN's under mpiexec."""
+    code, _, err = launch(tmp_path, 2, [SCRIPT, *SMALL,
                                         '--out', tmp_path / 'dask'])
     assert code == 0, err
     argv, env = mpiexec(2)

@@ -36,6 +36,10 @@ class Launch(Command):
                             help='how long a collective waits for a peer '
                                  'before the job fails (default: '
                                  '%(default)s)')
+        parser.add_argument('--no-chainermn', action='store_true',
+                            help="leave the ranks' `import chainermn` to "
+                                 'the installed ChainerMN (default: '
+                                 'dasktrain.chainermn, ChainerMN on Dask)')
         parser.add_argument('program', nargs=argparse.REMAINDER,
                             help='after --: the program and its arguments')
 
@@ -53,4 +57,5 @@ class Launch(Command):
                                       '-- python train.py')
         return launch(program, args.n, devices=args.devices,
                       scheduler=args.scheduler, out=args.out,
-                      timeout=args.timeout, echo=_echo)
+                      timeout=args.timeout, echo=_echo,
+                      chainermn=not args.no_chainermn)
