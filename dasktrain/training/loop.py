@@ -10,11 +10,21 @@ LogReport JSON, readable by ChainerUI), write a checkpoint atomically.
 All randomness is a function of (seed, epoch), so ``resume`` ends exactly
 where an uninterrupted run would.
 
+The run takes ChainerUI's commands (``OUT/commands``, see
+:mod:`~dasktrain.training.steering`): a snapshot, a change of the
+optimizer's hyperparameters, a stop, each at the same iteration on every
+rank. A snapshot or a stop within an epoch is a checkpoint there: the
+epoch's sums so far and where it stands go in it, a gradient in flight
+(double buffering) is applied first, and the replicas' random streams
+start again from (seed, epoch, iteration), in the run as in any run
+resumed from it, so that ``resume`` continues it bit for bit.
+
 Owns the epochs, the metrics, early stopping and the log rows; may not
 decide where it runs (which process, which devices, how many ranks:
 :mod:`dasktrain.launch` decides, and calls :func:`run` on every rank).
 """
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -38,14 +48,22 @@ from dasktrain.parallel.gradient import GPUDistributedGradient
 from dasktrain.parallel.placement import default_bucket_mb, default_devices
 from dasktrain.training.checkpoint import (
     CHECKPOINT,
+    keep_as,
     load_checkpoint,
     save_checkpoint,
     save_model,
 )
 from dasktrain.training.evaluate import evaluate, load_test_share
 from dasktrain.training.models import check_built_in, get_model
-from dasktrain.training.outdir import record_args
+from dasktrain.training.outdir import record_args, record_steering
 from dasktrain.training.progress import Progress, describe_devices
+from dasktrain.training.steering import (
+    FAILURE,
+    SUCCESS,
+    Hyperparameters,
+    Steering,
+    snapshot_name,
+)
 from dasktrain.training.stopping import EarlyStopping
 
 # Steps between reads of the loss to the host: each read waits for the
@@ -73,6 +91,17 @@ def seed_everything(seed, epoch):
     resumed run re-derives it instead of storing it."""
     state = np.random.SeedSequence([seed, epoch]).generate_state(1)[0]
     np.random.seed(int(state))
+
+
+def reseed(seed, model, epoch, iteration):
+    """At a checkpoint within an epoch: NumPy's global RNG and the
+    replicas' streams start again from (seed, epoch, iteration), in the
+    run that writes it and in a run resumed from it (a GPU's stream cannot
+    be saved), so that both go on alike."""
+    derived = int(np.random.SeedSequence(
+        [seed, epoch, iteration, 0x57ee]).generate_state(1)[0])
+    seed_everything(derived, epoch)
+    model.seed(derived, epoch)
 
 
 @dataclasses.dataclass
@@ -151,7 +180,9 @@ def run(config, comm=None, devices=None, callbacks=(), progress=None):
     -------
     dict
         ``log`` (all rows), ``final`` (the last row, None if no epoch was
-        left), ``out``, ``devices`` and ``stopped_early``.
+        left), ``out``, ``devices``, ``stopped_early`` and
+        ``stopped_by_request`` (None, or ``epoch``, ``iteration``,
+        ``checkpoint``, ``saved``: a ``stop`` command ended the run).
 
     Notes
     -----
@@ -191,6 +222,7 @@ def _run(config, comm, devices, callbacks, progress):
         _say_devices(progress, model, named=bool(config.devices))
         if config.dataset != 'cifar10':
             progress.say(data.describe())
+        progress.say(data.augmentation_words(config.augment))
     _check(config, model, n_train)
     test = load_test_share(data, n_test, config.tta, comm.rank, comm.size)
     state = _start(config, model, out, lead, data)
@@ -199,23 +231,174 @@ def _run(config, comm, devices, callbacks, progress):
                             mode=config.early_stop_mode,
                             **state['early_stop'])
     stopped = stopper.stopped()
+    partial = state.pop('partial', None)
     with _loader(config, data, n_train, model, client) as loader:
         # The run's clock, as it stood at its last checkpoint; the data
         # read into memory, not counted.
         started = time.perf_counter() - state['elapsed']
-        for epoch in range(state['epoch'],
-                           state['epoch'] if stopped else config.epochs):
-            row, evaluated = _epoch(config, model, loader, test, epoch,
-                                    progress, started,
-                                    last=(out / CHECKPOINT, state['epoch']))
-            stopped = stopper.update(row)
-            _save(out, model, state, row, stopper, evaluated)
-            progress.end(row)
-            for callback in callbacks:
-                callback(row)
-            if stopped:
-                break
-    return _finish(model, out, state, stopped)
+        commands = _Commands(config, model, out, state, progress, started)
+        commands.resume(lead)
+        try:
+            if not stopped:
+                commands.poll(state['epoch'], partial and (lambda: partial))
+            for epoch in range(state['epoch'], state['epoch']
+                               if stopped or commands.stop else
+                               config.epochs):
+                row, evaluated = _epoch(config, model, loader, test, epoch,
+                                        progress, started,
+                                        (out / CHECKPOINT, state['epoch']),
+                                        commands, partial)
+                partial = None
+                if row is None:  # stopped by request within the epoch
+                    break
+                stopped = stopper.update(row)
+                _save(out, model, state, row, stopper, evaluated)
+                progress.end(row)
+                for callback in callbacks:
+                    callback(row)
+                if stopped or commands.poll(row['epoch']):
+                    break
+        except BaseException:
+            commands.steer.stopped()
+            raise
+        commands.finish(stopped, config.epochs)
+    return _finish(model, out, state, stopped, commands.stop)
+
+
+class _Commands:
+    """What the run does for each command of ``OUT/commands``
+    (:mod:`~dasktrain.training.steering` decides when, the same on every
+    rank): change the optimizers' hyperparameters, write a checkpoint as
+    a snapshot, stop after a final one. ``state``: the loop's (its
+    ``hyperparams`` in force, changed by request, are kept here);
+    ``started``: the run's clock (``time.perf_counter``)."""
+
+    def __init__(self, config, model, out, state, progress, started):
+        self.config, self.model, self.out = config, model, out
+        self.state, self.progress, self.started = state, progress, started
+        self.lead = model.comm.rank == 0
+        self.hyper = Hyperparameters(model.optimizers)
+        self.steer = Steering(out, model.comm, self.hyper.check,
+                              progress.warn)
+        self.stop = None  # {'epoch', 'iteration'} once stopped by request
+        state.setdefault('hyperparams', {})
+        state['lr_configured'] = config.learning_rate
+
+    def resume(self, lead):
+        """Apply the hyperparameters in force at the checkpoint (those
+        changed by request), unless the run is given another ``lr`` now;
+        tell ChainerUI the run takes commands."""
+        kept = dict(self.state['hyperparams'])
+        configured = self.state.pop('lr_configured_before', None)
+        if 'lr' in kept and configured not in (None,
+                                               self.config.learning_rate):
+            del kept['lr']  # given anew: that wins
+            if lead:
+                self.progress.warn(
+                    f'{argument("lr")} {self.config.learning_rate:g} given '
+                    'now replaces the lr set by request '
+                    f"({self.state['hyperparams']['lr']:g})")
+            self.state['hyperparams'].pop('lr')
+        if kept:
+            self.hyper.apply(kept)
+            if lead:
+                self.progress.warn(
+                    'resuming with what was set by request: ' +
+                    ', '.join(f'{k} {v:g}' for k, v in kept.items()))
+        self.steer.start()
+
+    def due(self, iteration):
+        return self.steer.due(iteration)
+
+    def elapsed(self):
+        return time.perf_counter() - self.started
+
+    def poll(self, epoch, so_far=None):
+        """Carry out what is due after ``epoch`` completed epochs;
+        ``so_far``: within an epoch, a callable returning the epoch's
+        state so far (for a checkpoint here). True once stopped."""
+        model, iteration = self.model, self.model.iteration
+        actions = self.steer.poll(epoch, iteration, self.elapsed())
+        if not actions:
+            return False
+        where = f'epoch {epoch + 1}, iteration {iteration}' if so_far \
+            else f'after epoch {epoch}, iteration {iteration}'
+        partial = None
+        if so_far is not None and any(a.name != 'adjust_hyperparams'
+                                      for a in actions):
+            if self.config.double_buffering:
+                model.flush()  # no step in flight in a checkpoint
+            partial = so_far()
+            reseed(self.config.seed, model, epoch, iteration)
+        stops = []
+        for action in actions:
+            if action.name == 'adjust_hyperparams':
+                before = self.hyper.apply(action.changes)
+                self.state['hyperparams'].update(action.changes)
+                if self.lead:
+                    record_steering(self.out, epoch, iteration,
+                                    action.changes)
+                    self.progress.warn(f'{where}: ' + ', '.join(
+                        f'{k} {before[k]:g} -> {v:g}'
+                        for k, v in action.changes.items()) +
+                        ', by request')
+                self.steer.answer(action, SUCCESS, self.hyper.answer(),
+                                  epoch, iteration, self.elapsed())
+            elif action.name == 'take_snapshot':
+                path = self.out / snapshot_name(iteration)
+                status, body = self._checkpoint(path, epoch, partial)
+                if self.lead and status == SUCCESS:
+                    self.progress.warn(f'{where}: snapshot {path}, by '
+                                       'request')
+                self.steer.answer(action, status, body, epoch, iteration,
+                                  self.elapsed())
+            else:
+                stops.append(action)
+        if not stops:
+            return False
+        path = self.out / CHECKPOINT
+        status, body = self._checkpoint(path, epoch, partial)
+        self.stop = {'epoch': epoch, 'iteration': iteration,
+                     'checkpoint': str(path), 'saved': status == SUCCESS}
+        if self.lead:
+            self.progress.warn(f'{where}: stopping by request; '
+                               + (f'final checkpoint {path}'
+                                  if status == SUCCESS else
+                                  body['message']))
+        for action in stops:
+            self.steer.answer(action, SUCCESS, {**body, 'stopped': True}
+                              if status == SUCCESS else body, epoch,
+                              iteration, self.elapsed())
+        return True
+
+    def _checkpoint(self, path, epoch, partial):
+        """A checkpoint of the run now at ``path`` (every rank takes
+        part), which ``OUT/checkpoint.npz`` then is too; (status, the
+        response's body)."""
+        state = {**self.state, 'partial': partial}
+        if partial is not None:
+            state['elapsed'] = self.elapsed()
+        try:
+            save_checkpoint(path, self.model, state)
+            if self.lead and path.name != CHECKPOINT:
+                keep_as(path, self.out / CHECKPOINT)
+        except OSError as e:  # a full disk: the run goes on
+            reason = f'cannot write {path} ({e.strerror or e})'
+            if self.lead:
+                self.progress.warn(f'warning: {reason}')
+            return FAILURE, {'message': reason}
+        return SUCCESS, {'path': str(path), 'epoch': epoch,
+                         'iteration': self.model.iteration,
+                         'within_epoch': partial is not None}
+
+    def finish(self, stopped_early, epochs):
+        """The run ended: the commands still waiting are answered."""
+        done = self.state['epoch']
+        why = ('stopped by request' if self.stop else
+               'early stopping' if stopped_early else
+               f'its {epochs} epochs done')
+        self.steer.finish(done if not self.stop else self.stop['epoch'],
+                          self.model.iteration, why, self.elapsed())
 
 
 def _model(config, comm, devices, n_classes=10):
@@ -277,10 +460,14 @@ def _start(config, model, out, lead, data):
         state = load_checkpoint(out / CHECKPOINT, model,
                                 f'this run ({argument("model")} '
                                 f'{config.model})')
+        # The lr the run was given when the checkpoint was written.
+        state['lr_configured_before'] = state.pop('lr_configured', None)
     if lead:
+        partial = state.get('partial')
         record_args(out, {**json.loads(config.to_json()),
                           'data': data.statistics()},
-                    state['epoch'] if resumed else None)
+                    state['epoch'] if resumed else None,
+                    model.iteration if partial else None)
     return state
 
 
@@ -298,12 +485,20 @@ def _loader(config, data, n_train, model, client):
         client=client)
 
 
-def _epoch(config, model, loader, test, epoch, progress, started, last):
+def _epoch(config, model, loader, test, epoch, progress, started, last,
+           commands, partial=None):
     """Train and evaluate ``epoch``: its log row, the same on every rank,
-    and the link evaluated. ``test``: (views, labels) of the rank's test
-    images; ``started``: when the run began (``time.perf_counter``)."""
-    mixes = len(model.drifts)  # ipm's mixes before this epoch
-    sums = _train_epoch(config, model, loader, epoch, progress, last)
+    and the link evaluated; (None, None) when stopped by request within
+    it. ``test``: (views, labels) of the rank's test images; ``started``:
+    when the run began (``time.perf_counter``); ``partial``: where a
+    checkpoint within the epoch left it."""
+    if partial is not None:  # ipm's mixes of the epoch before it
+        model.drifts.extend(partial['drifts'])
+    mixes = len(model.drifts) - len(partial['drifts'] if partial else ())
+    sums = _train_epoch(config, model, loader, epoch, progress, last,
+                        commands, mixes, partial)
+    if sums is None:
+        return None, None
     evaluators = model.evaluators()
     views, labels = test
     loss, accuracy = evaluate(evaluators, views, labels,
@@ -314,54 +509,87 @@ def _epoch(config, model, loader, test, epoch, progress, started, last):
     if model.comm.rank == 0:
         sums.elapsed = time.perf_counter() - started
     row = _row(config, model, sums.summed(model.comm), epoch,
-               model.drifts[mixes:])
+               model.drifts[mixes:], commands)
     return row, evaluators[0][0]
 
 
-def _train_epoch(config, model, loader, epoch, progress, last):
-    """Train ``epoch``; its training sums (loss, accuracy, images, times).
-    ``last``: (checkpoint path, its epoch), named if the loss diverges."""
+def _train_epoch(config, model, loader, epoch, progress, last, commands,
+                 mixes, partial=None):
+    """Train ``epoch``; its training sums (loss, accuracy, images, times),
+    or None when stopped by request within it. ``last``: (checkpoint
+    path, its epoch), named if the loss diverges; ``mixes``: ipm's before
+    the epoch; ``partial``: where a checkpoint within the epoch left it,
+    to go on from."""
     seed_everything(config.seed, epoch)
     model.seed(config.seed, epoch)
+    first, sums = 0, EpochSums()
+    if partial is not None:
+        first, sums = partial['step'], EpochSums(**partial['sums'])
+        reseed(config.seed, model, epoch, model.iteration)
     comm_before, began = model.comm_time, time.perf_counter()
-    loss_sum = acc_sum = total = 0.0
     step_totals = loader.step_totals()
     progress.start(epoch, len(loader))
     loss = accuracy = math.nan
-    for step, ((x, t), step_total) in enumerate(
-            zip(loader.epoch(epoch), step_totals), 1):
+
+    def read():
+        """The loss and accuracy since the last read, into the sums."""
+        ls, acs, seen = model.take_metrics()
+        sums.loss, sums.accuracy, sums.images = (
+            sums.loss + ls, sums.accuracy + acs, sums.images + seen)
+        if not math.isfinite(ls):
+            raise _diverged(config, model, epoch, ls / (seen or 1), *last)
+        return ls / (seen or 1), acs / (seen or 1)
+
+    def so_far():
+        """The epoch as it stands after ``step``, for a checkpoint."""
+        read()
+        now = dataclasses.replace(
+            sums, train_time=sums.train_time + time.perf_counter() - began,
+            comm_time=sums.comm_time + model.comm_time - comm_before)
+        return {'step': step, 'sums': dataclasses.asdict(now),
+                'drifts': [float(d) for d in model.drifts[mixes:]]}
+
+    batches = itertools.islice(zip(loader.epoch(epoch), step_totals), first,
+                               None)
+    for step, ((x, t), step_total) in enumerate(batches, first + 1):
         model.step(x, t, total=step_total, observe=False)
         if step % READ_EVERY == 0 or step == len(step_totals):
-            ls, acs, seen = model.take_metrics()
-            loss_sum, acc_sum, total = (loss_sum + ls, acc_sum + acs,
-                                        total + seen)
-            loss, accuracy = ls / (seen or 1), acs / (seen or 1)
-            if not math.isfinite(ls):
-                raise _diverged(config, model, epoch, loss, *last)
+            loss, accuracy = read()
         progress.step(loss, accuracy)
+        # After an epoch's last step, the epoch's end polls.
+        if step < len(step_totals) and commands.due(model.iteration) and \
+                commands.poll(epoch, so_far):
+            return None
     synchronize(model.devices)  # the epoch's time, not its queuing
-    train_time = time.perf_counter() - began
+    sums.train_time += time.perf_counter() - began
+    sums.comm_time += model.comm_time - comm_before
+    sums.data_wait += loader.wait_times.get(epoch, 0.0)
     model.end_epoch()
-    return EpochSums(loss=loss_sum, accuracy=acc_sum, images=total,
-                     train_time=train_time,
-                     data_wait=loader.wait_times.get(epoch, 0.0),
-                     comm_time=model.comm_time - comm_before)
+    return sums
 
 
 def _diverged(config, model, epoch, loss, checkpoint, saved):
     kept = (f'{checkpoint} from epoch {saved} is kept' if saved
             else 'no checkpoint was written yet')
+    lr = Hyperparameters(model.optimizers).values().get(
+        'lr', config.learning_rate)
     return TrainingDiverged(
         f'loss became {loss} at epoch {epoch + 1}, iteration '
         f'{model.iteration}; stopped ({kept}). Lower {argument("lr")} (now '
-        f'{config.learning_rate:g})')
+        f'{lr:g})')
 
 
-def _row(config, model, sums, epoch, drifts):
+def _row(config, model, sums, epoch, drifts, commands):
     """Epoch ``epoch``'s log row, from the sums over all ranks;
-    ``drifts``: the replicas' distances before this epoch's ipm mixes."""
+    ``drifts``: the replicas' distances before this epoch's ipm mixes.
+    ``lr`` is the learning rate in force, and every other hyperparameter
+    changed by request is there too (ChainerUI draws them)."""
+    values = commands.hyper.values()
     row = {'epoch': epoch + 1, 'iteration': model.iteration,
-           **sums.row(model.comm.size), 'lr': config.learning_rate}
+           **sums.row(model.comm.size),
+           'lr': values.get('lr', config.learning_rate),
+           **{k: values[k] for k in commands.state['hyperparams']
+              if k != 'lr'}}
     if model.mode == 'ipm' and model.total_replicas > 1:
         # Mean distance before this epoch's mixes; with none (one-shot,
         # or long intervals), how far apart they are now.
@@ -384,15 +612,16 @@ def _save(out, model, state, row, stopper, evaluated):
     save_checkpoint(out / CHECKPOINT, model, state)
 
 
-def _finish(model, out, state, stopped):
+def _finish(model, out, state, stopped, by_request=None):
     """The final mix, the final model (and, in ipm, the checkpoint with
-    it); the run's summary."""
+    it, unless stopped by request: that run goes on from its checkpoint as
+    if never stopped); the run's summary."""
     model.finalize()
     if model.comm.rank == 0:
         save_model(out / 'model_final.npz', model.master)
-    if model.mode == 'ipm':  # the checkpoint holds the final mix too
+    if model.mode == 'ipm' and not by_request:  # the final mix too
         save_checkpoint(out / CHECKPOINT, model, state)
     log = state['log']
     return {'log': log, 'final': log[-1] if log else None, 'out': str(out),
             'devices': [str(d) for d in model.devices],
-            'stopped_early': stopped}
+            'stopped_early': stopped, 'stopped_by_request': by_request}
