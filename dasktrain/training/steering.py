@@ -502,7 +502,7 @@ class Steering:
                 continue
             actions.append(dataclasses.asdict(Action(
                 key, command.name, command.words(), changes)))
-        for key, (command, reason) in refused.items():
+        for command, reason in refused.values():
             self.warn(f'iteration {iteration}: {command.words()} refused: '
                       f'{reason}')
         self._respond({key: _response(FAILURE, {'message': reason}, epoch,
@@ -560,7 +560,7 @@ class Steering:
                 continue
             if command is not None:
                 self.pending.setdefault(key, command)
-        for key, reason in bad.items():
+        for reason in bad.values():
             self.warn(f'iteration {iteration}: a command in '
                       f'{self.out / COMMANDS} refused: {reason}')
         self._respond({**lost, **{
