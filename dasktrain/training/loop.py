@@ -10,14 +10,9 @@ LogReport JSON, readable by ChainerUI), write a checkpoint atomically.
 All randomness is a function of (seed, epoch), so ``resume`` ends exactly
 where an uninterrupted run would.
 
-The run takes ChainerUI's commands (``OUT/commands``, see
-:mod:`~dasktrain.training.steering`): a snapshot, a change of the
-optimizer's hyperparameters, a stop, each at the same iteration on every
-rank. A snapshot or a stop within an epoch is a checkpoint there: the
-epoch's sums so far and where it stands go in it, a gradient in flight
-(double buffering) is applied first, and the replicas' random streams
-start again from (seed, epoch, iteration), in the run as in any run
-resumed from it, so that ``resume`` continues it bit for bit.
+Between its steps and at each epoch's end it carries out the commands
+ChainerUI or ``dasktrain ctl`` sent (:mod:`~dasktrain.training.control`),
+and goes on from a checkpoint written within an epoch.
 
 Owns the epochs, the metrics, early stopping and the log rows; may not
 decide where it runs (which process, which devices, how many ranks:
@@ -48,22 +43,17 @@ from dasktrain.parallel.gradient import GPUDistributedGradient
 from dasktrain.parallel.placement import default_bucket_mb, default_devices
 from dasktrain.training.checkpoint import (
     CHECKPOINT,
-    keep_as,
     load_checkpoint,
     save_checkpoint,
     save_model,
 )
+from dasktrain.training.control import RunControl, reseed
 from dasktrain.training.evaluate import evaluate, load_test_share
+from dasktrain.training.hyperparams import Hyperparameters
+from dasktrain.training.metrics import EpochSums
 from dasktrain.training.models import check_built_in, get_model
-from dasktrain.training.outdir import record_args, record_steering
+from dasktrain.training.outdir import record_args
 from dasktrain.training.progress import Progress, describe_devices
-from dasktrain.training.steering import (
-    FAILURE,
-    SUCCESS,
-    Hyperparameters,
-    Steering,
-    snapshot_name,
-)
 from dasktrain.training.stopping import EarlyStopping
 
 # Steps between reads of the loss to the host: each read waits for the
@@ -91,64 +81,6 @@ def seed_everything(seed, epoch):
     resumed run re-derives it instead of storing it."""
     state = np.random.SeedSequence([seed, epoch]).generate_state(1)[0]
     np.random.seed(int(state))
-
-
-def reseed(seed, model, epoch, iteration):
-    """At a checkpoint within an epoch: NumPy's global RNG and the
-    replicas' streams start again from (seed, epoch, iteration), in the
-    run that writes it and in a run resumed from it (a GPU's stream cannot
-    be saved), so that both go on alike."""
-    derived = int(np.random.SeedSequence(
-        [seed, epoch, iteration, 0x57ee]).generate_state(1)[0])
-    seed_everything(derived, epoch)
-    model.seed(derived, epoch)
-
-
-@dataclasses.dataclass
-class EpochSums:
-    """A rank's share of an epoch's metrics, summed over the ranks by one
-    all-reduce of the fields in this order; every rank then computes the
-    same log row (:meth:`row`).
-
-    Examples
-    --------
-    >>> sums = EpochSums(loss=3.0, accuracy=1.5, images=6, train_time=2.0,
-    ...                  val_loss=1.0, val_accuracy=2.0, val_images=4)
-    >>> row = sums.row(ranks=1)
-    >>> row['main/loss'], row['images_per_sec'], row['validation/main/loss']
-    (0.5, 3.0, 0.25)
-    """
-    loss: float = 0.0          # training loss, summed over images
-    accuracy: float = 0.0      # training accuracy, summed over images
-    images: float = 0.0        # training images seen
-    train_time: float = 0.0    # s of training (each rank's)
-    data_wait: float = 0.0     # s waiting for the epoch's data
-    comm_time: float = 0.0     # s communicating
-    val_loss: float = 0.0      # test loss, summed over test images
-    val_accuracy: float = 0.0  # test accuracy, summed over test images
-    val_images: float = 0.0    # test images evaluated
-    elapsed: float = 0.0       # s since the run began: rank 0's, else 0
-
-    def summed(self, comm):
-        """The sums over every rank of ``comm``."""
-        values = np.array([getattr(self, f.name)
-                           for f in dataclasses.fields(self)])
-        return EpochSums(*comm.allreduce([values])[0])
-
-    def row(self, ranks):
-        """The log row's metrics, from sums over ``ranks`` ranks; the
-        times are the ranks' means (all train in lock step)."""
-        return {
-            'main/loss': float(self.loss / self.images),
-            'main/accuracy': float(self.accuracy / self.images),
-            'validation/main/loss': float(self.val_loss / self.val_images),
-            'validation/main/accuracy':
-                float(self.val_accuracy / self.val_images),
-            'elapsed_time': float(self.elapsed),
-            'images_per_sec': float(self.images / (self.train_time / ranks)),
-            'data_wait_time': float(self.data_wait / ranks),
-            'comm_time': float(self.comm_time / ranks),
-        }
 
 
 def run(config, comm=None, devices=None, callbacks=(), progress=None):
@@ -232,173 +164,31 @@ def _run(config, comm, devices, callbacks, progress):
                             **state['early_stop'])
     stopped = stopper.stopped()
     partial = state.pop('partial', None)
-    with _loader(config, data, n_train, model, client) as loader:
-        # The run's clock, as it stood at its last checkpoint; the data
-        # read into memory, not counted.
-        started = time.perf_counter() - state['elapsed']
-        commands = _Commands(config, model, out, state, progress, started)
-        commands.resume(lead)
-        try:
-            if not stopped:
-                commands.poll(state['epoch'], partial and (lambda: partial))
-            for epoch in range(state['epoch'], state['epoch']
-                               if stopped or commands.stop else
-                               config.epochs):
-                row, evaluated = _epoch(config, model, loader, test, epoch,
-                                        progress, started,
-                                        (out / CHECKPOINT, state['epoch']),
-                                        commands, partial)
-                partial = None
-                if row is None:  # stopped by request within the epoch
-                    break
-                stopped = stopper.update(row)
-                _save(out, model, state, row, stopper, evaluated)
-                progress.end(row)
-                for callback in callbacks:
-                    callback(row)
-                if stopped or commands.poll(row['epoch']):
-                    break
-        except BaseException:
-            commands.steer.stopped()
-            raise
+    # The run's clock, as it stood at its last checkpoint; the data read
+    # into memory, not counted.
+    with _loader(config, data, n_train, model, client) as loader, \
+            RunControl(config, model, out, state, progress, time.perf_counter()
+                       - state['elapsed']) as commands:
+        if not stopped:
+            commands.poll(state['epoch'], partial and (lambda: partial))
+        for epoch in range(state['epoch'], state['epoch']
+                           if stopped or commands.stop else config.epochs):
+            row, evaluated = _epoch(config, model, loader, test, epoch,
+                                    progress, commands.started,
+                                    (out / CHECKPOINT, state['epoch']),
+                                    commands, partial)
+            partial = None
+            if row is None:  # stopped by request within the epoch
+                break
+            stopped = stopper.update(row)
+            _save(out, model, state, row, stopper, evaluated)
+            progress.end(row)
+            for callback in callbacks:
+                callback(row)
+            if stopped or commands.poll(row['epoch']):
+                break
         commands.finish(stopped, config.epochs)
     return _finish(model, out, state, stopped, commands.stop)
-
-
-class _Commands:
-    """What the run does for each command of ``OUT/commands``
-    (:mod:`~dasktrain.training.steering` decides when, the same on every
-    rank): change the optimizers' hyperparameters, write a checkpoint as
-    a snapshot, stop after a final one. ``state``: the loop's (its
-    ``hyperparams`` in force, changed by request, are kept here);
-    ``started``: the run's clock (``time.perf_counter``)."""
-
-    def __init__(self, config, model, out, state, progress, started):
-        self.config, self.model, self.out = config, model, out
-        self.state, self.progress, self.started = state, progress, started
-        self.lead = model.comm.rank == 0
-        self.hyper = Hyperparameters(model.optimizers)
-        self.steer = Steering(out, model.comm, self.hyper.check,
-                              progress.warn)
-        self.stop = None  # {'epoch', 'iteration'} once stopped by request
-        state.setdefault('hyperparams', {})
-        state['lr_configured'] = config.learning_rate
-
-    def resume(self, lead):
-        """Apply the hyperparameters in force at the checkpoint (those
-        changed by request), unless the run is given another ``lr`` now;
-        tell ChainerUI the run takes commands."""
-        kept = dict(self.state['hyperparams'])
-        configured = self.state.pop('lr_configured_before', None)
-        if 'lr' in kept and configured not in (None,
-                                               self.config.learning_rate):
-            del kept['lr']  # given anew: that wins
-            if lead:
-                self.progress.warn(
-                    f'{argument("lr")} {self.config.learning_rate:g} given '
-                    'now replaces the lr set by request '
-                    f"({self.state['hyperparams']['lr']:g})")
-            self.state['hyperparams'].pop('lr')
-        if kept:
-            self.hyper.apply(kept)
-            if lead:
-                self.progress.warn(
-                    'resuming with what was set by request: ' +
-                    ', '.join(f'{k} {v:g}' for k, v in kept.items()))
-        self.steer.start()
-
-    def due(self, iteration):
-        return self.steer.due(iteration)
-
-    def elapsed(self):
-        return time.perf_counter() - self.started
-
-    def poll(self, epoch, so_far=None):
-        """Carry out what is due after ``epoch`` completed epochs;
-        ``so_far``: within an epoch, a callable returning the epoch's
-        state so far (for a checkpoint here). True once stopped."""
-        model, iteration = self.model, self.model.iteration
-        actions = self.steer.poll(epoch, iteration, self.elapsed())
-        if not actions:
-            return False
-        where = f'epoch {epoch + 1}, iteration {iteration}' if so_far \
-            else f'after epoch {epoch}, iteration {iteration}'
-        partial = None
-        if so_far is not None and any(a.name != 'adjust_hyperparams'
-                                      for a in actions):
-            if self.config.double_buffering:
-                model.flush()  # no step in flight in a checkpoint
-            partial = so_far()
-            reseed(self.config.seed, model, epoch, iteration)
-        stops = []
-        for action in actions:
-            if action.name == 'adjust_hyperparams':
-                before = self.hyper.apply(action.changes)
-                self.state['hyperparams'].update(action.changes)
-                if self.lead:
-                    record_steering(self.out, epoch, iteration,
-                                    action.changes)
-                    self.progress.warn(f'{where}: ' + ', '.join(
-                        f'{k} {before[k]:g} -> {v:g}'
-                        for k, v in action.changes.items()) +
-                        ', by request')
-                self.steer.answer(action, SUCCESS, self.hyper.answer(),
-                                  epoch, iteration, self.elapsed())
-            elif action.name == 'take_snapshot':
-                path = self.out / snapshot_name(iteration)
-                status, body = self._checkpoint(path, epoch, partial)
-                if self.lead and status == SUCCESS:
-                    self.progress.warn(f'{where}: snapshot {path}, by '
-                                       'request')
-                self.steer.answer(action, status, body, epoch, iteration,
-                                  self.elapsed())
-            else:
-                stops.append(action)
-        if not stops:
-            return False
-        path = self.out / CHECKPOINT
-        status, body = self._checkpoint(path, epoch, partial)
-        self.stop = {'epoch': epoch, 'iteration': iteration,
-                     'checkpoint': str(path), 'saved': status == SUCCESS}
-        if self.lead:
-            self.progress.warn(f'{where}: stopping by request; '
-                               + (f'final checkpoint {path}'
-                                  if status == SUCCESS else
-                                  body['message']))
-        for action in stops:
-            self.steer.answer(action, SUCCESS, {**body, 'stopped': True}
-                              if status == SUCCESS else body, epoch,
-                              iteration, self.elapsed())
-        return True
-
-    def _checkpoint(self, path, epoch, partial):
-        """A checkpoint of the run now at ``path`` (every rank takes
-        part), which ``OUT/checkpoint.npz`` then is too; (status, the
-        response's body)."""
-        state = {**self.state, 'partial': partial}
-        if partial is not None:
-            state['elapsed'] = self.elapsed()
-        try:
-            save_checkpoint(path, self.model, state)
-            if self.lead and path.name != CHECKPOINT:
-                keep_as(path, self.out / CHECKPOINT)
-        except OSError as e:  # a full disk: the run goes on
-            reason = f'cannot write {path} ({e.strerror or e})'
-            if self.lead:
-                self.progress.warn(f'warning: {reason}')
-            return FAILURE, {'message': reason}
-        return SUCCESS, {'path': str(path), 'epoch': epoch,
-                         'iteration': self.model.iteration,
-                         'within_epoch': partial is not None}
-
-    def finish(self, stopped_early, epochs):
-        """The run ended: the commands still waiting are answered."""
-        done = self.state['epoch']
-        why = ('stopped by request' if self.stop else
-               'early stopping' if stopped_early else
-               f'its {epochs} epochs done')
-        self.steer.finish(done if not self.stop else self.stop['epoch'],
-                          self.model.iteration, why, self.elapsed())
 
 
 def _model(config, comm, devices, n_classes=10):

@@ -1,25 +1,15 @@
-"""Steering a running run: ChainerUI's ``commands`` file, read, agreed on by
-every rank, and answered.
+"""Steering a running run: ChainerUI's commands, agreed on by every rank
+of its job, carried out at the same iteration, and answered.
 
 The protocol is ChainerUI 0.11's (its ``CommandsExtension`` and its server,
-``POST /api/v1/projects/P/results/R/commands``), so that ChainerUI's own
-buttons act on a dasktrain run unmodified:
-
-* ``OUT/.chainerui_commands`` holds ``{"job_status": "running"}`` while the
-  run trains and ``"stopped"`` once it ended; ChainerUI's server takes
-  commands for a running run only.
-* ``OUT/commands`` is a JSON list of commands, each ``{"name", "request",
-  "response"}``. A request is ``{"created_at", "status": "OPEN", "body",
-  "schedule"}``, its schedule None (at once) or ``{"key": "epoch" |
-  "iteration", "value": N}``; the run answers each with ``{"executed_at",
-  "epoch", "iteration", "elapsed_time", "status": "SUCCESS" | "FAILURE",
-  "body"}``. Writers replace the whole file (a temp file renamed).
-
-The commands: ``take_snapshot``, ``adjust_hyperparams`` (body
-``{"optimizer": NAME, "hyperparam": {"lr": 0.01, ...}}``) and ``stop``.
-A command scheduled at epoch N acts once the run has completed N epochs
-(at the end of epoch N, or at once during epoch N + 1), one at iteration
-N after iteration N, as ChainerUI's extension decides; one whose epoch or
+``POST /api/v1/projects/P/results/R/commands``; the files:
+:mod:`~dasktrain.training.commandfile`), so that ChainerUI's own buttons
+act on a dasktrain run unmodified. The commands: ``take_snapshot``,
+``adjust_hyperparams`` (body ``{"optimizer": NAME, "hyperparam": {"lr":
+0.01, ...}}``, :mod:`~dasktrain.training.hyperparams`) and ``stop``. A
+command scheduled at epoch N acts once the run has completed N epochs (at
+the end of epoch N, or at once during epoch N + 1), one at iteration N
+after iteration N, as ChainerUI's extension decides; one whose epoch or
 iteration has passed, or that the run cannot do, is answered FAILURE with
 its reason in ``body.message`` (ChainerUI leaves those unanswered or
 answers SUCCESS having done nothing). Unlike ChainerUI's extension, a run
@@ -35,163 +25,31 @@ about every :data:`POLL_SECONDS`, and at exactly the iteration a command
 is scheduled for. A file that is not ChainerUI's list is one warning, and
 the run goes on.
 
-Owns the files' format, the decisions (when a command acts, what an
-adjustment may change: :class:`Hyperparameters`) and the answers; what a
-command does to the run (a checkpoint, the optimizers) is the loop's
-(:mod:`~dasktrain.training.loop`).
+Owns when a command acts and its answer; what a command does to the run
+(a checkpoint, the optimizers) is :mod:`~dasktrain.training.control`'s.
 """
 import contextlib
 import dataclasses
-import datetime
-import fcntl
 import json
-import math
-import os
 import time
-import uuid
 from pathlib import Path
 
-from dasktrain.files import read_regular, write_json
+from dasktrain.files import write_json
+from dasktrain.training.commandfile import (
+    COMMANDS,
+    FAILURE,
+    Refused,
+    entry_key,
+    new_response,
+    read_commands,
+    signature,
+    write_state,
+    writing,
+)
 
-COMMANDS = 'commands'           # ChainerUI's CommandItem.DEFAULT_FILE_NAME
-STATE = '.chainerui_commands'   # ChainerUI's CommandsState file
 NAMES = ('take_snapshot', 'adjust_hyperparams', 'stop')
-SUCCESS, FAILURE = 'SUCCESS', 'FAILURE'
-MAX_BYTES = 1 << 20   # a commands file larger than this is not read
 POLL_SECONDS = 1.0    # between polls of a job of several ranks
 
-
-class Refused(Exception):
-    """A command the run answers FAILURE, with the reason."""
-
-
-def snapshot_name(iteration):
-    """ChainerUI's name of a snapshot (it lists files named so).
-
-    >>> snapshot_name(120)
-    'snapshot_iter_120'
-    """
-    return f'snapshot_iter_{iteration}'
-
-
-def entry_key(entry):
-    """What identifies a command in the file however often it is rewritten:
-    its name and request (which holds its creation time).
-
-    >>> entry_key({'name': 'stop', 'request': {'created_at': 't'},
-    ...            'response': None})
-    '{"name": "stop", "request": {"created_at": "t"}}'
-    """
-    return json.dumps({'name': entry.get('name'),
-                       'request': entry.get('request')}, sort_keys=True)
-
-
-# ------------------------------------------------------------ the files
-
-def read_commands(out):
-    """``(entries, problem)``: the list ``OUT/commands`` holds (``[]``
-    when there is none), or ``(None, why)`` when the file is not ChainerUI's
-    list of commands (not JSON, not a list, larger than
-    :data:`MAX_BYTES`, not a regular file)."""
-    path = Path(out) / COMMANDS
-    try:
-        data = read_regular(path, limit=MAX_BYTES + 1)
-    except FileNotFoundError:
-        return [], None
-    except OSError as e:
-        return None, f'cannot be read ({e.strerror or e})'
-    if len(data) > MAX_BYTES:
-        return None, f'is larger than {MAX_BYTES // 2 ** 20} MiB'
-    if not data.strip():
-        return [], None
-    try:
-        entries = json.loads(data)
-    except ValueError as e:
-        return None, f'is not JSON ({e})'
-    if not isinstance(entries, list):
-        return None, (f'holds a {type(entries).__name__}, not a list of '
-                      'commands')
-    return entries, None
-
-
-def signature(out):
-    """What changes whenever ``OUT/commands`` is replaced or written (None
-    while there is none): the run reads the file again only then."""
-    try:
-        st = os.stat(Path(out) / COMMANDS)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
-
-
-@contextlib.contextmanager
-def writing(out):
-    """Hold the lock dasktrain's writers of ``OUT/commands`` take (a
-    ``flock`` on the folder itself, no file of its own): ``dasktrain ctl``
-    and the run never lose each other's changes. ChainerUI's server takes
-    none; the run keeps what it did in memory, so a command is never done
-    twice however the file is rewritten. Where the filesystem cannot lock,
-    no lock."""
-    try:
-        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
-        yield
-    finally:
-        os.close(fd)
-
-
-def write_state(out, status):
-    """``OUT/.chainerui_commands`` saying the run is ``status``
-    ('running' or 'stopped'), as ChainerUI's CommandsState writes it."""
-    write_json(Path(out) / STATE, {'job_status': status})
-
-
-def run_status(out):
-    """'running', 'stopped', or None (no run of this folder has said)."""
-    try:
-        state = json.loads(read_regular(Path(out) / STATE, limit=4096))
-    except (OSError, ValueError):
-        return None
-    status = state.get('job_status') if isinstance(state, dict) else None
-    return status if isinstance(status, str) else None
-
-
-def request(out, name, body=None, schedule=None):
-    """Append a command to ``OUT/commands`` as ChainerUI's server does
-    (with an ``id`` of its own in the request, to find its answer); its
-    :func:`entry_key`. ValueError if the file is not a list of commands."""
-    now = datetime.datetime.now().isoformat()
-    entry = {'name': name,
-             'request': {'created_at': now, 'status': 'OPEN', 'body': body,
-                         'schedule': schedule, 'id': uuid.uuid4().hex},
-             'response': None}
-    with writing(out):
-        entries, problem = read_commands(out)
-        if entries is None:
-            raise ValueError(f'{Path(out) / COMMANDS} {problem}')
-        write_json(Path(out) / COMMANDS, entries + [entry])
-    return entry_key(entry)
-
-
-def response(out, key):
-    """The response to the command ``key`` (:func:`request`'s), or None
-    while it has none (or the file cannot be read now)."""
-    entries, _ = read_commands(out)
-    for entry in entries or ():
-        if isinstance(entry, dict) and entry_key(entry) == key:
-            answer = entry.get('response')
-            return answer if isinstance(answer, dict) else None
-    return None
-
-
-# ------------------------------------------------------- the decisions
 
 @dataclasses.dataclass
 class Command:
@@ -225,7 +83,7 @@ def parse(entry):
     >>> parse({'name': 'rewind', 'request': {}, 'response': None})
     Traceback (most recent call last):
     ...
-    dasktrain.training.steering.Refused: rewind is not a command of this \
+    dasktrain.training.commandfile.Refused: rewind is not a command of this \
 run; it takes take_snapshot, adjust_hyperparams, stop
     """
     if entry.get('response') is not None or entry.get('request') is None:
@@ -275,143 +133,6 @@ def when(command, epoch, iteration):
             f'was at iteration {iteration})')
 
 
-# Hyperparameters whose values lie in [0, 1), > 0 or >= 0; others: finite.
-_FRACTIONS = ('momentum', 'beta1', 'beta2', 'beta', 'rho', 'alpha')
-_POSITIVE = ('eps', 'eta', 'final_lr')
-_NON_NEGATIVE = ('weight_decay_rate',)
-
-
-class Hyperparameters:
-    """The optimizer hyperparameters an ``adjust_hyperparams`` request may
-    change, in the run's words: the optimizer's own float hyperparameters
-    (``optimizer.hyperparam``) and ``lr``, the run's learning rate (Adam's
-    ``alpha``, as ``--lr`` is). A change applies to every optimizer of the
-    run (one per replica in ipm).
-
-    Parameters
-    ----------
-    optimizers : sequence of chainer.Optimizer
-        The run's, the master's first; they share their hyperparameters.
-
-    Examples
-    --------
-    >>> import chainer
-    >>> hp = Hyperparameters([chainer.optimizers.Adam(alpha=0.001)])
-    >>> hp.check({'hyperparam': {'lr': 0.01, 'beta1': None}})
-    {'lr': 0.01}
-    >>> hp.check({'hyperparam': {'momentum': 0.5}})
-    Traceback (most recent call last):
-    ...
-    dasktrain.training.steering.Refused: this run's optimizer is Adam, \
-which has no momentum; it takes lr (its alpha), alpha, beta1, beta2, eps, \
-eta, weight_decay_rate
-    """
-
-    def __init__(self, optimizers):
-        self.optimizers = list(optimizers)
-        master = self.optimizers[0]
-        self.name = type(master).__name__
-        values = master.hyperparam.get_dict()
-        # Floats, but AdaBound's (final_lr, gamma: Adam's, unused unless
-        # adabound): what a request may change.
-        self.native = [k for k, v in values.items()
-                       if isinstance(v, (int, float)) and
-                       not isinstance(v, bool) and
-                       k not in ('final_lr', 'gamma')]
-        self.rate = 'lr' if 'lr' in values else \
-            'alpha' if 'alpha' in values else None
-
-    def _native(self, name):
-        return self.rate if name == 'lr' else name
-
-    def names(self):
-        """The names a request may use, in words."""
-        names = list(self.native)
-        if self.rate not in (None, 'lr'):
-            names.insert(0, f'lr (its {self.rate})')
-        return ', '.join(names)
-
-    def values(self):
-        """The values in force, by the names a request may use."""
-        values = self.optimizers[0].hyperparam.get_dict()
-        found = {k: values[k] for k in self.native}
-        if self.rate is not None:
-            found['lr'] = values[self.rate]
-        return found
-
-    def check(self, body):
-        """``{name: value}`` that ``body`` (``adjust_hyperparams``'s)
-        asks to change, in the run's words (``lr`` for the learning rate);
-        Refused with the reason for a request the run cannot do. Values
-        given as null are not changed (ChainerUI's form sends its empty
-        fields so)."""
-        if not isinstance(body, dict) or \
-                not isinstance(body.get('hyperparam'), dict):
-            raise Refused('its body must be {"optimizer": NAME, '
-                          '"hyperparam": {"lr": 0.01, ...}}')
-        asked = {k: v for k, v in body['hyperparam'].items()
-                 if v is not None}
-        named = body.get('optimizer')
-        other = named is not None and named != self.name
-        changes = {}
-        for name, value in asked.items():
-            native = self._native(name)
-            if native is None or native not in self.native:
-                raise Refused(f"this run's optimizer is {self.name}, "
-                              f'which has no {name}; it takes '
-                              f'{self.names()}')
-            if other and name != 'lr':
-                raise Refused(f"this run's optimizer is {self.name}, not "
-                              f'{named}: only lr, the learning rate every '
-                              f'run has, applies across optimizers')
-            changes['lr' if native == self.rate else name] = \
-                _checked(name if native != self.rate else 'lr', value)
-        if not changes:
-            raise Refused(f'it asks for no change; give a value for one of '
-                          f'{self.names()}')
-        return changes
-
-    def apply(self, changes):
-        """Set ``changes`` (as :meth:`check` returns them) on every
-        optimizer; the values in force before, by the same names."""
-        before = self.values()
-        for optimizer in self.optimizers:
-            for name, value in changes.items():
-                setattr(optimizer.hyperparam, self._native(name), value)
-        return {k: before[k] for k in changes}
-
-    def answer(self):
-        """The response body ChainerUI shows ("last value" of each)."""
-        return {'optimizer': self.name, 'hyperparam': self.values()}
-
-
-def _checked(name, value):
-    """``value`` for the hyperparameter ``name``, or Refused naming both.
-
-    >>> _checked('momentum', 0.5), _checked('lr', 1)
-    (0.5, 1.0)
-    >>> _checked('lr', 0)
-    Traceback (most recent call last):
-    ...
-    dasktrain.training.steering.Refused: lr must be a finite number > 0, \
-got 0
-    """
-    def wrong(expected):
-        return Refused(f'{name} must be {expected}, got {json.dumps(value)}')
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value):
-        raise wrong('a finite number')
-    if name in _FRACTIONS and not 0 <= value < 1:
-        raise wrong('a number in [0, 1)')
-    if (name == 'lr' or name in _POSITIVE) and not value > 0:
-        raise wrong('a finite number > 0')
-    if name in _NON_NEGATIVE and value < 0:
-        raise wrong('a number >= 0')
-    return float(value)
-
-
-# ------------------------------------------------------------ the polls
-
 @dataclasses.dataclass
 class Action:
     """A command every rank carries out now: ``changes`` for
@@ -441,7 +162,8 @@ class Steering:
         one process, which polls after every iteration, collective-free).
     check : callable
         ``check(body)``: the changes an ``adjust_hyperparams`` body asks
-        (Refused otherwise): :meth:`Hyperparameters.check`.
+        (Refused otherwise): :meth:`~dasktrain.training.hyperparams.
+        Hyperparameters.check`.
     warn : callable
         ``warn(line)``: tell the user (a file that cannot be read, a
         command refused).
@@ -505,7 +227,7 @@ class Steering:
         for command, reason in refused.values():
             self.warn(f'iteration {iteration}: {command.words()} refused: '
                       f'{reason}')
-        self._respond({key: _response(FAILURE, {'message': reason}, epoch,
+        self._respond({key: new_response(FAILURE, {'message': reason}, epoch,
                                       iteration, elapsed)
                        for key, (_, reason) in refused.items()})
         return actions, self._next(iteration)
@@ -564,14 +286,14 @@ class Steering:
             self.warn(f'iteration {iteration}: a command in '
                       f'{self.out / COMMANDS} refused: {reason}')
         self._respond({**lost, **{
-            key: _response(FAILURE, {'message': reason}, epoch, iteration,
+            key: new_response(FAILURE, {'message': reason}, epoch, iteration,
                            elapsed) for key, reason in bad.items()}})
 
     def answer(self, action, status, body, epoch, iteration, elapsed=0.0):
         """Rank 0 writes the response to ``action`` (done, or FAILURE with
         ``body['message']``); other ranks do nothing."""
         if self.lead:
-            self._respond({action.key: _response(status, body, epoch,
+            self._respond({action.key: new_response(status, body, epoch,
                                                  iteration, elapsed)})
 
     def _respond(self, responses):
@@ -610,7 +332,7 @@ class Steering:
             return
         self.seen = object()  # one last look at the file
         self._read(epoch, iteration, elapsed)
-        self._respond({key: _response(
+        self._respond({key: new_response(
             FAILURE, {'message': _too_late(command, epoch, iteration, why)},
             epoch, iteration, elapsed)
             for key, command in self.pending.items()})
@@ -638,8 +360,3 @@ never came'
     return f'{where}: {command.schedule[0]} {command.schedule[1]} never came'
 
 
-def _response(status, body, epoch, iteration, elapsed):
-    """A response as ChainerUI's ``CommandItem.set_response`` writes it."""
-    return {'executed_at': datetime.datetime.now().isoformat(),
-            'epoch': epoch, 'iteration': iteration,
-            'elapsed_time': float(elapsed), 'status': status, 'body': body}
