@@ -415,3 +415,83 @@ def test_the_ranks_of_a_job_act_at_the_same_iteration_as_one_process(
                 if key != 'state':
                     np.testing.assert_allclose(b[key], a[key], rtol=1e-9,
                                                atol=1e-12, err_msg=key)
+
+
+# ------------------------------------------------------------ jobs
+
+def test_ctl_steers_queued_and_running_jobs_on_a_real_cluster(
+        data_dir, tmp_path, capsys):
+    from distributed import Client
+    from test_cluster import Processes, job_config, wait_until
+
+    from dasktrain.jobs.submit import submit
+    procs = Processes(tmp_path)
+    try:
+        procs.worker(gpus=1)
+        jobs = tmp_path / 'jobs'
+        with Client(procs.address) as client:
+            client.wait_for_workers(1)
+            first = submit(job_config(data_dir, epochs=500,
+                                      optimizer='momentum-sgd'),
+                           gpus=1, name='long', client=client, path=jobs)
+            later = submit(job_config(data_dir, epochs=20,
+                                      optimizer='momentum-sgd'),
+                           gpus=1, name='later', client=client, path=jobs)
+        args = ['--jobs-dir', str(jobs)]
+        wait_until(lambda: len(first.log_rows()) >= 1, 180, 'an epoch')
+        # A queued job: what is scheduled waits for it to run; a stop now
+        # is a cancel.
+        assert later.status()['state'] == 'queued'
+        assert main(['ctl', later.id, 'stop', *args]) == 1
+        assert f'job {later.id} is queued, not running: `dasktrain cancel ' \
+            f'{later.id}` takes it off the queue' in capsys.readouterr().err
+        for argv in (['set', 'lr=0.02', '--at', 'iteration=12'],
+                     ['snapshot', '--at', 'iteration=20'],
+                     ['stop', '--at', 'epoch=4']):
+            assert main(['ctl', later.id, *argv, *args]) == 0
+        assert 'requested' in capsys.readouterr().out
+        # A running job: each command answered, then it ends on a stop.
+        assert main(['ctl', first.id, 'set', 'lr=0.05', *args]) == 0
+        said = capsys.readouterr().out
+        assert said.startswith(f'{first.id}: lr 0.01 -> 0.05 (MomentumSGD) '
+                               'at iteration ')
+        assert main(['ctl', first.id, 'snapshot', *args]) == 0
+        said = capsys.readouterr().out
+        snapshot = first.folder / 'out' / ('snapshot_iter_' + said.split(
+            'snapshot_iter_')[1].split()[0])
+        assert snapshot.is_file()
+        assert main(['ctl', first.id, 'stop', *args]) == 0
+        said = capsys.readouterr().out.splitlines()
+        assert said[0].startswith(f'{first.id}: stopped at iteration ')
+        assert said[1] == f'job {first.id}: finished (stopped by request)'
+        status = first.status()
+        assert status['state'] == 'finished'
+        assert status['ending'] == 'stopped by request'
+        assert status['epoch'] < 500
+        # Then the queued one ran, steered as asked before it started.
+        result = later.result(timeout=300)
+        assert [(r['epoch'], r['iteration'], r['lr'])
+                for r in result['log']] == [(1, 8, 0.01), (2, 16, 0.02),
+                                            (3, 24, 0.02), (4, 32, 0.02)]
+        out = later.folder / 'out'
+        assert [(c['name'], c['response']['status'],
+                 c['response']['iteration']) for c in commands(out)] == [
+            ('adjust_hyperparams', SUCCESS, 12),
+            ('take_snapshot', SUCCESS, 20), ('stop', SUCCESS, 32)]
+        assert (out / 'snapshot_iter_20').is_file()
+        assert later.status()['ending'] == 'stopped by request'
+        assert main(['jobs', *args]) == 0
+        table = capsys.readouterr().out
+        assert table.count('finished (stopped by request)') == 2
+        assert main(['ctl', later.id, 'snapshot', *args]) == 1
+        assert f'job {later.id} is finished; nothing to steer' in \
+            capsys.readouterr().err
+        # Someone else's job: refused, as cancel refuses it.
+        spec = json.loads((later.folder / 'job.json').read_text())
+        spec['user'] = 'someone-else'
+        (later.folder / 'job.json').write_text(json.dumps(spec))
+        assert main(['ctl', later.id, 'stop', *args]) == 1
+        assert f'job {later.id} was submitted by someone-else; only ' \
+            'someone-else can steer it' in capsys.readouterr().err
+    finally:
+        procs.close()

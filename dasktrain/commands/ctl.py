@@ -109,6 +109,8 @@ class Ctl(Command):
         gone = self.check_running(out, job, name, schedule)
         body = {'hyperparam': values} if values else None
         try:
+            if job is not None:  # a queued job of your own has none yet
+                out.mkdir(mode=0o700, exist_ok=True)
             key = steering.request(out, name, body, schedule)
         except ValueError as e:
             raise JobError(f'{e}; fix or remove it first') from None
