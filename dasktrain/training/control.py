@@ -53,8 +53,11 @@ class RunControl:
         self.state, self.progress, self.started = state, progress, started
         self.lead = model.comm.rank == 0
         self.hyper = Hyperparameters(model.optimizers)
+        # Double buffering's ranks have a sum in flight between steps: no
+        # collective of ours there.
         self.steer = Steering(out, model.comm, self.hyper.check,
-                              progress.warn)
+                              progress.warn,
+                              between_steps=not config.double_buffering)
         self.stop = None  # {'epoch', 'iteration'} once stopped by request
         state.setdefault('hyperparams', {})
         state['lr_configured'] = config.learning_rate
@@ -94,12 +97,15 @@ class RunControl:
     def elapsed(self):
         return time.perf_counter() - self.started
 
-    def poll(self, epoch, so_far=None):
+    def poll(self, epoch, so_far=None, boundary=True):
         """Carry out what is due after ``epoch`` completed epochs;
         ``so_far``: within an epoch, a callable returning the epoch's
-        state so far (for a checkpoint here). True once stopped."""
+        state so far (for a checkpoint here); ``boundary``: at an epoch's
+        end or the run's start (else between two steps). True once
+        stopped."""
         model, iteration = self.model, self.model.iteration
-        actions = self.steer.poll(epoch, iteration, self.elapsed())
+        actions = self.steer.poll(epoch, iteration, self.elapsed(),
+                                  boundary)
         if not actions:
             return False
         where = f'epoch {epoch + 1}, iteration {iteration}' if so_far \

@@ -348,7 +348,7 @@ def _train_epoch(config, model, loader, epoch, progress, last, commands,
         progress.step(loss, accuracy)
         # After an epoch's last step, the epoch's end polls.
         if step < len(step_totals) and commands.due(model.iteration) and \
-                commands.poll(epoch, so_far):
+                commands.poll(epoch, so_far, boundary=False):
             return None
     synchronize(model.devices)  # the epoch's time, not its queuing
     sums.train_time += time.perf_counter() - began

@@ -22,8 +22,10 @@ iteration (:class:`Steering`), so every rank applies a command at the
 same iteration and the replicas never diverge. A run of one process polls
 after every iteration (a ``stat`` of the file); a job of several ranks
 about every :data:`POLL_SECONDS`, and at exactly the iteration a command
-is scheduled for. A file that is not ChainerUI's list is one warning, and
-the run goes on.
+is scheduled for; one whose ranks always have a sum in flight between two
+steps (double buffering) at each epoch's end, where it plans what is
+scheduled at an iteration of the next epoch. A file that is not
+ChainerUI's list is one warning, and the run goes on.
 
 Owns when a command acts and its answer; what a command does to the run
 (a checkpoint, the optimizers) is :mod:`~dasktrain.training.control`'s.
@@ -169,13 +171,23 @@ class Steering:
         command refused).
     poll_seconds : float, default :data:`POLL_SECONDS`
         About how long between polls of a job of several ranks.
+    between_steps : bool, default True
+        Whether the ranks may poll between two steps of an epoch: not
+        where a collective is still in flight there (double buffering's
+        sum of the last step). Then they poll at each epoch's end only,
+        where a command scheduled at an iteration of the next epoch is
+        planned, to act at exactly that iteration.
     """
 
-    def __init__(self, out, comm, check, warn, poll_seconds=POLL_SECONDS):
+    def __init__(self, out, comm, check, warn, poll_seconds=POLL_SECONDS,
+                 between_steps=True):
         self.out, self.comm, self.check = Path(out), comm, check
         self.warn, self.poll_seconds = warn, poll_seconds
+        self.between_steps = between_steps or comm.size == 1
         self.lead = comm.rank == 0
         self.next_poll = 0
+        self.plan = {}           # iteration: [action], known to every rank
+        self.planned = set()     # keys of pending commands planned
         self.seen = object()     # the file's signature when last read
         self.pending = {}        # key: Command, not yet acted on
         self.answered = {}       # key: response written (again if lost)
@@ -189,48 +201,68 @@ class Steering:
             write_state(self.out, 'running')
 
     def due(self, iteration):
-        """Whether every rank polls after ``iteration`` (the same answer on
-        every rank)."""
-        return iteration >= self.next_poll
+        """Whether every rank polls after ``iteration`` within an epoch
+        (the same answer on every rank)."""
+        return iteration in self.plan or \
+            (self.between_steps and iteration >= self.next_poll)
 
-    def poll(self, epoch, iteration, elapsed=0.0):
+    def poll(self, epoch, iteration, elapsed=0.0, boundary=True):
         """The :class:`Action` list every rank carries out now, after
-        ``epoch`` completed epochs and ``iteration`` iterations (a
-        collective of the job's ranks); ``elapsed``: the run's seconds, for
-        the answers."""
+        ``epoch`` completed epochs and ``iteration`` iterations;
+        ``boundary``: at an epoch's end or the run's start, where every
+        rank polls (within an epoch: when :meth:`due`). ``elapsed``: the
+        run's seconds, for the answers. A collective of the job's ranks,
+        but for what was planned."""
+        planned = self.plan.pop(iteration, [])
+        if self.lead:
+            for action in planned:
+                self.pending.pop(action['key'], None)
+                self.planned.discard(action['key'])
+        if not (boundary or self.between_steps):
+            return [Action(**a) for a in planned]
         decided = None
         if self.lead:
             decided = self._decide(epoch, iteration, elapsed)
-        actions, self.next_poll = self.comm.bcast(decided) \
+        actions, plan, self.next_poll = self.comm.bcast(decided) \
             if self.comm.size > 1 else decided
-        return [Action(**a) for a in actions]
+        for at, action in plan:
+            self.plan.setdefault(at, []).append(action)
+        return [Action(**a) for a in planned + actions]
 
     def _decide(self, epoch, iteration, elapsed):
         self._read(epoch, iteration, elapsed)
-        actions, refused = [], {}
+        actions, plan, refused = [], [], {}
         for key, command in list(self.pending.items()):
             state = when(command, epoch, iteration)
-            if state == 'later':
+            if key in self.planned or state == 'later' and (
+                    self.between_steps or command.schedule[0] == 'epoch'):
                 continue
-            del self.pending[key]
-            if state != 'now':
+            if state != 'later':
+                del self.pending[key]
+            if state not in ('now', 'later'):
                 refused[key] = (command, state)
                 continue
             try:
                 changes = self.check(command.body) \
                     if command.name == 'adjust_hyperparams' else None
             except Refused as e:
+                self.pending.pop(key, None)
                 refused[key] = (command, str(e))
                 continue
-            actions.append(dataclasses.asdict(Action(
-                key, command.name, command.words(), changes)))
+            action = dataclasses.asdict(Action(
+                key, command.name, command.words(), changes))
+            if state == 'now':
+                actions.append(action)
+            else:  # an iteration ahead, no poll between steps: planned
+                self.planned.add(key)
+                plan.append((command.schedule[1], action))
         for command, reason in refused.values():
             self.warn(f'iteration {iteration}: {command.words()} refused: '
                       f'{reason}')
-        self._respond({key: new_response(FAILURE, {'message': reason}, epoch,
-                                      iteration, elapsed)
+        self._respond({key: new_response(FAILURE, {'message': reason},
+                                         epoch, iteration, elapsed)
                        for key, (_, reason) in refused.items()})
-        return actions, self._next(iteration)
+        return actions, plan, self._next(iteration)
 
     def _next(self, iteration):
         """The iteration of the next poll: the next one alone; in a job of
@@ -286,15 +318,16 @@ class Steering:
             self.warn(f'iteration {iteration}: a command in '
                       f'{self.out / COMMANDS} refused: {reason}')
         self._respond({**lost, **{
-            key: new_response(FAILURE, {'message': reason}, epoch, iteration,
-                           elapsed) for key, reason in bad.items()}})
+            key: new_response(FAILURE, {'message': reason}, epoch,
+                              iteration, elapsed)
+            for key, reason in bad.items()}})
 
     def answer(self, action, status, body, epoch, iteration, elapsed=0.0):
         """Rank 0 writes the response to ``action`` (done, or FAILURE with
         ``body['message']``); other ranks do nothing."""
         if self.lead:
             self._respond({action.key: new_response(status, body, epoch,
-                                                 iteration, elapsed)})
+                                                    iteration, elapsed)})
 
     def _respond(self, responses):
         """Write ``responses`` ({key: response}) into the entries they
