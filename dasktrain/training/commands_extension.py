@@ -19,6 +19,12 @@ with the request's, and so never adjusts), and a request it cannot do is
 answered FAILURE with the reason (:class:`~dasktrain.training.steering.
 Hyperparameters`), not SUCCESS having done nothing.
 
+Each check of the file is a collective of the ranks, at the wrapped
+extension's trigger (ChainerUI's default: every iteration); under
+ChainerMN's double buffering it first finishes the mean in flight, as
+every ChainerMN collective does, so that ``CommandsExtension(trigger=(20,
+'iteration'))`` keeps more of the overlap.
+
 Owns the wrapper; the protocol of dasktrain's own loop is
 :mod:`~dasktrain.training.steering`'s. Needs ChainerUI 0.11 importable in
 the script's environment (its ``chainerui.extensions`` needs only
@@ -67,6 +73,15 @@ class CommandsAcrossRanks(extension.Extension):
         self._bcast = getattr(comm, 'bcast_obj', None) or comm.bcast
 
     def initialize(self, trainer):
+        exchange = getattr(getattr(trainer.updater, 'model', None),
+                           'exchange', None)
+        if getattr(exchange, 'double_buffering', False) and \
+                self.comm.size > 1 and not hasattr(self.comm, 'bcast_obj'):
+            raise ValueError(
+                'across_ranks cannot agree on commands between the steps '
+                'of a double-buffered DistributedUpdater (a sum is in '
+                'flight there); train without double_buffering, or steer '
+                'it with dasktrain train')
         if self.lead:  # the files, and the stop trigger wrapped
             self.commands.initialize(trainer)
             return
