@@ -45,7 +45,11 @@ from dasktrain.cluster.local import (
 )
 from dasktrain.cluster.workers import local_device_workers
 from dasktrain.config import TrainConfig
-from dasktrain.data.datasets import load_dataset, resolve_spec
+from dasktrain.data.datasets import (
+    augmentation_plan,
+    load_dataset,
+    resolve_spec,
+)
 from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.data.download import CIFAR100, download_cifar10
 from dasktrain.errors import UserError, argument
@@ -127,12 +131,8 @@ def train(config=None, callbacks=(), client=None, **overrides):
                             dataset=resolve_spec(config.dataset))
     progress = Progress(config.progress, config.epochs)
     placement = place(config)  # asks CUDA, once, when no devices are named
-    if placement.where != HERE and config.dataset != 'cifar10':
-        # The data: one line if it is wrong, before any worker starts.
-        progress.say(load_dataset(
-            config.dataset, config.data_dir, url=config.url, md5=config.md5,
-            label_set=config.label_set,
-            train_size=config.train_size).describe())
+    if placement.where != HERE:
+        _say_data(config, progress)
     if placement.where == HERE:
         with prepare_out(config):
             return run(config, devices=placement.devices,
@@ -148,6 +148,21 @@ def train(config=None, callbacks=(), client=None, **overrides):
                                        devices=placement.rank_devices),
                         callbacks, client, progress)
     return _job(config, callbacks, client, progress)
+
+
+def _say_data(config, progress):
+    """The data and its augmentation, in the driver's first lines (the
+    ranks show nothing): a dataset other than CIFAR-10 is loaded here,
+    so that one that is wrong is one line before any worker starts."""
+    if config.dataset == 'cifar10':
+        progress.say(augmentation_plan('cifar10', True, (32,),
+                                       config.augment)[1])
+        return
+    data = load_dataset(config.dataset, config.data_dir, url=config.url,
+                        md5=config.md5, label_set=config.label_set,
+                        train_size=config.train_size)
+    progress.say(data.describe())
+    progress.say(data.augmentation_words(config.augment))
 
 
 def _send_model(client, config):

@@ -106,6 +106,38 @@ def test_gray_16x16_images_from_an_npz_file(lab, devices, capsys):
     np.testing.assert_allclose(data['std'], [x.std()], rtol=1e-9)
 
 
+@pytest.mark.parametrize('devices', ['cpu', 'cpu:2'])
+def test_auto_augmentation_flips_only_the_built_in_natural_images(
+        lab, devices, capsys):
+    """A lab's own images are cropped, never flipped by default (a
+    mirrored digit is another digit, or none); the run says so first,
+    here and where ranks train (one process per device)."""
+    data = load_dataset('npz:gray.npz', 'data')
+    assert data.augmentation('auto') == {'pad': 2, 'flip': False}
+    assert data.augmentation(True) == {'pad': 2, 'flip': False}
+    assert data.augmentation('crop-flip') == {'pad': 2, 'flip': True}
+    assert data.augmentation('none') is None
+    from dasktrain.data.datasets import augmentation_plan
+    assert augmentation_plan('cifar100', True, (32,))[0] == \
+        {'pad': 4, 'flip': True}
+    assert main(['train', '--epochs', '1', '--batch-size', '20',
+                 '--out', str(lab / 'r'), '--model', 'nets.py:Small',
+                 '--dataset', 'npz:gray.npz', '--devices', devices]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    said = [line for line in lines if line.startswith('augmentation:')]
+    assert said == ['augmentation: random crop (padding 2), no flip: '
+                    '--augment auto, on your own images, whose meaning a '
+                    'flip may change (digits, text); --augment crop-flip '
+                    'flips them']
+    assert lines.index(said[0]) <= 2  # among the first lines
+    assert main(['train', '--epochs', '1', '--batch-size', '20',
+                 '--out', str(lab / 'f'), '--model', 'nets.py:Small',
+                 '--dataset', 'npz:gray.npz', '--devices', devices,
+                 '--augment', 'crop-flip']) == 0
+    assert 'augmentation: random crop (padding 2), horizontal flip: ' \
+        '--augment crop-flip' in capsys.readouterr().out
+
+
 def test_feature_vectors_from_a_function_of_their_own(lab, capsys):
     assert main(run_args(lab / 'r', '--model', 'nets.py:MLP', '--dataset',
                          'nets.py:features', '--devices', 'cpu:2')) == 0

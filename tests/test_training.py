@@ -61,7 +61,9 @@ def test_a_short_run_learns_and_writes_chainer_logs(data_dir, tmp_path):
     assert summary['final'] == log[-1]
     leftovers = [p.name for p in (tmp_path / 'r').iterdir()
                  if p.name.startswith('.')]
-    assert leftovers == []
+    assert leftovers == ['.chainerui_commands']  # ChainerUI: it stopped
+    assert json.loads((tmp_path / 'r' / '.chainerui_commands').read_text()
+                      ) == {'job_status': 'stopped'}
 
 
 class Crash(Exception):

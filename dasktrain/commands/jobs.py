@@ -180,7 +180,8 @@ class Jobs(Command):
         for r in rows:
             view = r.get('view') or {}
             lines.append((
-                r['id'], r['name'], r['user'], r['state'], r['gpus'],
+                r['id'], r['name'], r['user'], r['state'] +
+                (f" ({r['ending']})" if r.get('ending') else ''), r['gpus'],
                 r['progress'], '-' if r['accuracy'] is None else
                 f"{r['accuracy']:.4f}", _when(r['submitted']),
                 _when(r['started']), _when(r['ended']), r['seen'],

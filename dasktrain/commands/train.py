@@ -112,7 +112,14 @@ class Train(Command):
         else:
             config = self.first_run(config, given_fields(args.argv[1:]))
         summary = train(config)
-        final = summary['final']
+        final, stop = summary['final'], summary.get('stopped_by_request')
+        if stop:
+            print(f"stopped by request at iteration {stop['iteration']} "
+                  f"({stop['epoch']} epochs done); `dasktrain train --resume "
+                  f"--out {config.out}` continues from "
+                  f"{stop['checkpoint']}")
+        if final is None and stop:
+            return 0
         if final is None:
             print(f'nothing to do: {config.out} already finished '
                   f'{config.epochs} epochs')

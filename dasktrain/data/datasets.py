@@ -36,7 +36,10 @@ from dasktrain.errors import DataError, argument
 from dasktrain.userspec import SpecError, is_spec, load_attribute
 
 BUILT_IN = ('cifar10', 'cifar100', 'sample')
-# --augment: 'auto' is crop-flip for images and nothing for other inputs
+# --augment: 'auto' is crop-flip for the built-in sets (natural images,
+# clothes: a mirror image means the same), crop for a user's own (a flip
+# can change what an image means: digits, text, scans) and nothing for
+# other inputs
 AUGMENTS = ('auto', 'crop-flip', 'crop', 'none')
 NPZ_KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
 LABEL_SETS = ('fine', 'coarse')
@@ -93,20 +96,25 @@ class Dataset:
         """Keyword arguments of :func:`~dasktrain.data.augment.augment`
         for ``augment`` (True: 'auto', False: 'none'), None for none: a
         random crop after padding by 4 pixels at 32 (in proportion for
-        other sizes) and, with 'crop-flip', a horizontal flip."""
-        augment = {True: 'auto', False: 'none'}.get(augment, augment)
-        if augment not in AUGMENTS:
-            raise DataError(f'{argument("augment")} must be one of '
-                            f'{", ".join(AUGMENTS)}, got {augment!r}')
-        if augment == 'none' or (augment == 'auto' and not self.images):
-            return None
-        if not self.images:
+        other sizes) and, with 'crop-flip', a horizontal flip. 'auto' is
+        'crop-flip' for the built-in sets of natural images (CIFAR), 'crop'
+        for other images (a flip may change what they mean), 'none' for
+        inputs that are not images."""
+        options, _ = augmentation_plan(
+            self.name, self.images, self.train_images.shape[2:3], augment)
+        if options is False:
             raise DataError(f'{argument("augment")} {augment} crops and '
                             f'flips images; {self.name} holds inputs of '
                             f'shape {tuple(self.train_images.shape[1:])}: '
                             f'pass {argument("augment")} none')
-        return dict(pad=scaled_pad(self.train_images.shape[2]),
-                    flip=augment != 'crop')
+        return options
+
+    def augmentation_words(self, augment='auto'):
+        """One line: the augmentation a run applies, and why
+        (:func:`augmentation_plan`)."""
+        self.augmentation(augment)  # one line if it cannot be
+        return augmentation_plan(self.name, self.images,
+                                 self.train_images.shape[2:3], augment)[1]
 
     def statistics(self):
         """What OUT/args records of the data."""
@@ -115,6 +123,47 @@ class Dataset:
                     layout=self.layout, images=self.images,
                     mean=None if self.mean is None else list(self.mean),
                     std=None if self.std is None else list(self.std))
+
+
+def augmentation_plan(name, images, size, augment='auto'):
+    """``(options, line)``: the keyword arguments of
+    :func:`~dasktrain.data.augment.augment` that ``augment`` comes to for
+    the dataset ``name`` (None: none; False: it asks to crop inputs that
+    are not ``images``), and one line saying what the run applies and why.
+    ``size``: the images' height, as a 1-tuple (none for other inputs).
+
+    Examples
+    --------
+    >>> augmentation_plan('cifar10', True, (32,))[1]
+    "augmentation: random crop (padding 4), horizontal flip: augment auto, \
+on cifar10's natural images"
+    >>> augmentation_plan('npz:digits.npz', True, (8,))[0]
+    {'pad': 1, 'flip': False}
+    """
+    augment = {True: 'auto', False: 'none'}.get(augment, augment)
+    if augment not in AUGMENTS:
+        raise DataError(f'{argument("augment")} must be one of '
+                        f'{", ".join(AUGMENTS)}, got {augment!r}')
+    flag = f'{argument("augment")} {augment}'
+    chosen, why = augment, flag
+    if augment == 'auto' and not images:
+        chosen, why = 'none', f'{flag}, on inputs that are not images'
+    elif augment == 'auto' and name in BUILT_IN:
+        chosen, why = 'crop-flip', f"{flag}, on {name}'s " + (
+            'natural images' if name != 'sample' else 'clothes')
+    elif augment == 'auto':
+        chosen, why = 'crop', (
+            f'{flag}, on your own images, whose meaning a flip may change '
+            f'(digits, text); {argument("augment")} crop-flip flips them')
+    if chosen == 'none':
+        what = 'none, normalisation only' if images else 'none'
+        return None, f'augmentation: {what}: {why}'
+    if not images:
+        return False, None
+    options = dict(pad=scaled_pad(size[0]), flip=chosen != 'crop')
+    what = f"random crop (padding {options['pad']}), " + \
+        ('horizontal flip' if options['flip'] else 'no flip')
+    return options, f'augmentation: {what}: {why}'
 
 
 def check_spec(spec):

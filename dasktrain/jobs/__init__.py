@@ -22,7 +22,8 @@ from dasktrain._lazy import exports
 
 _EXPORTS = {
     **dict.fromkeys((
-        'DONE', 'EVENTS', 'JOBS_ENV', 'KEY_PREFIX', 'PRUNED', 'STATES', 'Job',
+        'DONE', 'EVENTS', 'JOBS_ENV', 'KEY_PREFIX', 'PRUNED', 'STATES',
+        'STOPPED', 'Job',
         'JobError', 'Pruned', 'current_user', 'jobs_dir', 'list_jobs',
         'update_status', 'user_name'),
         'dasktrain.jobs.records'),

@@ -142,7 +142,8 @@ class SchedulerPoller:
 
 def job_rows(jobs_dir=None, ask=None):
     """The jobs table's rows, oldest first: ``(rows, unreadable)``, each
-    row a dict (``id``, ``name``, ``user``, ``state``, ``gpus``,
+    row a dict (``id``, ``name``, ``user``, ``state`` (and ``ending``,
+    how a finished job ended, where it says: a stop command's), ``gpus``,
     ``progress``, ``accuracy``, ``submitted``, ``started``, ``ended``,
     ``seen``: what the scheduler knows in words, ``view``: the queue's
     position, reason and estimates), and ``[(id, reason)]`` of the job
@@ -167,6 +168,7 @@ def job_rows(jobs_dir=None, ask=None):
         rows.append({
             'id': job.id, 'name': str(spec.get('name', '-')),
             'user': str(spec.get('user', '-')), 'state': s['state'],
+            'ending': s.get('ending'),
             'gpus': ','.join(s['gpus']) if s.get('gpus') else
             str(spec.get('gpus', '-')),
             'progress': f"{s['epoch']}/{s['epochs']}" if s['epochs']

@@ -11,7 +11,9 @@ the submitter, its worker, ``dasktrain jobs``, a notebook.
 A job ends in one of :data:`DONE`: ``finished``, ``failed``, ``cancelled``
 or ``pruned`` (its training was stopped by an epoch callback raising
 :class:`Pruned`: a hyperparameter search's pruner, see
-:mod:`dasktrain.tuning.trials`).
+:mod:`dasktrain.tuning.trials`). A job a ``stop`` command ended
+(:mod:`dasktrain.training.steering`) is ``finished``, its
+``status.json``'s ``ending`` saying ``stopped by request``.
 
 Owns the files, and the two things anyone holding a job may do with the
 scheduler: :meth:`Job.cancel` and :meth:`Job.announce` (queueing is
@@ -46,6 +48,7 @@ STATES = ('queued', 'running', 'finished', 'failed', 'cancelled', 'pruned',
           'lost')
 DONE = ('finished', 'failed', 'cancelled', 'pruned', 'lost')
 PRUNED = 3  # exit code of a job child whose training was pruned
+STOPPED = 4  # exit code of a job child a `stop` command ended: finished
 EVENTS = 'dasktrain-jobs'  # the Dask event topic of jobs' summaries
 
 

@@ -36,6 +36,7 @@ from dasktrain.jobs import leash
 from dasktrain.jobs.records import (
     DONE,
     PRUNED,
+    STOPPED,
     Job,
     JobError,
     Pruned,
@@ -172,23 +173,31 @@ def run_job(folder, gpus=None):
                     seen = _mtime(log_path)   # the monitor
                     job.announce()
                 time.sleep(0.2)
-        if (folder / 'cancel').exists():
-            state, error = stopped_state(folder, None)
-        elif child.returncode == 0:
-            state, error = 'finished', None
-        elif child.returncode == PRUNED:
-            state, error = 'pruned', None
-        else:
-            state = 'failed'
-            error = last_line(folder, user) or \
-                f'exit code {child.returncode}'
+        state, error, more = child_end(folder, user, child.returncode)
         # Recorded before the GPUs are free: the next job starts after it.
-        update_status(folder, state=state, error=error, ended=time.time())
+        update_status(folder, state=state, error=error, ended=time.time(),
+                      **more)
         job.announce()
     finally:
         _children.pop(child.pid if child is not None else None, None)
         GpuPool.release(gpus)
     return state
+
+
+def child_end(folder, user, returncode):
+    """``(state, error, more status)`` of a training job whose child
+    exited with ``returncode``: a stop command's end is ``finished``,
+    ``ending`` 'stopped by request'."""
+    if (Path(folder) / 'cancel').exists():
+        return (*stopped_state(folder, None), {})
+    if returncode == 0:
+        return 'finished', None, {}
+    if returncode == STOPPED:
+        return 'finished', None, {'ending': 'stopped by request'}
+    if returncode == PRUNED:
+        return 'pruned', None, {}
+    return 'failed', (last_line(folder, user) or
+                      f'exit code {returncode}'), {}
 
 
 def _failed(folder, error, job=None, log=None):
@@ -325,9 +334,11 @@ def _log_devices(devices):
 def run_child(folder, callbacks=(), spec=None):
     """The child process: train the job's config, calling ``callbacks``
     after each epoch; one line for a user's mistake, the whole traceback
-    for anything else. Returns the exit code: 0, 1, or
+    for anything else. Returns the exit code: 0, 1,
     :data:`~dasktrain.jobs.records.PRUNED` when a callback raised
-    :class:`~dasktrain.jobs.records.Pruned`.
+    :class:`~dasktrain.jobs.records.Pruned`, or
+    :data:`~dasktrain.jobs.records.STOPPED` when a ``stop`` command ended
+    it.
 
     Examples
     --------
@@ -356,11 +367,14 @@ def run_child(folder, callbacks=(), spec=None):
     except Exception:
         traceback.print_exc()
         return 1
-    final = summary['final']
+    final, stop = summary['final'], summary.get('stopped_by_request')
+    if stop:
+        print(f"stopped by request at iteration {stop['iteration']} "
+              f"({stop['epoch']} epochs done)", flush=True)
     if final:
         print(f"done: epoch {final['epoch']}, test accuracy "
               f"{final['validation/main/accuracy']:.4f}", flush=True)
-    return 0
+    return STOPPED if stop else 0
 
 
 if __name__ == '__main__':

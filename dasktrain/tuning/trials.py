@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from dasktrain.errors import UserError, argument
-from dasktrain.jobs.records import PRUNED, Job, Pruned
+from dasktrain.jobs.records import PRUNED, STOPPED, Job, Pruned
 from dasktrain.jobs.worker import run_child
 
 
@@ -160,7 +160,8 @@ def main(folder):
     # job ended finds its trial ended too.
     lines = job.logs().strip().splitlines()
     state, value, attrs = outcome(
-        job, trial_spec, {0: 'finished', PRUNED: 'pruned'}.get(code, 'failed'),
+        job, trial_spec, {0: 'finished', STOPPED: 'finished',
+                          PRUNED: 'pruned'}.get(code, 'failed'),
         lines[-1] if lines else f'exit code {code}')
     finish(study, trial_spec['id'], state, value, **attrs)
     return code
