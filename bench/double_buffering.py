@@ -35,7 +35,7 @@ WAYS = (('exact', dict(double_buffering=False)),
 
 def run(work, model, optimizer, extra, args):
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     out = Path(tempfile.mkdtemp(dir=work, prefix=f'{model}-{optimizer}-'))
     if optimizer in args.lr:
         extra = dict(extra, lr=args.lr[optimizer])

@@ -44,7 +44,7 @@ _EXPORTS = {
     'get_model': 'dasktrain.training.models',
     'load_model': 'dasktrain.training.models',
     'TrainConfig': 'dasktrain.config',
-    'train': 'dasktrain.launch',
+    'train': 'dasktrain.run.train',
     'submit': 'dasktrain.jobs.submit',
     'submit_command': 'dasktrain.jobs.programs',
     'Job': 'dasktrain.jobs.records',

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from dasktrain.config import TrainConfig
-from dasktrain.launch import train
+from dasktrain.run.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAINERUI = ROOT / '.venv-chainerui' / 'bin' / 'chainerui'

@@ -15,7 +15,7 @@ from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 from dasktrain.data.datasets import load_dataset
 from dasktrain.errors import DataError
-from dasktrain.launch import train
+from dasktrain.run.train import train
 
 NETS = '''
 import chainer

@@ -15,7 +15,7 @@ from dasktrain.cli import main
 from dasktrain.jobs.records import Job, JobError
 from dasktrain.jobs.submit import submit
 from dasktrain.jobs.worker import FORMER_CHILDREN, child_module
-from dasktrain.launch import train
+from dasktrain.run.train import train
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
              'comm_time'}

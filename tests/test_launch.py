@@ -1,4 +1,4 @@
-"""dasktrain.launch.train: the same loop here, one process per device, or
+"""dasktrain.run.train.train: the same loop here, one process per device, or
 as ranks on Dask workers (real LocalClusters on 127.0.0.1), with the same
 results; lost and hung workers."""
 import glob
@@ -12,8 +12,8 @@ import pytest
 
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
-from dasktrain.launch import ScaleOutError, train
 from dasktrain.parallel.comm import CollectiveError
+from dasktrain.run.train import ScaleOutError, train
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
              'comm_time'}

@@ -10,13 +10,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / 'dasktrain'
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
-    {'errors', 'files', 'config', '_compat', '_lazy', 'cuda_extra',
+    {'errors', 'files', 'config', '_compat', '_lazy', 'cuda_extra', 'keeper',
      'spawn', 'userspec', 'notify'},
     {'data'},
     {'parallel'},
     {'training', 'chainermn'},
     {'cluster'},
-    {'launch', 'launcher', 'ranks'},
+    {'run'},
     {'jobs'},
     {'monitor', 'gpuuse', 'tuning'},
     {'report'},

@@ -48,7 +48,8 @@ from dasktrain.jobs.protocol import (
     refusal,
 )
 from dasktrain.jobs.records import Job
-from dasktrain.jobs.runas import User, environment, popen_options
+from dasktrain.jobs.runas import User, environment
+from dasktrain.keeper import popen_options
 
 CONSOLE = Path(sys.executable).parent / 'dasktrain'
 ENDS = ('finished', 'failed', 'cancelled', 'lost')
@@ -656,8 +657,8 @@ def test_a_users_program_dies_with_a_killed_worker(lab):
     pid = _pid(lab.job(job_id))
     program = psutil.Process(pid)
     assert program.uids().real == lab.uid('bob')
-    keeper = program.parent()  # the job's keeper (leash.py), root's
-    assert 'dasktrain.jobs.leash' in keeper.cmdline()
+    keeper = program.parent()  # the job's keeper, root's
+    assert 'dasktrain.keeper' in keeper.cmdline()
     assert keeper.uids().real == 0 and keeper.environ() == {}
     worker = keeper.parent()  # the worker process, root's
     assert worker.uids().real == 0

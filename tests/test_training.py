@@ -11,8 +11,8 @@ import pytest
 from dasktrain.cli import build_parser, main
 from dasktrain.config import ConfigError, TrainConfig, parse_devices
 from dasktrain.errors import FLAGS, UserError, flag_names
-from dasktrain.launch import train
 from dasktrain.parallel.devices import gpu_count
+from dasktrain.run.train import train
 from dasktrain.training.loop import TrainingDiverged
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',

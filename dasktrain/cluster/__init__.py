@@ -2,7 +2,7 @@
 clients (:mod:`~dasktrain.cluster.local`, TLS by ``tls``), and throwaway
 local workers for one run (``workers``), and a notebook's cluster
 (``reuse``: the one given or running, else a new one it stops again).
-A run across workers is :mod:`dasktrain.launch`'s, the job queue
+A run across workers is :mod:`dasktrain.run.train`'s, the job queue
 :mod:`dasktrain.jobs`, the scheduler's metrics :mod:`dasktrain.monitor`.
 
 Each name below imports its module on first use (importing the package

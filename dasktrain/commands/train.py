@@ -44,7 +44,7 @@ class Train(Command):
         add_arguments(parser)
 
     def run(self, args):
-        from dasktrain.launch import train
+        from dasktrain.run.train import train
         config = config_from_args(args)
         if config.resume:
             config = self.resumed(config, args)

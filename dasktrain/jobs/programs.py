@@ -8,7 +8,7 @@ shared cluster's root-only file: secrets in the environment are readable
 by the submitter only) and queues it like a training job (a shared
 cluster's through its front door, :mod:`~dasktrain.jobs.door`). On a worker,
 :func:`dasktrain.jobs.worker.run_program` starts it under its keeper
-(:mod:`~dasktrain.jobs.leash`, in a session of its own) in that directory,
+(:mod:`dasktrain.keeper`, in a session of its own) in that directory,
 with that environment and ``CUDA_VISIBLE_DEVICES`` set to exactly its GPUs
 (none for 0), its output into ``output.log``. The exit code decides the
 end: 0 ``finished``, else ``failed (exit 3)`` or ``failed (killed by

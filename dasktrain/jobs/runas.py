@@ -3,7 +3,8 @@
 In a cluster of your own a job's child runs as the worker's user, as
 before. In a shared cluster (a ``job.json`` with ``uid``, which only
 root can write) the worker is root and the child runs as the job's
-submitter, as Slurm's slurmd does: :func:`popen_options` gives
+submitter, as Slurm's slurmd does: :func:`dasktrain.keeper.popen_options`
+gives
 ``subprocess.Popen`` the user, the primary group and the user's groups
 (``os.getgrouplist``), umask 077, and a ``preexec_fn`` that runs
 *after* CPython's ``setgroups``/``setregid``/``setreuid``
@@ -19,8 +20,7 @@ state folder, Dask's) for a training run, with ``HOME``, ``USER`` and
 ``LOGNAME`` of the user. What a user controls (``output.log``) is
 opened by root without following a symlink (:func:`open_output`).
 
-Owns those decisions, and why a child could not start
-(:func:`cannot_start`); running the job is
+Owns those decisions; running the job is
 :mod:`~dasktrain.jobs.worker`'s.
 """
 import collections
@@ -30,7 +30,6 @@ import stat
 
 from dasktrain.files import read_regular
 from dasktrain.jobs.records import JobError
-from dasktrain.spawn import die_with_parent
 
 User = collections.namedtuple('User', 'uid gid name home shell groups')
 User.__doc__ = "A job's submitter as this worker's password database says."
@@ -58,25 +57,6 @@ def job_user(spec):
     gid = spec.get('gid', entry.pw_gid)
     return User(uid, gid, entry.pw_name, entry.pw_dir, entry.pw_shell,
                 os.getgrouplist(entry.pw_name, gid))
-
-
-def popen_options(user, cwd=None):
-    """``subprocess.Popen`` keywords that start a job's child in ``cwd``
-    as ``user`` (None: as this process), dying with the thread that
-    started it."""
-    if user is None:
-        return {'cwd': cwd, 'preexec_fn': die_with_parent}
-    return {'user': user.uid, 'group': user.gid,
-            'extra_groups': user.groups, 'umask': 0o077,
-            'preexec_fn': _then_enter(cwd)}
-
-
-def _then_enter(cwd):
-    def preexec():  # as the user already: see the module
-        die_with_parent()
-        if cwd is not None:
-            os.chdir(cwd)
-    return preexec
 
 
 def environment(env, user, recorded=False):
@@ -127,12 +107,3 @@ def last_line(folder, user, size=8192):
         return ''
     lines = data.decode('utf-8', 'replace').strip().splitlines()
     return lines[-1] if lines else ''
-
-
-def cannot_start(program, user, error, cwd=None):
-    """Why ``program`` did not start (``error`` from ``Popen``), in
-    words; as ``user`` (None: this process's)."""
-    if isinstance(error, OSError):
-        who = f' as {user.name}' if user else ''
-        return f'cannot start {program}{who}: {error.strerror}'
-    return f'cannot start {program}: {user.name} cannot enter {cwd}'

@@ -30,9 +30,9 @@ import time
 import traceback
 from pathlib import Path
 
+from dasktrain import keeper
 from dasktrain.config import TrainConfig
 from dasktrain.errors import Error
-from dasktrain.jobs import leash
 from dasktrain.jobs.records import (
     DONE,
     PRUNED,
@@ -42,13 +42,12 @@ from dasktrain.jobs.records import (
     update_status,
 )
 from dasktrain.jobs.runas import (
-    cannot_start,
     environment,
     job_user,
     last_line,
     open_output,
-    popen_options,
 )
+from dasktrain.keeper import cannot_start, popen_options
 from dasktrain.parallel.gpus import (
     VISIBLE,
     GpuPool,
@@ -262,19 +261,19 @@ def run_program(folder, spec, status, gpus, worker):
                   f'{env["CUDA_VISIBLE_DEVICES"]!r}), in {spec["cwd"]}: '
                   f'{" ".join(spec["command"])} ===\n'.encode())
         log.flush()
-        # Its keeper (leash.py): nothing the program starts outlives it.
-        child, report = leash.start(spec['command'], env, grace, log, user,
-                                    spec['cwd'])
+        # Its keeper: nothing the program starts outlives it.
+        child = keeper.start(spec['command'], env, grace, stdout=log,
+                             user=user, cwd=spec['cwd'])
         _children[child.pid] = job.id
         try:
             while child.poll() is None:
                 if cancelled is None and (folder / 'cancel').exists():
-                    cancelled = leash.stop(child, grace)
+                    cancelled = child.stop(grace)
                     log.write(f'=== cancelled: {cancelled} ===\n'.encode())
                 time.sleep(0.2)
         finally:
             _children.pop(child.pid, None)
-        error = leash.start_error(report)
+        error = child.start_error()
         if error is not None:  # no such program; its folder not enterable
             return _failed(folder, error, job, log)
     words = exit_words(child.returncode)
@@ -339,7 +338,7 @@ def run_child(folder, callbacks=(), spec=None):
     if config.workers is not None:
         # Across workers each rank takes its worker's free GPUs itself.
         config = config.replace(scheduler=spec['scheduler'])
-    from dasktrain.launch import train  # Chainer: the child only
+    from dasktrain.run.train import train  # Chainer: the child only
     try:
         if spec['gpus'] and config.workers is None:
             # CUDA_VISIBLE_DEVICES shows this job its GPUs as 0..k-1.

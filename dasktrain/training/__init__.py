@@ -2,7 +2,7 @@
 it shows (``progress``), its checkpoints and model files
 (``checkpoint``), test-set evaluation (``evaluate``), early stopping
 (``stopping``), the models (``models``) and the run's output folder
-(``outdir``). Where it runs is :mod:`dasktrain.launch`'s.
+(``outdir``). Where it runs is :mod:`dasktrain.run.train`'s.
 
 Each name below imports its module (and Chainer) on first use.
 """

@@ -12,7 +12,7 @@ where an uninterrupted run would.
 
 Owns the epochs, the metrics, early stopping and the log rows; may not
 decide where it runs (which process, which devices, how many ranks:
-:mod:`dasktrain.launch` decides, and calls :func:`run` on every rank).
+:mod:`dasktrain.run.train` decides, and calls :func:`run` on every rank).
 """
 import dataclasses
 import json

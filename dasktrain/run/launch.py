@@ -3,9 +3,10 @@ job, as ``mpiexec -n N`` does, with Dask placing and watching them.
 
 :func:`launch` gets a cluster (throwaway single-threaded local workers,
 one per rank, one GPU each when GPUs are asked for, started and stopped
-here; or a running cluster, ``scheduler``), starts one long Dask task per
-rank, and each task starts the program as a child process in a session
-of its own, with the environment of
+here; or a running cluster, ``scheduler``) and drives one long Dask task
+per rank (:class:`~dasktrain.run.driver.Driver`, the driver ``train``'s
+ranks have too). Each task (:func:`run_rank`) starts the program under
+its keeper (:mod:`dasktrain.keeper`), with the environment of
 :mod:`dasktrain.parallel.comm.rendezvous` (rank, size, rendezvous, TLS
 files): ``dasktrain.chainermn.create_communicator()`` in the program
 joins the other ranks from it, peer to peer.
@@ -15,38 +16,37 @@ any machine) and also go to ``rank0.log`` in the output folder; every
 other rank's to ``rank{r}.log``, shown in full when that rank fails.
 
 Faults: the first rank to exit non-zero (or to lose its worker) ends the
-job: the others are stopped (SIGTERM to their process groups, SIGKILL
-after ``grace`` seconds), one line says which rank failed and why, and
-the exit status is that rank's. A rank that hangs makes its peers fail
-within the collective timeout, which ends the job the same way. Ctrl-C
-stops every rank before the local workers go.
-
-Owns starting, watching and stopping a launched job's ranks; may not
-touch what the program does (that is the program's, and
-:mod:`dasktrain.chainermn`'s).
+job: the others are stopped (their keepers: SIGTERM to every process of
+theirs, SIGKILL after ``grace`` seconds), one line says which rank failed
+and why, and the exit status is that rank's. A rank that hangs makes its
+peers fail within the collective timeout, which ends the job the same
+way. Ctrl-C stops every rank before the local workers go.
 """
+import codecs
 import contextlib
 import logging
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 
+from dasktrain import keeper
 from dasktrain.cluster.guard import signals_raise
 from dasktrain.cluster.local import connect, restore_default_scheduler
 from dasktrain.cluster.workers import local_device_workers, local_workers
 from dasktrain.errors import UserError, argument
-from dasktrain.parallel.comm.rendezvous import rank_environment
+from dasktrain.parallel.comm.rendezvous import LISTEN, SIZE, rank_environment
+from dasktrain.parallel.gpus import VISIBLE, GpuPool
 from dasktrain.parallel.placement import rank_threads
-from dasktrain.ranks import run_rank, variable
+from dasktrain.run.driver import Driver, Stop
 
 logger = logging.getLogger(__name__)
 
-POLL = 0.1  # s between looks at the ranks
-SETTLE = 1.0  # s to wait for more failures: the first to fail is named
 _BLAS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
 
 
@@ -190,7 +190,6 @@ def _tls_files(security):
 
 
 def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local):
-    from distributed import Event
     from distributed.comm.addressing import parse_address
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     scheme = parse_address(client.scheduler.address)[0]
@@ -199,54 +198,52 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local):
         environ.update({k: environ.get(k, '1') for k in _BLAS})
     pids = {}
 
-    def relay(event):
-        _, message = event
+    def relay(message):
         if message.get('kind') == 'pid':
             pids[message['rank']] = message['pid']
         else:
             echo(message['stream'], message['text'])
 
-    client.subscribe_topic(job, relay)
-    stop = Event(f'{job}-stop', client=client)
     infos = client.scheduler_info(n_workers=-1)['workers']
     workers = sorted(infos)
     resources = _rank_resources(infos, n, gpus)
-    futures = []
-    for rank in range(n):
-        variable(client, job, rank).set(False)  # True once it started
-        variable(client, job, rank, 'gpu').set(None)  # [host, GPU]
-        env = dict(environ, **rank_environment(
-            rank, n, client.scheduler.address, job, scheme, tls, timeout))
-        placed = dict(workers=[workers[rank]], allow_other_workers=False) \
-            if local and len(workers) >= n else {}
-        futures.append(client.submit(
-            run_rank, argv, env, os.getcwd(), str(out / f'rank{rank}.log'),
-            rank, job, grace, gpus, key=f'{job}-rank{rank}', pure=False,
-            retries=0, resources=resources, **placed))
-    try:
-        while not _ended(futures) and _first_failure(futures) is None:
-            time.sleep(POLL)
-        failed = _first_failure(futures)
-        if failed is not None:
-            time.sleep(SETTLE)  # a peer's failure follows the root one
-            failed = _first_failure(futures)
-            stop.set()
-            _ended(futures, grace + 10)
-            return _report(failed, futures, echo)
-        return 0
-    finally:
-        stop.set()
-        _ended(futures, grace + 10)
-        client.unsubscribe_topic(job)
-        if local:  # whatever a lost task left: its process group here
-            for pid in pids.values():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-        client.cancel(futures, force=True)
+    placed = workers[:n] if local and len(workers) >= n else [None] * n
+    names = [f'{what}{r}' for r in range(n) for what in ('started', 'gpu')]
+    with Driver(client, job, relay, names) as driver:
         for rank in range(n):
-            with contextlib.suppress(Exception):
-                variable(client, job, rank).delete()
-                variable(client, job, rank, 'gpu').delete()
+            variable(client, job, rank).set(False)  # True once it started
+            variable(client, job, rank, 'gpu').set(None)  # [host, GPU]
+
+        driver.start(run_rank, [
+            (argv, dict(environ, **rank_environment(
+                rank, n, client.scheduler.address, job, scheme, tls,
+                timeout)), os.getcwd(), str(out / f'rank{rank}.log'), rank,
+             job, grace, gpus) for rank in range(n)], placed, [resources] * n)
+        try:
+            outcome = driver.watch(failed=lambda result: result['code'])
+        finally:
+            driver.stop(grace + 10)
+            driver.relay_events()
+            if local:  # whatever a lost task left: its process group here
+                for pid in pids.values():
+                    with contextlib.suppress(ProcessLookupError,
+                                             PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+        if outcome.kind == 'done':
+            return 0
+        if outcome.kind == 'lost':  # a rank never restarts: its failure
+            rank = placed.index(outcome.value[0])
+            return _report({'rank': rank, 'code': 1, 'log': None,
+                            'why': 'its worker died', 'last': None}, echo)
+        failure = outcome.value
+        result = failure.result or {
+            'rank': failure.rank, 'code': 1, 'log': None, 'last': None,
+            'why': f'lost its Dask task ({failure.why or _error(failure)})'}
+        return _report(result, echo)
+
+
+def _error(failure):
+    return f'{type(failure.error).__name__}: {failure.error}'
 
 
 def _rank_resources(infos, n, gpus):
@@ -270,50 +267,7 @@ def _rank_resources(infos, n, gpus):
     return None if kind is None else {kind: 1}
 
 
-def _ended(futures, within=0.0):
-    """Whether every rank's task has ended, waiting up to ``within`` s."""
-    deadline = time.monotonic() + within
-    while True:
-        if all(f.status != 'pending' for f in futures):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(POLL)
-
-
-def _outcome(future):
-    """A finished rank's result dict, or one for a lost task; None while
-    it runs."""
-    if future.status == 'finished':
-        return future.result()
-    if future.status in ('error', 'cancelled', 'lost'):
-        error = future.exception() if future.status == 'error' else None
-        why = f'{type(error).__name__}: {error}' if error else \
-            f'its task was {future.status}'
-        return {'rank': int(future.key.rsplit('rank', 1)[1]), 'code': 1,
-                'why': f'lost its Dask task ({why})', 'ended': time.time(),
-                'log': None}
-    return None
-
-
-def _first_failure(futures):
-    """The failed rank to blame: the first to end, though not one that
-    failed only because a peer was gone (a rank whose error is a lost
-    peer can end before the peer's own exit is seen)."""
-    failures = [o for o in map(_outcome, futures)
-                if o is not None and (o['code'] != 0 or o.get('why'))]
-    if not failures:
-        return None
-    return min(failures, key=lambda o: (_echoes_a_peer(o), o['ended']))
-
-
-def _echoes_a_peer(outcome):
-    last = outcome.get('last') or ''
-    return any(error in last for error in (
-        'PeerLost', 'CollectiveError', 'CommClosedError', 'StreamClosed'))
-
-
-def _report(failed, futures, echo):
+def _report(failed, echo):
     rank, code = failed['rank'], failed['code']
     why = failed.get('why') or exit_words(code)
     if rank != 0 and failed.get('log'):
@@ -327,3 +281,121 @@ def _report(failed, futures, echo):
     if code is None or code == 0:
         return 1
     return 128 - code if code < 0 else code
+
+
+# ------------------------------------------------------------ a rank
+
+def variable(client, job, rank, what='started'):
+    """The Dask Variable ``{job}/{what}{rank}``: a rank's ``started`` flag
+    (a rerun task must not start the program again) or its ``gpu``
+    ``[host, GPU]``."""
+    from distributed import Variable
+    return Variable(f'{job}/{what}{rank}', client=client)
+
+
+def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
+    """The task body of one rank: start the program under its keeper,
+    relay rank 0's output, stop it when the launch says so; returns
+    ``{'rank', 'code', 'ended', 'log', 'last', 'why'}``."""
+    from distributed import get_worker
+    from distributed.comm.addressing import get_address_host, parse_address
+    worker = get_worker()
+    started = variable(worker.client, job, rank)
+    if started.get():
+        # Dask reran the task after its worker died: a rank never restarts.
+        return {'rank': rank, 'code': 1, 'ended': time.time(), 'log': None,
+                'why': 'its worker died', 'last': None}
+    started.set(True)
+    scheme = parse_address(worker.address)[0]
+    env = dict(env, **{LISTEN: f'{scheme}://'
+                        f'{get_address_host(worker.address)}'})
+    held = GpuPool.acquire(1) if gpus else []
+    try:
+        with Stop(job) as stop:
+            env[VISIBLE] = _machine_gpus(worker, job, rank, int(env[SIZE]),
+                                         held, stop) if gpus else ''
+            with open(log_path, 'wb') as log:
+                pipe = None if rank else subprocess.PIPE
+                kept = keeper.start(argv, env, grace, stdout=pipe or log,
+                                    stderr=pipe or log, cwd=cwd)
+                worker.log_event(job, {'kind': 'pid', 'rank': rank,
+                                       'pid': kept.pid})
+                lock = threading.Lock()  # stdout and stderr share the log
+                readers = [_reader(worker, job, stream, name, log, lock)
+                           for stream, name in ((kept.stdout, 'stdout'),
+                                                (kept.stderr, 'stderr'))
+                           if stream is not None]
+                code, ended = _wait(kept, stop, grace)
+                for reader in readers:
+                    reader.join(5)
+                error = kept.start_error()
+    finally:
+        GpuPool.release(held)
+    if error is not None:
+        return {'rank': rank, 'code': keeper.CANNOT_START, 'ended': ended,
+                'log': log_path, 'last': None, 'why': error}
+    return {'rank': rank, 'code': code, 'ended': ended, 'log': log_path,
+            'last': _last_line(log_path), 'why': None}
+
+
+def _machine_gpus(worker, job, rank, size, held, stop):
+    """``CUDA_VISIBLE_DEVICES`` of a GPU rank: the GPUs the job's ranks
+    on this machine hold, in rank order, as ``mpiexec`` leaves them; so
+    device ``comm.intra_rank`` is this rank's own."""
+    from distributed.comm.addressing import get_address_host
+    host = get_address_host(worker.address)
+    variable(worker.client, job, rank, 'gpu').set([host, held[0].id])
+    while True:
+        got = [variable(worker.client, job, r, 'gpu').get()
+               for r in range(size)]
+        if all(got) or stop.is_set():
+            return ','.join(g for h, g in filter(None, got) if h == host)
+        time.sleep(0.2)
+
+
+def _reader(worker, job, stream, name, log, lock):
+    """A thread copying ``stream`` to ``log`` and, as events, to the
+    launch (chunks as they come: a progress bar's ``\\r`` stays)."""
+    # A character split between two reads is decoded once it is whole.
+    decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
+
+    def run():
+        fd = stream.fileno()
+        while True:
+            data = os.read(fd, 65536)
+            text = decoder.decode(data, final=not data)
+            with lock:
+                log.write(data)
+                log.flush()
+            if text:
+                worker.log_event(job, {'kind': 'output', 'stream': name,
+                                       'text': text})
+            if not data:
+                break
+    thread = threading.Thread(target=run, daemon=True,
+                              name=f'dasktrain-{name}')
+    thread.start()
+    return thread
+
+
+def _wait(kept, stop, grace):
+    """The program's exit code and when it ended; its keeper stops it
+    once ``stop`` is set (then it reads 0: not this rank's own failure)."""
+    while kept.poll() is None:
+        if stop.is_set():
+            kept.stop(grace)
+            return 0, time.time()
+        time.sleep(0.1)
+    return kept.returncode, time.time()
+
+
+def _last_line(path):
+    """The last non-empty line of a rank's log (its error, usually)."""
+    try:
+        with open(path, 'rb') as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = f.read().decode(errors='replace').splitlines()
+    except OSError:
+        return None
+    lines = [line.strip() for line in lines if line.strip()]
+    return lines[-1][:300] if lines else None

@@ -2,39 +2,35 @@
 per-rank loop run there.
 
 :func:`train` asks :func:`dasktrain.parallel.placement.place` where
-``config`` trains, and runs :func:`dasktrain.training.loop.run`:
+``config`` trains, once, and runs :func:`dasktrain.training.loop.run`:
 
 * here, in this process (a job of one rank);
 * one process per device: a job of as many ranks on throwaway worker
   processes (:func:`~dasktrain.cluster.workers.local_device_workers`);
 * ``workers=N``: a job of N ranks on a running Dask cluster.
 
-A job of ranks: this process (the driver) picks the workers and starts one
-long task on each, a *rank*, which joins the others
-(:class:`~dasktrain.parallel.comm.dask.DaskComm`, NCCL between GPUs
-where every rank can use it) and runs the loop on that worker's devices
-and its replicas' shards of the data: dg sums the gradients every step,
-ipm averages parameters at every mix. Dask starts, places and watches the
-processes; no MPI, no ``mpiexec``. The driver only relays progress (rank
-0 logs Dask events) and reacts to failures: if a worker dies, the job goes
-on from its last checkpoint with the workers left
-(``on_worker_loss='continue'``) or once enough are back (``'wait'``); any
-other error ends the job with that error. A rank that hangs makes the
+For a job of ranks, :class:`Ranks` is that decision whole (how many, the
+GPUs each holds, each one's devices); the driver
+(:class:`~dasktrain.run.driver.Driver`, the one ``dasktrain launch`` uses
+too) starts one long task per rank on the workers it picks, each joins
+the others (:class:`~dasktrain.parallel.comm.dask.DaskComm`, NCCL
+between GPUs where every rank can use it) and runs the loop: dg sums the
+gradients every step, ipm averages parameters at every mix. Rank 0
+relays its display to this process as Dask events. If a worker dies, the
+job goes on from its last checkpoint with the workers left
+(``on_worker_loss='continue'``) or once enough are back (``'wait'``);
+any other error ends the job with that error. A rank that hangs makes the
 others fail after ``collective_timeout`` seconds, never wait forever.
 
 Every worker must see ``out`` and ``data_dir`` at the same paths (one
 machine, or a shared filesystem): rank 0 writes the log and checkpoint,
 and after a lost worker the new ranks resume from it.
-
-Owns running the loop where placement says, the ranks, the relay and the
-retries; may not touch job folders (:mod:`dasktrain.jobs` runs a job by
-calling :func:`train`).
 """
 import logging
 import os
-import queue
 import time
 import uuid
+from typing import NamedTuple
 
 import chainer
 
@@ -45,11 +41,12 @@ from dasktrain.cluster.local import (
 )
 from dasktrain.cluster.workers import local_device_workers
 from dasktrain.config import TrainConfig
-from dasktrain.data.datasets import load_dataset, resolve_spec
+from dasktrain.data.datasets import resolve_spec
 from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.data.download import CIFAR100, download_cifar10
 from dasktrain.errors import UserError, argument
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
+from dasktrain.parallel.comm.base import Communicator
 from dasktrain.parallel.devices import (
     frames_released,
     free_gpu_memory,
@@ -71,6 +68,7 @@ from dasktrain.parallel.placement import (
     rank_resources,
     rank_threads,
 )
+from dasktrain.run.driver import Driver, Stop
 from dasktrain.training.checkpoint import prepare_out
 from dasktrain.training.loop import run
 from dasktrain.training.models import resolve_model
@@ -79,8 +77,6 @@ from dasktrain.training.usermodel import is_spec, spec_file
 
 logger = logging.getLogger(__name__)
 
-POLL = 0.2  # s between looks at the ranks' futures and events
-
 
 class ScaleOutError(UserError):
     """The cluster cannot run the job as asked."""
@@ -88,6 +84,21 @@ class ScaleOutError(UserError):
 
 class RankCancelled(Exception):
     """Raised inside a rank whose task was cancelled."""
+
+
+class Ranks(NamedTuple):
+    """Where a job of ranks trains, decided once: ``count`` ranks, each
+    holding ``gpus`` GPUs of its worker and training on ``devices`` (as
+    that rank sees them; None: its GPUs, else the CPU)."""
+    count: int
+    gpus: int
+    devices: tuple | None
+
+    def config(self, config, attempt=1):
+        """The config each rank runs (what its ``args`` file records)."""
+        return config.replace(workers=self.count, devices=self.devices,
+                              resume=config.resume or attempt > 1,
+                              progress=False)
 
 
 def train(config=None, callbacks=(), client=None, **overrides):
@@ -120,19 +131,13 @@ def train(config=None, callbacks=(), client=None, **overrides):
     >>> train(TrainConfig(workers=2, mode='ipm'))  # doctest: +SKIP
     """
     config = (config or TrainConfig()).replace(**overrides)
-    # The user's model: one line if it is wrong, before anything starts;
-    # ranks elsewhere find the same file.
+    # The user's model and data: one line if wrong, before anything
+    # starts; ranks elsewhere find the same files.
     config = config.replace(model=resolve_model(config.model,
                                                 config.model_args),
                             dataset=resolve_spec(config.dataset))
     progress = Progress(config.progress, config.epochs)
     placement = place(config)  # asks CUDA, once, when no devices are named
-    if placement.where != HERE and config.dataset != 'cifar10':
-        # The data: one line if it is wrong, before any worker starts.
-        progress.say(load_dataset(
-            config.dataset, config.data_dir, url=config.url, md5=config.md5,
-            label_set=config.label_set,
-            train_size=config.train_size).describe())
     if placement.where == HERE:
         with prepare_out(config):
             return run(config, devices=placement.devices,
@@ -142,27 +147,18 @@ def train(config=None, callbacks=(), client=None, **overrides):
         resolve_devices(placement.devices)
         progress.say(f'training on {placement.ranks} worker processes, one '
                      f'per device ({argument("in_process")}: all in this one)')
+        ranks = Ranks(placement.ranks, len(gpu_ids(placement.rank_devices)),
+                      placement.rank_devices)
         with local_device_workers(placement.devices, rank_threads(
                 placement.ranks, os.cpu_count())) as client:
-            return _job(config.replace(workers=placement.ranks,
-                                       devices=placement.rank_devices),
-                        callbacks, client, progress)
-    return _job(config, callbacks, client, progress)
+            return _job(config, ranks, callbacks, client, progress)
+    return _job(config, None, callbacks, client, progress)
 
 
-def _send_model(client, config):
-    """A model file and a dataset's, to every worker (Dask's
-    ``upload_file``): a worker on another machine needs no copy of the
-    user's folder."""
-    for path in (spec_file(config.model) if is_spec(config.model) else None,
-                 dataset_file(config.dataset)):
-        if path is not None:
-            client.upload_file(str(path), load=False)
-
-
-def _job(config, callbacks, client, progress):
-    """Run ``config.workers`` ranks on ``client``'s cluster (default:
-    ``config.scheduler``'s, else the recorded one)."""
+def _job(config, ranks, callbacks, client, progress):
+    """Run the job's ranks on ``client``'s cluster (default:
+    ``config.scheduler``'s, else the recorded one); ``ranks`` as decided
+    (None: ``config.workers`` on that cluster, decided here)."""
     # Ranks run elsewhere, in other working directories.
     config = config.replace(out=os.path.abspath(config.out),
                             data_dir=os.path.abspath(config.data_dir))
@@ -173,38 +169,45 @@ def _job(config, callbacks, client, progress):
                              **({'source': CIFAR100}
                                 if config.dataset == 'cifar100' else {}))
         if client is not None:
-            return _drive(client, config, callbacks, progress)
+            return _drive(client, config, ranks, callbacks, progress)
         with restore_default_scheduler(always=True):
             with connect(config.scheduler) as client:
-                return _drive(client, config, callbacks, progress)
+                return _drive(client, config, ranks, callbacks, progress)
+
+
+def _send_files(client, config):
+    """A model file and a dataset's, to every worker (Dask's
+    ``upload_file``): a worker on another machine needs no copy of the
+    user's folder."""
+    for path in (spec_file(config.model) if is_spec(config.model) else None,
+                 dataset_file(config.dataset)):
+        if path is not None:
+            client.upload_file(str(path), load=False)
 
 
 # ------------------------------------------------------------ the ranks
 
-class _RankProgress(Progress):
-    """A rank's display: rank 0 relays its progress to the driver as Dask
-    events on ``topic``; every rank stops once its task is cancelled (the
-    driver gave up on it, or died): a running task's thread is not
-    stopped by Dask, and must not train on beside a rerun. Shows nothing
-    itself: the driver shows the run."""
+class RankDisplay(Progress):
+    """A rank's display: rank 0's goes to the driver as Dask events on
+    ``topic`` (its lines, warnings, steps and epochs); the others show
+    nothing. The driver shows the run."""
 
     def __init__(self, topic, relay, every=1.0):
         from distributed import get_worker
-        from distributed.worker import thread_state
-        super().__init__(False, None)
-        self.worker, self.key = get_worker(), thread_state.key
+        super().__init__(relay, None)
+        self.tty = False
+        self.worker = get_worker()
         self.topic, self.relay, self.every = topic, relay, every
         self.last, self.done = 0.0, 0
 
     def _send(self, kind, **data):
-        task = self.worker.state.tasks.get(self.key)
-        if task is None or task.state == 'cancelled':
-            raise RankCancelled(f'{self.key} was cancelled')
         if self.relay:
             self.worker.log_event(self.topic, dict(kind=kind, **data))
 
+    def say(self, line):
+        self._send('say', line=line)
+
     def warn(self, line):
-        """One line for the user, logged by the driver."""
         self._send('warning', line=line)
 
     def start(self, epoch, iterations):
@@ -222,6 +225,58 @@ class _RankProgress(Progress):
         self._send('end', row=row)
 
 
+class Stoppable(Communicator):
+    """A rank's communicator that stops the rank once its task is
+    cancelled (the driver gave up on it, or died): every collective first
+    raises :class:`RankCancelled` then. Dask does not stop a running
+    task's thread, and a cancelled rank must not train on beside a rerun:
+    its next collective, at the latest its epoch's sums, ends it."""
+
+    def __init__(self, comm, stop):
+        super().__init__(comm.rank, comm.size, comm.timeout)
+        self.comm, self.stop = comm, stop
+        self.solo, self.sums_on_device = comm.solo, comm.sums_on_device
+
+    def _check(self):
+        if self.stop.is_set():
+            raise RankCancelled(f'{self.stop.key} was cancelled')
+
+    def allreduce(self, arrays, check=False):
+        self._check()
+        return self.comm.allreduce(arrays, check)
+
+    def iallreduce(self, arrays, check=False, around=None):
+        self._check()
+        return self.comm.iallreduce(arrays, check, around)
+
+    def allgather(self, obj):
+        self._check()
+        return self.comm.allgather(obj)
+
+    def gather(self, obj):
+        self._check()
+        return self.comm.gather(obj)
+
+    def bcast(self, obj):
+        self._check()
+        return self.comm.bcast(obj)
+
+    def barrier(self):
+        self._check()
+        return self.comm.barrier()
+
+    def send(self, obj, dest):
+        self._check()
+        return self.comm.send(obj, dest)
+
+    def recv(self, source):
+        self._check()
+        return self.comm.recv(source)
+
+    def close(self):
+        self.comm.close()
+
+
 def _nccl_module():
     """CuPy's NCCL module, or None where CuPy cannot be imported."""
     try:
@@ -231,16 +286,6 @@ def _nccl_module():
     return nccl
 
 
-def _drain(inbox):
-    """What ``inbox`` (a queue) holds now, in order."""
-    items = []
-    while True:
-        try:
-            items.append(inbox.get_nowait())
-        except queue.Empty:
-            return items
-
-
 def _rank(config, name, rank, size, gpus):
     """The task body of rank ``rank``: join the others, train, report."""
     held = GpuPool.acquire(gpus) if gpus else []
@@ -248,10 +293,11 @@ def _rank(config, name, rank, size, gpus):
     devices = place_devices(config.devices, [g.index for g in held]) \
         if held else config.devices or ('@numpy',)
     try:
-        with frames_released(), DaskComm.rendezvous(
-                name, rank, size, config.collective_timeout) as host:
+        with Stop(name, event=False) as stop, frames_released(), \
+                DaskComm.rendezvous(name, rank, size,
+                                    config.collective_timeout) as host:
             comm = host
-            progress = _RankProgress(name, relay=rank == 0)
+            progress = RankDisplay(name, relay=rank == 0)
             # NCCL only if every rank can use it: the ranks must agree.
             module = _nccl_module()
             nccl = use_nccl(devices, module)
@@ -261,8 +307,8 @@ def _rank(config, name, rank, size, gpus):
                 progress.warn(nccl_problem(module))
             try:
                 with chainer.using_device(chainer.get_device(devices[0])):
-                    summary = run(config, comm=comm, devices=devices,
-                                  progress=progress)
+                    summary = run(config, comm=Stoppable(comm, stop),
+                                  devices=devices, progress=progress)
             finally:
                 if comm is not host:
                     comm.close()
@@ -274,116 +320,89 @@ def _rank(config, name, rank, size, gpus):
 
 # ------------------------------------------------------------ the driver
 
-def _drive(client, config, callbacks, progress):
+def _relay(progress, callbacks):
+    """What the driver does with rank 0's events: shows them, and calls
+    ``callbacks`` with each epoch's row."""
+    def relay(event):
+        kind = event['kind']
+        if kind == 'say':
+            progress.say(event['line'])
+        elif kind == 'warning':
+            progress.warn(event['line'])
+        elif kind == 'start':
+            progress.start(event['epoch'], event['iterations'])
+        elif kind == 'step':
+            progress.step(event['loss'], event['accuracy'],
+                          done=event['done'])
+        else:
+            progress.end(event['row'])
+            for callback in callbacks:
+                callback(event['row'])
+    return relay
+
+
+def _drive(client, config, ranks, callbacks, progress):
     """Run the job's ranks until they end, again from the checkpoint after
     a lost worker; the summary of rank 0."""
-    from distributed import Variable
-    _send_model(client, config)
-    gpus = gpus_per_rank(config.devices, worker_info(client).values(),
-                         config.gpus_per_worker)
+    _send_files(client, config)
+    if ranks is None:  # decided here, once: the cluster's workers say
+        ranks = Ranks(config.workers, gpus_per_rank(
+            config.devices, worker_info(client).values(),
+            config.gpus_per_worker), config.devices)
     job = uuid.uuid4().hex[:8]
-    wanted = minimum = config.workers
+    wanted = minimum = ranks.count
     patience, attempt = config.collective_timeout, 0
     while True:
         attempt += 1
-        workers = _choose(client, config, gpus, wanted, minimum, patience)
+        workers = _choose(client, ranks, wanted, minimum, patience)
         name = f'dasktrain-{job}-{attempt}'
-        ranks = config.replace(resume=config.resume or attempt > 1,
-                               progress=False)
-        # Events pushed to us as they come: polling get_events would fetch
-        # the topic's whole log (up to 1,000 of them) five times a second.
-        inbox = queue.SimpleQueue()
-        client.subscribe_topic(name, inbox.put)
-        futures = _launch(client, ranks, name, workers, gpus)
-        try:
-            outcome, value = _watch(client, futures, workers, inbox,
-                                    progress, callbacks)
-        finally:
-            client.unsubscribe_topic(name)
-            client.cancel(futures, force=True)
-            for rank in range(len(workers)):
-                Variable(f'{name}/rank{rank}', client=client).delete()
-        if outcome == 'done':
-            value.update(attempts=attempt, workers=workers)
-            return value
+        each = ranks.config(config, attempt)
+        infos = worker_info(client)
+        with Driver(client, name, _relay(progress, callbacks),
+                    [f'rank{r}' for r in range(len(workers))]) as driver:
+            driver.start(
+                _rank, [(each, name, r, len(workers), ranks.gpus)
+                        for r in range(len(workers))],
+                workers, [rank_resources(ranks.gpus, infos[w])
+                          for w in workers])
+            outcome = driver.watch()
+        if outcome.kind == 'done':
+            summary = outcome.value[0]
+            summary.update(attempts=attempt, workers=workers)
+            return summary
+        if outcome.kind == 'failed':
+            failure = outcome.value
+            raise failure.error or CollectiveError(
+                f'rank {failure.rank} failed: {failure.why}')
         then = 'waiting for replacements, then ' \
             if config.on_worker_loss == 'wait' else ''
         logger.warning('worker(s) %s lost; %sresuming from the last '
-                       'checkpoint', ', '.join(value), then)
+                       'checkpoint', ', '.join(outcome.value), then)
         if config.on_worker_loss == 'continue':
-            wanted, minimum = max(1, len(workers) - len(value)), 1
+            wanted, minimum = max(1, len(workers) - len(outcome.value)), 1
         else:
             patience = float('inf')
 
 
-def _choose(client, config, gpus, wanted, minimum, patience):
+def _choose(client, ranks, wanted, minimum, patience):
     """Addresses of up to ``wanted`` workers able to host a rank, once at
     least ``minimum`` are; ScaleOutError after ``patience`` seconds."""
     deadline = time.monotonic() + patience
     announced = False
     while True:
-        able = able_workers(worker_info(client), gpus)
+        able = able_workers(worker_info(client), ranks.gpus)
         if len(able) >= minimum:
             return able[:wanted]
         if time.monotonic() > deadline:
             raise ScaleOutError(
-                f'{argument("workers")} {config.workers} needs {minimum} Dask '
+                f'{argument("workers")} {ranks.count} needs {minimum} Dask '
                 'workers'
-                f'{f" with {gpus} GPUs each" if gpus else ""}; the cluster '
-                f'has {len(able)} after {patience:g} s; add workers (`dask '
-                f'worker ADDRESS`) or lower {argument("workers")}')
+                f'{f" with {ranks.gpus} GPUs each" if ranks.gpus else ""}; '
+                f'the cluster has {len(able)} after {patience:g} s; add '
+                f'workers (`dask worker ADDRESS`) or lower '
+                f'{argument("workers")}')
         if not announced:
             logger.warning('waiting for %d workers (have %d)', minimum,
                            len(able))
             announced = True
         time.sleep(1.0)
-
-
-def _launch(client, config, name, workers, gpus):
-    """One rank's task on each of ``workers``, holding its resources."""
-    infos = worker_info(client)
-    return [client.submit(
-        _rank, config, name, rank, len(workers), gpus,
-        key=f'{name}-rank{rank}', workers=[address],
-        allow_other_workers=False,
-        resources=rank_resources(gpus, infos[address]), pure=False)
-        for rank, address in enumerate(workers)]
-
-
-def _watch(client, futures, workers, inbox, progress, callbacks):
-    """Relay progress (the ranks' events, as ``inbox`` receives them) until
-    the ranks end. Returns ('done', summary) or ('lost', addresses); raises
-    the root error of a failed job."""
-    failed_since = None
-    while True:
-        for _, event in _drain(inbox):  # each once, in order
-            if event['kind'] == 'warning':
-                progress.warn(event['line'])
-            elif event['kind'] == 'start':
-                progress.start(event['epoch'], event['iterations'])
-            elif event['kind'] == 'step':
-                progress.step(event['loss'], event['accuracy'],
-                              done=event['done'])
-            else:
-                progress.end(event['row'])
-                for callback in callbacks:
-                    callback(event['row'])
-        states = [f.status for f in futures]
-        if all(s == 'finished' for s in states):
-            return 'done', futures[0].result()
-        alive = set(worker_info(client))
-        lost = [w for w in workers if w not in alive]
-        if lost:
-            return 'lost', lost
-        if 'error' in states:
-            errors = [f.exception() for f in futures if f.status == 'error']
-            root = [e for e in errors if not isinstance(e, CollectiveError)]
-            if root:
-                raise root[0]
-            # A peer's failure shows first as a broken connection; give
-            # the scheduler a moment to notice a dead worker.
-            failed_since = failed_since or time.monotonic()
-            if time.monotonic() - failed_since > 5.0 or \
-                    all(s in ('error', 'finished') for s in states):
-                raise errors[0]
-        time.sleep(POLL)
