@@ -45,9 +45,9 @@ _EXPORTS = {
     'load_model': 'dasktrain.training.models',
     'TrainConfig': 'dasktrain.config',
     'train': 'dasktrain.run.train',
-    'submit': 'dasktrain.jobs.submit',
-    'submit_command': 'dasktrain.jobs.programs',
-    'Job': 'dasktrain.jobs.records',
+    'submit': 'dasktrain.jobs.client.submit',
+    'submit_command': 'dasktrain.jobs.client.submit',
+    'Job': 'dasktrain.jobs.job',
     'tune': 'dasktrain.tuning.study',
 }
 

@@ -1,3 +1,6 @@
+import sys
+from pathlib import Path
+
 import chainer
 import numpy as np
 import pytest
@@ -5,6 +8,10 @@ from cifar_fixture import ArchiveServer, make_batches, write_archive
 
 import dasktrain  # noqa: F401  (restores numpy.sctypes before chainer)
 from dasktrain.data import extract_archive
+
+# The checkout's tools (not installed: nothing runs them at run time),
+# for the tests that hold their decisions: `import nbrun`, `cuda_extra`.
+sys.path.append(str(Path(__file__).resolve().parents[1] / 'tools'))
 
 
 @pytest.fixture

@@ -324,7 +324,7 @@ def test_a_launch_is_a_job_of_the_queue(tmp_path, monkeypatch, capsys):
     from test_programs import wait_for_end
 
     from dasktrain.cli import main
-    from dasktrain.jobs.records import Job
+    from dasktrain.jobs.job import Job
     script = tmp_path / 'api.py'
     script.write_text(API)
     procs = Processes(tmp_path)

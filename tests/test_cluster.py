@@ -20,8 +20,8 @@ from distributed import Client
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
-from dasktrain.jobs.records import Job
-from dasktrain.jobs.submit import submit
+from dasktrain.jobs.client.submit import submit
+from dasktrain.jobs.job import Job
 
 
 @pytest.fixture(scope='module')

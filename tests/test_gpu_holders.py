@@ -9,9 +9,10 @@ from distributed import Client
 from test_cluster import Processes, wait_until
 
 from dasktrain.cli import main
-from dasktrain.gpuuse import USE_METRIC, busy_outside
-from dasktrain.jobs.programs import submit_command
-from dasktrain.jobs.records import current_user
+from dasktrain.jobs.client.submit import submit_command
+from dasktrain.jobs.job import current_user
+from dasktrain.jobs.scheduler.outside_use import busy_outside
+from dasktrain.jobs.worker.gpu_use import USE_METRIC
 
 
 @pytest.fixture
@@ -30,7 +31,8 @@ def preloaded_worker(procs, resources, visible=None):
     cwd.mkdir(exist_ok=True)
     return procs.spawn('worker', procs.address, '--no-nanny', '--nthreads',
                        '3', '--resources', resources, '--preload',
-                       'dasktrain.monitor', '--host', '127.0.0.1',
+                       'dasktrain.jobs.worker.preload', '--host',
+                       '127.0.0.1',
                        '--local-directory', str(procs.tmp_path / 'space'),
                        cwd=cwd, env=env)
 

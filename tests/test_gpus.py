@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dasktrain.config import TrainConfig
-from dasktrain.jobs.records import JobError
-from dasktrain.jobs.submit import check_devices
+from dasktrain.jobs.job import JobError
+from dasktrain.jobs.request import check_devices
 from dasktrain.parallel.comm import CollectiveError, NcclComm, poll, signature
 from dasktrain.parallel.devices import format_uuid, unused_gpus_message
 from dasktrain.parallel.gpus import (

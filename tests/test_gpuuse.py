@@ -10,15 +10,14 @@ from types import SimpleNamespace
 
 from test_cluster import wait_until
 
-from dasktrain.gpuuse import (
+from dasktrain.jobs.scheduler.outside_use import busy_from, outside_use
+from dasktrain.jobs.worker.gpu_use import (
     NO_INSTANCE,
     NOT_AVAILABLE,
-    busy_from,
     job_of,
     lineage,
     merge_entries,
     nvml_processes,
-    outside_use,
     parse_stat,
     parse_status,
     read_process,

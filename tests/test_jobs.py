@@ -12,9 +12,9 @@ from distributed import Client
 from test_cluster import Processes, job_config, wait_until
 
 from dasktrain.cli import main
-from dasktrain.jobs.records import Job, JobError
-from dasktrain.jobs.submit import submit
-from dasktrain.jobs.worker import FORMER_CHILDREN, child_module
+from dasktrain.jobs.client.submit import submit
+from dasktrain.jobs.job import Job, JobError
+from dasktrain.jobs.worker.task import FORMER_CHILDREN, child_module
 from dasktrain.run.train import train
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
@@ -316,9 +316,11 @@ def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
 
 def test_former_child_modules_map_to_todays():
     # job.json's 'child' of folders written before the modules moved
-    assert child_module({}) == 'dasktrain.jobs.worker'
-    for former in ('dasktrain.jobs', 'dasktrain.cluster.jobs'):
-        assert child_module({'child': former}) == 'dasktrain.jobs.worker'
+    assert child_module({}) == 'dasktrain.jobs.worker.child'
+    for former in ('dasktrain.jobs', 'dasktrain.cluster.jobs',
+                   'dasktrain.jobs.worker'):
+        assert child_module({'child': former}) == \
+            'dasktrain.jobs.worker.child'
     for trial in ('dasktrain.trials', 'dasktrain.tuning.trials'):
         assert child_module({'child': trial}) == 'dasktrain.tuning.trials'
     for module in set(FORMER_CHILDREN.values()):

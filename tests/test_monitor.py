@@ -1,5 +1,5 @@
 """A real `dasktrain cluster start` (scheduler and worker preloading
-dasktrain.monitor) running real tiny CPU jobs: its /metrics parsed with
+dasktrain's) running real tiny CPU jobs: its /metrics parsed with
 prometheus_client, the Grafana and Prometheus files checked against that
 scrape, the jobs page loaded in a headless Chromium, `jobs --watch`."""
 import getpass
@@ -27,8 +27,8 @@ from test_cluster import job_config, wait_until
 
 from dasktrain.cli import main
 from dasktrain.cluster import connect, start_cluster, stop_cluster
-from dasktrain.jobs.submit import submit
-from dasktrain.monitor import gpu_readings
+from dasktrain.jobs.client.submit import submit
+from dasktrain.jobs.worker.gpu_use import gpu_readings
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAFANA = ROOT / 'docs' / 'grafana'
@@ -159,11 +159,14 @@ def test_workers_export_cpu_and_memory_and_no_gpu_series(cluster):
     for name in GPU_FAMILIES:
         assert name in families and not samples[name], name
     assert gpu_readings(env={'CUDA_VISIBLE_DEVICES': ''}) == []
-    logs = list((cluster['home'] / 'logs').glob('*.log'))
-    assert len(logs) == 2  # the scheduler's and the worker's
-    for log in logs:
-        text = log.read_text()
-        assert 'Run preload setup: dasktrain.monitor' in text
+    logs = {log.name: log.read_text()
+            for log in (cluster['home'] / 'logs').glob('*.log')}
+    assert sorted(logs) == ['scheduler.log', 'worker.log']
+    assert 'Run preload setup: dasktrain.jobs.scheduler.preload' in \
+        logs['scheduler.log']
+    assert 'Run preload setup: dasktrain.jobs.worker.preload' in \
+        logs['worker.log']
+    for text in logs.values():
         assert 'Traceback' not in text and ' - ERROR - ' not in text, text
 
 
@@ -388,7 +391,7 @@ def test_jobs_page_in_a_headless_browser_while_a_job_trains(
 
 
 def test_cuda_devices_are_matched_to_nvml_by_uuid_not_by_index():
-    from dasktrain.monitor import match_cuda_devices
+    from dasktrain.parallel.nvml import match_cuda_devices
     # NVML counts in PCI bus order; CUDA by default fastest first.
     a100 = dict(index=0, uuid='GPU-0a0a0a0a-0000-0000-0000-000000000000',
                 name='A100', migs=['MIG-1b1b1b1b-0000-0000-0000-000000000000',

@@ -18,9 +18,9 @@ from dasktrain.cli import main
 from dasktrain.cluster.settings import environment, settings
 from dasktrain.errors import UserError
 from dasktrain.files import write_json
-from dasktrain.jobs.endings import message, target
-from dasktrain.jobs.programs import submit_command
-from dasktrain.jobs.records import current_user, update_status
+from dasktrain.jobs.client.submit import submit_command
+from dasktrain.jobs.end_notice import message, target
+from dasktrain.jobs.job import current_user, update_status
 from dasktrain.notify import check_target, send, wait_pending
 
 
@@ -206,7 +206,7 @@ def test_a_command_jobs_end_is_posted_and_a_hung_hook_delays_nothing(
 def test_the_clusters_default_is_recorded_and_told(tmp_path, monkeypatch,
                                                    hook, capsys):
     from dasktrain.cluster.local import connect
-    from dasktrain.gpuuse import cluster_use
+    from dasktrain.jobs.scheduler.outside_use import cluster_use
     h = hook()
     monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
     assert main(['cluster', 'start', '--port', '0', '--dashboard-port', '0',

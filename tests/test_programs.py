@@ -15,9 +15,9 @@ from distributed import Client
 from test_cluster import Processes, wait_until
 
 from dasktrain.cli import main
-from dasktrain.jobs.programs import parse_env, submit_command
-from dasktrain.jobs.records import Job, JobError
-from dasktrain.jobs.worker import exit_words
+from dasktrain.jobs.client.submit import parse_env, submit_command
+from dasktrain.jobs.job import Job, JobError
+from dasktrain.jobs.worker.task import exit_words
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""The queue's order: the pure planner (dasktrain.jobs.queue.plan) on
-scripted queues, and the dispatcher applying it on a real local cluster
+"""The queue's order: the pure planner (dasktrain.jobs.scheduler.policy.plan)
+on scripted queues, and the dispatcher applying it on a real local cluster
 whose worker advertises GPU=2 with GPU ids faked by CUDA_VISIBLE_DEVICES:
 submission order, a 2-GPU job not starved by a stream of 1-GPU jobs,
 --after, the per-user limit and the reasons `dasktrain jobs` shows."""
@@ -14,12 +14,13 @@ from test_cluster import Processes, wait_until
 
 from dasktrain.cli import main
 from dasktrain.commands.jobs import estimate_words
-from dasktrain.gpuuse import busy_outside
-from dasktrain.jobs.asking import scheduler_answer
-from dasktrain.jobs.dispatch import estimated_end, set_user_limit
-from dasktrain.jobs.programs import submit_command
-from dasktrain.jobs.queue import parse_time, plan
-from dasktrain.jobs.records import Job, JobError, current_user
+from dasktrain.jobs.client.submit import submit_command
+from dasktrain.jobs.job import Job, JobError, current_user
+from dasktrain.jobs.request import parse_time
+from dasktrain.jobs.scheduler.dispatch import estimated_end, set_user_limit
+from dasktrain.jobs.scheduler.outside_use import busy_outside
+from dasktrain.jobs.scheduler.policy import plan
+from dasktrain.jobs.scheduler.query import scheduler_answer
 from dasktrain.parallel.gpus import Gpu, GpuPool
 
 W = {'w1': {'gpus': ['0', '1'], 'cpus': 1}}
@@ -272,7 +273,7 @@ def test_limits_dependencies_and_time_limits_on_a_cluster(cluster,
 # (worker_use's nvml and read), so that the heartbeat, the dispatcher and
 # `dasktrain gpus` take their own path from there on.
 BUSY = '''\
-from dasktrain.gpuuse import USE_METRIC, worker_use
+from dasktrain.jobs.worker.gpu_use import USE_METRIC, worker_use
 
 
 def nvml(ids, env):
@@ -293,13 +294,13 @@ STRANGER = 'root (pid 42, 900 MiB)'
 
 def test_a_gpu_busy_outside_the_queue_is_never_handed_out(cluster, tmp_path,
                                                           capsys):
-    # The worker's preloads: dasktrain.monitor (its GPUs as
+    # The worker's preloads: dasktrain.jobs.worker.preload (its GPUs as
     # CUDA_VISIBLE_DEVICES names them, who uses them), then the scripted
     # NVML reading above in place of the real one.
     (tmp_path / 'busy.py').write_text(BUSY)
     cluster.spawn('worker', cluster.address, '--no-nanny', '--nthreads', '2',
                   '--resources', 'GPU=2', '--host', '127.0.0.1',
-                  '--preload', 'dasktrain.monitor', '--preload',
+                  '--preload', 'dasktrain.jobs.worker.preload', '--preload',
                   str(tmp_path / 'busy.py'), cwd=tmp_path,
                   env=dict(os.environ, CUDA_VISIBLE_DEVICES='3,5'))
     lab, jobs = tmp_path / 'lab', tmp_path / 'j'
@@ -358,8 +359,9 @@ def test_a_running_jobs_end_from_its_epoch_times_or_its_time(tmp_path):
         [{'epoch': e, 'elapsed_time': 10.0 * e} for e in range(1, 5)]))
     os.utime(folder / 'out' / 'log', (1000.0, 1000.0))
     assert estimated_end(job, spec, {'started': 100.0}, now=1010.0) == 1060.0
-    # a command job's own log rows mean nothing: its --time decides
-    assert estimated_end(job, dict(spec, kind='program'),
+    # a command job (no config: no epochs to go) writing such rows: its
+    # --time decides, not the rows
+    assert estimated_end(job, {'command': ['true'], 'time': 3600.0},
                          {'started': 100.0}, now=1010.0) == 3700.0
 
 
@@ -393,7 +395,7 @@ def test_queue_flags_are_checked_first_in_one_line(flags, message, tmp_path,
 
 def test_cluster_start_limits_users_and_the_jobs_page_says_why(
         tmp_path, monkeypatch, capsys):
-    # The real `cluster start` (TLS, dasktrain.monitor preloaded: the
+    # The real `cluster start` (TLS, dasktrain's preloads: the
     # queue's dispatcher talks TLS to its own scheduler) with 2 fake GPUs.
     monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
     monkeypatch.setenv('DASKTRAIN_JOBS_DIR', str(tmp_path / 'jobs'))

@@ -14,8 +14,8 @@ from test_cluster import job_config, wait_until
 
 from dasktrain.cli import main
 from dasktrain.cluster.local import connect, read_state, stop_cluster
-from dasktrain.jobs.records import Job
-from dasktrain.jobs.submit import submit
+from dasktrain.jobs.client.submit import submit
+from dasktrain.jobs.job import Job
 
 START = ['cluster', 'start', '--port', '0', '--dashboard-port', '0',
          '--gpus', '0']

@@ -7,7 +7,7 @@ import pytest
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 
-from dasktrain import report
+from dasktrain import results
 
 
 def log(rates, accuracies, comm=0.0):
@@ -27,18 +27,18 @@ def test_read_log_takes_a_list_a_summary_a_folder_or_a_file(tmp_path):
     rows = log([1.0], [0.5])
     (tmp_path / 'log').write_text(json.dumps(rows))
     for run in (rows, {'log': rows}, tmp_path, tmp_path / 'log'):
-        assert report.read_log(run) == rows
+        assert results.read_log(run) == rows
 
 
 def test_throughput_leaves_out_the_warm_up_epoch():
-    assert report.throughput(log([10.0, 100.0, 200.0], [0, 0, 0])) == 150.0
-    assert report.throughput(log([10.0], [0])) == 10.0
-    assert report.throughput(log([10.0, 30.0], [0, 0]),
+    assert results.throughput(log([10.0, 100.0, 200.0], [0, 0, 0])) == 150.0
+    assert results.throughput(log([10.0], [0])) == 10.0
+    assert results.throughput(log([10.0, 30.0], [0, 0]),
                              skip_first=False) == 20.0
 
 
 def test_scaling_table_speed_up_and_efficiency():
-    table = report.scaling_table({
+    table = results.scaling_table({
         1: log([1.0, 100.0], [0, 0]), 4: log([1.0, 300.0], [0, 0])})
     assert table.columns == ['devices', 'images/s', 'speed-up',
                              'scaling efficiency']
@@ -47,7 +47,7 @@ def test_scaling_table_speed_up_and_efficiency():
 
 
 def test_summary_table_final_best_and_communication():
-    table = report.summary_table({'dg': log([5.0, 7.0, 9.0], [0.3, 0.6, 0.5],
+    table = results.summary_table({'dg': log([5.0, 7.0, 9.0], [0.3, 0.6, 0.5],
                                             comm=2.0)})
     assert table.rows == [['dg', 3, 0.5, 0.6, 8.0, 30.0, 2.0]]
     assert '<td>dg</td>' in table._repr_html_()
@@ -55,7 +55,7 @@ def test_summary_table_final_best_and_communication():
 
 def test_curves_are_titled_labelled_and_in_a_legend():
     runs = {'one': log([1, 1], [0.2, 0.4]), 'two': log([1, 1], [0.3, 0.5])}
-    ax = report.plot_curves(runs, x='elapsed_time')
+    ax = results.plot_curves(runs, x='elapsed_time')
     assert ax.get_title() == \
         'test accuracy (fraction) against elapsed time (s)'
     assert (ax.get_xlabel(), ax.get_ylabel()) == (
@@ -66,10 +66,10 @@ def test_curves_are_titled_labelled_and_in_a_legend():
 
 
 def test_scaling_plot_draws_the_ideal_line_and_keeps_its_title():
-    ax = report.plot_scaling({1: log([0, 100.0], [0, 0]),
+    ax = results.plot_scaling({1: log([0, 100.0], [0, 0]),
                               2: log([0, 150.0], [0, 0])},
                              title='Throughput (CPU)', label='one process')
-    report.plot_scaling({1: log([0, 80.0], [0, 0]),
+    results.plot_scaling({1: log([0, 80.0], [0, 0]),
                          2: log([0, 160.0], [0, 0])},
                         ax=ax, label='workers', ideal=False)
     ideal, measured, workers = ax.lines
@@ -81,7 +81,7 @@ def test_scaling_plot_draws_the_ideal_line_and_keeps_its_title():
 
 
 def test_bars_show_the_mean_per_epoch_each_labelled_zero_too():
-    ax = report.plot_bars({'dg': log([1, 1], [0, 0], comm=3.0),
+    ax = results.plot_bars({'dg': log([1, 1], [0, 0], comm=3.0),
                            'ipm, mix every 100 it.': log([1, 1], [0, 0],
                                                          comm=0.5),
                            'ipm, one-shot': log([1, 1], [0, 0])})
@@ -98,7 +98,7 @@ def test_bars_show_the_mean_per_epoch_each_labelled_zero_too():
 def test_runs_with_the_same_numbers_stay_visible():
     same = log([1, 1, 1], [0.2, 0.4, 0.6])
     runs = {f'run {i}': same for i in range(6)}
-    ax = report.plot_curves(runs)
+    ax = results.plot_curves(runs)
     looks = [(line.get_color(), line.get_linestyle(), line.get_marker())
              for line in ax.lines]
     assert len(set(looks)) == 6
@@ -115,18 +115,18 @@ def test_a_run_keeps_its_look_where_it_has_no_values():
     runs = {'dg': [{k: v for k, v in row.items() if k != 'drift'}
                    for row in log([1, 1], [0.2, 0.4])],
             'ipm': log([1, 1], [0.2, 0.4])}
-    accuracy = report.plot_curves(runs)
+    accuracy = results.plot_curves(runs)
     plt.figure()
-    drift = report.plot_curves(runs, y='drift')
+    drift = results.plot_curves(runs, y='drift')
     assert [t.get_text() for t in drift.get_legend().get_texts()] == ['ipm']
     assert drift.lines[0].get_color() == accuracy.lines[1].get_color()
     assert drift.lines[0].get_marker() == accuracy.lines[1].get_marker()
 
 
 @pytest.mark.parametrize('draw', [
-    lambda: report.plot_curves({f'run {i}': log([1] * 4, [0.9] * 4)
+    lambda: results.plot_curves({f'run {i}': log([1] * 4, [0.9] * 4)
                                 for i in range(4)}),
-    lambda: report.plot_scaling({1: log([0, 100.0], [0, 0]),
+    lambda: results.plot_scaling({1: log([0, 100.0], [0, 0]),
                                  2: log([0, 150.0], [0, 0])}),
 ], ids=['curves', 'scaling'])
 def test_legends_sit_outside_the_data(draw):
@@ -137,7 +137,7 @@ def test_legends_sit_outside_the_data(draw):
 
 
 def test_timeline_shows_each_job_waiting_then_running(tmp_path):
-    from dasktrain.jobs.records import Job
+    from dasktrain.jobs.job import Job
     jobs = []
     for name, started, ended in [('a', 100.0, 160.0), ('b', 100.0, 150.0),
                                  ('c', 150.0, 200.0), ('d', None, 120.0)]:
@@ -150,7 +150,7 @@ def test_timeline_shows_each_job_waiting_then_running(tmp_path):
             {'state': 'cancelled' if started is None else 'finished',
              'started': started, 'ended': ended, 'gpus': []}))
         jobs.append(Job(name, folder))
-    ax = report.plot_timeline(jobs)
+    ax = results.plot_timeline(jobs)
     bars = [(round(p.get_x(), 6), round(p.get_width(), 6), p.get_facecolor())
             for p in ax.patches]
     grey, blue = bars[0][2], bars[1][2]
@@ -168,12 +168,12 @@ def test_timeline_shows_each_job_waiting_then_running(tmp_path):
 
 
 def test_curves_without_a_legend_leave_it_to_their_neighbour():
-    ax = report.plot_curves({'one': log([1], [0.5])}, legend=False)
+    ax = results.plot_curves({'one': log([1], [0.5])}, legend=False)
     assert ax.get_legend() is None
 
 
 def test_timeline_colours_pruned_and_failed_runs(tmp_path):
-    from dasktrain.jobs.records import Job
+    from dasktrain.jobs.job import Job
     jobs = []
     for name, state in [('t0', 'finished'), ('t1', 'pruned'),
                         ('t2', 'failed'), ('t3', 'running')]:
@@ -186,7 +186,7 @@ def test_timeline_colours_pruned_and_failed_runs(tmp_path):
             {'state': state, 'started': 100.0,
              'ended': None if state == 'running' else 110.0, 'gpus': []}))
         jobs.append(Job(name, folder))
-    ax = report.plot_timeline(jobs)
+    ax = results.plot_timeline(jobs)
     runs = [p.get_facecolor() for p in ax.patches][1::2]
     assert runs[0] == runs[3] and len({runs[0], runs[1], runs[2]}) == 3
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [

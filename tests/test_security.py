@@ -17,8 +17,8 @@ from distributed import Client
 from test_cluster import Processes, job_config
 
 from dasktrain.cli import main
-from dasktrain.jobs.records import JobError, current_user, list_jobs
-from dasktrain.jobs.submit import check_owner, submit
+from dasktrain.jobs.client.submit import check_owner, submit
+from dasktrain.jobs.job import JobError, current_user, list_jobs
 from dasktrain.spawn import python
 
 # Modules the scheduler, the worker and a job's child import at start-up
@@ -188,7 +188,8 @@ SECOND_USER = """
 import os, sys
 from dasktrain.cli import main
 from dasktrain.cluster.local import connect
-import dasktrain.commands.jobs, dasktrain.jobs.submit, dasktrain.jobs.records
+import dasktrain.commands.jobs, dasktrain.jobs.client.submit
+import dasktrain.jobs.job, dasktrain.jobs.request, dasktrain.data.datasets
 address, uid, gid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 with connect(address) as client:
     client.run_on_scheduler(os.getuid)

@@ -36,10 +36,13 @@ from dasktrain.cluster.processes import kill
 from dasktrain.cluster.shared import NEEDS_ROOT, check_root, layout
 from dasktrain.data import extract_archive
 from dasktrain.files import read_regular
-from dasktrain.jobs.door import FrontDoor, front_door, route
-from dasktrain.jobs.protocol import (
+from dasktrain.jobs.client.route import route, shared_queue
+from dasktrain.jobs.client.socket_client import SocketClient
+from dasktrain.jobs.job import Job
+from dasktrain.jobs.wire import (
     NO_WORKERS,
     ProtocolError,
+    RequestError,
     check_request,
     decode,
     encode,
@@ -47,8 +50,8 @@ from dasktrain.jobs.protocol import (
     peer_credentials,
     refusal,
 )
-from dasktrain.jobs.records import Job
-from dasktrain.jobs.runas import User, environment
+from dasktrain.jobs.worker.environment import job_environment, job_threads
+from dasktrain.jobs.worker.runas import User
 from dasktrain.keeper import popen_options
 
 CONSOLE = Path(sys.executable).parent / 'dasktrain'
@@ -57,9 +60,12 @@ ENDS = ('finished', 'failed', 'cancelled', 'lost')
 AS_USER = """
 import os, pwd, sys
 import dasktrain.cli, dasktrain.cluster.shared, dasktrain.commands.gpus
-import dasktrain.jobs.asking, dasktrain.jobs.busy, dasktrain.jobs.door
-import dasktrain.jobs.programs, dasktrain.jobs.recover, dasktrain.jobs.submit
-import dasktrain.monitor, dasktrain.notify
+import dasktrain.commands.jobs, dasktrain.commands.tune, dasktrain.notify
+import dasktrain.jobs.client.route, dasktrain.jobs.client.submit
+import dasktrain.jobs.request, dasktrain.jobs.scheduler.outside_use
+import dasktrain.jobs.scheduler.query, dasktrain.jobs.scheduler.recovery
+import dasktrain.jobs.status, dasktrain.jobs.worker.gpu_use
+import dasktrain.data.datasets, dasktrain.userspec, dasktrain.config
 for module in filter(None, os.environ.pop('PRELOAD', '').split(',')):
     __import__(module)
 name = sys.argv[1]
@@ -101,44 +107,57 @@ def test_the_caller_is_the_kernels_word_never_the_requests():
             check_request(dict(_program(), **{field: 0}))
 
 
-def _program(**fields):
-    return dict({'op': 'submit', 'kind': 'program', 'gpus': 0,
-                 'command': ['true'], 'cwd': '/tmp', 'env': {'A': '1'}},
-                **fields)
+def _program(request=None, **fields):
+    """A submit of a program, with ``fields`` of its program changed (and
+    of its ``request``)."""
+    program = dict({'command': ['true'], 'cwd': '/tmp', 'env': {'A': '1'}},
+                   **fields)
+    return {'op': 'submit',
+            'request': dict({'gpus': 0, 'program': program}, **request or {})}
+
+
+def _training(**fields):
+    return {'op': 'submit', 'request': {'gpus': 0, 'training': dict(
+        {'config': {}, 'env': {}}, **fields)}}
 
 
 def test_every_field_of_a_request_is_checked():
-    assert check_request(_program())['grace'] == 30.0
-    train = check_request({'op': 'submit', 'kind': 'train', 'gpus': 1,
-                           'config': {}, 'files': {'model': {
-                               'name': 'net.py', 'data': 'eCA9IDE='}}})
-    assert train['files'] == {'model': ('net.py', b'x = 1')}
+    request = check_request(_program())['request']
+    assert request.program.grace == 30.0 and request.gpus == 0
+    assert request.program.env == {'A': '1'}
+    train = check_request(_training(files={'model': {
+        'name': 'net.py', 'data': 'eCA9IDE='}}))['request']
+    assert train.program.files == {'model': ('net.py', b'x = 1')}
+    assert train.program.module == 'dasktrain.jobs.worker.child'
     bad = [
         ({'op': 'eval'}, 'op must be one of'),
         ({'op': 'cancel', 'id': '../../etc'}, 'not a job id'),
         ({'op': 'cancel', 'id': '.hidden'}, 'not a job id'),
         ({'op': 'logs', 'id': 'a', 'offset': -1}, 'offset must be'),
         ({'op': 'jobs', 'cli': 'yes'}, 'cli must be'),
-        (_program(gpus=True), 'gpus must be an int'),
+        ({'op': 'submit', 'request': []}, 'request must be a JSON object'),
+        (_program({'gpus': True}), 'gpus must be an int'),
         (_program(cwd='lab'), 'cwd must be an absolute path'),
         (_program(command=[]), 'command must be a non-empty list'),
         (_program(command=['a\0b']), 'command must be a string'),
         (_program(env={'1A': 'x'}), 'not a variable name'),
         (_program(env={'A': 3}), 'env A must be a string'),
         (_program(grace=float('nan')), 'grace must be seconds'),
-        (_program(after=['a/b']), 'not a job id'),
-        (_program(time=-5), 'time must be seconds'),
-        ({'op': 'submit', 'kind': 'train', 'gpus': 0, 'config': {},
-          'files': {'model': {'name': '../x.py', 'data': ''}}},
+        (_program({'after': ['a/b']}), 'not a job id'),
+        (_program({'time': -5}), 'time must be seconds'),
+        (_program({'training': {}}), 'a program or a training, one'),
+        (_program({'uid': 0}), 'submit takes no uid'),
+        (_training(files={'model': {'name': '../x.py', 'data': ''}}),
          'files.model must be'),
-        ({'op': 'submit', 'kind': 'train', 'gpus': 0, 'config': {},
-          'files': {'model': {'name': 'x.py', 'data': '!!'}}},
+        (_training(files={'model': {'name': 'x.py', 'data': '!!'}}),
          'files.model.data is not base64'),
-        ({'op': 'submit', 'kind': 'train', 'gpus': 0, 'config': {},
-          'files': {'shadow': {}}}, 'files takes model and dataset'),
+        (_training(files={'shadow': {}}), 'files takes model and dataset'),
+        (_training(module='os'), "module must be one of dasktrain's"),
+        (_training(extra={'uid': 0}), 'extra takes trial only'),
+        (_training(env={'A': None}), 'env A must be a string'),
     ]
     for message, match in bad:
-        with pytest.raises(ProtocolError, match=match):
+        with pytest.raises(RequestError, match=match):
             check_request(message)
     for line, match in [(b'{"op": ', 'not a JSON request'),
                         (b'[1]', 'a JSON object'),
@@ -160,19 +179,19 @@ def test_which_queue_a_client_uses(tmp_path, monkeypatch):
     monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
     where = layout(tmp_path / 'shared')
     env = {'DASKTRAIN_SHARED_DIR': str(where.root)}
-    assert front_door(env=env) is None                 # no record yet
+    assert shared_queue(env=env) is None                 # no record yet
     where.root.mkdir()
     where.record.write_text(json.dumps({'socket': str(where.socket)}))
-    assert front_door(env=env).path == where.socket
-    assert front_door(scheduler='tls://a:1', env=env) is None
-    assert front_door(jobs_dir='/nas/jobs', env=env) is None
+    assert shared_queue(env=env).path == where.socket
+    assert shared_queue(scheduler='tls://a:1', env=env) is None
+    assert shared_queue(jobs_dir='/nas/jobs', env=env) is None
     (tmp_path / 'home').mkdir()
     (tmp_path / 'home' / 'cluster.json').write_text('{}')
-    assert front_door(env=env) is None                 # your own
-    assert front_door(env=dict(env, DASKTRAIN_QUEUE='/q')).path == Path('/q')
+    assert shared_queue(env=env) is None                 # your own
+    assert shared_queue(env=dict(env, DASKTRAIN_QUEUE='/q')).path == Path('/q')
 
 
-def test_a_front_door_that_is_not_there_is_one_line(tmp_path, monkeypatch):
+def test_a_shared_queue_that_is_not_there_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
     monkeypatch.setenv('DASKTRAIN_QUEUE', str(tmp_path / 'none.sock'))
     with child([str(CONSOLE), 'jobs']) as c:
@@ -188,7 +207,7 @@ def test_a_front_door_that_is_not_there_is_one_line(tmp_path, monkeypatch):
     dead.close()
     with pytest.raises(Exception, match='is not answering .Connection '
                        'refused.; is the shared cluster running'):
-        FrontDoor(tmp_path / 'dead.sock').ask('ping')
+        SocketClient(tmp_path / 'dead.sock').ask('ping')
 
 
 def test_a_shared_cluster_needs_root():
@@ -217,19 +236,19 @@ def test_root_reads_no_symlink_no_fifo_and_no_strangers_file(tmp_path):
         read_regular(tmp_path / 'log', owner=os.getuid() + 1)
 
 
-def test_a_users_child_gets_their_identity_not_the_clusters():
+def test_a_users_job_gets_their_identity_not_the_clusters():
+    # Only what the submitter sent, the queue's variables and, in a
+    # shared cluster, their identity: nothing of the worker's process
+    # (its DASKTRAIN_NOTIFY, DASK_*, SUDO_USER, root's HOME).
     ann = User(1001, 1001, 'ann', '/home/ann', '/bin/sh', [1001, 27])
-    worker_env = {'PATH': '/usr/bin', 'DASKTRAIN_NOTIFY': 'https://s/x',
-                  'DASKTRAIN_HOME': '/var/lib/dasktrain/private',
-                  'DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION': '1',
-                  'SUDO_USER': 'alice', 'USER': 'root', 'HOME': '/root'}
-    assert environment(worker_env, ann) == {
-        'PATH': '/usr/bin', 'USER': 'ann', 'HOME': '/home/ann',
-        'LOGNAME': 'ann'}
-    recorded = {'PATH': '/opt/venv/bin', 'WANDB_MODE': 'offline'}
-    assert environment(recorded, ann, recorded=True) == dict(
-        recorded, USER='ann', HOME='/home/ann', LOGNAME='ann')
-    assert environment(worker_env, None) == worker_env  # your own cluster
+    recorded = {'PATH': '/opt/venv/bin', 'WANDB_MODE': 'offline',
+                'USER': 'ann-at-submit'}
+    queue = {'PYTHONUNBUFFERED': '1', 'CUDA_VISIBLE_DEVICES': '',
+             'OMP_NUM_THREADS': '2', 'OPENBLAS_NUM_THREADS': '2',
+             'MKL_NUM_THREADS': '2'}
+    assert job_environment(recorded, [], 2, ann) == dict(
+        recorded, USER='ann', HOME='/home/ann', LOGNAME='ann', **queue)
+    assert job_environment(recorded, [], 2) == dict(recorded, **queue)
     options = popen_options(ann, '/home/ann/lab')
     assert (options['user'], options['group'], options['extra_groups'],
             options['umask']) == (1001, 1001, [1001, 27], 0o077)
@@ -343,7 +362,8 @@ def lab():
         with child([str(CONSOLE), 'cluster', 'start', '--shared',
                     '--shared-dir', str(lab.where.root), '--port', '0',
                     '--dashboard-port', '0', '--gpus', '0', '--cpu-slots',
-                    '3'], env=lab.env(SUDO_UID=str(lab.uid('ann')))) as c:
+                    '3'], env=lab.env(SUDO_UID=str(lab.uid('ann')),
+                                      OWNER_MARK='root-shell')) as c:
             assert c.wait(120) == 0, c.stderr()
         lab.state = json.loads((lab.where.private / 'cluster.json')
                                .read_text())
@@ -566,7 +586,7 @@ def test_a_users_files_are_read_by_their_client_never_by_root(lab):
     assert sorted(os.listdir(lab.where.jobs)) == before
 
 
-def test_a_training_job_through_the_front_door(lab):
+def test_a_training_job_through_the_shared_queue(lab):
     data = lab.root / 'data'  # where every user may read it
     data.mkdir()
     write_archive(data / 'a.tar.gz', make_batches(n_train=(40,) * 5,
@@ -606,6 +626,26 @@ def test_a_training_job_through_the_front_door(lab):
     assert lab.wait_for(job_id, timeout=120)['state'] == 'finished'
     assert lab.job(job_id).folder.joinpath('out', 'log').stat().st_uid == \
         lab.uid('bob')
+
+
+def test_a_users_job_runs_in_their_environment_not_roots(lab):
+    # What bob's client sent, the queue's variables and bob's identity:
+    # nothing of root's shell that started the cluster, nor its sudo.
+    job_id = lab.submit('bob', '--', 'sh', '-c', 'env',
+                        SUBMITTER_MARK='bob-shell')
+    assert lab.wait_for(job_id, timeout=120)['state'] == 'finished'
+    env = dict(line.split('=', 1) for line in
+               lab.job(job_id).logs().splitlines()
+               if '=' in line and not line.startswith('==='))
+    entry = pwd.getpwnam(lab.names['bob'])
+    assert env['SUBMITTER_MARK'] == 'bob-shell'
+    assert (env['USER'], env['LOGNAME'], env['HOME']) == (
+        entry.pw_name, entry.pw_name, entry.pw_dir)
+    assert 'OWNER_MARK' not in env and 'SUDO_UID' not in env
+    share = job_threads(os.sched_getaffinity(0), 0, {'CPU': 3})
+    assert env['OMP_NUM_THREADS'] == env['OPENBLAS_NUM_THREADS'] == \
+        str(share) or 'OMP_NUM_THREADS' in lab.env()
+    assert env['CUDA_VISIBLE_DEVICES'] == ''
 
 
 def test_the_queue_works_for_every_user(lab):

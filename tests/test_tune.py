@@ -18,7 +18,7 @@ from test_cluster import Processes, wait_until
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError
-from dasktrain.jobs.records import list_jobs
+from dasktrain.jobs.job import list_jobs
 from dasktrain.tuning import tune
 from dasktrain.tuning.trials import open_storage
 

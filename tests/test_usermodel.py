@@ -10,7 +10,7 @@ from distributed import Client
 from test_cluster import Processes, job_config
 
 from dasktrain.cli import main
-from dasktrain.jobs.submit import submit
+from dasktrain.jobs.client.submit import submit
 from dasktrain.training.models import load_model
 from dasktrain.training.usermodel import ModelSpecError, build
 

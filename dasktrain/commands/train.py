@@ -65,7 +65,7 @@ class Train(Command):
     def curves(out):
         """OUT/curves.png, where matplotlib is installed."""
         try:
-            from dasktrain.report import save_curves
+            from dasktrain.results import save_curves
             path = save_curves(out)
         except ImportError:
             print('curves: `pip install matplotlib` (or dasktrain'

@@ -4,7 +4,8 @@ are jobs on the cluster.
 :func:`tune` runs Optuna's ask-and-tell loop: it asks the study for a trial
 (Optuna's TPE or random sampler picks the params from the space, see
 space.py), submits the trial's TrainConfig as a job with
-:func:`dasktrain.jobs.submit.submit` (the queue ``dasktrain submit`` uses) and
+:func:`dasktrain.jobs.client.submit.submit` (the queue ``dasktrain submit``
+uses) and
 keeps ``parallel`` trials in flight. So trials wait for GPUs beside
 everyone's jobs, show in ``dasktrain jobs``, and resume on another worker
 when theirs dies. Each trial reports its epochs, is pruned and tells its
@@ -31,14 +32,11 @@ from dasktrain.cluster.local import connect
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
-from dasktrain.jobs.asking import scheduler_states
-from dasktrain.jobs.records import DONE, jobs_dir, list_jobs
-from dasktrain.jobs.recover import requeue
-from dasktrain.jobs.submit import (
-    check_devices,
-    check_resources,
-    submit,
-)
+from dasktrain.jobs.client.submit import check_resources, submit
+from dasktrain.jobs.job import DONE, jobs_dir, list_jobs
+from dasktrain.jobs.request import JobRequest, Training, check_devices
+from dasktrain.jobs.scheduler.query import scheduler_states
+from dasktrain.jobs.scheduler.recovery import requeue
 from dasktrain.tuning.checks import (
     TuneError,
     check_metric,
@@ -130,7 +128,7 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
         The sampler's seed.
     client, scheduler, path
         The cluster (default: the recorded one) and jobs dir, as for
-        :func:`dasktrain.jobs.submit.submit`.
+        :func:`dasktrain.jobs.client.submit.submit`.
 
     Returns
     -------
@@ -183,7 +181,8 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     owned = client is None
     client = client or connect(scheduler)
     try:
-        check_resources(client, base, gpus)
+        check_resources(client, JobRequest(
+            Training(json.loads(base.to_json()), {}), gpus))
         # Before anything is written: a study the storage already holds
         # (study.json deleted, or another folder's) must rank the same
         # metric the same way.
@@ -284,8 +283,7 @@ class _Search:
         job = submit(config, gpus=self.settings['gpus'],
                      name=f"{self.settings['name']}-{number}",
                      client=self.client, path=self.root, check=False,
-                     extra={
-                         'child': 'dasktrain.tuning.trials',
+                     module='dasktrain.tuning.trials', extra={
                          'trial': dict(self.trial, id=trial_id,
                                        number=number)})
         self.jobs[number] = job

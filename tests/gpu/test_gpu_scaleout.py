@@ -138,7 +138,7 @@ def test_two_gpu_workers_equal_one_process_with_two_gpus(
 def test_jobs_see_their_own_gpu_and_a_cpu_job_none(gpu_cluster, data_dir,
                                                    tmp_path):
     from dasktrain.config import TrainConfig
-    from dasktrain.jobs.submit import submit
+    from dasktrain.jobs.client.submit import submit
     gpu_cluster.worker(resources='GPU=2 CPU=1', nthreads=4)
     config = TrainConfig(model='tiny', epochs=1, batch_size=20,
                          data_dir=str(data_dir), train_size=200)

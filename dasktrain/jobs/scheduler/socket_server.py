@@ -1,15 +1,15 @@
-"""A shared cluster's front door: the Unix socket (``SHARED_DIR/queue.sock``,
-0666) through which every local user submits, lists, reads, cancels and
-requeues jobs, served by the scheduler process (as root, installed by
-the :mod:`dasktrain.monitor` preload where ``cluster start --shared``
-asked for it). Users never reach Dask itself.
+"""A shared cluster's socket server: the Unix socket
+(``SHARED_DIR/queue.sock``, 0666) through which every local user submits,
+lists, reads, cancels and requeues jobs, served by the scheduler process
+(as root, installed by :mod:`~dasktrain.jobs.scheduler.preload` where
+``cluster start --shared`` asked for it). Users never reach Dask itself.
 
 Each connection carries one request and one answer
-(:mod:`~dasktrain.jobs.protocol`: checked field by field, at most 4 MiB,
+(:mod:`~dasktrain.jobs.wire`: checked field by field, at most 4 MiB,
 a request not sent within :data:`READ_TIMEOUT` seconds is dropped). Who
 asks is the kernel's ``SO_PEERCRED`` of the connection, never a field:
 a submitted job is the asker's (their uid, primary gid and name from the
-password database, :func:`dasktrain.jobs.folders.submitter`), and only
+password database, :func:`dasktrain.jobs.folder.submitter`), and only
 its submitter, root or the cluster's owner (who ran ``sudo dasktrain
 cluster start --shared``) may cancel or requeue it, or read its logs and
 results; everyone sees the jobs table, a job's state and ``dasktrain
@@ -17,10 +17,8 @@ gpus``. Everything a user sends that names a file was read by their own
 client: root opens no path a request names.
 
 The answers are built on the scheduler's loop, in process: the queue's
-:class:`~dasktrain.jobs.dispatch.Dispatcher` takes a new job at once,
-the jobs table asks it directly. Owns serving the socket and each
-operation's rule; the job folder is :mod:`~dasktrain.jobs.folders`',
-the rows :mod:`~dasktrain.jobs.asking`'s.
+:class:`~dasktrain.jobs.scheduler.dispatch.Dispatcher` takes a new job at
+once, the jobs table asks it directly.
 """
 import asyncio
 import contextlib
@@ -35,12 +33,20 @@ import time
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dasktrain.cluster.shared import layout
-from dasktrain.config import ConfigError, TrainConfig
 from dasktrain.errors import Error, flag_names
-from dasktrain.jobs.asking import job_rows, running_jobs
-from dasktrain.jobs.dispatch import answer, installed
-from dasktrain.jobs.folders import create, submitter
-from dasktrain.jobs.protocol import (
+from dasktrain.jobs.folder import create, submitter
+from dasktrain.jobs.job import (
+    DONE,
+    EVENTS,
+    Job,
+    JobError,
+    update_status,
+    user_name,
+)
+from dasktrain.jobs.scheduler.dispatch import answer, installed
+from dasktrain.jobs.scheduler.recovery import reset
+from dasktrain.jobs.status import job_rows, running_jobs
+from dasktrain.jobs.wire import (
     LOG_CHUNK,
     MAX_REQUEST,
     NO_WORKERS,
@@ -52,32 +58,21 @@ from dasktrain.jobs.protocol import (
     peer_credentials,
     refusal,
 )
-from dasktrain.jobs.records import (
-    DONE,
-    EVENTS,
-    Job,
-    JobError,
-    update_status,
-    user_name,
-)
-from dasktrain.jobs.recover import reset
-from dasktrain.jobs.submit import check_devices, check_fits, queue_options
-from dasktrain.notify import check_target
 
 logger = logging.getLogger(__name__)
 
-NAME = 'dasktrain-front-door'
+NAME = 'dasktrain-socket-server'
 READ_TIMEOUT = 10.0  # seconds a client has to send its request
 WRITE_TIMEOUT = 30.0  # seconds a client has to take its answer
 _CRED = struct.calcsize('3i')
 
 
-class FrontDoor(SchedulerPlugin):
-    """The front door of the shared place ``root`` on the scheduler it is
-    added to (see the module). ``owner``: the uid of who started the
+class SocketServer(SchedulerPlugin):
+    """The socket server of the shared place ``root`` on the scheduler it
+    is added to (see the module). ``owner``: the uid of who started the
     cluster with sudo (None: root alone); ``gpu_use``:
     ``gpu_use(scheduler)`` -> what ``dasktrain gpus`` shows
-    (:func:`dasktrain.gpuuse.cluster_use`)."""
+    (:func:`~dasktrain.jobs.scheduler.outside_use.cluster_use`)."""
     name = NAME
 
     def __init__(self, root, owner=None, gpu_use=None):
@@ -94,7 +89,7 @@ class FrontDoor(SchedulerPlugin):
         self.server = await asyncio.start_unix_server(
             self.handle, path=path, limit=MAX_REQUEST + 1)
         os.chmod(path, 0o666)  # every local user may knock
-        logger.info('dasktrain front door: %s', path)
+        logger.info('dasktrain shared queue: %s', path)
 
     async def close(self):
         if self.server is not None:
@@ -111,14 +106,16 @@ class FrontDoor(SchedulerPlugin):
                 raw = writer.get_extra_info('socket').getsockopt(
                     socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED)
                 peer = peer_credentials(raw)
-                request = check_request(decode(await self.read(reader)))
-                with flag_names() if request['cli'] else \
+                message = decode(await self.read(reader))
+                # The CLI's user is told of flags (--gpus), not arguments.
+                with flag_names() if message.get('cli') is True else \
                         contextlib.nullcontext():
-                    reply = dict(self.serve(peer, request), ok=True)
+                    reply = dict(self.serve(peer, check_request(message)),
+                                 ok=True)
             except Error as e:  # the asker's mistake, or a refusal
                 reply = {'ok': False, 'error': str(e)}
             except Exception:  # ours: logged, and one line for the asker
-                logger.exception('dasktrain front door: a request failed')
+                logger.exception('dasktrain shared queue: a request failed')
                 reply = {'ok': False, 'error': 'the shared queue failed on '
                                                "this request; see its "
                                                "scheduler's log"}
@@ -169,22 +166,13 @@ class FrontDoor(SchedulerPlugin):
 
     def op_submit(self, peer, request):
         who = submitter(peer.uid)
-        gpus = request['gpus']
-        check_target(request['notify'])
-        if request['kind'] == 'train':
-            try:
-                config = TrainConfig.from_json(json.dumps(request['config']))
-            except (ConfigError, TypeError, ValueError) as e:
-                raise JobError(f'config: {e}') from None
-            if config.workers is not None:
-                raise JobError(NO_WORKERS)
-            check_devices(config, gpus)
-        check_fits({a: dict(ws.resources) for a, ws in
-                    list(self.scheduler.workers.items())}, None, gpus)
-        options = queue_options(self.where.jobs, request['after'],
-                                request['after_any'], request['time'],
-                                request['time_limit'])
-        job_id, folder, _ = create(self.where.jobs, request, options, who,
+        asked = request['request']
+        if asked.workers is not None:
+            raise JobError(NO_WORKERS)
+        asked.check_fits({a: dict(ws.resources) for a, ws in
+                          list(self.scheduler.workers.items())})
+        asked.check_after(self.where.jobs)
+        job_id, folder, _ = create(self.where.jobs, asked, who,
                                    self.scheduler.address)
         job = Job(job_id, folder)
         try:
@@ -193,7 +181,7 @@ class FrontDoor(SchedulerPlugin):
             shutil.rmtree(folder, ignore_errors=True)
             raise
         self.announce(job)
-        logger.info('dasktrain front door: %s queued %s', who.user, job_id)
+        logger.info('dasktrain shared queue: %s queued %s', who.user, job_id)
         return {'id': job_id, 'folder': str(folder)}
 
     def op_jobs(self, peer, request):
@@ -203,7 +191,7 @@ class FrontDoor(SchedulerPlugin):
     def op_gpus(self, peer, request):
         if self.gpu_use is None:
             raise JobError('this scheduler reads no GPU use (no '
-                           'dasktrain.monitor preload)')
+                           'dasktrain.jobs.scheduler.preload)')
         seen = self.gpu_use(self.scheduler)
         return {'seen': seen, 'running': running_jobs(
             self.where.jobs, self.scheduler.address, seen['jobs'])}
@@ -238,9 +226,9 @@ class FrontDoor(SchedulerPlugin):
                     [job.key], 'fire-and-forget', force=True,
                     reason='dasktrain cancel', msg='')
             except Exception:  # the flag file stops it all the same
-                logger.exception('dasktrain front door: cancelling %s',
+                logger.exception('dasktrain shared queue: cancelling %s',
                                  job.id)
-        logger.info('dasktrain front door: %s cancelled %s',
+        logger.info('dasktrain shared queue: %s cancelled %s',
                     user_name(peer.uid), job.id)
         return {'state': job.status()['state']}
 
@@ -273,8 +261,9 @@ class FrontDoor(SchedulerPlugin):
 
     def ask(self, keys, address=None):
         """What this scheduler knows of job ``keys`` (as
-        :func:`~dasktrain.jobs.asking.ask_scheduler`, in process: a job
-        it does not hold, one of a scheduler before it too, is lost)."""
+        :func:`~dasktrain.jobs.scheduler.query.ask_scheduler`, in process:
+        a job it does not hold, one of a scheduler before it too, is
+        lost)."""
         return answer(self.scheduler, keys)
 
     def announce(self, job):

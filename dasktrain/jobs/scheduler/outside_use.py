@@ -1,60 +1,24 @@
 """GPUs busy outside the queue: the one rule that turns the workers'
-heartbeat readings of who uses their GPUs into the GPUs no job may get
-now, for the queue's :class:`~dasktrain.jobs.dispatch.Dispatcher` and
-``dasktrain gpus`` alike.
+heartbeat readings of who uses their GPUs
+(:func:`~dasktrain.jobs.worker.gpu_use.worker_use`) into the GPUs no job
+may get now, for the queue's dispatcher and ``dasktrain gpus`` alike.
 
-A worker's reading (:func:`dasktrain.gpuuse.worker_use`, carried under
-:data:`USE_METRIC` by the ``dasktrain.monitor`` preload) names its GPUs
-by the ids jobs get (its ``CUDA_VISIBLE_DEVICES`` entries) and lists the
-processes NVML sees on them with their user, memory, session and
-ancestors, and the pids of the queue's own processes (its jobs'
-children, the worker). A GPU is busy where processes outside the queue
-hold more than the cluster's threshold (``cluster start --busy-mib``,
-``$DASKTRAIN_BUSY_MIB``), or memory NVML cannot tell.
-
-Every function here is pure but :func:`busy_outside`, which only reads
-the scheduler's copy of the last heartbeats. Owns the rule; reading NVML
-and ``/proc`` is :mod:`dasktrain.gpuuse`'s, handing GPUs out
-:mod:`~dasktrain.jobs.queue`'s.
+A GPU is busy where processes outside the queue (neither a job's nor the
+worker's: :func:`~dasktrain.jobs.worker.gpu_use.job_of`) hold more than
+the cluster's threshold (``cluster start --busy-mib``,
+``$DASKTRAIN_BUSY_MIB``), or memory NVML cannot tell. Every function here
+is pure but :func:`busy_outside` and :func:`cluster_use`, which read the
+scheduler's copy of the last heartbeats.
 """
-import os
+from dasktrain.cluster.settings import BUSY_MIB
+from dasktrain.jobs.worker.gpu_use import (
+    USE_METRIC,
+    describe,
+    job_of,
+    threshold,
+)
 
-from dasktrain.cluster.settings import BUSY_ENV, BUSY_MIB
-
-USE_METRIC = 'dasktrain-gpu-use'  # the worker heartbeat's key
-WORKER = 'dask worker'            # the owner of the worker's own process
-
-
-def job_of(process, jobs):
-    """The queue job (a label from ``jobs``: ``{child pid: job id}``)
-    ``process`` belongs to: its own pid, its nearest ancestor among
-    ``jobs``, else its session leader's; None outside the queue.
-
-    >>> p = {'pid': 12, 'session': 10, 'ancestors': [11, 10, 5, 1]}
-    >>> job_of(p, {10: 'job-a', 5: WORKER})
-    'job-a'
-    >>> job_of(dict(p, ancestors=[1]), {10: 'job-a'})  # its parent died
-    'job-a'
-    >>> job_of(dict(p, session=12, ancestors=[1]), {10: 'job-a'}) is None
-    True
-    """
-    for pid in [process['pid']] + list(process.get('ancestors') or ()):
-        if pid in jobs:
-            return jobs[pid]
-    return jobs.get(process.get('session'))
-
-
-def describe(process):
-    """``'user (pid N, M MiB)'``.
-
-    >>> describe({'user': 'ann', 'pid': 7, 'mib': 5120.4})
-    'ann (pid 7, 5120 MiB)'
-    >>> describe({'user': '?', 'pid': 7, 'mib': None})
-    '? (pid 7, memory unknown)'
-    """
-    mib = 'memory unknown' if process.get('mib') is None else \
-        f"{process['mib']:.0f} MiB"
-    return f"{process['user']} (pid {process['pid']}, {mib})"
+BOARD = 'dasktrain-job-board'  # the job board's plugin name
 
 
 def outside_use(processes, job_sessions, threshold_mib=BUSY_MIB):
@@ -91,20 +55,6 @@ def outside_use(processes, job_sessions, threshold_mib=BUSY_MIB):
         found, key=lambda p: -(p['mib'] if p['mib'] is not None
                                else float('inf'))))
             for gpu, found in busy.items()}
-
-
-def threshold(env=None):
-    """The busy threshold in MiB: ``$DASKTRAIN_BUSY_MIB`` (``cluster
-    start --busy-mib``), else :data:`~dasktrain.cluster.settings.BUSY_MIB`.
-
-    >>> threshold({'DASKTRAIN_BUSY_MIB': '1024'}), threshold({})
-    (1024.0, 256.0)
-    """
-    env = os.environ if env is None else env
-    try:
-        return float(env[BUSY_ENV])
-    except (KeyError, ValueError):
-        return float(BUSY_MIB)
 
 
 def worker_ids(use, count):
@@ -163,3 +113,20 @@ def busy_outside(dask_scheduler, threshold_mib=None):
                       for address, ws in
                       list(dask_scheduler.workers.items())},
                      threshold() if threshold_mib is None else threshold_mib)
+
+
+def cluster_use(dask_scheduler):
+    """What ``dasktrain gpus`` shows, as the scheduler knows it (run with
+    ``client.run_on_scheduler``): per worker its resources and last
+    ``worker_use`` (None before its first heartbeat, or without the
+    worker's preload, :mod:`~dasktrain.jobs.worker.preload`), the GPUs
+    busy outside the queue as the queue's dispatcher sees them
+    (:func:`busy_outside`), and the job board's summaries."""
+    board = dask_scheduler.plugins.get(BOARD)
+    return {'workers': {address: {
+        'resources': dict(ws.resources),
+        'use': (ws.metrics or {}).get(USE_METRIC)}
+        for address, ws in list(dask_scheduler.workers.items())},
+        'busy': busy_outside(dask_scheduler),
+        'jobs': board.summaries() if board is not None else [],
+        'busy_mib': threshold()}

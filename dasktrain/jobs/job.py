@@ -1,5 +1,5 @@
-"""A job's folder and files: :class:`Job`, :func:`jobs_dir`,
-:func:`list_jobs`, the states a job goes through, atomic status updates.
+"""A job: its folder and files (:class:`Job`, :func:`jobs_dir`,
+:func:`list_jobs`), the states it goes through, atomic status updates.
 
 A job folder (under the jobs dir, which must be on storage every worker
 sees, as a lab NAS is) holds ``job.json`` (the TrainConfig and request),
@@ -13,13 +13,11 @@ or ``pruned`` (its training was stopped by an epoch callback raising
 :class:`Pruned`: a hyperparameter search's pruner, see
 :mod:`dasktrain.tuning.trials`).
 
-Owns the files, and the two things anyone holding a job may do with the
-scheduler: :meth:`Job.cancel` and :meth:`Job.announce` (queueing is
-:mod:`~dasktrain.jobs.submit`'s, running a job
-:mod:`~dasktrain.jobs.worker`'s). A job folder is made whole (in a
-hidden temp folder, then renamed: :mod:`~dasktrain.jobs.folders`): a
-folder without both files, or one whose name starts with a dot, is not a
-job yet. What a job's user controls (``out/log``, ``output.log``) is read
+Anyone holding a job may ask two things of the scheduler,
+:meth:`Job.cancel` and :meth:`Job.announce`. A job folder is made whole
+(in a hidden temp folder, then renamed: :mod:`~dasktrain.jobs.folder`):
+a folder without both files, or one whose name starts with a dot, is not
+a job yet. What a job's user controls (``out/log``, ``output.log``) is read
 with :func:`dasktrain.files.read_regular`: never through a symlink they
 planted, only a regular file of theirs (a shared cluster's root reads
 them).
@@ -38,7 +36,7 @@ from pathlib import Path
 from dasktrain.cluster.local import connect, home
 from dasktrain.errors import UserError
 from dasktrain.files import decode_upto, read_regular, write_json
-from dasktrain.jobs import endings
+from dasktrain.jobs import end_notice
 
 KEY_PREFIX = 'dasktrain-job-'  # + the job's id: its Dask task's key
 JOBS_ENV = 'DASKTRAIN_JOBS_DIR'
@@ -47,6 +45,8 @@ STATES = ('queued', 'running', 'finished', 'failed', 'cancelled', 'pruned',
 DONE = ('finished', 'failed', 'cancelled', 'pruned', 'lost')
 PRUNED = 3  # exit code of a job child whose training was pruned
 EVENTS = 'dasktrain-jobs'  # the Dask event topic of jobs' summaries
+# The program a training job runs: ``python -m CHILD FOLDER``.
+CHILD = 'dasktrain.jobs.worker.child'
 
 
 class Pruned(Exception):
@@ -104,7 +104,7 @@ def update_status(folder, **changes):
     """Change keys of a job's ``status.json`` (atomically: a reader sees
     the old file or the new one); returns the new status. A change to an
     end is told to the job's ``notify`` target
-    (:func:`~dasktrain.jobs.endings.ended`, in the background).
+    (:func:`~dasktrain.jobs.end_notice.ended`, in the background).
 
     Examples
     --------
@@ -117,7 +117,7 @@ def update_status(folder, **changes):
     status.update(changes)
     # As private as it was (0600 in a shared cluster's 0711 folder).
     write_json(path, status, mode=stat.S_IMODE(os.stat(path).st_mode))
-    endings.ended(folder, before, status)  # --notify: in the background
+    end_notice.ended(folder, before, status)  # --notify: in the background
     return status
 
 
@@ -138,11 +138,12 @@ def _read(folder, name):
         raise JobError(f'job {folder.name}: {name} is not valid JSON '
                        f'({e})') from None
     needs = _NEEDS[name]
-    if name == 'job.json' and not (isinstance(data, dict) and
-                                   data.get('kind') == 'program'):
-        needs += ('config',)  # a training job's; a program has none
     missing = [k for k in needs
                if not isinstance(data, dict) or k not in data]
+    if name == 'job.json' and isinstance(data, dict) and \
+            'command' not in data:  # what it runs: a command, or a config
+        needs += ('config',)
+        missing += ['config'] if 'config' not in data else []
     if not missing and 'config' in needs and not (
             isinstance(data['config'], dict) and 'epochs' in data['config']):
         missing = ['config.epochs']
@@ -340,7 +341,7 @@ class Job:
     def lost_reason(self, ask):
         """Why this job (queued or running) can no longer finish, or None
         while its scheduler still holds it; ``ask(keys, address)`` as
-        :func:`dasktrain.jobs.asking.ask_scheduler`."""
+        :func:`dasktrain.jobs.scheduler.query.ask_scheduler`."""
         address = self.spec().get('scheduler')
         known = ask([self.key], address) if address else None
         if known is not None and self.key in known:

@@ -1,4 +1,4 @@
-"""The queue's order, as a pure function: which waiting jobs start now, on
+"""The queue's policy, as a pure function: which waiting jobs start now, on
 which worker and GPUs, why each other one waits, and when each is expected
 to start or end (:func:`plan`).
 
@@ -12,17 +12,12 @@ worker the reserved job will not need, or when it is known to end (its
 (``--after``) is not in line until they finished; one over its user's GPU
 limit waits without holding anyone up.
 
-Owns those decisions and their words, and durations (:func:`parse_time`);
-it reads no file and talks to no scheduler
-(:mod:`~dasktrain.jobs.dispatch` gathers its input and applies its
-answer).
+It reads no file and talks to no scheduler: the dispatcher
+(:mod:`~dasktrain.jobs.scheduler.dispatch`) gathers its input and
+applies its answer.
 """
 import collections
 import math
-import re
-
-from dasktrain.errors import argument
-from dasktrain.jobs.records import JobError
 
 Plan = collections.namedtuple('Plan', 'starts reasons estimates ends')
 Plan.__doc__ = """What :func:`plan` decided: ``starts`` a list of
@@ -34,39 +29,6 @@ met, a time limit passed)."""
 
 FAILED = ('failed', 'cancelled', 'pruned', 'lost')  # a dependency that
 # will not finish: only --after-any runs after it
-
-
-_UNITS = {'d': 86400, 'h': 3600, 'm': 60, 's': 1}
-
-
-def parse_time(text, name='time'):
-    """Seconds in ``text``: ``90s``, ``45m``, ``2h``, ``1h30m``, ``1d``, or
-    ``H:MM:SS``; a number of seconds passes as it is. JobError naming the
-    argument ``name`` otherwise.
-
-    Examples
-    --------
-    >>> parse_time('2h'), parse_time('1h30m'), parse_time('0:01:30')
-    (7200.0, 5400.0, 90.0)
-    """
-    if isinstance(text, (int, float)) and not isinstance(text, bool) \
-            and text > 0:
-        return float(text)
-    value = str(text).strip().lower()
-    if re.fullmatch(r'\d+(:\d{1,2}){1,2}', value):
-        seconds = 0.0
-        for part in value.split(':'):
-            seconds = seconds * 60 + int(part)
-    elif re.fullmatch(r'(\d+(\.\d+)?[dhms])+', value):
-        seconds = sum(float(n) * _UNITS[u]
-                      for n, u in re.findall(r'(\d+(?:\.\d+)?)([dhms])',
-                                             value))
-    else:
-        seconds = 0.0
-    if seconds <= 0:
-        raise JobError(f'{argument(name)} takes a duration such as 90s, '
-                       f'45m, 2h, 1h30m or 2:00:00, got {text!r}')
-    return seconds
 
 
 def _plural(n, what):

@@ -1,6 +1,15 @@
-"""Who uses each GPU: NVML's devices matched to a worker's GPUs, the
-processes NVML sees on them, and for each its OS user, its memory and
-whether it is a queue job's; the GPUs busy outside the queue.
+"""A worker's GPUs and who uses them: what its heartbeats carry, read on
+the worker (installed by :mod:`~dasktrain.jobs.worker.preload`).
+
+Two readings per heartbeat. :func:`gpu_readings`: NVML's utilisation,
+memory, temperature and power of the worker's GPUs (its
+``CUDA_VISIBLE_DEVICES``, else all), for the metrics. :func:`worker_use`:
+the worker's GPUs by the ids jobs get (their ``CUDA_VISIBLE_DEVICES``
+entries), the processes NVML sees on them, and for each its OS user, its
+memory and the queue job it belongs to (:func:`job_of`: a job's keeper
+is the process, an ancestor, or its session leader; the worker process
+itself is the queue's too); the scheduler judges from it which GPUs are
+busy outside the queue (:mod:`~dasktrain.jobs.scheduler.outside_use`).
 
 NVML (``pynvml``, nvidia-ml-py) lists a GPU's processes twice over,
 ``nvmlDeviceGetComputeRunningProcesses`` (CUDA) and
@@ -11,58 +20,30 @@ instance). ``usedGpuMemory`` is None where the driver cannot say (pynvml
 turns ``NVML_VALUE_NOT_AVAILABLE``, 2**64-1, into None; older pynvml
 passed it through raw). The unversioned calls raise when pynvml is newer
 than the driver: the ``_v2`` calls are tried then. A process may be on
-both lists (compute and graphics): it counts once. A pid is the host's
-(NVML's namespace): in another container's namespace ``/proc`` does not
-know it, and its user reads ``?``.
-
-Every decision is a pure function of those entries and of ``/proc``
-texts (:func:`merge_entries`, :func:`parse_status`, :func:`parse_stat`;
-:func:`job_of` and :func:`outside_use`, which the queue's dispatcher
-applies too and :mod:`dasktrain.jobs.busy` owns), tested with scripted
-entries; only :func:`nvml_processes`, :func:`read_process` and
-:func:`worker_use` touch NVML and ``/proc``. A process belongs to a
-queue job when the job's child process (its pid recorded by
-:mod:`dasktrain.jobs.worker` while it runs) is the process, one of its
-ancestors, or its session leader (a command job's program runs in a
-session of its own); the worker process itself
-(scale-out ranks) is the queue's too.
-
-:func:`worker_use` is what a worker's heartbeats carry (under
-:data:`USE_METRIC`, installed by :mod:`dasktrain.monitor`), the one
-reading of a worker's GPUs: their ids and who uses them.
-:func:`busy_outside` (:mod:`dasktrain.jobs.busy`'s) is what the queue's
-dispatcher asks of it on every plan, and ``dasktrain gpus`` shows:
-``{worker: {gpu_id: 'user (pid N, M MiB)'}}`` for the GPUs no job may
-get now. Owns these readings; it never picks a job's GPUs nor writes
-anything.
+both lists: it counts once. A pid is the host's (NVML's namespace): in
+another container's namespace ``/proc`` does not know it, and its user
+reads ``?``. Every decision is a pure function of those entries and of
+``/proc`` texts, tested with scripted entries; only :func:`nvml_processes`,
+:func:`read_process`, :func:`gpu_readings` and :func:`worker_use` touch
+NVML and ``/proc``.
 """
 import os
 
-from dasktrain.jobs.busy import (
-    USE_METRIC,
-    WORKER,
-    busy_from,
-    busy_outside,
-    describe,
-    job_of,
-    outside_use,
-    threshold,
-)
-from dasktrain.jobs.records import user_name
-from dasktrain.jobs.worker import job_children
+from dasktrain.cluster.settings import BUSY_ENV, BUSY_MIB
+from dasktrain.jobs.job import user_name
+from dasktrain.jobs.worker.task import job_children
 from dasktrain.parallel.gpus import visible_gpus
 from dasktrain.parallel.nvml import (
     driver_view,
+    match_cuda_devices,
     nvml_gpu,
     nvml_read,
     worker_devices,
 )
 
-__all__ = ['NOT_AVAILABLE', 'NO_INSTANCE', 'USE_METRIC', 'WORKER',
-           'busy_from', 'busy_outside', 'cluster_use', 'describe',
-           'entry_bytes', 'job_of', 'lineage', 'merge_entries',
-           'nvml_processes', 'outside_use', 'parse_stat', 'parse_status',
-           'read_process', 'threshold', 'worker_use']
+USE_METRIC = 'dasktrain-gpu-use'  # the heartbeat's key of worker_use()
+GPU_METRIC = 'dasktrain-gpus'     # the heartbeat's key of gpu_readings()
+WORKER = 'dask worker'            # the owner of the worker's own process
 
 NOT_AVAILABLE = 2 ** 64 - 1       # NVML_VALUE_NOT_AVAILABLE_ulonglong
 NO_INSTANCE = 2 ** 32 - 1         # NVML_VALUE_NOT_AVAILABLE_uint
@@ -70,6 +51,52 @@ MIB = 1024 * 1024
 
 
 # ----------------------------------------------- NVML's processes, pure
+
+def job_of(process, jobs):
+    """The queue job (a label from ``jobs``: ``{child pid: job id}``)
+    ``process`` belongs to: its own pid, its nearest ancestor among
+    ``jobs``, else its session leader's; None outside the queue.
+
+    >>> p = {'pid': 12, 'session': 10, 'ancestors': [11, 10, 5, 1]}
+    >>> job_of(p, {10: 'job-a', 5: WORKER})
+    'job-a'
+    >>> job_of(dict(p, ancestors=[1]), {10: 'job-a'})  # its parent died
+    'job-a'
+    >>> job_of(dict(p, session=12, ancestors=[1]), {10: 'job-a'}) is None
+    True
+    """
+    for pid in [process['pid']] + list(process.get('ancestors') or ()):
+        if pid in jobs:
+            return jobs[pid]
+    return jobs.get(process.get('session'))
+
+
+def describe(process):
+    """``'user (pid N, M MiB)'``.
+
+    >>> describe({'user': 'ann', 'pid': 7, 'mib': 5120.4})
+    'ann (pid 7, 5120 MiB)'
+    >>> describe({'user': '?', 'pid': 7, 'mib': None})
+    '? (pid 7, memory unknown)'
+    """
+    mib = 'memory unknown' if process.get('mib') is None else \
+        f"{process['mib']:.0f} MiB"
+    return f"{process['user']} (pid {process['pid']}, {mib})"
+
+
+def threshold(env=None):
+    """The busy threshold in MiB: ``$DASKTRAIN_BUSY_MIB`` (``cluster
+    start --busy-mib``), else :data:`~dasktrain.cluster.settings.BUSY_MIB`.
+
+    >>> threshold({'DASKTRAIN_BUSY_MIB': '1024'}), threshold({})
+    (1024.0, 256.0)
+    """
+    env = os.environ if env is None else env
+    try:
+        return float(env[BUSY_ENV])
+    except (KeyError, ValueError):
+        return float(BUSY_MIB)
+
 
 def entry_bytes(entry):
     """An NVML process entry's ``usedGpuMemory`` in bytes, None where NVML
@@ -258,20 +285,49 @@ def _nvml_use(ids, env):
             for entry, gpu in matched.items()}
 
 
-# --------------------------------------------------- the scheduler side
+def gpu_readings(worker=None, env=None):
+    """NVML's readings of the GPUs this worker owns: its
+    ``CUDA_VISIBLE_DEVICES`` (ids or ``GPU-`` UUIDs), else all of them.
 
-def cluster_use(dask_scheduler):
-    """What ``dasktrain gpus`` shows, as the scheduler knows it (run with
-    ``client.run_on_scheduler``): per worker its resources and last
-    :func:`worker_use` (None before its first heartbeat, or without the
-    ``dasktrain.monitor`` preload), the GPUs busy outside the queue as the
-    queue's dispatcher sees them (:func:`busy_outside`), and the
-    monitor's job summaries."""
-    board = dask_scheduler.plugins.get('dasktrain-job-board')
-    return {'workers': {address: {
-        'resources': dict(ws.resources),
-        'use': (ws.metrics or {}).get(USE_METRIC)}
-        for address, ws in list(dask_scheduler.workers.items())},
-        'busy': busy_outside(dask_scheduler),
-        'jobs': board.summaries() if board is not None else [],
-        'busy_mib': threshold()}
+    Returns
+    -------
+    list of dict
+        ``index``, ``uuid``, ``utilization`` (0-1), ``memory_used`` and
+        ``memory_total`` (bytes), ``temperature`` (Celsius), ``power``
+        (watts); a value NVML does not support on that GPU is None. Empty
+        without NVML or GPUs.
+    """
+    from distributed.diagnostics import nvml
+    try:
+        count = nvml.device_get_count()  # Dask's per-process NVML init
+    except Exception:  # a broken driver reads as no GPU, never an error
+        return []
+    if not count:
+        return []
+    import pynvml
+    own = env is None  # this process's: the CUDA driver can say which
+    env = os.environ if env is None else env
+    gpus = [nvml_gpu(pynvml, index) for index in range(count)]
+    if own and driver_view() is not None:
+        chosen = match_cuda_devices(gpus, uuids=driver_view())
+    elif 'CUDA_VISIBLE_DEVICES' in env:
+        chosen = match_cuda_devices(
+            gpus, entries=visible_gpus(env),
+            pci_order=env.get('CUDA_DEVICE_ORDER') == 'PCI_BUS_ID')
+    else:
+        chosen = gpus
+    readings = []
+    for gpu in chosen:
+        index, uuid, handle = gpu['index'], gpu['uuid'], gpu['handle']
+        util = nvml_read(pynvml.nvmlDeviceGetUtilizationRates, handle)
+        memory = nvml_read(pynvml.nvmlDeviceGetMemoryInfo, handle)
+        power = nvml_read(pynvml.nvmlDeviceGetPowerUsage, handle)  # mW
+        readings.append({
+            'index': index, 'uuid': uuid or '',
+            'utilization': None if util is None else util.gpu / 100,
+            'memory_used': None if memory is None else memory.used,
+            'memory_total': None if memory is None else memory.total,
+            'temperature': nvml_read(pynvml.nvmlDeviceGetTemperature, handle,
+                                 pynvml.NVML_TEMPERATURE_GPU),
+            'power': None if power is None else power / 1000})
+    return readings

@@ -1,10 +1,11 @@
-"""Tables and figures of training runs, jobs and a study's trials, for
-notebooks and reports.
+"""The results of training runs, jobs and a study's trials, as tables and
+figures, for notebooks and reports (named apart from Chainer's
+``LogReport``, whose log rows it reads).
 
 A *run* is a training log: the list of rows ``OUT/log`` holds (Chainer
 LogReport format), or the ``OUT`` folder itself. Functions take a dict
 ``{label: run}`` so one call compares several runs. Jobs are
-:class:`~dasktrain.jobs.records.Job` s, read from their folders.
+:class:`~dasktrain.jobs.job.Job` s, read from their folders.
 
 Reads what runs, jobs and studies left behind; it never trains, queues or
 changes anything.
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from dasktrain.files import atomic_write
-from dasktrain.jobs.records import DONE
+from dasktrain.jobs.job import DONE
 from dasktrain.tuning.trials import params_text
 
 AXIS_LABELS = {

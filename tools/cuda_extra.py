@@ -6,8 +6,8 @@ installed: it uses the standard library only. It prints the extra to
 install, ``cuda12``, ``cuda13`` or ``none``; with ``--explain``, a sentence
 saying why and how to choose another.
 
-    python -I dasktrain/cuda_extra.py auto     # what `make install` does
-    python -I dasktrain/cuda_extra.py 12       # CUDA=12 on make's line
+    python -I tools/cuda_extra.py auto     # what `make install` does
+    python -I tools/cuda_extra.py 12       # CUDA=12 on make's line
 
 The driver's CUDA version is the one ``nvidia-smi`` prints in its header
 ("CUDA Version: 12.4"): the newest CUDA the driver runs. A driver runs

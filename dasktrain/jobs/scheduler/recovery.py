@@ -11,23 +11,21 @@ from its checkpoint), :func:`recover` does both for a jobs dir (what
 cluster's jobs when it is stopped on purpose. :func:`lost_reason` says
 why a job can no longer finish, for ``result --wait`` and
 ``logs --follow``.
-
-Owns those decisions; queueing itself is :mod:`~dasktrain.jobs.submit`'s.
 """
 import os
 import stat
 import time
 
 from dasktrain.files import write_json
-from dasktrain.jobs.asking import ask_scheduler
-from dasktrain.jobs.records import (
+from dasktrain.jobs.job import (
     DONE,
     JobError,
     current_user,
     list_jobs,
     update_status,
 )
-from dasktrain.jobs.submit import queue
+from dasktrain.jobs.scheduler.dispatch import queue
+from dasktrain.jobs.scheduler.query import ask_scheduler
 
 # What `cluster stop` does with the jobs still queued or running on it.
 STOP_POLICIES = ('cancel', 'requeue', 'wait')
@@ -53,7 +51,7 @@ def live_jobs(path=None, scheduler=None, anyone=False):
 def orphans(jobs, ask=ask_scheduler):
     """The jobs among ``jobs`` whose scheduler is unreachable or no longer
     holds their task; ``ask(keys, address)`` as
-    :func:`~dasktrain.jobs.asking.ask_scheduler` (one question per
+    :func:`~dasktrain.jobs.scheduler.query.ask_scheduler` (one question per
     scheduler)."""
     by_address = {}
     for job in jobs:
@@ -76,7 +74,7 @@ def requeue(job, client):
 
 def reset(job, address):
     """``job``'s files made queued anew on the scheduler at ``address``
-    (what :func:`requeue` and a shared cluster's front door hand to
+    (what :func:`requeue` and a shared cluster's socket server hand to
     the queue); its spec. JobError for a finished job."""
     status = job.status()
     if status['state'] == 'finished':
@@ -133,6 +131,6 @@ def settle(jobs, policy, timeout=None, poll=0.5):
 def lost_reason(job, ask=ask_scheduler):
     """Why ``job`` (queued or running) can no longer finish, or None while
     its scheduler still holds it (its ``lost_reason``: a shared cluster's
-    job asks its front door)."""
+    job asks its socket)."""
     return job.lost_reason(ask)
 

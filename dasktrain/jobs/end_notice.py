@@ -2,9 +2,9 @@
 cluster's default, ``cluster start --notify URL``) gets one message when
 a job ends ``finished``, ``failed``, ``cancelled``, ``pruned`` or
 ``lost``: job, name, user, state, how long it ran, and its final test
-accuracy (training) or exit code (a program).
+accuracy (a run that logged one) or its program's exit code.
 
-:func:`ended` is called by :func:`dasktrain.jobs.records.update_status`
+:func:`ended` is called by :func:`dasktrain.jobs.job.update_status`
 on every change of a job's status, wherever that happens (the worker, a
 ``cancel`` of a queued job, ``cluster stop``, a lost job found again), so
 every end is told exactly once: on the change from a live state to an
@@ -12,9 +12,8 @@ end. The message goes out in the background
 (:func:`dasktrain.notify.send_later`): a webhook that fails or hangs
 never delays the job's end nor changes it.
 
-Owns the message and when it is sent; delivering it is
-:mod:`dasktrain.notify`'s. Reads a job's files as plain JSON and never
-writes them (that is :mod:`~dasktrain.jobs.records`').
+Delivering it is :mod:`dasktrain.notify`'s. It reads a job's files as
+plain JSON and never writes them.
 """
 import json
 import logging
@@ -83,9 +82,8 @@ def message(spec, status, rows=()):
     >>> message(spec, {'state': 'finished', 'started': 0, 'ended': 600},
     ...         [{'epoch': 9, 'validation/main/accuracy': 0.91234}])[24:]
     'finished after 10 min: epoch 9, test accuracy 0.9123'
-    >>> message(dict(spec, kind='program'), {'state': 'failed',
-    ...         'started': 0, 'ended': 30, 'exit_code': 3,
-    ...         'error': 'exit 3'})
+    >>> message(spec, {'state': 'failed', 'started': 0, 'ended': 30,
+    ...                'exit_code': 3, 'error': 'exit 3'})
     'job x-1 (resnet) of ann failed after 30 s: exit code 3'
     >>> message(spec, {'state': 'cancelled', 'started': None, 'ended': 9})
     'job x-1 (resnet) of ann cancelled before it started'
@@ -97,21 +95,17 @@ def message(spec, status, rows=()):
         return f'{head} before it started'
     if ended is not None:
         head += f' after {duration(ended - started)}'
-    if spec.get('kind') == 'program':
-        code = status.get('exit_code')
-        if code is not None and status['state'] in ('finished', 'failed'):
-            if code < 0:
-                return f"{head}: {status.get('error') or f'signal {-code}'}"
+    row = rows[-1] if rows else None
+    accuracy = row.get('validation/main/accuracy') if row else None
+    if isinstance(accuracy, (int, float)) and not isinstance(accuracy, bool):
+        return f"{head}: epoch {row.get('epoch')}, test accuracy " \
+            f'{accuracy:.4f}'
+    code, error = status.get('exit_code'), status.get('error')
+    if code is not None and status['state'] in ('finished', 'failed'):
+        if code < 0:
+            return f"{head}: {error or f'signal {-code}'}"
+        if error in (None, f'exit {code}'):  # its exit, and nothing more
             return f'{head}: exit code {code}'
-    else:
-        row = rows[-1] if rows else None
-        accuracy = row.get('validation/main/accuracy') if row else None
-        if isinstance(accuracy, (int, float)) and \
-                not isinstance(accuracy, bool):
-            head += f": epoch {row.get('epoch')}, test accuracy " \
-                f'{accuracy:.4f}'
-            return head
-    error = status.get('error')
     return f'{head}: {error}' if error and status['state'] != 'finished' \
         else head
 

@@ -8,8 +8,8 @@ relative path given as a parameter means what it means where it was typed
 ``runs/``). Each executed notebook is written to the output folder with
 every figure it drew as ``<notebook>-<n>.png``.
 
-    python -m dasktrain.nbrun --out notebooks/executed notebooks/*.ipynb
-    python -m dasktrain.nbrun -p epochs=1 -p train_size=500 \\
+    python tools/nbrun.py --out notebooks/executed notebooks/*.ipynb
+    python tools/nbrun.py -p epochs=1 -p train_size=500 \\
         notebooks/01_single_vs_multi_gpu.ipynb
 """
 import argparse
@@ -130,7 +130,7 @@ def _parameter(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog='python -m dasktrain.nbrun',
+    parser = argparse.ArgumentParser(prog='python tools/nbrun.py',
                                      description=__doc__.splitlines()[0])
     parser.add_argument('notebooks', nargs='+', type=Path)
     parser.add_argument('--out', type=Path, default=Path('notebooks/executed'),

@@ -1,9 +1,10 @@
 """The live jobs page: a read-only view of the queue and of each job's loss
 and accuracy curves, on the Dask scheduler's web server.
 
-Three GET routes, added by :func:`add_routes` (the :mod:`dasktrain.monitor`
-preload calls it): ``/dasktrain/jobs`` (the page), ``/dasktrain/api/jobs``
-(every job's summary from the monitor's job board) and
+Three GET routes, added by :func:`add_routes` (the scheduler's preload,
+:mod:`~dasktrain.jobs.scheduler.preload`, calls it): ``/dasktrain/jobs``
+(the page), ``/dasktrain/api/jobs`` (every job's summary from the job
+board) and
 ``/dasktrain/api/jobs/<id>/log`` (a known job's ``out/log``, ChainerUI's
 format, cut to the curves' keys). The page polls the two every
 :data:`POLL_MS` and draws with SVG.
@@ -15,8 +16,6 @@ Nothing here acts on a job: any other method is refused (405). The page
 holds no data when served; its script puts every job's fields into the
 document as text (``textContent``, never HTML), and a per-response nonce in
 its Content-Security-Policy keeps any other script from running.
-
-Owns the routes and the page; the metrics are :mod:`dasktrain.monitor`'s.
 """
 import functools
 import json
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from tornado.web import HTTPError, RequestHandler
 
-from dasktrain.jobs.records import Job
+from dasktrain.jobs.job import Job
 
 POLL_MS = 2000
 CURVE_KEYS = ('epoch', 'main/loss', 'validation/main/loss', 'main/accuracy',
@@ -43,9 +42,9 @@ def add_routes(application, board, queue=None):
     """Serve the page and its data from ``application`` (a tornado
     Application: the scheduler's ``http_application``); ``board`` holds
     the jobs' summaries (``summaries()`` and ``jobs``, by id); ``queue``
-    (a :class:`~dasktrain.jobs.dispatch.Dispatcher`, optional) what the
-    queue last decided of each job (``view``: position, waiting reason,
-    estimated start or end).
+    (a :class:`~dasktrain.jobs.scheduler.dispatch.Dispatcher`, optional)
+    what the queue last decided of each job (``view``: position, waiting
+    reason, estimated start or end).
 
     Examples
     --------

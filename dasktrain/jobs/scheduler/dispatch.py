@@ -1,33 +1,28 @@
 """The queue's dispatcher: a scheduler plugin that starts the jobs
-:func:`~dasktrain.jobs.queue.plan` says to start, in order, and keeps
-what it decided about the others (position, waiting reason, estimates)
-for ``dasktrain jobs`` and the jobs page.
+:func:`~dasktrain.jobs.scheduler.policy.plan` says to start, in order,
+and keeps what it decided about the others (position, waiting reason,
+estimates) for ``dasktrain jobs`` and the jobs page.
 
-A job handed to the scheduler (:func:`enqueue`, what
-:func:`~dasktrain.jobs.submit.queue` does) is held here, not as a Dask
-task: every :data:`TICK` seconds the :class:`Dispatcher` reads its queued
-and running jobs' files, the workers' GPUs (their ``GPU`` resource, and
-where their heartbeats carry :mod:`dasktrain.gpuuse`'s reading under
-:data:`~dasktrain.jobs.busy.USE_METRIC`, their ``CUDA_VISIBLE_DEVICES``
-entries and the GPUs busy outside the queue, by
-:func:`~dasktrain.jobs.busy.busy_outside`: what ``dasktrain gpus`` shows),
-plans, and hands each job to start to Dask as
-one task (:func:`~dasktrain.jobs.worker.run_job`) on the planned worker,
-with the planned GPU ids. Its task holds the job's Dask resources as
+Every job handed to the scheduler (:func:`enqueue`) is held here, not as
+a Dask task: every :data:`TICK` seconds the :class:`Dispatcher` reads its
+queued and running jobs' files, the workers' GPUs (their ``GPU``
+resource, and where their heartbeats carry
+:func:`~dasktrain.jobs.worker.gpu_use.worker_use`'s reading, their
+``CUDA_VISIBLE_DEVICES`` entries and the GPUs busy outside the queue, by
+:func:`~dasktrain.jobs.scheduler.outside_use.busy_outside`: what
+``dasktrain gpus`` shows), plans, and hands each job to start to Dask as
+one task (:func:`~dasktrain.jobs.worker.task.run_job`) on the planned
+worker, with the planned GPU ids. Its task holds the job's Dask resources as
 before, so a worker that dies under it has Dask rerun it elsewhere as
 before. The files are small and few (a lab's queue): reading them on the
 scheduler's loop takes milliseconds. Nothing here is the only copy: the
 job files are, and a scheduler that restarts gets its jobs back from
-``cluster start``'s recovery (:mod:`~dasktrain.jobs.recover`), in their
-submission order.
+``cluster start``'s recovery (:mod:`~dasktrain.jobs.scheduler.recovery`),
+in their submission order.
 
 It also ends what must end: a job whose ``--after`` dependency failed
 (without ``--after-any``) fails with one line, and a job past its
 ``--time-limit`` is stopped (its worker's cancel path, with the reason).
-
-Owns applying the plan on the scheduler; the rules are
-:mod:`~dasktrain.jobs.queue`'s, running a job
-:mod:`~dasktrain.jobs.worker`'s.
 """
 import json
 import logging
@@ -38,9 +33,7 @@ from pathlib import Path
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dasktrain.errors import argument
-from dasktrain.jobs.busy import USE_METRIC, busy_outside, worker_ids
-from dasktrain.jobs.queue import plan
-from dasktrain.jobs.records import (
+from dasktrain.jobs.job import (
     DONE,
     EVENTS,
     KEY_PREFIX,
@@ -48,13 +41,16 @@ from dasktrain.jobs.records import (
     JobError,
     update_status,
 )
-from dasktrain.jobs.worker import run_job
+from dasktrain.jobs.scheduler.outside_use import busy_outside, worker_ids
+from dasktrain.jobs.scheduler.policy import plan
+from dasktrain.jobs.status import HELD
+from dasktrain.jobs.worker.gpu_use import USE_METRIC
+from dasktrain.jobs.worker.task import run_job
 
 logger = logging.getLogger(__name__)
 
 NAME = 'dasktrain-queue'
 TICK = 1.0  # seconds between two plans (and at once after a submit)
-HELD = 'held'  # the task state a held job reads as (no Dask task yet)
 
 
 def enqueue(dask_scheduler, folder):
@@ -62,6 +58,21 @@ def enqueue(dask_scheduler, folder):
     folder=...)``): hold the job in ``folder`` in the queue, installing
     the :class:`Dispatcher` first on a scheduler without it."""
     installed(dask_scheduler).enqueue(folder)
+
+
+def queue(client, folder, spec):
+    """Hand the job in ``folder`` (its ``job.json`` is ``spec``) to
+    ``client``'s scheduler: held in the queue's order by its
+    :class:`Dispatcher` (installed there if missing), which starts it as
+    one task. A job across workers holds no GPU itself (its ranks queue
+    for theirs as Dask tasks): it is handed to Dask at once."""
+    if not spec.get('workers'):
+        client.run_on_scheduler(enqueue, folder=str(folder))
+        return
+    from distributed import fire_and_forget
+    future = client.submit(run_job, str(folder), key=KEY_PREFIX + spec['id'],
+                           pure=False)
+    fire_and_forget(future)  # runs on after this client goes away
 
 
 def set_user_limit(client, max_gpus_per_user):
@@ -376,7 +387,7 @@ def estimated_end(job, spec, status, now):
     ...               now=200.0)  # doctest: +SKIP
     3700.0
     """
-    rows = job.log_rows() if spec.get('kind') != 'program' else []
+    rows = job.log_rows()
     epochs = (spec.get('config') or {}).get('epochs')
     if rows and epochs and rows[-1].get('elapsed_time'):
         per_epoch = rows[-1]['elapsed_time'] / max(rows[-1]['epoch'], 1)

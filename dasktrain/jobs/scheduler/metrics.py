@@ -1,65 +1,26 @@
-"""The cluster at a glance: Prometheus metrics and a live jobs page, served
-by the Dask scheduler's own web server (its dashboard port).
+"""Prometheus metrics of the cluster, served by the Dask scheduler's own
+web server beside Dask's ``dask_scheduler_*`` series (its ``/metrics``):
+jobs by state; per job (labels ``job_id``, ``name``, ``user``) epoch,
+iterations, losses, accuracies, images/s, data-wait and communication
+shares, GPUs held; per worker its process CPU and memory (what Dask's
+heartbeats carry) and, per GPU, NVML's utilisation, memory, temperature
+and power (:func:`~dasktrain.jobs.worker.gpu_use.gpu_readings`, on the
+workers' heartbeats).
 
-``dask scheduler --preload dasktrain.monitor`` (what ``dasktrain cluster
-start`` runs) installs three things in the scheduler process:
-
-* a :class:`JobBoard` scheduler plugin, which keeps the latest
-  :meth:`~dasktrain.jobs.records.Job.summary` of every job from the Dask
-  events jobs send on :data:`~dasktrain.jobs.records.EVENTS` (queued,
-  running, each epoch, the end), after reading the jobs dir once at start
-  for the jobs before it;
-* a Prometheus collector (:class:`Collector`) on ``prometheus_client``'s
-  default registry, which Dask's ``/metrics`` route serves beside Dask's
-  own ``dask_scheduler_*`` series: jobs by state; per job (labels
-  ``job_id``, ``name``, ``user``) epoch, iterations, losses, accuracies,
-  images/s, data-wait and communication shares, GPUs held; per worker its
-  process CPU and memory (what Dask's heartbeats carry) and, per GPU, NVML's
-  utilisation, memory, temperature and power;
-* the read-only jobs page (:mod:`dasktrain.jobs.page`) at ``/dasktrain/jobs``.
-
-On a scheduler it also installs the queue's
-:class:`~dasktrain.jobs.dispatch.Dispatcher`, and in a shared cluster
-(``cluster start --shared`` set ``$DASKTRAIN_SHARED_SERVE``, as root) its
-front door (:class:`~dasktrain.jobs.frontdoor.FrontDoor`), the Unix
-socket every local user submits through.
-
-``dask worker --preload dasktrain.monitor`` adds the worker's GPU readings
-(:func:`gpu_readings`) to its heartbeats, and its GPUs' ids with who uses
-each (:func:`dasktrain.gpuuse.worker_use`): the reading the queue's
-dispatcher hands GPUs out by and keeps busy ones off. A worker without
-NVML or without GPUs sends an empty list: no GPU series, and no error.
-
-Everything computed here is read-only and binds nowhere new: the page and
-``/metrics`` are routes of the dashboard's server, wherever it binds
-(127.0.0.1 unless told otherwise). It never writes a job's files (that is
-:mod:`dasktrain.jobs`').
+:class:`Collector` builds them at each scrape from the
+:class:`~dasktrain.jobs.scheduler.board.JobBoard` and the workers' last
+heartbeats, on ``prometheus_client``'s default registry
+(:func:`register`). A worker without NVML or without GPUs sends an empty
+list: no GPU series, and no error. Read-only, and binds nowhere new.
 """
 import collections
 import math
-import os
 
-from distributed.diagnostics.plugin import SchedulerPlugin
+from dasktrain.jobs.job import STATES
+from dasktrain.jobs.scheduler.page import PATH
+from dasktrain.jobs.worker.gpu_use import GPU_METRIC
 
-from dasktrain.cluster.shared import OWNER_ENV, SERVE_ENV
-from dasktrain.gpuuse import USE_METRIC, cluster_use, worker_use
-from dasktrain.jobs.dispatch import Dispatcher
-from dasktrain.jobs.frontdoor import FrontDoor
-from dasktrain.jobs.page import PATH, add_routes
-from dasktrain.jobs.records import EVENTS, STATES, list_jobs
-from dasktrain.parallel.gpus import visible_gpus
-from dasktrain.parallel.nvml import (
-    driver_view,
-    match_cuda_devices,
-    nvml_gpu,
-    nvml_read,
-)
-
-GPU_METRIC = 'dasktrain-gpus'  # the worker heartbeat's key for NVML readings
 JOB_LABELS = ('job_id', 'name', 'user')
-SUMMARY_KEYS = {'id', 'folder', 'name', 'user', 'gpus', 'workers', 'epochs',
-                'submitted', 'state', 'held', 'started', 'ended', 'row',
-                'epoch_seconds'}
 
 
 def links(dashboard):
@@ -70,87 +31,6 @@ def links(dashboard):
     root = parts.path.rsplit('/', 1)[0]  # Dask's --dashboard-prefix stays
     return {'jobs page': urlunsplit(parts._replace(path=root + PATH)),
             'metrics': urlunsplit(parts._replace(path=root + '/metrics'))}
-
-
-# ------------------------------------------------------------ on a worker
-
-def gpu_readings(worker=None, env=None):
-    """NVML's readings of the GPUs this worker owns: its
-    ``CUDA_VISIBLE_DEVICES`` (ids or ``GPU-`` UUIDs), else all of them.
-
-    Returns
-    -------
-    list of dict
-        ``index``, ``uuid``, ``utilization`` (0-1), ``memory_used`` and
-        ``memory_total`` (bytes), ``temperature`` (Celsius), ``power``
-        (watts); a value NVML does not support on that GPU is None. Empty
-        without NVML or GPUs.
-    """
-    from distributed.diagnostics import nvml
-    try:
-        count = nvml.device_get_count()  # Dask's per-process NVML init
-    except Exception:  # a broken driver reads as no GPU, never an error
-        return []
-    if not count:
-        return []
-    import pynvml
-    own = env is None  # this process's: the CUDA driver can say which
-    env = os.environ if env is None else env
-    gpus = [nvml_gpu(pynvml, index) for index in range(count)]
-    if own and driver_view() is not None:
-        chosen = match_cuda_devices(gpus, uuids=driver_view())
-    elif 'CUDA_VISIBLE_DEVICES' in env:
-        chosen = match_cuda_devices(
-            gpus, entries=visible_gpus(env),
-            pci_order=env.get('CUDA_DEVICE_ORDER') == 'PCI_BUS_ID')
-    else:
-        chosen = gpus
-    readings = []
-    for gpu in chosen:
-        index, uuid, handle = gpu['index'], gpu['uuid'], gpu['handle']
-        util = nvml_read(pynvml.nvmlDeviceGetUtilizationRates, handle)
-        memory = nvml_read(pynvml.nvmlDeviceGetMemoryInfo, handle)
-        power = nvml_read(pynvml.nvmlDeviceGetPowerUsage, handle)  # mW
-        readings.append({
-            'index': index, 'uuid': uuid or '',
-            'utilization': None if util is None else util.gpu / 100,
-            'memory_used': None if memory is None else memory.used,
-            'memory_total': None if memory is None else memory.total,
-            'temperature': nvml_read(pynvml.nvmlDeviceGetTemperature, handle,
-                                 pynvml.NVML_TEMPERATURE_GPU),
-            'power': None if power is None else power / 1000})
-    return readings
-
-
-# --------------------------------------------------------- the scheduler
-
-class JobBoard(SchedulerPlugin):
-    """The latest summary of every job the scheduler has heard of.
-
-    Each event on :data:`~dasktrain.jobs.records.EVENTS` replaces the job's
-    summary whole (a summary is a job's complete state, so no event depends
-    on an earlier one); the jobs dir is read once at start for the jobs
-    queued or run before this scheduler.
-    """
-    name = 'dasktrain-job-board'
-
-    def __init__(self, jobs_dir=None):
-        self.jobs = {}
-        for job in list_jobs(jobs_dir):
-            try:
-                self.jobs[job.id] = job.summary()
-            except Exception as e:  # damaged: one row that says why
-                self.jobs[job.id] = job.damaged(e)
-
-    def log_event(self, topic, msg):
-        # Whole summaries only: a scrape must never fail on a stray event.
-        if topic == EVENTS and isinstance(msg, dict) and \
-                SUMMARY_KEYS <= msg.keys():
-            self.jobs[msg['id']] = msg
-
-    def summaries(self):
-        """Every job, oldest first."""
-        return sorted(self.jobs.values(), key=lambda j: j['submitted'])
 
 
 def _gauge(name, doc, labels=()):
@@ -303,39 +183,23 @@ class Collector:
 _installed = {}  # the collector on prometheus_client's registry, if any
 
 
-def dask_setup(server):
-    """Dask's preload hook, for a scheduler or a worker."""
-    from distributed import Scheduler
-    if not isinstance(server, Scheduler):
-        server.metrics[GPU_METRIC] = gpu_readings
-        # Its GPUs' ids and who uses them: what the queue's dispatcher
-        # hands out and keeps off (GPUs busy outside the queue).
-        server.metrics[USE_METRIC] = worker_use
-        return
+def register(scheduler, board):
+    """The :class:`Collector` of ``scheduler``'s ``board`` on
+    ``prometheus_client``'s registry. One registry per process: a later
+    scheduler here takes it over."""
     from prometheus_client import REGISTRY
-    board = JobBoard()
-    server.add_plugin(board)
-    queue = Dispatcher()  # the queue's order (its jobs come back by recover)
-    server.add_plugin(queue, name=queue.name)
-    if os.environ.get(SERVE_ENV) and os.geteuid() == 0:  # a shared cluster
-        owner = os.environ.get(OWNER_ENV, '')
-        server.add_plugin(FrontDoor(
-            os.environ[SERVE_ENV], int(owner) if owner.isdigit() else None,
-            gpu_use=cluster_use))
     collector = _installed.get('collector')
     if collector is None:
-        collector = _installed['collector'] = Collector(server, board)
+        collector = _installed['collector'] = Collector(scheduler, board)
         REGISTRY.register(collector)
-    # One registry per process: a later scheduler here takes it over.
-    collector.scheduler, collector.board = server, board
-    add_routes(server.http_application, board, queue)
+    collector.scheduler, collector.board = scheduler, board
+    return collector
 
 
-def dask_teardown(server):
-    from distributed import Scheduler
+def unregister(scheduler):
+    """Take ``scheduler``'s collector off the registry, if it is there."""
     collector = _installed.get('collector')
-    if isinstance(server, Scheduler) and collector is not None and \
-            collector.scheduler is server:
+    if collector is not None and collector.scheduler is scheduler:
         from prometheus_client import REGISTRY
         REGISTRY.unregister(collector)
         _installed.clear()
