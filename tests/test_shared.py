@@ -551,17 +551,62 @@ def test_root_reads_no_file_a_user_planted_in_their_outputs(lab):
     assert lab.run('bob', 'cancel', job_id)[0] == 0
 
 
-def test_scale_out_and_a_search_are_refused_in_one_line(lab):
+def test_scale_out_is_refused_in_one_line(lab):
     code, out, err = lab.run('bob', 'submit', '--gpus', '0', '--',
                              '--model', 'tiny', '--workers', '2')
     assert (code, out, err) == (1, '', f'dasktrain submit: error: '
                                        f'{NO_WORKERS}\n')
+
+
+def python_runs_as(lab, who):
+    """Whether this interpreter can run as ``who`` here (it may live
+    where another user cannot exec it, as under /root)."""
+    return subprocess.run(['runuser', '-u', lab.names[who], '--',
+                           sys.executable, '-c', 'pass'],
+                          capture_output=True).returncode == 0
+
+
+def test_a_search_is_jobs_of_the_shared_queue(lab):
+    # bob's study: each trial a job of the shared queue, his, in the
+    # queue's order with everyone's; the study's own files in his jobs
+    # dir, which his trials (run as him) write to.
+    data = lab.root / 'tune-data'  # where every user may read it
+    data.mkdir()
+    write_archive(data / 'a.tar.gz', make_batches(n_train=(40,) * 5,
+                                                  n_test=40, seed=6))
+    extract_archive(data / 'a.tar.gz', data)
+    mine = lab.homes['bob'] / 'jobs'
     space = lab.homes['bob'] / 'space.yaml'
     space.write_text('lr: {type: float, low: 0.001, high: 0.1}\n')
-    code, _, err = lab.run('bob', 'tune', '--space', str(space), '--',
-                           '--model', 'tiny')
-    assert code == 1 and err.count('\n') == 1
-    assert 'dasktrain tune needs a cluster of your own' in err
+    code, out, err = lab.run(
+        'bob', 'tune', '--space', str(space), '--trials', '2',
+        '--parallel', '1', '--gpus', '0', '--', '--model', 'tiny',
+        '--epochs', '1', '--batch-size', '40', '--train-size', '200',
+        '--test-size', '40', '--devices', 'cpu', '--data-dir', str(data),
+        timeout=300, DASKTRAIN_JOBS_DIR=str(mine),
+        preload='chainer,dasktrain.training.models,optuna,'
+                'optuna.storages.journal,yaml,dasktrain.tuning.study,'
+                'dasktrain.commands.tune,dasktrain.results')
+    assert code == 0, err
+    ids = [line.split()[3] for line in out.splitlines()
+           if line.startswith('trial ') and ': job ' in line]
+    assert len(ids) == 2, out
+    for job_id in ids:
+        spec = lab.job(job_id).spec()  # root's file, in the shared queue
+        assert (spec['user'], spec['uid']) == (lab.names['bob'],
+                                               lab.uid('bob'))
+        assert spec['child'] == 'dasktrain.tuning.trials'
+        assert spec['trial']['study'] == 'space'
+    study = mine / 'studies' / 'space' / 'study.json'
+    assert study.stat().st_uid == lab.uid('bob')
+    states = {lab.job(i).status()['state'] for i in ids}
+    if python_runs_as(lab, 'bob'):
+        assert states == {'finished'} and 'best: trial ' in out, out
+    else:  # the trials cannot start their program here: one line each
+        assert states == {'failed'}
+        assert all('cannot start' in (lab.job(i).status()['error'] or '')
+                   for i in ids)
+        assert 'best: none yet' in out
 
 
 def test_a_users_files_are_read_by_their_client_never_by_root(lab):

@@ -56,15 +56,6 @@ class Tune(Command):
             help='options of `dasktrain train` every trial shares, after --')
 
     def run(self, args):
-        from dasktrain.jobs.client.route import shared_queue
-        from dasktrain.jobs.job import JobError
-        if shared_queue(args.scheduler, args.jobs_dir) is not None:
-            raise JobError(
-                'dasktrain tune needs a cluster of your own: a search asks '
-                'Dask about its trials and keeps its study in the jobs dir, '
-                'and a shared cluster\'s users reach neither. Start one on '
-                'GPUs of your own (`dasktrain cluster start --port 0`), or '
-                'pass --scheduler and --jobs-dir')
         import optuna
 
         from dasktrain.results import trials_table
