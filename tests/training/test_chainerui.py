@@ -15,7 +15,7 @@ import requests
 from dasktrain.config import TrainConfig
 from dasktrain.run.train import train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAINERUI = ROOT / '.venv-chainerui' / 'bin' / 'chainerui'
 
 pytestmark = pytest.mark.skipif(

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -87,10 +88,11 @@ class Processes:
     @staticmethod
     def environ():
         """This environment with the test folders on PYTHONPATH."""
-        here = os.path.dirname(os.path.abspath(__file__))
+        tests = Path(__file__).resolve().parents[1]
+        folders = [tests] + sorted(p for p in tests.iterdir() if p.is_dir())
         return dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (here, os.path.join(here, 'gpu'),
-                        os.environ.get('PYTHONPATH')) if p))
+            [str(p) for p in folders] +
+            [p for p in (os.environ.get('PYTHONPATH'),) if p]))
 
     def close(self):
         for proc in self.procs:

@@ -21,7 +21,7 @@ import pytest
 
 from tests.children import child
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / 'bench' / 'chainermn_example' / 'train_mnist.py'
 SMALL = ['--epoch', '2', '--n-train', '256', '--n-test', '64',
          '--batchsize', '16', '--unit', '20']

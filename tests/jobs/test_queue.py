@@ -416,8 +416,11 @@ def test_cluster_start_limits_users_and_the_jobs_page_says_why(
                 return {j['id']: j for j in json.loads(r.read())['jobs']}
         # the page reads the job board (events) and the queue's last plan
         # (each second): both have caught up once the first's end is known
+        # and its worker's event that it runs has come
         wait_until(lambda: page()[second.id]['reason'] and
-                   page()[first.id]['end'], 60, 'a reason and an end')
+                   page()[first.id]['end'] and
+                   page()[first.id]['state'] == 'running', 60,
+                   'a reason, an end and the first running')
         jobs = page()
         assert jobs[second.id]['reason'] == (
             f'user limit reached ({current_user()} holds 1 of 1 GPU)')

@@ -71,7 +71,7 @@ def _gpu_script(monkeypatch):
     importable by the workers it starts (they inherit ``sys.path``)."""
     import importlib
     from pathlib import Path
-    bench = Path(__file__).resolve().parents[1] / 'bench'
+    bench = Path(__file__).resolve().parents[2] / 'bench'
     monkeypatch.syspath_prepend(str(bench))
     return importlib.import_module('gpu'), bench / 'gpu.py'
 

@@ -30,7 +30,7 @@ from dasktrain.cluster import connect, start_cluster, stop_cluster
 from dasktrain.jobs.client.submit import submit
 from dasktrain.jobs.worker.gpu_use import gpu_readings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / 'docs' / 'grafana'
 XSS = '<script>alert(1)</script>'
 GPU_FAMILIES = ('dasktrain_gpu_utilization_ratio',
