@@ -101,7 +101,7 @@ class Ranks(NamedTuple):
                               progress=False)
 
 
-def train(config=None, callbacks=(), client=None, **overrides):
+def train(config=None, callbacks=(), client=None, placed=None, **overrides):
     """Train as ``config`` says, where it says; return the summary.
 
     Parameters
@@ -116,6 +116,10 @@ def train(config=None, callbacks=(), client=None, **overrides):
     client : distributed.Client, optional
         The cluster of ``workers=N``; default: connect to
         ``config.scheduler``, else the recorded cluster.
+    placed : list, optional
+        For ``workers=N``: where a queue placed the ranks, ``[(worker
+        address, [GPU ids])]`` one per rank (its first attempt; default:
+        the first able workers, their free GPUs).
 
     Returns
     -------
@@ -152,10 +156,10 @@ def train(config=None, callbacks=(), client=None, **overrides):
         with local_device_workers(placement.devices, rank_threads(
                 placement.ranks, os.cpu_count())) as client:
             return _job(config, ranks, callbacks, client, progress)
-    return _job(config, None, callbacks, client, progress)
+    return _job(config, None, callbacks, client, progress, placed)
 
 
-def _job(config, ranks, callbacks, client, progress):
+def _job(config, ranks, callbacks, client, progress, placed=None):
     """Run the job's ranks on ``client``'s cluster (default:
     ``config.scheduler``'s, else the recorded one); ``ranks`` as decided
     (None: ``config.workers`` on that cluster, decided here)."""
@@ -169,10 +173,11 @@ def _job(config, ranks, callbacks, client, progress):
                              **({'source': CIFAR100}
                                 if config.dataset == 'cifar100' else {}))
         if client is not None:
-            return _drive(client, config, ranks, callbacks, progress)
+            return _drive(client, config, ranks, callbacks, progress, placed)
         with restore_default_scheduler(always=True):
             with connect(config.scheduler) as client:
-                return _drive(client, config, ranks, callbacks, progress)
+                return _drive(client, config, ranks, callbacks, progress,
+                              placed)
 
 
 def _send_files(client, config):
@@ -286,9 +291,10 @@ def _nccl_module():
     return nccl
 
 
-def _rank(config, name, rank, size, gpus):
-    """The task body of rank ``rank``: join the others, train, report."""
-    held = GpuPool.acquire(gpus) if gpus else []
+def _rank(config, name, rank, size, gpus, want=None):
+    """The task body of rank ``rank``: join the others, train, report;
+    ``want``: the GPU ids of its worker planned for it, if any."""
+    held = GpuPool.acquire(gpus, want=want) if gpus else []
     # The worker's free GPUs by their CUDA ordinals in this process.
     devices = place_devices(config.devices, [g.index for g in held]) \
         if held else config.devices or ('@numpy',)
@@ -341,9 +347,10 @@ def _relay(progress, callbacks):
     return relay
 
 
-def _drive(client, config, ranks, callbacks, progress):
+def _drive(client, config, ranks, callbacks, progress, placed=None):
     """Run the job's ranks until they end, again from the checkpoint after
-    a lost worker; the summary of rank 0."""
+    a lost worker; the summary of rank 0. ``placed``: where a queue placed
+    the ranks, for the first attempt."""
     _send_files(client, config)
     if ranks is None:  # decided here, once: the cluster's workers say
         ranks = Ranks(config.workers, gpus_per_rank(
@@ -354,14 +361,21 @@ def _drive(client, config, ranks, callbacks, progress):
     patience, attempt = config.collective_timeout, 0
     while True:
         attempt += 1
-        workers = _choose(client, ranks, wanted, minimum, patience)
+        alive = set(worker_info(client))
+        if attempt == 1 and placed and \
+                all(w in alive for w, _ in placed[:ranks.count]):
+            workers = [w for w, _ in placed[:ranks.count]]
+            want = [list(ids) for _, ids in placed[:ranks.count]]
+        else:
+            workers = _choose(client, ranks, wanted, minimum, patience)
+            want = [None] * len(workers)
         name = f'dasktrain-{job}-{attempt}'
         each = ranks.config(config, attempt)
         infos = worker_info(client)
         with Driver(client, name, _relay(progress, callbacks),
                     [f'rank{r}' for r in range(len(workers))]) as driver:
             driver.start(
-                _rank, [(each, name, r, len(workers), ranks.gpus)
+                _rank, [(each, name, r, len(workers), ranks.gpus, want[r])
                         for r in range(len(workers))],
                 workers, [rank_resources(ranks.gpus, infos[w])
                           for w in workers])

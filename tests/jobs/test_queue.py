@@ -10,11 +10,11 @@ import urllib.request
 
 import pytest
 from distributed import Client
-from test_cluster import Processes, wait_until
+from test_cluster import Processes, job_config, wait_until
 
 from dasktrain.cli import main
 from dasktrain.commands.jobs import estimate_words
-from dasktrain.jobs.client.submit import submit_command
+from dasktrain.jobs.client.submit import submit, submit_command
 from dasktrain.jobs.job import Job, JobError, current_user
 from dasktrain.jobs.request import parse_time
 from dasktrain.jobs.scheduler.dispatch import estimated_end, set_user_limit
@@ -80,6 +80,32 @@ def test_small_jobs_backfill_onto_gpus_the_big_one_cannot_use():
     # big needs 3 of w2's 4 at 500: one of the two free now is spare
     assert p.starts == [('s', 'w2', ['2'])]
     assert p.reasons['t'] == 'behind job big (first in line)'
+
+
+def test_a_job_across_workers_is_a_gang_in_the_same_order():
+    three = {w: {'gpus': ['0', '1'], 'cpus': 1} for w in ('w1', 'w2', 'w3')}
+    # two ranks of 2 GPUs: the two tightest workers that have them, at once
+    p = plan([q('gang', 2, ranks=2)], [run('r', 1, ['0'], worker='w2')],
+             three, now=0.0)
+    assert p.starts == [('gang', 'w1', ['0', '1']),
+                        ('gang', 'w3', ['0', '1'])]
+    # first in line, it waits for its ranks' workers; a later job that
+    # would delay them waits behind it, one known to end first backfills
+    running = [run('r1', 1, ['0'], worker='w1', end=100.0),
+               run('r2', 1, ['0'], worker='w2', end=200.0)]
+    queued = [q('gang', 2, ranks=2), q('late', 1), q('quick', 1, time=50.0)]
+    p = plan(queued, running, {w: three[w] for w in ('w1', 'w2')}, now=0.0)
+    assert p.reasons['gang'] == 'needs 2 workers with 2 GPUs free, 0 have'
+    assert p.reasons['late'] == 'behind job gang (first in line)'
+    assert p.starts == [('quick', 'w1', ['1'])]
+    assert p.estimates['gang']['start'] == 200.0
+    # a gang of CPU ranks takes a slot on each, and counts as its ranks'
+    # GPUs under a user limit
+    p = plan([q('cpus', 0, ranks=3)], [], three, now=0.0)
+    assert [w for _, w, _ in p.starts] == ['w1', 'w2', 'w3']
+    p = plan([q('gang', 1, ranks=2)], [], three, now=0.0,
+             max_gpus_per_user=1)
+    assert p.starts == [] and p.reasons['gang'].startswith('user limit')
 
 
 def test_estimated_starts_replay_the_rules_at_each_estimated_end():
@@ -217,6 +243,47 @@ def test_a_two_gpu_job_is_not_starved_by_a_stream_of_one_gpu_jobs(
         for job in (b, big, c, d):
             wait_until(lambda job=job: job.status()['state'] == 'finished',
                        30, f'{job.id} ends')
+
+
+@pytest.fixture(scope='module')
+def data_dir(make_cifar_dir):
+    return make_cifar_dir(100, 50, 7)
+
+
+def test_a_job_across_workers_waits_its_turn_as_a_gang(cluster, tmp_path,
+                                                       data_dir):
+    # Two workers of one CPU slot; one slot held: a job across both waits
+    # in the queue (no Dask task yet), and the job behind it waits too.
+    for _ in range(2):
+        cluster.worker(resources='CPU=1', nthreads=3)
+    jobs = tmp_path / 'jobs'
+    with Client(cluster.address) as client:
+        client.wait_for_workers(2)
+
+        def view(job):
+            return scheduler_answer([job.key], client).get(job.key, {})
+        hold = submit_command([sys.executable, '-c',
+                               'import time; time.sleep(300)'], cwd=tmp_path,
+                              client=client, path=jobs, name='hold')
+        wait_until(lambda: hold.status()['state'] == 'running', 60,
+                   'the first job runs')
+        gang = submit(job_config(data_dir, workers=2, epochs=1,
+                                 train_size=200, test_size=50), gpus=0,
+                      client=client, path=jobs)
+        after = submit_command([sys.executable, '-c', 'pass'], cwd=tmp_path,
+                               client=client, path=jobs, name='after')
+        wait_until(lambda: view(gang).get('reason') and
+                   view(after).get('reason'), 30, 'the queue\'s reasons')
+        assert view(gang)['task'] == 'held'
+        assert view(gang)['reason'] == \
+            'needs 2 workers with a CPU slot free, 1 have'
+        assert view(after)['reason'] == \
+            f'behind job {gang.id} (first in line)'
+        hold.cancel(client)
+        assert gang.result(timeout=180)['final']['epoch'] == 1
+        after.result(timeout=60)
+    assert gang.status()['started'] >= hold.status()['ended'] - 1.0
+    assert after.status()['started'] >= gang.status()['ended'] - 1.0
 
 
 def _table(jobs, capsys):

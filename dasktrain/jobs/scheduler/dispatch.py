@@ -12,9 +12,12 @@ resource, and where their heartbeats carry
 :func:`~dasktrain.jobs.scheduler.outside_use.busy_outside`: what
 ``dasktrain gpus`` shows), plans, and hands each job to start to Dask as
 one task (:func:`~dasktrain.jobs.worker.task.run_job`) on the planned
-worker, with the planned GPU ids. Its task holds the job's Dask resources as
-before, so a worker that dies under it has Dask rerun it elsewhere as
-before. The files are small and few (a lab's queue): reading them on the
+worker, with the planned GPU ids. A job across workers is a gang: it
+starts once its ranks' workers and GPUs are free at once; its task (the
+driver, holding no GPU) is told where they are, and the queue counts
+those GPUs as the job's until it ends. A task holds the job's Dask
+resources, so a worker that dies under it has Dask rerun it elsewhere.
+The files are small and few (a lab's queue): reading them on the
 scheduler's loop takes milliseconds. Nothing here is the only copy: the
 job files are, and a scheduler that restarts gets its jobs back from
 ``cluster start``'s recovery (:mod:`~dasktrain.jobs.scheduler.recovery`),
@@ -64,15 +67,8 @@ def queue(client, folder, spec):
     """Hand the job in ``folder`` (its ``job.json`` is ``spec``) to
     ``client``'s scheduler: held in the queue's order by its
     :class:`Dispatcher` (installed there if missing), which starts it as
-    one task. A job across workers holds no GPU itself (its ranks queue
-    for theirs as Dask tasks): it is handed to Dask at once."""
-    if not spec.get('workers'):
-        client.run_on_scheduler(enqueue, folder=str(folder))
-        return
-    from distributed import fire_and_forget
-    future = client.submit(run_job, str(folder), key=KEY_PREFIX + spec['id'],
-                           pure=False)
-    fire_and_forget(future)  # runs on after this client goes away
+    one task, a job across workers included."""
+    client.run_on_scheduler(enqueue, folder=str(folder))
 
 
 def set_user_limit(client, max_gpus_per_user):
@@ -126,9 +122,9 @@ def answer(dask_scheduler, keys):
 
 class Dispatcher(SchedulerPlugin):
     """The queue on the scheduler (see the module): ``folders`` {job id:
-    folder} of the jobs held, ``running`` {job id: (folder, worker, GPU
-    ids)} of those it started that may still hold their GPUs, ``view``
-    {job id: what it last decided about it}."""
+    folder} of the jobs held, ``running`` {job id: (folder, [(worker, GPU
+    ids)] of each rank)} of those it started that may still hold their
+    GPUs, ``view`` {job id: what it last decided about it}."""
     name = NAME
 
     def __init__(self, max_gpus_per_user=None):
@@ -190,8 +186,11 @@ class Dispatcher(SchedulerPlugin):
         self.view = view
         for job_id, why in decided.ends.items():
             self._end(job_id, why, now)
+        placed = {}  # a gang's ranks, in order
         for job_id, worker, gpus in decided.starts:
-            await self._start(job_id, worker, gpus, queued)
+            placed.setdefault(job_id, []).append((worker, gpus))
+        for job_id, ranks in placed.items():
+            await self._start(job_id, ranks, queued)
 
     def _queued(self):
         """The held jobs still queued, in submission order, as the planner
@@ -214,6 +213,7 @@ class Dispatcher(SchedulerPlugin):
                 states.setdefault(dep, _state(job.folder.parent / dep))
             queued.append({'id': job_id, 'user': spec.get('user', ''),
                            'gpus': spec['gpus'], 'after': after,
+                           'ranks': spec.get('workers'),
                            'after_any': bool(spec.get('after_any')),
                            'time': spec.get('time'),
                            'submitted': spec['submitted']})
@@ -222,7 +222,7 @@ class Dispatcher(SchedulerPlugin):
 
     def _running(self, now, workers):
         running = []
-        for job_id, (folder, worker, held) in list(self.running.items()):
+        for job_id, (folder, placed) in list(self.running.items()):
             job = Job(job_id, Path(folder))
             try:
                 spec, status = job.spec(), job.status()
@@ -235,7 +235,7 @@ class Dispatcher(SchedulerPlugin):
             # cancelled task is forgotten at once, its program may take
             # --grace seconds to stop), or its task failed, or its worker
             # is gone.
-            where = status.get('worker') or worker
+            where = status.get('worker') or placed[0][0]
             if over and (status['state'] in DONE or task is not None and
                          task.state == 'erred' or
                          where not in self.scheduler.workers):
@@ -243,19 +243,24 @@ class Dispatcher(SchedulerPlugin):
                 continue
             started = status.get('started')
             limit = spec.get('time_limit')
+            common = {
+                'id': job_id, 'user': spec.get('user', ''),
+                'gpus': spec['gpus'],
+                'end': estimated_end(job, spec, status, now),
+                'due': started + spec['time'] if started and spec.get('time')
+                else None,
+                'limit': started + limit if started and limit else None}
+            if spec.get('workers'):  # a gang: its ranks hold what it planned
+                running += [dict(common, worker=w, held=held, ranks=True)
+                            for w, held in placed]
+                continue
             ids = status.get('gpus') or []
             # Its GPUs as the worker names them, where the queue knows
             # those names; else as the queue planned them.
             known = workers.get(where, {}).get('gpus', ())
             if not ids or not set(ids) <= set(known):
-                ids = held
-            running.append({
-                'id': job_id, 'user': spec.get('user', ''),
-                'gpus': spec['gpus'], 'worker': where, 'held': ids,
-                'end': estimated_end(job, spec, status, now),
-                'due': started + spec['time'] if started and spec.get('time')
-                else None,
-                'limit': started + limit if started and limit else None})
+                ids = placed[0][1]
+            running.append(dict(common, worker=where, held=ids))
         return running
 
     def _workers(self):
@@ -298,8 +303,9 @@ class Dispatcher(SchedulerPlugin):
         end: the queue never hands them out twice."""
         others = []
         for address, ws in list(self.scheduler.workers.items()):
+            # a gang's ranks hold theirs as Dask tasks of the gang's own
             ours = sum(r['gpus'] for r in running if r['worker'] == address
-                       and self._task_on(r['id']) is ws)
+                       and (r.get('ranks') or self._task_on(r['id']) is ws))
             extra = int(ws.used_resources.get('GPU', 0)) - ours
             if extra <= 0:
                 continue
@@ -316,21 +322,29 @@ class Dispatcher(SchedulerPlugin):
         task = self.scheduler.tasks.get(KEY_PREFIX + job_id)
         return None if task is None else task.processing_on
 
-    async def _start(self, job_id, worker, gpus, queued):
+    async def _start(self, job_id, placed, queued):
+        """Hand the job to Dask as one task: on its planned worker with its
+        planned GPUs; a gang's (its driver's, holding no GPU) with where
+        its ranks go."""
         from distributed import fire_and_forget
         folder = self.folders[job_id]
         job = next(j for j in queued if j['id'] == job_id)
         client = await self._client()
-        resources = {'GPU': job['gpus']} if job['gpus'] else {'CPU': 1}
-        future = client.submit(run_job, folder, gpus, key=KEY_PREFIX + job_id,
+        worker, gpus = placed[0]
+        if job.get('ranks'):
+            args, resources = (folder, None, placed), None
+        else:
+            args = (folder, gpus)
+            resources = {'GPU': job['gpus']} if job['gpus'] else {'CPU': 1}
+        future = client.submit(run_job, *args, key=KEY_PREFIX + job_id,
                                pure=False, workers=[worker],
                                allow_other_workers=True, resources=resources)
         fire_and_forget(future)  # runs on without this client's interest
         # Held until handed over: a failure above leaves it queued here.
         del self.folders[job_id]
-        self.running[job_id] = (folder, worker, gpus)
-        logger.info('dasktrain queue: %s starts on %s, GPUs %s', job_id,
-                    worker, ','.join(gpus) or 'none')
+        self.running[job_id] = (folder, placed)
+        logger.info('dasktrain queue: %s starts on %s', job_id, ', '.join(
+            f'{w} (GPUs {",".join(g) or "none"})' for w, g in placed))
 
     async def _client(self):
         if self.client is None:

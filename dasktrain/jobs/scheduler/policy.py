@@ -8,7 +8,10 @@ reservation (the worker where it can start soonest, given the running
 jobs' estimated ends) and a later, smaller job may start before it only
 where it cannot delay that reservation: on another worker, on GPUs of that
 worker the reserved job will not need, or when it is known to end (its
-``--time``) before the reservation begins. A job with dependencies
+``--time``) before the reservation begins. A job across workers (its
+``ranks``) is a gang: it starts when that many workers have its GPUs (or
+a CPU slot) free at once, one rank each, and is reserved the same way on
+the workers where its ranks can start soonest. A job with dependencies
 (``--after``) is not in line until they finished; one over its user's GPU
 limit waits without holding anyone up.
 
@@ -21,7 +24,8 @@ import math
 
 Plan = collections.namedtuple('Plan', 'starts reasons estimates ends')
 Plan.__doc__ = """What :func:`plan` decided: ``starts`` a list of
-``(job id, worker, [GPU ids])`` to start now, in order; ``reasons`` {job
+``(job id, worker, [GPU ids])`` to start now, in order (a gang: one per
+rank, in rank order); ``reasons`` {job
 id: why it waits}; ``estimates`` {job id: {'position', 'start'} for a
 queued job, {'end', 'overdue'} for a running one; None: unknown};
 ``ends`` {job id: why it must end now} (a dependency that can never be
@@ -36,8 +40,14 @@ def _plural(n, what):
 
 
 def _need(job):
-    """(GPUs, CPU slots) a job holds: a job of 0 GPUs takes a CPU slot."""
+    """(GPUs, CPU slots) a job holds (each rank of a gang): a job of 0
+    GPUs takes a CPU slot."""
     return (job['gpus'], 0) if job['gpus'] else (0, 1)
+
+
+def _ranks(job):
+    """The workers a job spans at once: its ``ranks`` (a gang), else 1."""
+    return job.get('ranks') or 1
 
 
 class _Pool:
@@ -48,23 +58,31 @@ class _Pool:
         self.gpus = {w: [g for g in workers[w].get('gpus', ())
                          if g not in busy.get(w, {})] for w in self.order}
         self.cpus = {w: workers[w].get('cpus', 0) for w in self.order}
+        self.offers = dict(self.cpus)
         for job in running:
             w = job['worker']
             if w not in self.gpus:
                 continue
             held = set(job.get('held') or ())
             self.gpus[w] = [g for g in self.gpus[w] if g not in held]
-            if not job['gpus']:
-                self.cpus[w] -= 1
+            self.cpus[w] -= self.slot(w, job)
+
+    def slot(self, w, job):
+        """The CPU slots ``job`` holds on ``w``: one for a job of no GPU;
+        none for a gang's rank on a worker that offers no slots (it runs
+        on one of the worker's threads, as its rank's task does)."""
+        if job['gpus'] or (job.get('ranks') and not self.offers[w]):
+            return 0
+        return 1
 
     def fits(self, w, job):
-        gpus, cpus = _need(job)
-        return len(self.gpus[w]) >= gpus and self.cpus[w] >= cpus
+        gpus, _ = _need(job)
+        return len(self.gpus[w]) >= gpus and self.cpus[w] >= self.slot(w, job)
 
     def take(self, w, job):
-        gpus, cpus = _need(job)
+        gpus, _ = _need(job)
         taken, self.gpus[w] = self.gpus[w][:gpus], self.gpus[w][gpus:]
-        self.cpus[w] -= cpus
+        self.cpus[w] -= self.slot(w, job)
         return taken
 
     def most_free(self, job):
@@ -74,11 +92,13 @@ class _Pool:
 
 
 def _reservation(job, pool, running, workers, busy, now):
-    """Where and when the first job in line can start: (worker, time, spare)
-    with ``spare`` the GPUs (or CPU slots) of that worker it will not need
-    then; time ``math.inf`` when no running job's end is known."""
+    """Where and when the first job in line can start: (time, {worker:
+    spare}) with ``spare`` the GPUs (or CPU slots) of that worker it will
+    not need then (one worker, or a gang's ``ranks``); time ``math.inf``
+    when no running job's end is known; None where it cannot start while
+    the GPUs outside the queue stay busy."""
     gpus, cpus = _need(job)
-    best = None
+    found = []
     for w in pool.order:
         usable = len([g for g in workers[w].get('gpus', ())
                       if g not in busy.get(w, {})]) if gpus else \
@@ -96,13 +116,13 @@ def _reservation(job, pool, running, workers, busy, now):
             when = _end(r, now)
         if free < max(gpus, cpus):
             continue
-        candidate = (when, -free, w)
-        if best is None or candidate < best:
-            best = candidate
-    if best is None:
+        found.append((when, -free, w))
+    found.sort()
+    if len(found) < _ranks(job):
         return None
-    when, free, w = best
-    return w, when, -free - max(gpus, cpus)
+    found = found[:_ranks(job)]
+    return max(when for when, _, _ in found), {
+        w: -free - max(gpus, cpus) for _, free, w in found}
 
 
 def _end(job, now):
@@ -111,9 +131,14 @@ def _end(job, now):
 
 
 def _wait_reason(job, pool, workers, busy):
-    """Why ``job``, which fits no worker now, waits: a busy GPU outside the
-    queue (by whom) where that is the difference, else the count."""
+    """Why ``job``, which fits no worker now (a gang: too few), waits: a
+    busy GPU outside the queue (by whom) where that is the difference,
+    else the count."""
     gpus, _ = _need(job)
+    if _ranks(job) > 1:
+        each = _plural(gpus, 'GPU') if gpus else 'a CPU slot'
+        able = sum(pool.fits(w, job) for w in pool.order)
+        return f'needs {_ranks(job)} workers with {each} free, {able} have'
     if not gpus:
         return 'needs a CPU slot, none free'
     for w in pool.order:
@@ -163,7 +188,7 @@ def _step(queued, running, workers, now, busy, limit, states):
             reasons[job['id']] = wait
             continue
         if limit is not None and job['gpus'] and \
-                held[job['user']] + job['gpus'] > limit:
+                held[job['user']] + job['gpus'] * _ranks(job) > limit:
             reasons[job['id']] = (f'user limit reached ({job["user"]} holds '
                                   f'{held[job["user"]]:g} of '
                                   f'{_plural(limit, "GPU")})')
@@ -171,23 +196,25 @@ def _step(queued, running, workers, now, busy, limit, states):
         able = [w for w in pool.order if pool.fits(w, job)]
         if first is not None:
             able = [w for w in able if _backfills(job, w, reserve, now)]
-        if able:
-            # the tightest fit keeps the larger holes for larger jobs
-            w = min(able, key=lambda w: (len(pool.gpus[w]), w))
-            if first is not None and reserve is not None and \
-                    w == reserve[0] and not _ends_before(job, reserve, now):
-                reserve = (w, reserve[1], reserve[2] - max(_need(job)))
-            gpus = pool.take(w, job)
-            held[job['user']] += job['gpus']
-            starts.append((job['id'], w, gpus))
-            running = running + [dict(job, worker=w, held=gpus,
-                                      end=_planned_end(job, now))]
+        if len(able) >= _ranks(job):
+            # the tightest fits keep the larger holes for larger jobs
+            for w in sorted(able, key=lambda w: (len(pool.gpus[w]), w))[
+                    :_ranks(job)]:
+                if first is not None and reserve is not None and \
+                        w in reserve[1] and \
+                        not _ends_before(job, reserve, now):
+                    reserve[1][w] -= max(_need(job))
+                gpus = pool.take(w, job)
+                held[job['user']] += job['gpus']
+                starts.append((job['id'], w, gpus))
+                running = running + [dict(job, worker=w, held=gpus,
+                                          end=_planned_end(job, now))]
             continue
         if first is None:
             first = job
             reserve = _reservation(job, pool, running, workers, busy, now)
             reasons[job['id']] = _wait_reason(job, pool, workers, busy)
-        elif any(pool.fits(w, job) for w in pool.order):
+        elif sum(pool.fits(w, job) for w in pool.order) >= _ranks(job):
             reasons[job['id']] = f'behind job {first["id"]} (first in line)'
         else:
             reasons[job['id']] = _wait_reason(job, pool, workers, busy)
@@ -201,8 +228,8 @@ def _planned_end(job, now):
 def _ends_before(job, reserve, now):
     # An unknown reservation time may be any moment (a running job of
     # unknown length can end now): nothing is known to end before it.
-    return job.get('time') is not None and reserve[1] != math.inf and \
-        now + job['time'] <= reserve[1]
+    return job.get('time') is not None and reserve[0] != math.inf and \
+        now + job['time'] <= reserve[0]
 
 
 def _backfills(job, w, reserve, now):
@@ -210,9 +237,10 @@ def _backfills(job, w, reserve, now):
     never delaying its reservation ``reserve`` (None: it can never start
     while the GPUs outside the queue stay busy, so nothing is held for
     it)."""
-    if reserve is None or w != reserve[0]:
+    if reserve is None or w not in reserve[1]:
         return True
-    return max(_need(job)) <= reserve[2] or _ends_before(job, reserve, now)
+    return max(_need(job)) <= reserve[1][w] or \
+        _ends_before(job, reserve, now)
 
 
 def plan(queued, running, workers, now, busy=None, max_gpus_per_user=None,
@@ -226,11 +254,13 @@ def plan(queued, running, workers, now, busy=None, max_gpus_per_user=None,
         The waiting jobs in submission order, each ``{'id', 'user',
         'gpus'}`` (0: one CPU slot) with optional ``'after'`` (job ids it
         starts after), ``'after_any'`` (True: after they ended in any
-        state, not only ``finished``) and ``'time'`` (seconds it is
-        expected to run: ``--time``; None: unknown).
+        state, not only ``finished``), ``'time'`` (seconds it is
+        expected to run: ``--time``; None: unknown) and ``'ranks'`` (a
+        gang: that many workers, ``gpus`` each, at once).
     running : list of dict
         The jobs that hold GPUs or CPU slots: ``{'id', 'user', 'gpus',
-        'worker', 'held'}`` (``held``: its GPU ids on ``worker``) with
+        'worker', 'held'}`` (``held``: its GPU ids on ``worker``; a gang
+        has one entry per worker) with
         optional ``'end'`` (estimated end, seconds since the epoch; None:
         unknown), ``'due'`` (``--time`` after its start: past it, it is
         overdue; without it, past its estimated end) and ``'limit'`` (a

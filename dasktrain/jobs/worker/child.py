@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dasktrain.config import TrainConfig
 from dasktrain.errors import Error
-from dasktrain.jobs.job import PRUNED, Pruned
+from dasktrain.jobs.job import PRUNED, RANKS_ENV, Pruned
 from dasktrain.parallel.gpus import VISIBLE, place_devices
 
 
@@ -53,9 +53,12 @@ def run_child(folder, callbacks=(), spec=None):
     if spec is None:
         spec = read_spec(folder)
     config = TrainConfig.from_json(json.dumps(spec['config']))
+    placed = None
     if config.workers is not None:
-        # Across workers each rank takes its worker's free GPUs itself.
+        # Across workers: its ranks where the queue placed them (each
+        # taking the GPUs planned for it on its worker).
         config = config.replace(scheduler=spec['scheduler'])
+        placed = json.loads(os.environ.get(RANKS_ENV) or 'null')
     from dasktrain.run.train import train  # Chainer: the child only
     try:
         if spec['gpus'] and config.workers is None:
@@ -63,7 +66,7 @@ def run_child(folder, callbacks=(), spec=None):
             config = config.replace(devices=place_devices(
                 config.devices, range(spec['gpus'])))
         _log_devices(config.devices if spec['gpus'] else None)
-        summary = train(config, callbacks=callbacks)
+        summary = train(config, callbacks=callbacks, placed=placed)
     except Pruned as e:
         print(f'pruned: {e}', flush=True)
         return PRUNED

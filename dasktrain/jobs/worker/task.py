@@ -31,6 +31,7 @@ from dasktrain.jobs.job import (
     CHILD,
     DONE,
     PRUNED,
+    RANKS_ENV,
     Job,
     JobError,
     update_status,
@@ -104,10 +105,12 @@ def job_children():
     return dict(_children)
 
 
-def run_job(folder, gpus=None):
+def run_job(folder, gpus=None, ranks=None):
     """The task body: one attempt of the job in ``folder``; the state it
     ended in. ``gpus``: the ids of this worker's GPUs the queue planned
-    for it (see :class:`~dasktrain.parallel.gpus.GpuPool`)."""
+    for it (see :class:`~dasktrain.parallel.gpus.GpuPool`); ``ranks``: a
+    job across workers, ``[(worker, [GPU ids])]`` where the queue placed
+    its ranks, told to its program (:data:`~dasktrain.jobs.job.RANKS_ENV`)."""
     from distributed import get_worker
     folder = Path(folder)
     job = Job(folder.name, folder)
@@ -134,12 +137,13 @@ def run_job(folder, gpus=None):
     held = GpuPool.acquire(spec['gpus'], want=gpus) \
         if spec['gpus'] and not spec.get('workers') else []
     try:
-        return _attempt(job, spec, status, program, user, held, worker)
+        return _attempt(job, spec, status, program, user, held, worker,
+                        ranks)
     finally:
         GpuPool.release(held)
 
 
-def _attempt(job, spec, status, program, user, held, worker):
+def _attempt(job, spec, status, program, user, held, worker, ranks):
     folder = job.folder
     ids = [g.id for g in held]  # the worker's CUDA_VISIBLE_DEVICES entries
     attempt = status['attempts'] + 1
@@ -150,6 +154,8 @@ def _attempt(job, spec, status, program, user, held, worker):
     env = job_environment(_recorded(folder), held, job_threads(
         os.sched_getaffinity(0), len(held), worker.state.total_resources),
         user)
+    if ranks:
+        env[RANKS_ENV] = json.dumps([[w, list(ids)] for w, ids in ranks])
     rows = job.log_rows()
     begins = f'resuming after epoch {rows[-1]["epoch"]}' if rows else \
         f'in {program.cwd}: {" ".join(program.argv)}' \
