@@ -144,10 +144,9 @@ def _read(folder, name):
     missing = [k for k in needs
                if not isinstance(data, dict) or k not in data]
     if name == 'job.json' and isinstance(data, dict) and \
-            'command' not in data:  # what it runs: a command, or a config
-        needs += ('config',)
-        missing += ['config'] if 'config' not in data else []
-    if not missing and 'config' in needs and not (
+            not {'command', 'config'} & set(data):  # nothing to run
+        missing.append('config')
+    if not missing and name == 'job.json' and 'config' in data and not (
             isinstance(data['config'], dict) and 'epochs' in data['config']):
         missing = ['config.epochs']
     if missing:

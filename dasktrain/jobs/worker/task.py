@@ -118,8 +118,9 @@ def run_job(folder, gpus=None, ranks=None):
     status = json.loads((folder / 'status.json').read_text())
     if (folder / 'cancel').exists() or status['state'] in DONE:
         return status['state']
-    if status['state'] == 'running' and \
-            not spec.get('requeue', 'command' not in spec):
+    # (A folder of an earlier version without `requeue` is a training
+    # job's: it resumed from its checkpoint.)
+    if status['state'] == 'running' and not spec.get('requeue', True):
         # The attempt before never ended: its worker died under it.
         update_status(folder, state='lost', ended=time.time(),
                       error=f'its worker ({status["worker"]}) died while it '
