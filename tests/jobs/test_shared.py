@@ -312,6 +312,15 @@ class Lab:
     def job(self, job_id):
         return Job(job_id, self.where.jobs / job_id)
 
+    def data(self, name, seed):
+        """A small CIFAR data dir where every user may read it."""
+        data = self.root / name
+        data.mkdir()
+        write_archive(data / 'a.tar.gz', make_batches(n_train=(40,) * 5,
+                                                      n_test=40, seed=seed))
+        extract_archive(data / 'a.tar.gz', data)
+        return data
+
     def wait_for(self, job_id, states=ENDS, timeout=60):
         job = self.job(job_id)
         wait_until(lambda: job.status()['state'] in states, timeout,
@@ -570,11 +579,7 @@ def test_a_search_is_jobs_of_the_shared_queue(lab):
     # bob's study: each trial a job of the shared queue, his, in the
     # queue's order with everyone's; the study's own files in his jobs
     # dir, which his trials (run as him) write to.
-    data = lab.root / 'tune-data'  # where every user may read it
-    data.mkdir()
-    write_archive(data / 'a.tar.gz', make_batches(n_train=(40,) * 5,
-                                                  n_test=40, seed=6))
-    extract_archive(data / 'a.tar.gz', data)
+    data = lab.data('tune-data', seed=6)
     mine = lab.homes['bob'] / 'jobs'
     space = lab.homes['bob'] / 'space.yaml'
     space.write_text('lr: {type: float, low: 0.001, high: 0.1}\n')
@@ -632,11 +637,7 @@ def test_a_users_files_are_read_by_their_client_never_by_root(lab):
 
 
 def test_a_training_job_through_the_shared_queue(lab):
-    data = lab.root / 'data'  # where every user may read it
-    data.mkdir()
-    write_archive(data / 'a.tar.gz', make_batches(n_train=(40,) * 5,
-                                                  n_test=40, seed=5))
-    extract_archive(data / 'a.tar.gz', data)
+    data = lab.data('data', seed=5)
     net = lab.root / 'net.py'
     net.write_text('import chainer, chainer.links as L\n'
                    'class Net(chainer.Chain):\n'
