@@ -5,14 +5,14 @@ VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
 # auto: CuPy for the NVIDIA driver's CUDA version (nvidia-smi), none without
-# one; or none, 12, 13 (dasktrain/cuda_extra.py decides, tests hold it).
+# one; or none, 12, 13 (tools/cuda_extra.py decides, tests hold it).
 CUDA ?= auto
 BIN := $(VENV)/bin
 
 comma := ,
-CUDA_EXTRA := $(shell $(PYTHON) -I dasktrain/cuda_extra.py $(CUDA) || echo FAILED)
+CUDA_EXTRA := $(shell $(PYTHON) -I tools/cuda_extra.py $(CUDA) || echo FAILED)
 ifneq ($(filter-out cuda12 cuda13 none,$(CUDA_EXTRA)),)
-$(error CUDA=$(CUDA): `$(PYTHON) -I dasktrain/cuda_extra.py $(CUDA)` failed; CUDA is auto, none, 12 or 13)
+$(error CUDA=$(CUDA): `$(PYTHON) -I tools/cuda_extra.py $(CUDA)` failed; CUDA is auto, none, 12 or 13)
 endif
 EXTRAS := test$(if $(filter none,$(CUDA_EXTRA)),,$(comma)$(CUDA_EXTRA))
 # One stamp per extra: choosing another CUDA installs again.
@@ -34,7 +34,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
-	@$(PYTHON) -I dasktrain/cuda_extra.py --explain $(CUDA)
+	@$(PYTHON) -I tools/cuda_extra.py --explain $(CUDA)
 	@echo 'make install: $(VENV) with dasktrain[$(EXTRAS)] and its' \
 	  'dependencies (Chainer 7.8.1 built from its sdist, Dask, NumPy,' \
 	  'Optuna...): a few minutes on a fresh machine, quiet meanwhile'
@@ -55,7 +55,7 @@ SHARED_PYTHON ?=
 SHARED_SPEC := .$(if $(filter none,$(CUDA_EXTRA)),,[$(CUDA_EXTRA)])
 
 install-shared:
-	@$(PYTHON) -I dasktrain/cuda_extra.py --explain $(CUDA)
+	@$(PYTHON) -I tools/cuda_extra.py --explain $(CUDA)
 	@set -e; umask 022; \
 	python=$${SHARED_PYTHON:-$$($(PYTHON) -I dasktrain/everyone.py python \
 	  $(PYTHON) /usr/bin/python3 /usr/local/bin/python3)}; \
@@ -116,7 +116,7 @@ gpu-check: $(STAMP)
 # Every notebook at its default (full CIFAR-10) size; executed copies and
 # their figures go to notebooks/executed/ (ignored by git).
 notebooks: $(STAMP)
-	$(BIN)/python -m dasktrain.nbrun --out notebooks/executed notebooks/*.ipynb
+	$(BIN)/python tools/nbrun.py --out notebooks/executed notebooks/*.ipynb
 
 chainerui-env: $(CHAINERUI_VENV)/.installed
 

@@ -11,7 +11,7 @@ size instead.
 With ``--commit`` the executed notebooks replace those in ``notebooks/``,
 each with a note first saying where and on what it ran: the committed
 notebooks show their tables and figures before anyone runs them (running
-one again starts from its source: ``dasktrain.nbrun.clean``).
+one again starts from its source: ``tools/nbrun.py``'s ``clean``).
 """
 import argparse
 import sys
@@ -22,7 +22,9 @@ from pathlib import Path
 from dasktrain.bench import machine, synthetic_cifar10
 from dasktrain.errors import UserError
 from dasktrain.files import atomic_write
-from dasktrain.nbrun import run_notebook
+
+sys.path.append(str(Path(__file__).resolve().parent.parent / 'tools'))
+from nbrun import run_notebook
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / 'notebooks'
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from nbrun import clean, run_notebook  # tools/nbrun.py
 
 from dasktrain.files import repository_path
-from dasktrain.nbrun import clean, run_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))

@@ -31,7 +31,7 @@ from cifar_fixture import make_batches, write_archive  # noqa: E402
 
 from dasktrain.config import TrainConfig  # noqa: E402
 from dasktrain.data import extract_archive  # noqa: E402
-from dasktrain.launch import train  # noqa: E402
+from dasktrain.run.train import train  # noqa: E402
 
 
 def free_port():
@@ -173,7 +173,7 @@ def main(png):
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(30)
-    print(png)  # noqa: T201  (a command: it says what it wrote)
+    print(png)
 
 
 if __name__ == '__main__':

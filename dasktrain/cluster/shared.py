@@ -10,7 +10,7 @@ path               mode       what
 ``cluster.json``   root 0644  the public record: the front door's socket,
                               the cluster's owner, addresses for display
 ``queue.sock``     0666       the front door (served by the scheduler,
-                              :mod:`dasktrain.jobs.frontdoor`)
+                              :mod:`dasktrain.jobs.scheduler.socket_server`)
 ``jobs/``          root 0711  job folders: traversable, not listable
 ``private/``       root 0700  the cluster's own record (pids, settings),
                               its TLS keys (0600), logs, worker space

@@ -93,7 +93,7 @@ class Ctl(Command):
         add_jobs_dir(parser)
 
     def run(self, args):
-        from dasktrain.jobs.records import JobError
+        from dasktrain.jobs.job import JobError
         from dasktrain.training import commandfile as steering
         try:
             schedule = parse_at(args.at) if args.at else None
@@ -143,8 +143,8 @@ class Ctl(Command):
         job's folder, or a job id (JobError where there is none, or the
         job is someone else's)."""
         from dasktrain.jobs import current_user
-        from dasktrain.jobs.door import find
-        from dasktrain.jobs.records import Job, JobError
+        from dasktrain.jobs.client.route import find
+        from dasktrain.jobs.job import Job, JobError
         path = Path(target)
         if path.is_dir() and not (path / 'job.json').exists():
             return path, None
@@ -160,7 +160,7 @@ class Ctl(Command):
     def check_running(out, job, name, schedule):
         """Refuse (JobError) a command no run can take now; the callable
         saying why the run can no longer answer, while waiting."""
-        from dasktrain.jobs.records import DONE, JobError
+        from dasktrain.jobs.job import DONE, JobError
         from dasktrain.training import commandfile as steering
         if job is not None:
             state = job.status()['state']
@@ -194,7 +194,7 @@ class Ctl(Command):
     def wait_end(job, timeout):
         """After a stop: the job's state once it ends (within
         ``timeout``)."""
-        from dasktrain.jobs.records import DONE
+        from dasktrain.jobs.job import DONE
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = job.status()

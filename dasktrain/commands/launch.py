@@ -1,5 +1,5 @@
 """``dasktrain launch -n N -- PROGRAM ARGS...``: a program as N ranks,
-the ``mpiexec`` of dasktrain (:mod:`dasktrain.launcher`); rank 0's output
+the ``mpiexec`` of dasktrain (:mod:`dasktrain.run.launch`); rank 0's output
 printed here as it comes."""
 import argparse
 import sys
@@ -44,7 +44,7 @@ class Launch(Command):
                             help='after --: the program and its arguments')
 
     def run(self, args):
-        from dasktrain.launcher import launch
+        from dasktrain.run.launch import launch
         if args.n < 1:
             args.command_parser.error(f'-n must be >= 1, got {args.n}')
         if args.timeout <= 0:

@@ -105,7 +105,7 @@ class Train(Command):
         add_arguments(parser)
 
     def run(self, args):
-        from dasktrain.launch import train
+        from dasktrain.run.train import train
         config = config_from_args(args)
         if config.resume:
             config = self.resumed(config, args)
@@ -135,7 +135,7 @@ class Train(Command):
     def curves(out):
         """OUT/curves.png, where matplotlib is installed."""
         try:
-            from dasktrain.report import save_curves
+            from dasktrain.results import save_curves
             path = save_curves(out)
         except ImportError:
             print('curves: `pip install matplotlib` (or dasktrain'

@@ -7,8 +7,7 @@ commands that steer a running run (ChainerUI's: their file
 ``commandfile``, when they act ``steering``, what they change
 ``hyperparams``, what the run does ``control``; ChainerUI's own
 extension across the ranks of a Trainer script:
-``commands_extension``). Where it runs is
-:mod:`dasktrain.launch`'s.
+``commands_extension``). Where it runs is :mod:`dasktrain.run.train`'s.
 
 Each name below imports its module (and Chainer) on first use.
 """

@@ -16,7 +16,7 @@ and goes on from a checkpoint written within an epoch.
 
 Owns the epochs, the metrics, early stopping and the log rows; may not
 decide where it runs (which process, which devices, how many ranks:
-:mod:`dasktrain.launch` decides, and calls :func:`run` on every rank).
+:mod:`dasktrain.run.train` decides, and calls :func:`run` on every rank).
 """
 import dataclasses
 import itertools

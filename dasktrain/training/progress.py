@@ -4,7 +4,7 @@ A tqdm bar per epoch on a terminal, one line per finished epoch, and the
 run's few lines for the user (where it trains, a warning). The caller
 chooses the display (``progress=True`` shows it); the loop only reports
 to it, so the same loop runs under a command, in a notebook, or as a rank
-whose display is the driver's (:mod:`dasktrain.launch` relays it).
+whose display is the driver's (:mod:`dasktrain.run.train` relays it).
 
 Owns the display; may not touch files.
 """

@@ -10,7 +10,7 @@ import numpy as np
 from gpu_marks import needs, needs_nccl
 from test_chainermn import launch
 
-RANKS = Path(__file__).resolve().parents[1] / 'chainermn_ranks'
+RANKS = Path(__file__).resolve().parents[1] / 'chainermn' / 'ranks'
 
 
 @needs(2)
