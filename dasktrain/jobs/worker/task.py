@@ -15,10 +15,11 @@ it, SIGKILL after its grace), and records the end: ``finished`` (exit
 0; a training program's :data:`~dasktrain.jobs.job.STOPPED` too, its
 ``ending`` 'stopped by request'), ``pruned`` (a training program's
 :data:`~dasktrain.jobs.job.PRUNED`), else ``failed``, with the training
-program's last line (its one-line error) or the exit in words. A job whose worker died under it runs again
-where it resumes by itself (a training job; a command with
-``requeue``), else ends ``lost``. Every change is announced to the
-scheduler (:meth:`~dasktrain.jobs.job.Job.announce`).
+program's last line (its one-line error) or the exit in words. A job
+whose worker died under it runs again where it resumes by itself (a
+training job; a command with ``requeue``), else ends ``lost``. Every
+change is announced to the scheduler
+(:meth:`~dasktrain.jobs.job.Job.announce`).
 """
 import json
 import os
