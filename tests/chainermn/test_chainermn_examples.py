@@ -9,8 +9,8 @@ The data is small and synthetic, in Chainer's dataset cache
 do not seed NumPy, so both runs get a ``sitecustomize`` that seeds it per
 rank. The ``mpiexec`` halves skip, saying why, where Open MPI or mpi4py is
 missing."""
-import json
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
