@@ -1,0 +1,310 @@
+"""Between machines without a second machine: `python bench/hosts.py`
+(as root, on Linux).
+
+Each "host" is a network namespace with one interface on one switch
+(``dasktrain/bench/netns.py``: veth pairs to a bridge, optionally shaped
+with ``tc`` to ``--rates``, both ways, as a switched Ethernet port), one
+Dask worker in each, the scheduler outside them; so every byte a rank
+sends to another crosses the kernel's network stack as it would cross a
+wire. In each setting, round by round, the order turned every round:
+
+* **all-reduce** of ``--mbytes`` of float32 (the seed network's 22.5 MB
+  of gradients), one rank per host: dasktrain's links sealed (the
+  default on a TLS cluster), dasktrain's plain links
+  (``DASKTRAIN_LINKS=tcp``), and Open MPI's ``Allreduce`` through mpi4py
+  over TCP (``--mca btl tcp,self``; one ``orted`` per namespace, as on
+  real hosts) between the same namespaces; each round's median, the
+  table the median of the rounds, each ratio the median of the rounds'
+  ratios (a noisy neighbour hits both sides of a ratio alike);
+* with ``--train``, a short **training** run of the seed network across
+  the hosts (``--train-hosts``): dg, dg with double buffering and float16
+  on the wire, ipm; and ChainerMN over Open MPI's TCP between the same
+  namespaces (``bench/chainer_example/train_cifar.py --chainermn``);
+  images/s from the second epoch on.
+
+Without root or ``ip`` it says why and exits 0; without Open MPI or mpi4py
+(``pip install -e .[mpi]``) the MPI rows say so. ``--json`` keeps every
+figure.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / 'chainer_example' / 'train_cifar.py'
+
+
+def _times(name, rank, size, n, iterations, plain, streams):
+    """On a worker: ``iterations`` timed all-reduces after a warm-up."""
+    from dasktrain.parallel.comm import DaskComm
+    with DaskComm.rendezvous(name, rank, size, timeout=120, plain=plain,
+                             streams=streams) as comm:
+        buf = np.ones(n, np.float32)
+        comm.allreduce([buf])  # the receive buffers, the first records
+        times = []
+        for _ in range(iterations):
+            comm.barrier()  # start together, as MPI's Barrier
+            began = time.perf_counter()
+            comm.allreduce([buf])
+            times.append(time.perf_counter() - began)
+        return times, comm.route, comm.sealed
+
+
+def dasktrain_allreduce(client, tag, n, iterations, plain, streams):
+    """Each all-reduce's time (the slowest rank's), s."""
+    workers = sorted(client.scheduler_info(n_workers=-1)['workers'])
+    got = client.gather([
+        client.submit(_times, tag, r, len(workers), n, iterations, plain,
+                      streams, workers=[w], pure=False)
+        for r, w in enumerate(workers)])
+    route = got[0][1]
+    if route != 'links' or got[0][2] == plain:
+        raise RuntimeError(f'the ranks took the {route} route, sealed '
+                           f'{got[0][2]}: not what was measured')
+    return [max(ts) for ts in zip(*(g[0] for g in got))]
+
+
+def mpi_allreduce(launcher, n, iterations):
+    """Open MPI's Allreduce times (s), or a reason string."""
+    from dasktrain.bench.allreduce import MPI_SCRIPT
+    if launcher is None:
+        return 'no Open MPI mpirun (apt-get install openmpi-bin)'
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return 'mpi4py is not installed (pip install -e .[mpi])'
+    done = subprocess.run(launcher + [sys.executable, '-c', MPI_SCRIPT,
+                                      str(n), str(iterations)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        return f'mpirun failed: {done.stderr.strip()[-300:]}'
+    return [float(t) for t in done.stdout.split()]
+
+
+def allreduce_rows(hosts_n, rate, args):
+    from dasktrain.bench.netns import Hosts, cluster, mpirun
+    from dasktrain.parallel.comm.links import traffic
+    n = int(args.mbytes * 1e6 / 4)
+    ways = ('sealed', 'plain', 'mpi')
+    got = {w: [] for w in ways}
+    with Hosts(hosts_n, rate=rate) as hosts, cluster(hosts) as client, \
+            mpirun(hosts) as launcher:
+        for r in range(args.rounds):
+            for way in ways if r % 2 == 0 else reversed(ways):
+                if way == 'mpi':
+                    t = mpi_allreduce(launcher, n, args.iterations)
+                else:
+                    t = dasktrain_allreduce(
+                        client, f'ar-{hosts_n}-{rate}-{r}-{way}', n,
+                        args.iterations, way == 'plain', args.streams)
+                got[way].append(t if isinstance(t, str) else
+                                statistics.median(t))
+                print(f'{hosts_n} hosts, {rate or "unshaped"}, round '
+                      f'{r + 1}, {way}: ' + (t if isinstance(t, str) else
+                      f'{1000 * got[way][-1]:.1f} ms'), file=sys.stderr,
+                      flush=True)
+    moved = traffic(n * 4, hosts_n) * 8 / 1e9  # Gbit per host
+    rows = {}
+    for way in ways:
+        if any(isinstance(t, str) for t in got[way]):
+            rows[way] = next(t for t in got[way] if isinstance(t, str))
+            continue
+        mid = statistics.median(got[way])
+        rows[way] = {'ms': 1000 * mid, 'gbit_per_host': moved / mid,
+                     'rounds_ms': [1000 * t for t in got[way]]}
+        if way != 'mpi' and isinstance(got['mpi'][0], float):
+            rows[way]['vs_mpi'] = statistics.median(
+                a / b for a, b in zip(got[way], got['mpi']))
+    return rows
+
+
+# ------------------------------------------------------------ training
+
+def _train_dasktrain(client, data, out, hosts_n, args, **options):
+    from dasktrain.config import TrainConfig
+    from dasktrain.launch import train
+    config = TrainConfig(
+        model='cifar10', batch_size=100, epochs=args.epochs,
+        train_size=args.train_size, test_size=args.test_size,
+        data_dir=str(data), augment='none', progress=False,
+        collective_timeout=600, workers=hosts_n, devices=('@numpy',),
+        out=str(out), **options)
+    log = train(config, client=client)['log']
+    later = log[1:] or log
+    return statistics.mean(r['images_per_sec'] for r in later)
+
+
+def _train_chainermn(launcher, data, out, args):
+    if launcher is None:
+        return 'no Open MPI mpirun'
+    done = subprocess.run(launcher + [
+        sys.executable, str(SCRIPT), '--data', str(data),
+        '--epoch', str(args.epochs), '--n-train', str(args.train_size),
+        '--n-test', str(args.test_size), '--out', str(out), '--chainermn'],
+        capture_output=True, text=True, timeout=3600)
+    found = re.search(r'throughput: ([\d.]+) images/s', done.stdout)
+    if done.returncode or not found:
+        return f'ChainerMN failed: {done.stderr.strip()[-300:]}'
+    return float(found.group(1))
+
+
+def train_rows(hosts_n, rate, args, work):
+    from dasktrain.bench import synthetic_cifar10
+    from dasktrain.bench.netns import Hosts, cluster, mpirun
+    batches = synthetic_cifar10(work / 'data', n_train=args.train_size,
+                                n_test=args.test_size)
+    ways = {
+        'dasktrain dg': {},
+        'dasktrain dg, double buffering, float16': dict(
+            double_buffering=True, comm_dtype='float16'),
+        f'dasktrain ipm, mix every {args.mix_every}': dict(
+            mode='ipm', mix_every=args.mix_every),
+        'ChainerMN over Open MPI (TCP)': None}
+    got = {w: [] for w in ways}
+    with Hosts(hosts_n, rate=rate) as hosts, cluster(hosts) as client, \
+            mpirun(hosts) as launcher:
+        for r in range(args.rounds):
+            for i, way in enumerate(ways if r % 2 == 0 else
+                                    reversed(list(ways))):
+                out = work / f'train-{hosts_n}-{rate}-{r}-{i}'
+                if ways[way] is None:
+                    rate_ = _train_chainermn(launcher, batches, out, args)
+                else:
+                    rate_ = _train_dasktrain(client, batches.parent, out,
+                                             hosts_n, args, **ways[way])
+                got[way].append(rate_)
+                print(f'train, {hosts_n} hosts, {rate or "unshaped"}, round '
+                      f'{r + 1}, {way}: {rate_}', file=sys.stderr, flush=True)
+    rows = {}
+    for way, rates in got.items():
+        bad = [x for x in rates if isinstance(x, str)]
+        rows[way] = bad[0] if bad else {'images_per_s': statistics.median(
+            rates), 'rounds': rates}
+    return rows
+
+
+# ------------------------------------------------------------ report
+
+def report(results, args, machine):
+    print(f'\nMachine: {machine}; load average {results["load"][0]:.1f} '
+          f'before, {results["load"][1]:.1f} after (2 or more on 2 cores: '
+          'other work ran beside it); every "host" a network namespace on one '
+          'switch (a bridge), one rank each; '
+          f'{args.rounds} interleaved rounds of {args.iterations} '
+          f'all-reduces of {args.mbytes:g} MB float32, medians; dasktrain '
+          f'with {args.streams} stream(s) each way\n')
+    print('| hosts | link | dasktrain sealed ms | plain ms | Open MPI TCP ms '
+          '| sealed vs MPI | plain vs MPI | Gbit/s per host (sealed / plain '
+          '/ MPI) |')
+    print('|---:|---|---:|---:|---:|---:|---:|---|')
+    for key, rows in results['allreduce'].items():
+        hosts_n, rate = key.split('/')
+        cells = []
+        for way in ('sealed', 'plain', 'mpi'):
+            row = rows[way]
+            cells.append(f'{row["ms"]:.1f}' if isinstance(row, dict) else
+                         row)
+        ratios = [f'{rows[w]["vs_mpi"]:.2f}x' if isinstance(rows[w], dict)
+                  and 'vs_mpi' in rows[w] else '' for w in ('sealed', 'plain')]
+        speeds = ' / '.join(f'{rows[w]["gbit_per_host"]:.2f}'
+                            if isinstance(rows[w], dict) else '-'
+                            for w in ('sealed', 'plain', 'mpi'))
+        print(f'| {hosts_n} | {rate} | {" | ".join(cells)} | '
+              f'{" | ".join(ratios)} | {speeds} |')
+    per_host = {}
+    for key, rows in results['allreduce'].items():
+        hosts_n, rate = key.split('/')
+        per_host.setdefault(rate, {})[int(hosts_n)] = rows
+    lines = []
+    for rate, by_n in per_host.items():
+        if 2 in by_n and 4 in by_n:
+            for way in ('sealed', 'plain', 'mpi'):
+                a, b = by_n[2][way], by_n[4][way]
+                if isinstance(a, dict) and isinstance(b, dict):
+                    ratio = b['gbit_per_host'] / a['gbit_per_host']
+                    lines.append(f'| {rate} | {way} | {ratio:.2f}x |')
+    if lines:
+        print('\n| link | path | 4 hosts vs 2, throughput per host |')
+        print('|---|---|---:|')
+        print('\n'.join(lines))
+    if results.get('train'):
+        print(f'\nTraining, seed network, batch 100 per rank, '
+              f'{args.epochs} epochs of {args.train_size} synthetic images, '
+              'images/s from epoch 2, medians:\n')
+        print('| hosts | link | run | images/s |')
+        print('|---:|---|---|---:|')
+        for key, rows in results['train'].items():
+            hosts_n, rate = key.split('/')
+            for way, row in rows.items():
+                value = f'{row["images_per_s"]:.1f}' if isinstance(
+                    row, dict) else row
+                print(f'| {hosts_n} | {rate} | {way} | {value} |')
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--hosts', default='2,4',
+                        help='host counts (default: %(default)s)')
+    parser.add_argument('--rates', default='none,10gbit,1gbit',
+                        help="each port's rate, 'none' unshaped (default: "
+                             '%(default)s)')
+    parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--iterations', type=int, default=10)
+    parser.add_argument('--mbytes', type=float, default=22.5)
+    parser.add_argument('--streams', type=int, default=None,
+                        help="dasktrain's streams each way (default: its "
+                             'own)')
+    parser.add_argument('--train', action='store_true',
+                        help='also the training runs')
+    parser.add_argument('--train-hosts', type=int, default=2)
+    parser.add_argument('--train-rates', default='none')
+    parser.add_argument('--epochs', type=int, default=3)
+    parser.add_argument('--train-size', type=int, default=2000)
+    parser.add_argument('--test-size', type=int, default=500)
+    parser.add_argument('--mix-every', type=int, default=10)
+    parser.add_argument('--json', type=Path, default=None)
+    args = parser.parse_args(argv)
+    from dasktrain.bench import machine
+    from dasktrain.bench.netns import unavailable
+    from dasktrain.parallel.comm.links import STREAMS
+    why = unavailable()
+    if why:
+        print(f'skipped: {why}')
+        return 0
+    args.streams = args.streams or STREAMS
+    rates = [None if r == 'none' else r for r in args.rates.split(',')]
+    results = {'machine': machine(), 'args': vars(args) | {'json': None},
+               'allreduce': {}, 'train': {}, 'load': [os.getloadavg()[0]]}
+    for rate in rates:
+        for hosts_n in (int(h) for h in args.hosts.split(',')):
+            results['allreduce'][f'{hosts_n}/{rate or "unshaped"}'] = \
+                allreduce_rows(hosts_n, rate, args)
+    if args.train:
+        work = Path(tempfile.mkdtemp(prefix='dasktrain-hosts-'))
+        try:
+            for rate in args.train_rates.split(','):
+                rate = None if rate == 'none' else rate
+                results['train'][f'{args.train_hosts}/{rate or "unshaped"}'] \
+                    = train_rows(args.train_hosts, rate, args, work)
+        finally:
+            import shutil
+            shutil.rmtree(work, ignore_errors=True)
+    results['load'].append(os.getloadavg()[0])
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    report(results, args, results['machine'])
+    return 0
+
+
+if __name__ == '__main__':
+    os.environ.setdefault('PYTHONUNBUFFERED', '1')
+    sys.exit(main())
