@@ -227,6 +227,30 @@ class Hosts:
         self.close()
 
 
+class Loopback:
+    """``n`` "hosts" as addresses of the loopback interface
+    (``127.0.0.2`` up): ranks that listen on different ones take the
+    routes between hosts (links), all inside this namespace. No root
+    needed; nothing shaped (the tests' stand-in for :class:`Hosts`).
+    """
+
+    def __init__(self, n):
+        if not isinstance(n, int) or not 1 <= n <= 250:
+            raise ValueError(f'n must be an int from 1 to 250, got {n!r}')
+        self.n = n
+        self.addresses = [f'127.0.0.{k + 2}' for k in range(n)]
+        self.root_address = '127.0.0.1'
+
+    def command(self, k, argv):
+        return list(argv)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
 def _python(module, *args):
     import sys
     return [sys.executable, '-m', module, *args]
@@ -235,8 +259,8 @@ def _python(module, *args):
 @contextlib.contextmanager
 def cluster(hosts, per_host=1, blas_threads=1, tls=True, env=None,
             timeout=120.0):
-    """A Client to a Dask cluster across ``hosts`` (a :class:`Hosts`
-    entered): the scheduler in this namespace on
+    """A Client to a Dask cluster across ``hosts`` (a :class:`Hosts` or
+    :class:`Loopback`, entered): the scheduler in this namespace on
     ``hosts.root_address``, ``per_host`` single-threaded workers in each
     host's namespace listening on its address (so their ranks' links
     cross the switch), TLS with throwaway certificates unless ``tls`` is

@@ -35,6 +35,7 @@ GPU arrays are copied to the host and back here (each with its own device
 current); NCCL is :mod:`~dasktrain.parallel.comm.nccl`'s.
 """
 import asyncio
+import os
 import threading
 import time
 
@@ -50,6 +51,7 @@ from dasktrain.parallel.comm.base import (
 )
 from dasktrain.parallel.comm.links import STREAMS, plain_asked
 from dasktrain.parallel.comm.links import connect as link
+from dasktrain.parallel.comm.rendezvous import SHARED_MEMORY
 from dasktrain.parallel.comm.shm import SharedMemoryReducer
 
 
@@ -150,7 +152,7 @@ class DaskComm(Communicator):
 
     @classmethod
     def rendezvous(cls, name, rank, size, timeout=300.0, client=None,
-                   listen_host=None, security=None, shared_memory=True,
+                   listen_host=None, security=None, shared_memory=None,
                    plain=None, streams=STREAMS):
         """Meet the other ranks of job attempt ``name`` and connect to all.
 
@@ -158,7 +160,8 @@ class DaskComm(Communicator):
         Dask Variable ``{name}/rank{r}``; a rank dials every lower rank.
         Raises CollectiveError after ``timeout`` seconds without them all.
         Then the routes of the arrays (see the module): with
-        ``shared_memory`` the ranks of one host sum through it; the
+        ``shared_memory`` (default: unless ``DASKTRAIN_SHARED_MEMORY=0``
+        in the environment) the ranks of one host sum through it; the
         hosts' leaders open ``streams`` links each way to each other,
         sealed where the comms use TLS unless every rank asks for
         ``plain`` ones (default: ``DASKTRAIN_LINKS=tcp`` in its
@@ -228,6 +231,8 @@ class DaskComm(Communicator):
                     raise CollectiveError(
                         f'ranks {missing} did not connect within {timeout:g}'
                         ' s (collective_timeout)') from None
+            if shared_memory is None:
+                shared_memory = os.environ.get(SHARED_MEMORY, '1') != '0'
             if size > 1:
                 host = get_address_host(listener.contact_address)
                 self._routes(host, shared_memory, plain_asked() if plain is

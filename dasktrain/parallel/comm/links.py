@@ -36,6 +36,7 @@ slot, handed out over the comms as the keys are.
 Every wait is bounded by the collective timeout; any failure closes every
 link, so peers fail at once instead of waiting for it.
 """
+import contextlib
 import hashlib
 import hmac
 import os
@@ -241,6 +242,10 @@ class _Call:
         self.cond = threading.Condition()
         self.arrived, self.summed = {}, set()
         self.left, self.error = jobs, None
+        self.heads = 0  # headers sent
+
+    def head(self):
+        self.heads += 1
 
     def arrive(self, key):
         self.arrived[key] = self.arrived.get(key, 0) + 1
@@ -408,6 +413,7 @@ class Links:
 
         def job():
             stream.send(header)
+            call.mark(call.head)
             for n, (f, parts, mine, _) in enumerate(plan):
                 for a, b in records(*parts[k], f.itemsize)[i::streams]:
                     stream.send(f[a:b])
@@ -429,6 +435,12 @@ class Links:
             theirs = bytearray(HEADER.size)
             stream.recv_into(theirs)
             if bytes(theirs) != header:
+                # Every peer reads this rank's header before the links
+                # close: each says what is out of step, not that a link
+                # was lost.
+                with contextlib.suppress(CollectiveError):
+                    call.wait(lambda: call.heads == len(self._out) * streams,
+                              time.monotonic() + 2.0, 'the headers')
                 raise _out_of_step(peer, self.rank, HEADER.unpack(theirs),
                                    HEADER.unpack(header))
             for n, (f, parts, mine, scratch) in enumerate(plan):
