@@ -117,7 +117,10 @@ def local_workers(n, blas_threads=1, dashboard=True, method=None):
                 config), LocalCluster(
                 n_workers=n, threads_per_worker=1, processes=True,
                 host='127.0.0.1',
-                dashboard_address='127.0.0.1:0' if dashboard else None,
+                # Without a dashboard the scheduler still serves /health:
+                # on a free port, not 8787's (a warning when taken).
+                dashboard_address='127.0.0.1:0',
+                scheduler_kwargs=None if dashboard else {'dashboard': False},
                 security=True, env=env,
                 preload=['dasktrain.cluster.calm']) as cluster:
             with Client(cluster, set_as_default=False) as client:
