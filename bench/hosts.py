@@ -12,10 +12,16 @@ wire. In each setting, round by round, the order turned every round:
   of gradients), one rank per host: dasktrain's links sealed (the
   default on a TLS cluster), dasktrain's plain links
   (``DASKTRAIN_LINKS=tcp``), and Open MPI's ``Allreduce`` through mpi4py
-  over TCP (``--mca btl tcp,self``; one ``orted`` per namespace, as on
-  real hosts) between the same namespaces; each round's median, the
-  table the median of the rounds, each ratio the median of the rounds'
-  ratios (a noisy neighbour hits both sides of a ratio alike);
+  over TCP (``--mca btl tcp,self``; one ``orted`` per namespace in a
+  session of its own, as each host's Dask worker) between the same
+  namespaces, as it comes and with ``mpi_yield_when_idle`` (Open MPI
+  spins while it waits, which a busy machine punishes); each round's
+  median, the table the median of the rounds, each ratio the median of
+  the rounds' ratios to MPI's better way that round (a noisy neighbour
+  hits both sides of a ratio alike);
+* with ``--choices``, what each choice of the links buys (streams,
+  record size, sealing, and with ``--before DIR`` the previous version's
+  Dask comms, its workers importing DIR);
 * with ``--train``, a short **training** run of the seed network across
   the hosts (``--train-hosts``): dg, dg with double buffering and float16
   on the wire, ipm; and ChainerMN over Open MPI's TCP between the same
@@ -43,11 +49,20 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / 'chainer_example' / 'train_cifar.py'
 
 
-def _times(name, rank, size, n, iterations, plain, streams):
-    """On a worker: ``iterations`` timed all-reduces after a warm-up."""
+def _times(name, rank, size, n, iterations, plain, streams, record=None):
+    """On a worker: ``iterations`` timed all-reduces after a warm-up.
+    ``record``: the links' record size (bytes) for this run, to measure
+    what it buys; ``streams`` None: the previous version's Dask comms
+    (``--before``)."""
     from dasktrain.parallel.comm import DaskComm
-    with DaskComm.rendezvous(name, rank, size, timeout=120, plain=plain,
-                             streams=streams) as comm:
+    if streams is None:  # the code before links: Dask's comms
+        options = dict(shared_memory=False)
+    else:
+        options = dict(plain=plain, streams=streams)
+        from dasktrain.parallel.comm import links
+        links.RECORD = record or links.DEFAULT_RECORD
+    with DaskComm.rendezvous(name, rank, size, timeout=120,
+                             **options) as comm:
         buf = np.ones(n, np.float32)
         comm.allreduce([buf])  # the receive buffers, the first records
         times = []
@@ -56,25 +71,28 @@ def _times(name, rank, size, n, iterations, plain, streams):
             began = time.perf_counter()
             comm.allreduce([buf])
             times.append(time.perf_counter() - began)
-        return times, comm.route, comm.sealed
+        return times, getattr(comm, 'route', 'dask'), \
+            getattr(comm, 'sealed', None)
 
 
-def dasktrain_allreduce(client, tag, n, iterations, plain, streams):
+def dasktrain_allreduce(client, tag, n, iterations, plain, streams,
+                        record=None):
     """Each all-reduce's time (the slowest rank's), s."""
     workers = sorted(client.scheduler_info(n_workers=-1)['workers'])
     got = client.gather([
         client.submit(_times, tag, r, len(workers), n, iterations, plain,
-                      streams, workers=[w], pure=False)
+                      streams, record, workers=[w], pure=False)
         for r, w in enumerate(workers)])
     route = got[0][1]
-    if route != 'links' or got[0][2] == plain:
+    if streams is not None and (route != 'links' or got[0][2] == plain):
         raise RuntimeError(f'the ranks took the {route} route, sealed '
                            f'{got[0][2]}: not what was measured')
     return [max(ts) for ts in zip(*(g[0] for g in got))]
 
 
-def mpi_allreduce(launcher, n, iterations):
-    """Open MPI's Allreduce times (s), or a reason string."""
+def mpi_allreduce(launcher, n, iterations, extra=()):
+    """Open MPI's Allreduce times (s), or a reason string; ``extra``: more
+    of mpirun's options."""
     from dasktrain.bench.allreduce import MPI_SCRIPT
     if launcher is None:
         return 'no Open MPI mpirun (apt-get install openmpi-bin)'
@@ -82,8 +100,8 @@ def mpi_allreduce(launcher, n, iterations):
         import mpi4py  # noqa: F401
     except ImportError:
         return 'mpi4py is not installed (pip install -e .[mpi])'
-    done = subprocess.run(launcher + [sys.executable, '-c', MPI_SCRIPT,
-                                      str(n), str(iterations)],
+    done = subprocess.run(launcher[:1] + list(extra) + launcher[1:] + [
+        sys.executable, '-c', MPI_SCRIPT, str(n), str(iterations)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode:
         return f'mpirun failed: {done.stderr.strip()[-300:]}'
@@ -94,14 +112,20 @@ def allreduce_rows(hosts_n, rate, args):
     from dasktrain.bench.netns import Hosts, cluster, mpirun
     from dasktrain.parallel.comm.links import traffic
     n = int(args.mbytes * 1e6 / 4)
-    ways = ('sealed', 'plain', 'mpi')
+    ways = ('sealed', 'plain', 'mpi', 'mpi-yield')
     got = {w: [] for w in ways}
     with Hosts(hosts_n, rate=rate) as hosts, cluster(hosts) as client, \
             mpirun(hosts) as launcher:
         for r in range(args.rounds):
             for way in ways if r % 2 == 0 else reversed(ways):
-                if way == 'mpi':
-                    t = mpi_allreduce(launcher, n, args.iterations)
+                if way.startswith('mpi'):
+                    extra = ('--mca', 'mpi_yield_when_idle', '1') \
+                        if way == 'mpi-yield' else ()
+                    for _ in range(3):  # orted sometimes fails to wire up
+                        t = mpi_allreduce(launcher, n, args.iterations,
+                                          extra)
+                        if not isinstance(t, str) or 'failed' not in t:
+                            break
                 else:
                     t = dasktrain_allreduce(
                         client, f'ar-{hosts_n}-{rate}-{r}-{way}', n,
@@ -113,18 +137,68 @@ def allreduce_rows(hosts_n, rate, args):
                       f'{1000 * got[way][-1]:.1f} ms'), file=sys.stderr,
                       flush=True)
     moved = traffic(n * 4, hosts_n) * 8 / 1e9  # Gbit per host
+    # MPI's better way of each round (it spins while it waits, which a
+    # busy machine punishes; yielding costs it on a quiet one)
+    got['mpi-best'] = [min((t for t in pair if isinstance(t, float)),
+                           default=pair[0])
+                       for pair in zip(got['mpi'], got['mpi-yield'])]
+    ways = ways + ('mpi-best',)
     rows = {}
     for way in ways:
-        if any(isinstance(t, str) for t in got[way]):
-            rows[way] = next(t for t in got[way] if isinstance(t, str))
+        timed = [t for t in got[way] if isinstance(t, float)]
+        if not timed:
+            rows[way] = got[way][0]
             continue
-        mid = statistics.median(got[way])
+        mid = statistics.median(timed)
         rows[way] = {'ms': 1000 * mid, 'gbit_per_host': moved / mid,
-                     'rounds_ms': [1000 * t for t in got[way]]}
-        if way != 'mpi' and isinstance(got['mpi'][0], float):
-            rows[way]['vs_mpi'] = statistics.median(
-                a / b for a, b in zip(got[way], got['mpi']))
+                     'rounds_ms': [1000 * t for t in timed]}
+        pairs = [(a, b) for a, b in zip(got[way], got['mpi-best'])
+                 if isinstance(a, float) and isinstance(b, float)]
+        if not way.startswith('mpi') and pairs:
+            rows[way]['vs_mpi'] = statistics.median(a / b for a, b in pairs)
     return rows
+
+
+def choice_rows(args):
+    """What each choice of the links buys: 2 hosts, unshaped, each way
+    against the defaults, paired round by round."""
+    from dasktrain.bench.netns import Hosts, cluster
+    from dasktrain.parallel.comm.links import DEFAULT_RECORD, STREAMS
+    n = int(args.mbytes * 1e6 / 4)
+    ways = {
+        'sealed, defaults': (False, STREAMS, DEFAULT_RECORD),
+        'sealed, 1 stream': (False, 1, DEFAULT_RECORD),
+        'sealed, 4 streams': (False, 4, DEFAULT_RECORD),
+        'sealed, 16 KiB records (TLS\'s)': (False, STREAMS, 16384),
+        'plain, defaults': (True, STREAMS, DEFAULT_RECORD),
+        'plain, 1 stream': (True, 1, DEFAULT_RECORD)}
+    got = {w: [] for w in ways}
+    if args.before:
+        got['before: Dask comms (TLS)'] = []
+    with Hosts(2) as hosts:
+        with cluster(hosts) as client:
+            for r in range(args.rounds):
+                for way in ways if r % 2 == 0 else reversed(list(ways)):
+                    t = dasktrain_allreduce(client, f'ch-{r}-{way}', n,
+                                            args.iterations, *ways[way])
+                    got[way].append(statistics.median(t))
+                    print(f'choices, round {r + 1}, {way}: '
+                          f'{1000 * got[way][-1]:.1f} ms', file=sys.stderr,
+                          flush=True)
+        if args.before:
+            env = {'PYTHONPATH': str(args.before)}
+            with cluster(hosts, env=env) as client:
+                for r in range(args.rounds):
+                    t = dasktrain_allreduce(client, f'before-{r}', n,
+                                            args.iterations, False, None)
+                    got['before: Dask comms (TLS)'].append(
+                        statistics.median(t))
+    base = got['sealed, defaults']
+    return {w: {'ms': 1000 * statistics.median(t),
+                'vs_defaults': statistics.median(
+                    a / b for a, b in zip(t, base)) if len(t) == len(base)
+                else statistics.median(t) / statistics.median(base)}
+            for w, t in got.items()}
 
 
 # ------------------------------------------------------------ training
@@ -203,13 +277,13 @@ def report(results, args, machine):
           f'all-reduces of {args.mbytes:g} MB float32, medians; dasktrain '
           f'with {args.streams} stream(s) each way\n')
     print('| hosts | link | dasktrain sealed ms | plain ms | Open MPI TCP ms '
-          '| sealed vs MPI | plain vs MPI | Gbit/s per host (sealed / plain '
-          '/ MPI) |')
-    print('|---:|---|---:|---:|---:|---:|---:|---|')
+          '| MPI, yield when idle, ms | sealed vs MPI | plain vs MPI | Gbit/s '
+          'per host (sealed / plain / MPI) |')
+    print('|---:|---|---:|---:|---:|---:|---:|---:|---|')
     for key, rows in results['allreduce'].items():
         hosts_n, rate = key.split('/')
         cells = []
-        for way in ('sealed', 'plain', 'mpi'):
+        for way in ('sealed', 'plain', 'mpi', 'mpi-yield'):
             row = rows[way]
             cells.append(f'{row["ms"]:.1f}' if isinstance(row, dict) else
                          row)
@@ -217,7 +291,7 @@ def report(results, args, machine):
                   and 'vs_mpi' in rows[w] else '' for w in ('sealed', 'plain')]
         speeds = ' / '.join(f'{rows[w]["gbit_per_host"]:.2f}'
                             if isinstance(rows[w], dict) else '-'
-                            for w in ('sealed', 'plain', 'mpi'))
+                            for w in ('sealed', 'plain', 'mpi-best'))
         print(f'| {hosts_n} | {rate} | {" | ".join(cells)} | '
               f'{" | ".join(ratios)} | {speeds} |')
     per_host = {}
@@ -227,7 +301,7 @@ def report(results, args, machine):
     lines = []
     for rate, by_n in per_host.items():
         if 2 in by_n and 4 in by_n:
-            for way in ('sealed', 'plain', 'mpi'):
+            for way in ('sealed', 'plain', 'mpi-best'):
                 a, b = by_n[2][way], by_n[4][way]
                 if isinstance(a, dict) and isinstance(b, dict):
                     ratio = b['gbit_per_host'] / a['gbit_per_host']
@@ -236,6 +310,13 @@ def report(results, args, machine):
         print('\n| link | path | 4 hosts vs 2, throughput per host |')
         print('|---|---|---:|')
         print('\n'.join(lines))
+    if results.get('choices'):
+        print('\nWhat each choice buys: 2 hosts, unshaped, medians; each '
+              'against the defaults, paired round by round:\n')
+        print('| links | ms | vs the defaults |')
+        print('|---|---:|---:|')
+        for way, row in results['choices'].items():
+            print(f'| {way} | {row["ms"]:.1f} | {row["vs_defaults"]:.2f}x |')
     if results.get('train'):
         print(f'\nTraining, seed network, batch 100 per rank, '
               f'{args.epochs} epochs of {args.train_size} synthetic images, '
@@ -263,6 +344,13 @@ def main(argv=None):
     parser.add_argument('--streams', type=int, default=None,
                         help="dasktrain's streams each way (default: its "
                              'own)')
+    parser.add_argument('--choices', action='store_true',
+                        help='also what each choice of the links buys')
+    parser.add_argument('--before', type=Path, default=None,
+                        help='with --choices: a checkout of the version '
+                             'before links (its workers import it)')
+    parser.add_argument('--only-choices', action='store_true',
+                        help=argparse.SUPPRESS)
     parser.add_argument('--train', action='store_true',
                         help='also the training runs')
     parser.add_argument('--train-hosts', type=int, default=2)
@@ -284,7 +372,9 @@ def main(argv=None):
     rates = [None if r == 'none' else r for r in args.rates.split(',')]
     results = {'machine': machine(), 'args': vars(args) | {'json': None},
                'allreduce': {}, 'train': {}, 'load': [os.getloadavg()[0]]}
-    for rate in rates:
+    if args.choices or args.only_choices:
+        results['choices'] = choice_rows(args)
+    for rate in rates if not args.only_choices else ():
         for hosts_n in (int(h) for h in args.hosts.split(',')):
             results['allreduce'][f'{hosts_n}/{rate or "unshaped"}'] = \
                 allreduce_rows(hosts_n, rate, args)
@@ -300,7 +390,7 @@ def main(argv=None):
             shutil.rmtree(work, ignore_errors=True)
     results['load'].append(os.getloadavg()[0])
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps(results, indent=1, default=str))
     report(results, args, results['machine'])
     return 0
 

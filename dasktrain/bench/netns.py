@@ -359,13 +359,16 @@ def _wait(probe, timeout, processes, what, folder):
         time.sleep(0.1)
 
 
-#: Open MPI's agent that starts its daemon "on" a host: in its namespace.
+#: Open MPI's agent that starts its daemon "on" a host: in its namespace,
+#: in a session of its own as each host's Dask worker is (on a kernel with
+#: autogroup scheduling every session gets its own share of the CPUs: a
+#: host, not a launcher, is the unit, as on separate machines).
 AGENT = '''#!/bin/sh
 host=$1; shift
 case $host in
 {cases}  *) echo "no namespace for host $host" >&2; exit 1 ;;
 esac
-exec ip netns exec "$ns" /bin/sh -c "$*"
+exec setsid ip netns exec "$ns" /bin/sh -c "$*"
 '''
 
 

@@ -52,7 +52,7 @@ import numpy as np
 from dasktrain.parallel.comm.base import CollectiveError
 
 #: Bytes of one record: the unit a stream sends, seals and sums.
-RECORD = 1 << 20
+RECORD = DEFAULT_RECORD = 1 << 20
 #: Streams each way between two ranks, unless told.
 STREAMS = 2
 TAG = 16  # bytes of an AES-GCM tag
