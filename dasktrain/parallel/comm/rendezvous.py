@@ -18,13 +18,15 @@ starts who it is and where its peers are, and joining them from it.
 =========================  ==============================================
 
 and, set by the user rather than ``launch``, ``DASKTRAIN_SHARED_MEMORY=0``:
-ranks of one machine talk over their TLS (or TCP) connections instead of
-shared memory (to compare, or where ``/dev/shm`` is too small).
+ranks of one machine send arrays over links
+(:mod:`~dasktrain.parallel.comm.links`) instead of shared memory (to
+compare, or where ``/dev/shm`` is too small); ``DASKTRAIN_LINKS=tcp`` on
+every rank: links between machines unencrypted, for a trusted network.
 
 :func:`join` reads them and returns the rank's
 :class:`~dasktrain.parallel.comm.dask.DaskComm`: each rank publishes its
 address on the scheduler and then talks to the others directly, over
-shared memory where they share a machine, TLS (or TCP) otherwise. Without
+shared memory where they share a machine, links otherwise. Without
 ``DASKTRAIN_SIZE`` (a script run by itself) it returns a
 :class:`~dasktrain.parallel.comm.base.Solo`.
 
