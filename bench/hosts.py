@@ -59,8 +59,8 @@ def _times(name, rank, size, n, iterations, plain, streams, record=None):
         options = dict(shared_memory=False)
     else:
         options = dict(plain=plain, streams=streams)
-        from dasktrain.parallel.comm import links
-        links.RECORD = record or links.DEFAULT_RECORD
+        from dasktrain.parallel.comm import streams
+        streams.RECORD = record or streams.DEFAULT_RECORD
     with DaskComm.rendezvous(name, rank, size, timeout=120,
                              **options) as comm:
         buf = np.ones(n, np.float32)
@@ -163,7 +163,8 @@ def choice_rows(args):
     """What each choice of the links buys: 2 hosts, unshaped, each way
     against the defaults, paired round by round."""
     from dasktrain.bench.netns import Hosts, cluster
-    from dasktrain.parallel.comm.links import DEFAULT_RECORD, STREAMS
+    from dasktrain.parallel.comm.links import STREAMS
+    from dasktrain.parallel.comm.streams import DEFAULT_RECORD
     n = int(args.mbytes * 1e6 / 4)
     ways = {
         'sealed, defaults': (False, STREAMS, DEFAULT_RECORD),

@@ -1,18 +1,22 @@
 """``dasktrain launch``: start N copies of a program as the ranks of one
 job, as ``mpiexec -n N`` does, with Dask placing and watching them.
 
-:func:`launch` gets a cluster (throwaway single-threaded local workers,
-one per rank, one GPU each when GPUs are asked for, started and stopped
-here; or a running cluster, ``scheduler``), starts one long Dask task per
-rank, and each task starts the program as a child process in a session
-of its own, with the environment of
+:func:`launch` gets a cluster (throwaway local workers, one GPU each,
+when GPUs are asked for, started and stopped here; or a running cluster,
+``scheduler``), starts one long Dask task per rank, and each task starts
+the program as a child process in a session of its own, with the
+environment of
 :mod:`dasktrain.parallel.comm.rendezvous` (rank, size, rendezvous, TLS
 files): ``dasktrain.chainermn.create_communicator()`` in the program
-joins the other ranks from it, peer to peer.
+joins the other ranks from it, peer to peer. CPU ranks on this machine
+(no ``scheduler``, no GPUs) are started here instead, as ``mpiexec``
+starts them: children of this process, all at once, with a scheduler in
+this process for their rendezvous and no worker processes.
 
 Output: rank 0's stdout and stderr come back live (Dask events, so from
-any machine) and also go to ``rank0.log`` in the output folder; every
-other rank's to ``rank{r}.log``, shown in full when that rank fails.
+any machine; pipes, for ranks started here) and also go to ``rank0.log``
+in the output folder; every other rank's to ``rank{r}.log``, shown in
+full when that rank fails.
 
 Faults: the first rank to exit non-zero (or to lose its worker) ends the
 job: the others are stopped (SIGTERM to their process groups, SIGKILL
@@ -25,23 +29,26 @@ Owns starting, watching and stopping a launched job's ranks; may not
 touch what the program does (that is the program's, and
 :mod:`dasktrain.chainermn`'s).
 """
+import codecs
 import contextlib
 import logging
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 
 from dasktrain.cluster.guard import signals_raise
 from dasktrain.cluster.local import connect, restore_default_scheduler
-from dasktrain.cluster.workers import local_device_workers, local_workers
+from dasktrain.cluster.workers import local_device_workers
 from dasktrain.errors import UserError, argument
 from dasktrain.parallel.comm.rendezvous import rank_environment
-from dasktrain.parallel.placement import rank_threads
 from dasktrain.ranks import run_rank, variable
+from dasktrain.spawn import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -152,12 +159,8 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
             elif gpus:
                 client = stack.enter_context(local_device_workers(
                     tuple(f'@cupy:{g}' for g in gpus)))
-            else:
-                # No dashboard, workers forked from one that imported
-                # Dask once: a launch's start-up is waited on.
-                client = stack.enter_context(local_workers(
-                    n, rank_threads(n, os.cpu_count()), dashboard=False,
-                    method='forkserver'))
+            else:  # CPU ranks on this machine: started here
+                return _run_here(argv, n, out, timeout, grace, echo)
         tls = stack.enter_context(_tls_files(client.security))
         return _run(client, argv, n, bool(gpus), out, timeout, grace, echo,
                     tls, local)
@@ -327,3 +330,203 @@ def _report(failed, futures, echo):
     if code is None or code == 0:
         return 1
     return 128 - code if code < 0 else code
+
+
+# ------------------------------------------------- ranks started here
+# A CPU launch on this machine starts its ranks as children of this
+# process, as mpiexec does, all at once, with a scheduler in this process
+# (no workers) for their rendezvous: no worker processes to start, import
+# Dask in, register and stop, which were most of a short job's wall time
+# (bench/startup.py). Output, faults and stopping as on workers.
+
+def _run_here(argv, n, out, timeout, grace, echo):
+    """Run the ranks as this process's children; the exit status. They
+    start first, the scheduler (Dask's import, most of this process's
+    start-up) while they import theirs: their rendezvous waits for it."""
+    job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
+    environ = dict(os.environ, PYTHONUNBUFFERED='1')
+    environ.update({k: environ.get(k, '1') for k in _BLAS})
+    ended = threading.Event()  # set whenever a rank ends
+    children = []
+    with _throwaway_tls() as tls:
+        port = _free_port()
+        address = f'tls://127.0.0.1:{port}'
+        try:
+            for rank in range(n):
+                env = dict(environ, **rank_environment(
+                    rank, n, address, job, 'tls://127.0.0.1', tls, timeout))
+                children.append(_Child(argv, env, rank, out, echo, ended))
+            with _scheduler_here(port, tls):
+                return _watch_here(children, ended, grace, echo)
+        finally:
+            for child in children:
+                child.stop(grace)
+
+
+@contextlib.contextmanager
+def _throwaway_tls():
+    """(ca, cert, key) of a CA and certificate made for this launch alone
+    (127.0.0.1), in a private folder removed on exit."""
+    from dasktrain.cluster.tls import ensure_certificates
+    folder = tempfile.mkdtemp(prefix='dasktrain-launch-')  # 0700
+    try:
+        files = ensure_certificates(folder)
+        yield files['tls_ca_file'], files['tls_cert'], files['tls_key']
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _free_port():
+    """A port of 127.0.0.1 free now, for the scheduler the ranks are
+    told of before it starts."""
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _scheduler_here(port, tls):
+    """A scheduler in this process on 127.0.0.1:``port`` (TLS, no
+    dashboard, no workers), for the ranks' rendezvous."""
+    from distributed import LocalCluster
+    from distributed.security import Security
+    ca, cert, key = tls
+    security = Security(tls_ca_file=ca, tls_client_cert=cert,
+                        tls_client_key=key, tls_scheduler_cert=cert,
+                        tls_scheduler_key=key, require_encryption=True)
+    try:
+        cluster = LocalCluster(
+            n_workers=0, processes=False, host='127.0.0.1', protocol='tls',
+            scheduler_port=port, security=security,
+            dashboard_address='127.0.0.1:0',
+            scheduler_kwargs={'dashboard': False})
+    except OSError as e:
+        raise LaunchError(f'the ranks\' rendezvous cannot listen on '
+                          f'127.0.0.1:{port} ({e}); launch again') from None
+    with cluster:
+        yield
+
+
+def _watch_here(children, ended, grace, echo):
+    """Wait for the ranks; as :func:`_run` does, the first to fail ends
+    the job, named in one line."""
+    while True:
+        ended.wait(1.0)
+        ended.clear()
+        outcomes = [c.outcome() for c in children]
+        failed = [o for o in outcomes if o is not None and o['code'] != 0]
+        if failed:
+            time.sleep(SETTLE)  # a peer's failure follows the root one
+            failed = [o for o in (c.outcome() for c in children)
+                      if o is not None and o['code'] != 0]
+            for child in children:
+                child.stop(grace)
+            return _report(min(failed, key=lambda o: (
+                _echoes_a_peer(o), o['ended'])), None, echo)
+        if all(o is not None for o in outcomes):
+            for child in children:
+                child.join_output()
+            return 0
+
+
+class _Child:
+    """One rank started here: its process (a session of its own, killed
+    with this process), rank 0's output relayed live, every rank's kept in
+    its log."""
+
+    def __init__(self, argv, env, rank, out, echo, ended):
+        self.rank, self.log = rank, str(out / f'rank{rank}.log')
+        self.code = self.why = None
+        self.time = None
+        self._readers = []
+        with open(self.log, 'wb') as log:
+            pipe = subprocess.PIPE if rank == 0 else log
+            try:
+                self.proc = subprocess.Popen(
+                    argv, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
+                    stderr=pipe, start_new_session=True,
+                    preexec_fn=die_with_parent)
+            except OSError as e:
+                self.proc, self.code, self.time = None, 127, time.time()
+                self.why = f'cannot start {argv[0]}: {e.strerror}'
+                ended.set()
+                return
+        if rank == 0:
+            lock = threading.Lock()  # stdout and stderr share the log
+            self._readers = [
+                _relay(stream, name, self.log, lock, echo)
+                for stream, name in ((self.proc.stdout, 'stdout'),
+                                     (self.proc.stderr, 'stderr'))]
+
+        def wait():
+            self.proc.wait()
+            self.time = time.time()
+            ended.set()
+        threading.Thread(target=wait, daemon=True,
+                         name=f'dasktrain-rank{rank}').start()
+
+    def outcome(self):
+        """The rank's result as a worker's rank task gives it, or None
+        while it runs."""
+        if self.time is None:
+            return None
+        code = self.code if self.proc is None else self.proc.returncode
+        return {'rank': self.rank, 'code': code, 'ended': self.time,
+                'log': self.log, 'why': self.why,
+                'last': _last_line(self.log)}
+
+    def join_output(self):
+        for reader in self._readers:
+            reader.join(5)
+
+    def stop(self, grace):
+        """Its process group: SIGTERM, SIGKILL after ``grace`` s."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.join_output()
+
+
+def _relay(stream, name, log_path, lock, echo):
+    """A thread copying ``stream`` to the rank's log and to ``echo``, in
+    chunks as they come (a progress bar's ``\\r`` stays)."""
+    decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
+
+    def run():
+        fd = stream.fileno()
+        with open(log_path, 'ab') as log:
+            while True:
+                data = os.read(fd, 65536)
+                text = decoder.decode(data, final=not data)
+                with lock:
+                    log.write(data)
+                    log.flush()
+                if text:
+                    echo(name, text)
+                if not data:
+                    break
+    thread = threading.Thread(target=run, daemon=True,
+                              name=f'dasktrain-{name}')
+    thread.start()
+    return thread
+
+
+def _last_line(path):
+    """The last non-empty line of a rank's log (its error, usually)."""
+    try:
+        with open(path, 'rb') as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = f.read().decode(errors='replace').splitlines()
+    except OSError:
+        return None
+    lines = [line.strip() for line in lines if line.strip()]
+    return lines[-1][:300] if lines else None

@@ -13,6 +13,7 @@ import pytest
 
 from dasktrain.parallel.comm import CollectiveError
 from dasktrain.parallel.comm import links as L
+from dasktrain.parallel.comm import streams as S
 from dasktrain.parallel.comm.dask import host_groups
 
 
@@ -115,7 +116,7 @@ def test_plain_links_are_asked_for_by_name_only(monkeypatch):
 def test_every_rank_gets_the_rank_order_sum(size, sealed, streams):
     # Several records per slice (streaming), an odd size, a buffer with
     # fewer elements than ranks, and a second dtype in the same call.
-    n = 3 * L.RECORD // 8 * size + 7
+    n = 3 * S.RECORD // 8 * size + 7
 
     def body(r):
         big, tiny = data(r, n), np.arange(size - 1, dtype=np.int32) + r
@@ -186,7 +187,7 @@ def _through(key, send, size):
     """What a stream sealed with ``key`` puts on the wire for ``send``
     (``size`` bytes with the tags): read raw at the other end."""
     a, b = socket.socketpair()
-    out = L._Stream(a, key, 'test-out', print)
+    out = S.Stream(a, key, 'test-out', print)
     try:
         sender = threading.Thread(target=out.send, args=(send,), daemon=True)
         sender.start()
@@ -205,7 +206,7 @@ def _through(key, send, size):
 def _opened(key, raw, into):
     """``raw`` fed to a stream sealed with ``key``, opened into ``into``."""
     c, d = socket.socketpair()
-    inn = L._Stream(d, key, 'test-in', print)
+    inn = S.Stream(d, key, 'test-in', print)
     try:
         def feed():  # the reader may stop at a forged record
             with contextlib.suppress(OSError):
@@ -224,18 +225,18 @@ def test_sealed_records_hide_the_data_and_refuse_tampering():
     key = bytes(range(32))
     secret = np.frombuffer(b'gradients! ' * 200_000, np.uint8)
     # three records: 1 MiB, 1 MiB, then the rest, each with its tag
-    raw = _through(key, secret, secret.nbytes + 3 * L.TAG)
+    raw = _through(key, secret, secret.nbytes + 3 * S.TAG)
     assert b'gradients!' not in raw
     back = np.empty_like(secret)
     _opened(key, raw, back)  # the receiving end, told the same key
     np.testing.assert_array_equal(back, secret)
     # ...but not a record changed in one bit, nor one replayed
-    first = L.RECORD + L.TAG
+    first = S.RECORD + S.TAG
     for forged in (raw[:-1] + bytes([raw[-1] ^ 1]),
                    raw[:first] + raw[:len(raw) - first]):
-        with pytest.raises(L.LinkLost, match='authentication'):
+        with pytest.raises(S.LinkLost, match='authentication'):
             _opened(key, forged, np.empty_like(secret))
-    with pytest.raises(L.LinkLost, match='authentication'):  # another key
+    with pytest.raises(S.LinkLost, match='authentication'):  # another key
         _opened(bytes(32), raw, np.empty_like(secret))
 
 

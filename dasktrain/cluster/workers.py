@@ -34,7 +34,8 @@ _QUIET = {'distributed.worker.profile.enabled': False, **malloc.CONFIG,
 @contextlib.contextmanager
 def local_device_workers(devices, blas_threads=1):
     """A Client to one new worker process per device of ``devices``, closed
-    on exit: for GPUs each worker sees exactly its GPU
+    on exit (no dashboard: a run's throwaway workers): for GPUs each
+    worker sees exactly its GPU
     (``CUDA_VISIBLE_DEVICES``, as dask-cuda's LocalCUDACluster does) and
     offers it as ``GPU=1``; for ``'@numpy'`` replicas, CPU workers with
     ``blas_threads`` BLAS threads each (:func:`local_workers`).
@@ -50,7 +51,10 @@ def local_device_workers(devices, blas_threads=1):
     from dasktrain.parallel.devices import gpu_count
     ids = gpu_ids(devices)
     if not ids:
-        with local_workers(len(devices), blas_threads) as client:
+        # No dashboard: no one is shown its link, and Bokeh's import
+        # alone costs the run's start-up most of a second of CPU.
+        with local_workers(len(devices), blas_threads,
+                           dashboard=False) as client:
             yield client
         return
     import dask
@@ -67,7 +71,7 @@ def local_device_workers(devices, blas_threads=1):
         dashboard_address='127.0.0.1:0',
         env=dict(env, CUDA_VISIBLE_DEVICES=entries[i]))} for i in ids}
     scheduler = {'cls': Scheduler, 'options': dict(
-        common, dashboard_address='127.0.0.1:0')}
+        common, dashboard_address='127.0.0.1:0', dashboard=False)}
     malloc.users_environ()  # the workers inherit it: not Dask's leftover
     with restore_default_scheduler(always=True), dask.config.set(
             _QUIET), SpecCluster(workers=workers, scheduler=scheduler,

@@ -51,7 +51,7 @@ from dasktrain.parallel.comm.base import (
 )
 from dasktrain.parallel.comm.links import STREAMS, plain_asked
 from dasktrain.parallel.comm.links import connect as link
-from dasktrain.parallel.comm.rendezvous import SHARED_MEMORY
+from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY
 from dasktrain.parallel.comm.shm import SharedMemoryReducer
 
 

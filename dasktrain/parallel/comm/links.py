@@ -15,9 +15,10 @@ it, adds them in rank order (the same bits on every rank; for two ranks
 those of one process adding the two) and sends the sum back. Each rank
 sends and receives ``2 (N - 1) / N`` of the buffer, as a ring does, with
 no ring's N - 1 hops of latency. Slices travel in records of
-:data:`RECORD` bytes, spread over the streams, and stream: a record of
-the sum leaves as soon as every peer's copy of it has arrived, while the
-later ones are still on the wire.
+:data:`~dasktrain.parallel.comm.streams.RECORD` bytes (1 MiB), spread
+over the streams (:mod:`~dasktrain.parallel.comm.streams`), and stream:
+a record of the sum leaves as soon as every peer's copy of it has
+arrived, while the later ones are still on the wire.
 
 Links are **sealed** (the default where the job's Dask comms use TLS):
 every record is encrypted and authenticated with AES-GCM under a key of
@@ -25,7 +26,7 @@ its own connection, drawn at random by the receiving rank and handed to
 the sender over the job's TLS comms; the nonce is the record's number on
 that connection, so a record cannot be replayed, reordered, dropped or
 forged without the next one failing. This is TLS's record layer with
-records of :data:`RECORD` bytes instead of 16 KiB, and no handshake of its
+records of 1 MiB instead of 16 KiB, and no handshake of its
 own: Python's ``ssl`` returns one 16 KiB record per call, which cost
 about as much again as the encryption itself (measured: docs/benchmarks.md).
 **Plain** links (``DASKTRAIN_LINKS=tcp`` on every rank, or a cluster
@@ -40,7 +41,6 @@ import contextlib
 import hashlib
 import hmac
 import os
-import queue
 import secrets
 import socket
 import struct
@@ -49,14 +49,12 @@ import time
 
 import numpy as np
 
+from dasktrain.parallel.comm import streams as one_way
 from dasktrain.parallel.comm.base import CollectiveError
+from dasktrain.parallel.comm.streams import KEY, LinkLost, Stream
 
-#: Bytes of one record: the unit a stream sends, seals and sums.
-RECORD = DEFAULT_RECORD = 1 << 20
 #: Streams each way between two ranks, unless told.
 STREAMS = 2
-TAG = 16  # bytes of an AES-GCM tag
-KEY = 32  # AES-256
 TOKEN = 16
 #: A connection's first bytes: the sender's rank, the stream, the token.
 HELLO = struct.Struct('<II16s')
@@ -64,10 +62,6 @@ HELLO = struct.Struct('<II16s')
 #: bytes and arrays, and a digest of its dtypes and sizes.
 HEADER = struct.Struct('<QQI8s')
 ENV = 'DASKTRAIN_LINKS'  # 'tcp': plain links, for a trusted network
-
-
-class LinkLost(CollectiveError):
-    """A link's peer closed it, or a record failed its check."""
 
 
 def bounds(count, size):
@@ -86,16 +80,17 @@ def bounds(count, size):
     return list(zip(edges[:-1], edges[1:]))
 
 
-def records(lo, hi, itemsize, record=RECORD):
+def records(lo, hi, itemsize, record=None):
     """The records of elements [lo, hi): (start, stop) pairs of at most
-    ``record`` bytes each (at least one element).
+    ``record`` bytes each (default :data:`~dasktrain.parallel.comm.
+    streams.RECORD`; at least one element).
 
     Examples
     --------
     >>> records(0, 10, 4, record=16)
     [(0, 4), (4, 8), (8, 10)]
     """
-    step = max(1, record // itemsize)
+    step = max(1, (record or one_way.RECORD) // itemsize)
     return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
 
@@ -124,114 +119,6 @@ def plain_asked(environ=None):
     if value not in ('', 'tcp', 'sealed'):
         raise CollectiveError(f"{ENV} is 'tcp' or 'sealed', got {value!r}")
     return value == 'tcp'
-
-
-class _Sealer:
-    """AES-GCM of one direction of one connection: record n is sealed with
-    nonce n (the key is this connection's alone)."""
-
-    def __init__(self, key):
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-        self._aead = AESGCM(key)
-        self._count = 0
-        self._into = hasattr(self._aead, 'encrypt_into')
-
-    def _nonce(self):
-        self._count += 1
-        return self._count.to_bytes(12, 'little')
-
-    def seal(self, plain, out):
-        """``plain`` sealed into ``out`` (``len(plain) + TAG`` bytes)."""
-        if self._into:
-            self._aead.encrypt_into(self._nonce(), plain, None, out)
-        else:
-            out[:] = self._aead.encrypt(self._nonce(), plain, None)
-
-    def open(self, sealed, out):
-        """``sealed`` checked and decrypted into ``out``."""
-        from cryptography.exceptions import InvalidTag
-        try:
-            if self._into:
-                self._aead.decrypt_into(self._nonce(), sealed, None, out)
-            else:
-                out[:] = self._aead.decrypt(self._nonce(), bytes(sealed),
-                                            None)
-        except InvalidTag:
-            raise LinkLost('a record failed its authentication check: '
-                           'the link was tampered with or fell out of '
-                           'step') from None
-
-
-class _Stream:
-    """One direction of one connection, and the thread that drives it:
-    jobs (callables) run in the order they were queued."""
-
-    def __init__(self, sock, key, name, failed):
-        self.sock, self.failed = sock, failed
-        self._sealer = _Sealer(key) if key is not None else None
-        self._scratch = bytearray(RECORD + TAG) if key is not None else None
-        self.bytes = 0  # payload bytes carried, for tests and benches
-        self._jobs = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=name)
-        self._thread.start()
-
-    def _run(self):
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-            except BaseException as e:  # the caller raises it
-                self.failed(e)
-
-    def queue(self, job):
-        self._jobs.put(job)
-
-    def send(self, view):
-        """Send the bytes of ``view`` (sealed record by record)."""
-        view = memoryview(view).cast('B')
-        self.bytes += len(view)
-        if self._sealer is None:
-            self.sock.sendall(view)
-            return
-        out = memoryview(self._scratch)
-        for at in range(0, len(view), RECORD):
-            plain = view[at:at + RECORD]
-            self._sealer.seal(plain, out[:len(plain) + TAG])
-            self.sock.sendall(out[:len(plain) + TAG])
-
-    def recv_into(self, view):
-        """Fill ``view`` with what the peer sent (checked and opened
-        record by record)."""
-        view = memoryview(view).cast('B')
-        self.bytes += len(view)
-        if self._sealer is None:
-            self._fill(view)
-            return
-        box = memoryview(self._scratch)
-        for at in range(0, len(view), RECORD):
-            plain = view[at:at + RECORD]
-            sealed = box[:len(plain) + TAG]
-            self._fill(sealed)
-            self._sealer.open(sealed, plain)
-
-    def _fill(self, view):
-        while view:
-            got = self.sock.recv_into(view)
-            if not got:
-                raise LinkLost('a peer closed its link: its worker died '
-                               'or its training failed')
-            view = view[got:]
-
-    def close(self):
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self._jobs.put(None)
 
 
 class _Call:
@@ -298,12 +185,12 @@ class Links:
         self._out, self._in = {}, {}
         for peer, socks in outgoing.items():
             self._out[peer] = [
-                _Stream(s, keys and keys['out'][peer][i],
+                Stream(s, keys and keys['out'][peer][i],
                         f'dasktrain-link-{rank}>{peer}.{i}', self._fail)
                 for i, s in enumerate(socks)]
         for peer, socks in incoming.items():
             self._in[peer] = [
-                _Stream(s, keys and keys['in'][peer][i],
+                Stream(s, keys and keys['in'][peer][i],
                         f'dasktrain-link-{peer}>{rank}.{i}', self._fail)
                 for i, s in enumerate(socks)]
         for stream in self._streams():

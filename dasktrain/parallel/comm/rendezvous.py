@@ -36,6 +36,7 @@ launcher's.
 import os
 
 from dasktrain.parallel.comm.base import CollectiveError, Solo
+from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY_ENV
 
 RANK = 'DASKTRAIN_RANK'
 SIZE = 'DASKTRAIN_SIZE'
@@ -45,7 +46,7 @@ LISTEN = 'DASKTRAIN_LISTEN'
 TLS_CA, TLS_CERT, TLS_KEY = ('DASKTRAIN_TLS_CA', 'DASKTRAIN_TLS_CERT',
                              'DASKTRAIN_TLS_KEY')
 TIMEOUT = 'DASKTRAIN_TIMEOUT'
-SHARED_MEMORY = 'DASKTRAIN_SHARED_MEMORY'
+SHARED_MEMORY = SHARED_MEMORY_ENV
 ALL = (RANK, SIZE, RENDEZVOUS, JOB, LISTEN, TLS_CA,
        TLS_CERT, TLS_KEY, TIMEOUT)
 

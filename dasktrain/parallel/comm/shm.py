@@ -38,6 +38,8 @@ import numpy as np
 from dasktrain.parallel.comm.base import CollectiveError
 
 SHM_DIR = '/dev/shm'
+#: ``DASKTRAIN_SHARED_MEMORY=0``: ranks of one host do not sum through it.
+ENV = 'DASKTRAIN_SHARED_MEMORY'
 ALIGN = 64  # bytes: each dtype's region starts on a cache line
 
 
