@@ -100,9 +100,12 @@ def mpi_allreduce(launcher, n, iterations, extra=()):
         import mpi4py  # noqa: F401
     except ImportError:
         return 'mpi4py is not installed (pip install -e .[mpi])'
-    done = subprocess.run(launcher[:1] + list(extra) + launcher[1:] + [
-        sys.executable, '-c', MPI_SCRIPT, str(n), str(iterations)],
-                          capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run(launcher[:1] + list(extra) + launcher[1:] + [
+            sys.executable, '-c', MPI_SCRIPT, str(n), str(iterations)],
+            capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        return 'mpirun failed: no answer within 240 s'
     if done.returncode:
         return f'mpirun failed: {done.stderr.strip()[-300:]}'
     return [float(t) for t in done.stdout.split()]
@@ -190,8 +193,17 @@ def choice_rows(args):
             env = {'PYTHONPATH': str(args.before)}
             with cluster(hosts, env=env) as client:
                 for r in range(args.rounds):
-                    t = dasktrain_allreduce(client, f'before-{r}', n,
-                                            args.iterations, False, None)
+                    for attempt in range(3):  # it failed now and then
+                        try:
+                            t = dasktrain_allreduce(
+                                client, f'before-{r}-{attempt}', n,
+                                args.iterations, False, None)
+                            break
+                        except Exception as e:
+                            print(f'before, round {r + 1}: {e}',
+                                  file=sys.stderr)
+                    else:
+                        continue
                     got['before: Dask comms (TLS)'].append(
                         statistics.median(t))
     base = got['sealed, defaults']
@@ -352,6 +364,8 @@ def main(argv=None):
                              'before links (its workers import it)')
     parser.add_argument('--only-choices', action='store_true',
                         help=argparse.SUPPRESS)
+    parser.add_argument('--only-train', action='store_true',
+                        help=argparse.SUPPRESS)
     parser.add_argument('--train', action='store_true',
                         help='also the training runs')
     parser.add_argument('--train-hosts', type=int, default=2)
@@ -373,12 +387,18 @@ def main(argv=None):
     rates = [None if r == 'none' else r for r in args.rates.split(',')]
     results = {'machine': machine(), 'args': vars(args) | {'json': None},
                'allreduce': {}, 'train': {}, 'load': [os.getloadavg()[0]]}
+    def keep():  # what is measured so far, should a later part fail
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1, default=str))
+    keep()
     if args.choices or args.only_choices:
         results['choices'] = choice_rows(args)
-    for rate in rates if not args.only_choices else ():
+        keep()
+    for rate in rates if not (args.only_choices or args.only_train) else ():
         for hosts_n in (int(h) for h in args.hosts.split(',')):
             results['allreduce'][f'{hosts_n}/{rate or "unshaped"}'] = \
                 allreduce_rows(hosts_n, rate, args)
+            keep()
     if args.train:
         work = Path(tempfile.mkdtemp(prefix='dasktrain-hosts-'))
         try:
@@ -386,6 +406,7 @@ def main(argv=None):
                 rate = None if rate == 'none' else rate
                 results['train'][f'{args.train_hosts}/{rate or "unshaped"}'] \
                     = train_rows(args.train_hosts, rate, args, work)
+                keep()
         finally:
             import shutil
             shutil.rmtree(work, ignore_errors=True)

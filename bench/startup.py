@@ -13,6 +13,8 @@ Round by round, the order turned every round, on this machine:
   against ``mpiexec -n 2`` of the ChainerMN script
   (``bench/chainer_example/train_cifar.py --chainermn``) of the same.
 
+With ``--before DIR`` each dasktrain way runs again with the previous
+version imported from DIR (a checkout's folder holding ``dasktrain/``).
 Each run's wall time is the whole command, from before its process
 starts to its exit; the parts are from the ranks' stamps (the first rank
 to start, the last to join, the last to meet). Prints Markdown tables;
@@ -60,10 +62,22 @@ def mpiexec(n):
     return argv, env
 
 
-def dasktrain_launch(n, out):
+BEFORE = None  # --before: a checkout of the previous version
+
+
+def _env(before):
+    """This environment; with ``before``, the previous version's
+    dasktrain imported instead (``PYTHONPATH``)."""
+    env = dict(os.environ)
+    if before:
+        env['PYTHONPATH'] = str(BEFORE)
+    return env
+
+
+def dasktrain_launch(n, out, before=False):
     exe = str(Path(sys.executable).with_name('dasktrain'))
     return [exe, 'launch', '-n', str(n), '--out', str(out), '--'], \
-        dict(os.environ)
+        _env(before)
 
 
 def timed(argv, env, cwd):
@@ -84,7 +98,7 @@ def stamped(kind, folder):
     if kind == 'mpi':
         argv, env = mpiexec(2)
     else:
-        argv, env = dasktrain_launch(2, folder / 'out')
+        argv, env = dasktrain_launch(2, folder / 'out', kind == 'before')
     began, ended = timed(argv + [sys.executable, str(script), str(folder)],
                          env, folder)
     stamps = [[float(x) for x in (folder / f'stamps{r}').read_text().split()]
@@ -103,7 +117,7 @@ def bare(kind, folder):
     if kind == 'mpi':
         argv, env = mpiexec(2)
     else:
-        argv, env = dasktrain_launch(2, folder / 'out')
+        argv, env = dasktrain_launch(2, folder / 'out', kind == 'before')
     began, ended = timed(argv + [sys.executable, '-c', 'pass'], env, folder)
     return {'wall_s': ended - began}
 
@@ -121,7 +135,7 @@ def training(kind, folder, data):
                      '--train-size', '200', '--test-size', '100',
                      '--augment', 'none', '--data-dir', str(data.parent),
                      '--out', str(folder / 'out'), '--no-progress'], \
-            dict(os.environ)
+            _env(kind == 'before')
     began, ended = timed(argv, env, folder)
     return {'wall_s': ended - began}
 
@@ -142,13 +156,23 @@ def main(argv=None):
     parser.add_argument('--rounds', type=int, default=5)
     parser.add_argument('--only', default=None,
                         help='run the ways whose name contains this')
+    parser.add_argument('--before', type=Path, default=None,
+                        help="also the previous version's dasktrain, "
+                             'imported from this checkout')
     parser.add_argument('--json', type=Path, default=None)
     args = parser.parse_args(argv)
+    global BEFORE
+    BEFORE = args.before
     from dasktrain.bench import machine, synthetic_cifar10
     if shutil.which('mpiexec') is None:
         sys.exit('needs mpiexec (apt-get install openmpi-bin) and mpi4py '
                  '(pip install -e .[mpi])')
-    ways = {k: v for k, v in WAYS.items()
+    ways = dict(WAYS)
+    if args.before:  # each dasktrain way again, as it was
+        for name, (kind, how) in WAYS.items():
+            if kind == 'dask':
+                ways[f'{name} (before)'] = ('before', how)
+    ways = {k: v for k, v in ways.items()
             if args.only is None or args.only in k}
     work = Path(tempfile.mkdtemp(prefix='dasktrain-startup-'))
     load = [os.getloadavg()[0]]
