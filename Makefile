@@ -5,14 +5,14 @@ VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
 # auto: CuPy for the NVIDIA driver's CUDA version (nvidia-smi), none without
-# one; or none, 12, 13 (dasktrain/cuda_extra.py decides, tests hold it).
+# one; or none, 12, 13 (tools/cuda_extra.py decides, tests hold it).
 CUDA ?= auto
 BIN := $(VENV)/bin
 
 comma := ,
-CUDA_EXTRA := $(shell $(PYTHON) -I dasktrain/cuda_extra.py $(CUDA) || echo FAILED)
+CUDA_EXTRA := $(shell $(PYTHON) -I tools/cuda_extra.py $(CUDA) || echo FAILED)
 ifneq ($(filter-out cuda12 cuda13 none,$(CUDA_EXTRA)),)
-$(error CUDA=$(CUDA): `$(PYTHON) -I dasktrain/cuda_extra.py $(CUDA)` failed; CUDA is auto, none, 12 or 13)
+$(error CUDA=$(CUDA): `$(PYTHON) -I tools/cuda_extra.py $(CUDA)` failed; CUDA is auto, none, 12 or 13)
 endif
 EXTRAS := test$(if $(filter none,$(CUDA_EXTRA)),,$(comma)$(CUDA_EXTRA))
 # One stamp per extra: choosing another CUDA installs again.
@@ -29,16 +29,47 @@ RUNS ?= results
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: train test lint test-gpu gpu-check notebooks install browser chainerui chainerui-env clean
+.PHONY: train test lint test-gpu gpu-check notebooks install install-shared browser chainerui chainerui-env clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
-	@$(PYTHON) -I dasktrain/cuda_extra.py --explain $(CUDA)
+	@$(PYTHON) -I tools/cuda_extra.py --explain $(CUDA)
+	@echo 'make install: $(VENV) with dasktrain[$(EXTRAS)] and its' \
+	  'dependencies (Chainer 7.8.1 built from its sdist, Dask, NumPy,' \
+	  'Optuna...): a few minutes on a fresh machine, quiet meanwhile'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	rm -f $(VENV)/.dasktrain-installed*
 	touch $(STAMP)
+
+# One install for every user of a lab's machine (run it as root): a venv
+# in PREFIX from a Python every user can run (SHARED_PYTHON, default the
+# first of PYTHON, /usr/bin/python3 and /usr/local/bin/python3 that every
+# user can execute: dasktrain/everyone.py decides), dasktrain with the
+# CuPy extra for the driver (CUDA, as for `make install`) and the
+# constraints, and BINDIR/dasktrain, on every user's PATH and sudo's.
+PREFIX ?= /opt/dasktrain
+BINDIR ?= /usr/local/bin
+SHARED_PYTHON ?=
+SHARED_SPEC := .$(if $(filter none,$(CUDA_EXTRA)),,[$(CUDA_EXTRA)])
+
+install-shared:
+	@$(PYTHON) -I tools/cuda_extra.py --explain $(CUDA)
+	@set -e; umask 022; \
+	python=$${SHARED_PYTHON:-$$($(PYTHON) -I dasktrain/everyone.py python \
+	  $(PYTHON) /usr/bin/python3 /usr/local/bin/python3)}; \
+	echo "install-shared: a venv in $(PREFIX) from $$python with" \
+	  'dasktrain$(if $(filter none,$(CUDA_EXTRA)),,[$(CUDA_EXTRA)]) and' \
+	  'its dependencies (a few minutes on a fresh machine), then' \
+	  '$(BINDIR)/dasktrain'; \
+	test -x $(PREFIX)/bin/python || "$$python" -m venv $(PREFIX); \
+	$(PREFIX)/bin/python -m pip install --quiet '$(SHARED_SPEC)'; \
+	chmod -R a+rX $(PREFIX); \
+	mkdir -p $(BINDIR); ln -sfn $(PREFIX)/bin/dasktrain $(BINDIR)/dasktrain; \
+	$(PREFIX)/bin/python -I -m dasktrain.everyone check; \
+	echo 'start the shared queue: sudo $(PREFIX)/bin/dasktrain cluster' \
+	  'start --shared (docs/security.md)'
 
 train: $(STAMP)
 	$(BIN)/dasktrain train $(ARGS)
@@ -85,7 +116,7 @@ gpu-check: $(STAMP)
 # Every notebook at its default (full CIFAR-10) size; executed copies and
 # their figures go to notebooks/executed/ (ignored by git).
 notebooks: $(STAMP)
-	$(BIN)/python -m dasktrain.nbrun --out notebooks/executed notebooks/*.ipynb
+	$(BIN)/python tools/nbrun.py --out notebooks/executed notebooks/*.ipynb
 
 chainerui-env: $(CHAINERUI_VENV)/.installed
 

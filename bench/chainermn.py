@@ -1,9 +1,14 @@
 """``dasktrain launch -n 2`` against ``mpiexec -n 2`` with real ChainerMN,
-on the same script (bench/chainermn_example/train_mnist.py; dasktrain's
-copy differs in its import line only), on this machine, interleaved
-round by round:
-images/s while training and wall time to the same epoch (the whole
-command: start-up, rendezvous, training, exit).
+on the same scripts, unchanged (their ``import chainermn`` is dasktrain's
+under ``launch``), on this machine, interleaved round by round: images/s
+while training and wall time to the same epoch (the whole command:
+start-up, rendezvous, training, exit). Two kinds of parallelism:
+
+* ``data``: bench/chainermn_example/train_mnist.py, two replicas of an
+  MLP averaging their gradients;
+* ``model``: bench/chainermn_example/train_mnist_model_parallel.py, one
+  MLP split over the two ranks (``MultiNodeChainList``: activations one
+  way, gradients back, every step).
 
     .venv/bin/python bench/chainermn.py --rounds 3
 
@@ -25,7 +30,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPT = HERE / 'chainermn_example' / 'train_mnist.py'
+SCRIPTS = {'data': HERE / 'chainermn_example' / 'train_mnist.py',
+           'model': HERE / 'chainermn_example' /
+           'train_mnist_model_parallel.py'}
 
 
 def mpiexec(n):
@@ -59,6 +66,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--epochs', type=int, default=2)
+    parser.add_argument('--kinds', default='data,model',
+                        help='data, model or both (default: %(default)s)')
     parser.add_argument('--unit', type=int, default=2000,
                         help='2000: 5.6 M parameters, 22 MB of float32 '
                              'gradients per step')
@@ -66,12 +75,12 @@ def main():
     parser.add_argument('--batchsize', type=int, default=100)
     parser.add_argument('--out', default='results/bench-chainermn')
     args = parser.parse_args()
+    kinds = args.kinds.split(',')
+    if not set(kinds) <= set(SCRIPTS):
+        parser.error(f'--kinds takes data and model, got {args.kinds!r}')
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix='bench-chainermn-'))
-    mine = work / 'train_dasktrain.py'
-    mine.write_text(SCRIPT.read_text().replace(
-        '\nimport chainermn\n', '\nimport dasktrain.chainermn as chainermn\n'))
     common = ['--epoch', str(args.epochs), '--n-train', str(args.n_train),
               '--n-test', '500', '--unit', str(args.unit),
               '--batchsize', str(args.batchsize)]
@@ -80,25 +89,29 @@ def main():
     mpi_env.update(OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
                    MKL_NUM_THREADS='1')
     launch_env = dict(mpi_env)
-    try:  # the scripts and runs' folders go with it, whatever happens
-        dasktrain = str(Path(sys.executable).with_name('dasktrain'))
-        runs = {'dasktrain launch': [], 'mpiexec + ChainerMN': []}
+    dasktrain = str(Path(sys.executable).with_name('dasktrain'))
+    launchers = ('dasktrain launch', 'mpiexec + ChainerMN')
+    runs = {kind: {name: [] for name in launchers} for kind in kinds}
+    try:  # the runs' folders go with it, whatever happens
         for r in range(args.rounds):
-            for name in (runs if r % 2 == 0 else reversed(list(runs))):
-                folder = work / f'{r}-{name.split()[0]}'
-                if name.startswith('dasktrain'):
-                    argv = [dasktrain, 'launch', '-n', '2', '--out',
-                            str(folder / 'ranks'), '--', sys.executable,
-                            str(mine), *common, '--out', str(folder)]
-                    got = run(argv, launch_env, work)
-                else:
-                    argv = [*mpi_argv, sys.executable, str(SCRIPT), *common,
-                            '--out', str(folder)]
-                    got = run(argv, mpi_env, work)
-                runs[name].append(got)
-                print(f'round {r + 1} {name}: {got["images_per_s"]:.0f} '
-                      f'images/s, {got["train_s"]:.1f} s training, '
-                      f'{got["wall_s"]:.1f} s wall', file=sys.stderr)
+            for kind in kinds:
+                script = str(SCRIPTS[kind])
+                for name in (launchers if r % 2 == 0 else launchers[::-1]):
+                    folder = work / f'{r}-{kind}-{name.split()[0]}'
+                    if name.startswith('dasktrain'):
+                        argv = [dasktrain, 'launch', '-n', '2', '--out',
+                                str(folder / 'ranks'), '--', sys.executable,
+                                script, *common, '--out', str(folder)]
+                        got = run(argv, launch_env, work)
+                    else:
+                        argv = [*mpi_argv, sys.executable, script, *common,
+                                '--out', str(folder)]
+                        got = run(argv, mpi_env, work)
+                    runs[kind][name].append(got)
+                    print(f'round {r + 1} {kind} {name}: '
+                          f'{got["images_per_s"]:.0f} images/s, '
+                          f'{got["train_s"]:.1f} s training, '
+                          f'{got["wall_s"]:.1f} s wall', file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     machine = (f'{platform.node()}: {os.cpu_count()} CPUs '
@@ -107,15 +120,16 @@ def main():
     (out / 'chainermn.json').write_text(json.dumps(
         {'machine': machine, 'args': vars(args), 'runs': runs}, indent=2))
     print(f'\n{machine}; {args.epochs} epochs of {args.n_train} images, '
-          f'MLP 784-{args.unit}-{args.unit}-10, batch {args.batchsize} per '
-          f'rank, 2 CPU ranks, median of {args.rounds} interleaved '
-          'rounds\n')
-    print('| launcher | images/s | training s | wall s to the last epoch |')
-    print('|---|---|---|---|')
-    for name, got in runs.items():
-        med = {k: statistics.median(g[k] for g in got) for k in got[0]}
-        print(f'| {name} | {med["images_per_s"]:.0f} | '
-              f'{med["train_s"]:.1f} | {med["wall_s"]:.1f} |')
+          f'MLP 784-{args.unit}-{args.unit}-10, batch {args.batchsize}, '
+          f'2 CPU ranks, median of {args.rounds} interleaved rounds\n')
+    print('| parallelism | launcher | images/s | training s | '
+          'wall s to the last epoch |')
+    print('|---|---|---|---|---|')
+    for kind, by_launcher in runs.items():
+        for name, got in by_launcher.items():
+            med = {k: statistics.median(g[k] for g in got) for k in got[0]}
+            print(f'| {kind} | {name} | {med["images_per_s"]:.0f} | '
+                  f'{med["train_s"]:.1f} | {med["wall_s"]:.1f} |')
 
 
 if __name__ == '__main__':

@@ -4,7 +4,7 @@
 Trains the same model on the same synthetic CIFAR-format images (see
 ``dasktrain.bench.synthetic_cifar10``) for ``--epochs`` epochs, as two
 replicas in one process (the double-buffered maths is the same bits across
-processes: ``tests/test_launch.py``), with Adam and momentum SGD at the
+processes: ``tests/run/test_train.py``), with Adam and momentum SGD at the
 project's default learning rates (``--lr OPTIMIZER=LR`` to change one),
 five ways: exact; double-buffered as ChainerMN does it (each gradient
 computed at the weights it sees, applied one step later, ``--stale-steps
@@ -35,7 +35,7 @@ WAYS = (('exact', dict(double_buffering=False)),
 
 def run(work, model, optimizer, extra, args):
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     out = Path(tempfile.mkdtemp(dir=work, prefix=f'{model}-{optimizer}-'))
     if optimizer in args.lr:
         extra = dict(extra, lr=args.lr[optimizer])

@@ -218,7 +218,7 @@ def choice_rows(args):
 
 def _train_dasktrain(client, data, out, hosts_n, args, **options):
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     config = TrainConfig(
         model='cifar10', batch_size=100, epochs=args.epochs,
         train_size=args.train_size, test_size=args.test_size,

@@ -30,7 +30,7 @@ def main(argv=None):
     work = Path(tempfile.mkdtemp(prefix='dasktrain-jobs-page-'))
     os.environ['DASKTRAIN_HOME'] = str(work / 'home')
     from dasktrain.cluster import connect, start_cluster, stop_cluster
-    from dasktrain.jobs.submit import submit
+    from dasktrain.jobs.client.submit import submit
     synthetic_cifar10(work / 'data', n_train=2000, n_test=500)
     base = TrainConfig(model='tiny', batch_size=50, devices=('@numpy',),
                        data_dir=str(work / 'data'), lr=0.005)

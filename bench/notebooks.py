@@ -11,7 +11,7 @@ size instead.
 With ``--commit`` the executed notebooks replace those in ``notebooks/``,
 each with a note first saying where and on what it ran: the committed
 notebooks show their tables and figures before anyone runs them (running
-one again starts from its source: ``dasktrain.nbrun.clean``).
+one again starts from its source: ``tools/nbrun.py``'s ``clean``).
 """
 import argparse
 import sys
@@ -22,7 +22,9 @@ from pathlib import Path
 from dasktrain.bench import machine, synthetic_cifar10
 from dasktrain.errors import UserError
 from dasktrain.files import atomic_write
-from dasktrain.nbrun import run_notebook
+
+sys.path.append(str(Path(__file__).resolve().parent.parent / 'tools'))
+from nbrun import run_notebook
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / 'notebooks'
 
@@ -112,7 +114,7 @@ def main(argv=None):
             print(f'error: {e}', file=sys.stderr)
             return 1
         if args.commit:
-            text = executed.read_bytes()
+            text = committed(executed, work)
             atomic_write(NOTEBOOKS / executed.name,
                          lambda f, text=text: f.write(text))
         for figure in figures:
@@ -122,6 +124,20 @@ def main(argv=None):
         print(f'{name}: {len(figures)} figures in '
               f'{time.perf_counter() - start:.0f} s', flush=True)
     return 0
+
+
+def committed(executed, work):
+    """The executed notebook's bytes as committed: its injected
+    parameters without those naming the temporary ``work`` folder (a
+    reader's "Run All" then writes under the repository's runs/)."""
+    import nbformat
+    nb = nbformat.read(executed, as_version=4)
+    for cell in nb.cells:
+        if 'injected-parameters' in cell.metadata.get('tags', ()):
+            cell.source = '\n'.join(
+                line for line in cell.source.splitlines()
+                if str(work) not in line)
+    return nbformat.writes(nb).encode() + b'\n'
 
 
 if __name__ == '__main__':

@@ -20,7 +20,7 @@ from pathlib import Path
 
 def run(base, out, workers, **options):
     from dasktrain.cluster.workers import local_workers
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     config = base.replace(workers=workers, devices=('@numpy',), out=str(out),
                           **options)
     with local_workers(workers) as client:

@@ -44,10 +44,10 @@ _EXPORTS = {
     'get_model': 'dasktrain.training.models',
     'load_model': 'dasktrain.training.models',
     'TrainConfig': 'dasktrain.config',
-    'train': 'dasktrain.launch',
-    'submit': 'dasktrain.jobs.submit',
-    'submit_command': 'dasktrain.jobs.programs',
-    'Job': 'dasktrain.jobs.records',
+    'train': 'dasktrain.run.train',
+    'submit': 'dasktrain.jobs.client.submit',
+    'submit_command': 'dasktrain.jobs.client.submit',
+    'Job': 'dasktrain.jobs.job',
     'tune': 'dasktrain.tuning.study',
 }
 

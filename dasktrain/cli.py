@@ -17,6 +17,7 @@ from dasktrain import __version__
 from dasktrain.commands import Parser
 from dasktrain.commands.bench import Bench
 from dasktrain.commands.cluster import Cluster
+from dasktrain.commands.ctl import Ctl
 from dasktrain.commands.gpus import Gpus
 from dasktrain.commands.jobs import (
     Cancel,
@@ -32,7 +33,7 @@ from dasktrain.commands.tune import Tune
 from dasktrain.errors import Error, flag_names
 
 COMMANDS = (Download, Train, Launch, Cluster, Submit, Jobs, Gpus, Logs,
-            Cancel, Requeue, Result, Tune, Bench)
+            Cancel, Requeue, Result, Ctl, Tune, Bench)
 
 
 class _Stderr(logging.StreamHandler):

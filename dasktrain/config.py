@@ -91,8 +91,8 @@ class TrainConfig:
     #                                 seeded stream (slower convolutions);
     #                                 the CPU is deterministic either way
     out: str = 'results'            # log, args, checkpoint, models
-    dataset: str = 'cifar10'        # cifar10, cifar100, npz:PATH, or your
-    #                                 own function: file.py:NAME
+    dataset: str = 'cifar10'        # cifar10, cifar100, sample, npz:PATH, or
+    #                                 your own function: file.py:NAME
     label_set: str = 'fine'         # cifar100: 100 'fine' or 20 'coarse'
     data_dir: str = 'data'          # CIFAR-10 cache
     url: str | None = None          # mirror (else $DASKTRAIN_CIFAR10_URL)

@@ -10,7 +10,7 @@ that nothing waiting on a message (a job being marked ended) is delayed,
 and a process that exits first waits for it a bounded time at exit.
 
 Owns delivering a text; it knows nothing of jobs (what a job's end says
-is :mod:`dasktrain.jobs.endings`'). Never raises once a target is
+is :mod:`dasktrain.jobs.end_notice`'). Never raises once a target is
 checked: a message that cannot be delivered is a logged warning.
 """
 import atexit

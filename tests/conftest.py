@@ -1,3 +1,6 @@
+import sys
+from pathlib import Path
+
 import chainer
 import numpy as np
 import pytest
@@ -5,6 +8,16 @@ from cifar_fixture import ArchiveServer, make_batches, write_archive
 
 import dasktrain  # noqa: F401  (restores numpy.sctypes before chainer)
 from dasktrain.data import extract_archive
+
+# The suite follows the package's folders; a test may import another's
+# helpers by module name wherever it lies (``from test_cluster import
+# Processes``), and the checkout's tools (not installed: nothing runs them
+# at run time) for the tests that hold their decisions: ``import nbrun``.
+TESTS = Path(__file__).resolve().parent
+FOLDERS = [TESTS] + sorted(p for p in TESTS.iterdir()
+                           if p.is_dir() and p.name != '__pycache__')
+sys.path.extend(str(p) for p in FOLDERS[1:] + [TESTS.parent / 'tools']
+                if str(p) not in sys.path)
 
 
 @pytest.fixture

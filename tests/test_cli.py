@@ -78,7 +78,7 @@ def test_make_train_passes_args():
 def test_help_lists_the_commands_in_the_tables_order(capsys):
     assert NAMES == ['download', 'train', 'launch', 'cluster', 'submit',
                      'jobs', 'gpus', 'logs', 'cancel', 'requeue', 'result',
-                     'tune', 'bench']
+                     'ctl', 'tune', 'bench']
     assert main(['--help']) == 0
     commands = capsys.readouterr().out.split('COMMAND\n', 1)[1]
     listed = [line.split()[0] for line in commands.split('\n\n')[0]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from nbrun import clean, run_notebook  # tools/nbrun.py
 
 from dasktrain.files import repository_path
-from dasktrain.nbrun import clean, run_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))
@@ -41,8 +41,17 @@ def test_committed_executed_with_their_figures_and_parameters(path):
     at = tags.index(['parameters'])
     assert tags[at + 1] == ['injected-parameters']
     assert sum('parameters' in t for t in tags) == 1
+    # no temporary folder of the run that executed it: "Run All" in
+    # Jupyter writes where the defaults say
+    assert '/tmp/' not in nb.cells[at + 1].source
     outputs = [o for c in nb.cells if c.cell_type == 'code'
                for o in c.outputs]
+    # no stray values of a cell's last expression (a write's byte count,
+    # a matplotlib object's repr): tables and figures only
+    stray = [o.data['text/plain'] for o in outputs
+             if o.output_type == 'execute_result' and
+             set(o.data) == {'text/plain'}]
+    assert stray == [], stray
     assert not [o for o in outputs if o.output_type == 'error']
     assert all(c.execution_count for c in nb.cells if c.cell_type == 'code')
     figures = [o for o in outputs if 'image/png' in o.get('data', {})]

@@ -13,10 +13,9 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import cuda_extra  # tools/cuda_extra.py
 import pytest
 import yaml
-
-from dasktrain import cuda_extra
 
 try:
     import tomllib
@@ -25,7 +24,8 @@ except ImportError:  # Python 3.10: the parser pip itself uses
 
 ROOT = Path(__file__).resolve().parents[1]
 # Files of the package that are not Python, read with importlib.resources.
-PACKAGE_DATA = {'dasktrain/jobs/page.html', 'dasktrain/jobs/page.js'}
+PACKAGE_DATA = {'dasktrain/jobs/scheduler/page.html',
+                'dasktrain/jobs/scheduler/page.js'}
 
 
 def _name(requirement):
@@ -120,8 +120,9 @@ def test_chainer_imports_first_after_a_normal_install(tmp_path):
                             'dasktrain.__file__)'], cwd=tmp_path,
                            capture_output=True, text=True, check=True)
     assert where.stdout.startswith(str(site))  # the wheel's, not editable
-    page = subprocess.run([str(python), '-c', 'from dasktrain.jobs.page '
-                           'import page_template; print(page_template())'],
+    page = subprocess.run([str(python), '-c', 'from dasktrain.jobs.'
+                           'scheduler.page import page_template; '
+                           'print(page_template())'],
                           cwd=tmp_path, capture_output=True, text=True,
                           check=True).stdout
     assert '<script nonce="{nonce}">' in page and 'setInterval(' in page

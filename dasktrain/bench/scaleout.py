@@ -33,7 +33,7 @@ def _rows(scratch, workers, model, batch_size, mix_every, epochs,
           train_size, test_size, data_dir):
     from dasktrain.cluster.workers import local_workers
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     if data_dir is None:
         data_dir = scratch / 'data'
         synthetic_cifar10(data_dir, n_train=train_size, n_test=test_size)
@@ -56,7 +56,7 @@ def _rows(scratch, workers, model, batch_size, mix_every, epochs,
     runs = [measure(train(base.replace(out=str(scratch / 'single'),
                                        devices=('@numpy',))),
                     'one process, 1 replica (BLAS threads: all)')]
-    from dasktrain.launch import train as plain_loop
+    from dasktrain.run.train import train as plain_loop
     with local_workers(1) as client:  # the same loop, 1 BLAS thread
         runs.append(measure(client.submit(plain_loop, base.replace(
             out=str(scratch / 'plain-1'), devices=('@numpy',)),

@@ -1,22 +1,39 @@
-"""ChainerMN's API on Dask, without MPI: change one line of a ChainerMN
-script, ``import chainermn`` to ``import dasktrain.chainermn as
-chainermn``, and start it with ``dasktrain launch -n N -- python
-train.py`` (see docs/chainermn.md).
+"""ChainerMN's API on Dask, without MPI: a ChainerMN script started with
+``dasktrain launch -n N -- python train.py`` runs as it is written (its
+``import chainermn`` gets this package, see
+:mod:`~dasktrain.chainermn.substitution`); ``import dasktrain.chainermn
+as chainermn`` does the same anywhere (see docs/chainermn.md).
 
-The communicator is :mod:`~dasktrain.chainermn.communicator`'s; the
-optimizer wrapper and extensions
-:mod:`~dasktrain.chainermn.extensions`'; datasets
-:mod:`~dasktrain.chainermn.datasets`'; batch normalisation
-:mod:`~dasktrain.chainermn.links`'. A ChainerMN name not offered here
-(model parallelism: ``functions``, ``MultiNodeChainList``, the
-multi-node iterators) raises :class:`Unsupported`, one line naming it.
+Data parallelism: the communicator
+(:mod:`~dasktrain.chainermn.communicator`), the multi-node optimizer
+(:mod:`~dasktrain.chainermn.optimizers`), extensions
+(:mod:`~dasktrain.chainermn.extensions`), datasets
+(:mod:`~dasktrain.chainermn.datasets`) and batch normalisation
+(:mod:`~dasktrain.chainermn.links`). Model parallelism: differentiable
+messages and collectives (:mod:`~dasktrain.chainermn.functions`),
+``MultiNodeChainList`` and ``create_multi_node_n_step_rnn``
+(:mod:`~dasktrain.chainermn.links`), the multi-node iterators
+(:mod:`~dasktrain.chainermn.iterators`) and ``comm.split`` for both at
+once. :mod:`~dasktrain.chainermn.global_except_hook` as ChainerMN's.
 """
-import chainer
-from chainermn.communicators.communicator_base import CommunicatorBase
+import sys
 
-from dasktrain.chainermn import datasets, extensions, links
+import chainer
+
+from dasktrain.chainermn import (
+    communicator,
+    datasets,
+    extensions,
+    functions,
+    global_except_hook,
+    iterators,
+    links,
+    optimizers,
+    substitution,
+)
 from dasktrain.chainermn.communicator import (
     NAMES,
+    CommunicatorBase,
     DaskCommunicator,
     create_communicator,
 )
@@ -27,29 +44,35 @@ from dasktrain.chainermn.datasets import (
     scatter_index,
 )
 from dasktrain.chainermn.extensions import (
-    DoubleBufferingOptimizer,
     create_multi_node_checkpointer,
     create_multi_node_early_stopping_trigger,
     create_multi_node_evaluator,
+)
+from dasktrain.chainermn.links import (
+    MultiNodeBatchNormalization,
+    MultiNodeChainList,
+    create_mnbn_model,
+    create_multi_node_n_step_rnn,
+)
+from dasktrain.chainermn.optimizers import (
+    DoubleBufferingOptimizer,
     create_multi_node_optimizer,
 )
-from dasktrain.chainermn.support import MISSING, Unsupported
+from dasktrain.chainermn.support import Unsupported
 
 __version__ = chainer.__version__
+communicators = communicator  # ChainerMN's name for the module
 
 __all__ = ['NAMES', 'CommunicatorBase', 'DaskCommunicator', 'DataSizeError',
-           'DoubleBufferingOptimizer', 'Unsupported', 'create_communicator',
-           'create_empty_dataset',
-           'create_multi_node_checkpointer',
+           'DoubleBufferingOptimizer', 'MultiNodeBatchNormalization',
+           'MultiNodeChainList', 'Unsupported', 'communicators',
+           'create_communicator', 'create_empty_dataset',
+           'create_mnbn_model', 'create_multi_node_checkpointer',
            'create_multi_node_early_stopping_trigger',
-           'create_multi_node_evaluator', 'create_multi_node_optimizer',
-           'datasets', 'extensions', 'links', 'scatter_dataset',
-           'scatter_index']
+           'create_multi_node_evaluator', 'create_multi_node_n_step_rnn',
+           'create_multi_node_optimizer', 'datasets', 'extensions',
+           'functions', 'global_except_hook', 'iterators', 'links',
+           'optimizers', 'scatter_dataset', 'scatter_index']
 
-
-def __getattr__(name):
-    if name in MISSING:
-        raise Unsupported(f'chainermn.{name}',
-                          'model parallelism and multi-node iterators are '
-                          'not offered')
-    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+global_except_hook._add_hook_if_enabled()
+substitution.take_the_name(sys.modules[__name__])

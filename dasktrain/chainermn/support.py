@@ -1,6 +1,17 @@
-"""What :mod:`dasktrain.chainermn` does not do, said as one line naming
-the call: :class:`Unsupported`, and the ChainerMN names that raise it."""
+"""What every part of :mod:`dasktrain.chainermn` shares: :class:`Unsupported`
+(a ChainerMN call not offered, said as one line naming it), :func:`say`
+(one line on stderr, in a script that configured no logging too) and
+:func:`fatal` (a communicator call whose peer is lost ends the process,
+as MPI does)."""
+import functools
+import logging
+import os
+import sys
+
 from dasktrain.errors import UserError
+from dasktrain.parallel.comm.base import CollectiveError
+
+logger = logging.getLogger('dasktrain.chainermn')
 
 
 class Unsupported(UserError, NotImplementedError):
@@ -8,8 +19,8 @@ class Unsupported(UserError, NotImplementedError):
 
     Examples
     --------
-    >>> str(Unsupported('chainermn.functions.send()'))
-    'dasktrain.chainermn does not support chainermn.functions.send()'
+    >>> str(Unsupported('create_communicator(mpi_comm=...)'))
+    'dasktrain.chainermn does not support create_communicator(mpi_comm=...)'
     """
 
     def __init__(self, call, why=None):
@@ -17,8 +28,41 @@ class Unsupported(UserError, NotImplementedError):
                          + (f': {why}' if why else ''))
 
 
-#: ChainerMN's public names that have no counterpart here.
-MISSING = ('functions', 'iterators', 'global_except_hook',
-           'MultiNodeChainList', 'create_multi_node_iterator',
-           'create_synchronized_iterator', 'create_multi_node_n_step_rnn',
-           'create_mnbn_model')
+def say(line, level=logging.INFO):
+    """One line on stderr through the ``dasktrain.chainermn`` logger,
+    also in a script that configured no logging."""
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter('%(message)s'))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    logger.log(level, line)
+
+
+def fatal(method):
+    """As under MPI, whose errors are fatal: a communicator call that
+    fails because a peer died or hangs (:class:`CollectiveError`) ends
+    this process at once with one line, without unwinding the user's code.
+    Unwinding would run Chainer's extensions' ``finalize``, and the
+    multi-node checkpointer's deletes the very checkpoints a relaunch
+    resumes from.
+
+    Every such call first finishes a double-buffered mean still in flight
+    (the communicator's ``_finish_mean``): the ranks' collectives run one
+    at a time, in the order every rank makes them (a
+    MultiNodeBatchNormalization's sums in the next forward pass come after
+    the gradients' on every rank)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            self._finish_mean()
+            return method(self, *args, **kwargs)
+        except CollectiveError as e:
+            say(f'dasktrain.chainermn: rank {self.rank} stops '
+                f'({type(e).__name__}: {e}), as MPI ends a job whose '
+                'peer is lost', logging.ERROR)
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(1)
+    return call

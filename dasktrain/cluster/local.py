@@ -40,7 +40,10 @@ from dasktrain.spawn import python
 logger = logging.getLogger(__name__)
 
 HOME_ENV = 'DASKTRAIN_HOME'
-MONITOR = 'dasktrain.monitor'  # preloaded by the scheduler and the worker
+# What the scheduler and the worker preload: the queue, and the GPU
+# readings of the worker's heartbeats.
+SCHEDULER_PRELOAD = 'dasktrain.jobs.scheduler.preload'
+WORKER_PRELOAD = 'dasktrain.jobs.worker.preload'
 
 
 class ClusterError(UserError):
@@ -282,7 +285,7 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
         env['DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION'] = '1'
     processes = [spawn(python('dask',
         # dasktrain's metrics and jobs page on the dashboard's server
-        'scheduler', '--preload', MONITOR, '--host', host,
+        'scheduler', '--preload', SCHEDULER_PRELOAD, '--host', host,
         '--port', str(port),
         '--dashboard-address', _with_port(dashboard_host or host,
                                           dashboard_port),
@@ -295,7 +298,8 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
                         ClusterError)
         address = info['address']
         processes.append(spawn(python(
-            'dask', 'worker', address, '--preload', MONITOR, '--nworkers', '1',
+            'dask', 'worker', address, '--preload', WORKER_PRELOAD,
+            '--nworkers', '1',
             # glibc's allocator settings, not Dask's (cluster/malloc.py)
             '--preload-nanny', 'dasktrain.cluster.malloc',
             # One thread more than slots: a scale-out job's driver holds

@@ -1,36 +1,38 @@
-"""The background processes of a recorded cluster: started in a session
-of their own (:func:`spawn`), waited for (:func:`wait_for`), told from a
-later process the system gives the same pid (:func:`is_process`,
-:func:`running`), and ended, only while still the ones recorded
-(:func:`kill`).
-
-Owns those mechanics only; which processes a cluster runs, and its
-record, are :mod:`~dasktrain.cluster.local`'s.
+"""The background processes of a recorded cluster: each started under a
+keeper of its own (:func:`spawn`, :mod:`dasktrain.keeper`: the scheduler,
+the worker with its nanny's worker process, nothing of theirs left
+behind), waited for (:func:`wait_for`), told from a later process the
+system gives the same pid (:func:`is_process`, :func:`running`), and
+ended, only while still the ones recorded (:func:`kill`). Which
+processes a cluster runs, and its record, are
+:mod:`~dasktrain.cluster.local`'s.
 """
 import contextlib
 import os
 import signal
-import subprocess
 import time
 
+from dasktrain import keeper
 from dasktrain.errors import UserError
+
+GRACE = 5.0  # s between a stop's SIGTERM and its SIGKILL
 
 
 def spawn(argv, log_path, env=None, umask=-1):
-    """Start ``argv`` in the background, its output appended to
-    ``log_path``, in the folder above that log's folder; ``umask`` for
-    the process (-1: this one's). The process gets ``created``, its
-    start time."""
+    """Start ``argv`` in the background under its keeper, their output
+    appended to ``log_path``, in the folder above that log's folder, with
+    ``env`` (None: this process's) and ``umask`` (-1: this one's). The
+    keeper's ``Popen``, with ``created``, its start time."""
     import psutil
-    log = open(log_path, 'ab')
-    # A session of its own: the cluster outlives the command that started
-    # it, and a Ctrl-C there does not reach it.
-    # In the cluster's own folder: nothing where `cluster start` ran is
-    # importable (dasktrain.spawn).
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, env=env,
-                               cwd=log_path.parent.parent,
-                               start_new_session=True, umask=umask)
+    with open(log_path, 'ab') as log:
+        # The cluster outlives the command that started it, and a Ctrl-C
+        # there does not reach it (a session of its own). In the
+        # cluster's own folder: nothing where `cluster start` ran is
+        # importable (dasktrain.spawn).
+        process = keeper.start(
+            argv, dict(os.environ) if env is None else env, GRACE,
+            stdout=log, cwd=str(log_path.parent.parent), outlives=True,
+            umask=umask).process
     # With the pid, what tells this process from a later one that the
     # system gives the same pid.
     process.created = psutil.Process(process.pid).create_time()
@@ -75,14 +77,16 @@ def running(state):
             if is_process(pid, created)]
 
 
-def kill(pid, created, grace=5.0):
-    """SIGTERM a process group, SIGKILL it if it lingers; only while its
-    leader is the process recorded."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def kill(pid, created, grace=GRACE + 5):
+    """Stop the recorded process ``pid`` and what it started: SIGTERM to
+    it (a keeper passes it on to every process of its program, and
+    SIGKILLs what is left after its grace), then SIGKILL to its group if
+    it lingers ``grace`` seconds; only while it is the process recorded."""
+    for sig, send in ((signal.SIGTERM, os.kill), (signal.SIGKILL, os.killpg)):
         if not _alive(pid, created):
             return
         try:
-            os.killpg(pid, sig)
+            send(pid, sig)
         except (ProcessLookupError, PermissionError):
             return
         deadline = time.monotonic() + grace

@@ -7,8 +7,9 @@ queue may hold before its GPU counts as busy (``--busy-mib``).
 dict ``cluster.json`` records; :func:`environment` hands them to the
 scheduler's and workers' processes as ``$DASKTRAIN_NOTIFY`` and
 ``$DASKTRAIN_BUSY_MIB``, which is where jobs' ends
-(:mod:`dasktrain.jobs.endings`) and the GPU readings
-(:mod:`dasktrain.gpuuse`) read them. Owns the names and checks only.
+(:mod:`dasktrain.jobs.end_notice`) and the GPU readings
+(:mod:`dasktrain.jobs.worker.gpu_use`) read them. Owns the names and
+checks only.
 """
 from dasktrain.errors import UserError, argument
 from dasktrain.notify import ENV as NOTIFY_ENV

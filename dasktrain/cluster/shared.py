@@ -10,7 +10,7 @@ path               mode       what
 ``cluster.json``   root 0644  the public record: the front door's socket,
                               the cluster's owner, addresses for display
 ``queue.sock``     0666       the front door (served by the scheduler,
-                              :mod:`dasktrain.jobs.frontdoor`)
+                              :mod:`dasktrain.jobs.scheduler.socket_server`)
 ``jobs/``          root 0711  job folders: traversable, not listable
 ``private/``       root 0700  the cluster's own record (pids, settings),
                               its TLS keys (0600), logs, worker space
@@ -80,6 +80,42 @@ def check_root(euid=None):
     """ClusterError (one line) unless this process (``euid``) is root."""
     if (os.geteuid() if euid is None else euid) != 0:
         raise ClusterError(NEEDS_ROOT)
+
+
+PRIVATE_PYTHON_ENV = 'DASKTRAIN_SHARED_PRIVATE_PYTHON'
+
+
+_ASK = object()
+
+
+def check_install(env=None, problem=_ASK):
+    """ClusterError (one line) unless every user can run this Python and
+    read this dasktrain: each training job runs as its submitter with
+    them. ``$DASKTRAIN_SHARED_PRIVATE_PYTHON=1`` in ``env`` starts anyway
+    (a queue of command jobs that bring their own Python); ``problem``:
+    :func:`dasktrain.everyone.install_problem`'s line or None (default:
+    asked of this process).
+
+    >>> check_install({}, problem=None)
+    >>> check_install({}, problem='other users cannot run /root/py: ...')
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    dasktrain.cluster.local.ClusterError: other users cannot run ... \
+`sudo /opt/dasktrain/bin/dasktrain cluster start --shared`
+    """
+    env = os.environ if env is None else env
+    if env.get(PRIVATE_PYTHON_ENV) == '1':
+        return
+    if problem is _ASK:
+        from dasktrain.everyone import install_problem
+        problem = install_problem()
+    if problem:
+        raise ClusterError(
+            f'{problem}, and a shared cluster runs each training job as its '
+            'submitter with it: install dasktrain for every user (`sudo '
+            'make install-shared PREFIX=/opt/dasktrain` in its clone, '
+            'docs/security.md) and start that one: `sudo '
+            '/opt/dasktrain/bin/dasktrain cluster start --shared`')
 
 
 def owner_uid(env=None):

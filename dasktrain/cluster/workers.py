@@ -87,7 +87,7 @@ def local_device_workers(devices, blas_threads=1):
 _FORKED = {'blas_threads': None}
 #: What the forkserver imports once, for every worker forked from it: a
 #: rank's training needs them all (Chainer alone is a second of CPU).
-PRELOAD = ['distributed', 'numpy', 'chainer', 'dasktrain.launch']
+PRELOAD = ['distributed', 'numpy', 'chainer', 'dasktrain.run.train']
 
 
 def _forkserver(blas_threads):

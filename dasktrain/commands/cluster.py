@@ -109,6 +109,8 @@ class Cluster(Command):
                     'in its --shared-dir')
             if args.shared:
                 shared.check_root()  # one line, before anything starts
+                if args.action == 'start':
+                    shared.check_install()
         if args.action == 'start':
             if args.max_gpus_per_user is not None and \
                     args.max_gpus_per_user < 1:  # before anything starts
@@ -125,7 +127,7 @@ class Cluster(Command):
                 tls_cert=args.tls_cert, tls_key=args.tls_key,
                 insecure=args.insecure, dashboard_host=args.dashboard_host,
                 notify=args.notify, busy_mib=args.busy_mib, **more)
-            from dasktrain.monitor import links
+            from dasktrain.jobs.scheduler.metrics import links
             tls = ', '.join(state['tls'].values()) if state['tls'] else \
                 'none (--insecure)'
             print(f"scheduler: {state['scheduler']}\n"
@@ -145,9 +147,9 @@ class Cluster(Command):
             self.recover(state, where.jobs if where else args.jobs_dir,
                          args.max_gpus_per_user)
         elif args.action == 'status':
-            from dasktrain.jobs.door import front_door
-            from dasktrain.monitor import links
-            door = front_door(args.scheduler)
+            from dasktrain.jobs.client.route import shared_queue
+            from dasktrain.jobs.scheduler.metrics import links
+            door = shared_queue(args.scheduler)
             status = door.cluster() if door is not None else \
                 cluster.cluster_status(args.scheduler)
             print(f"scheduler: {status['scheduler']}\n"
@@ -182,8 +184,8 @@ class Cluster(Command):
         cluster that is gone left queued or running (this user's, in the
         jobs dir)."""
         from dasktrain.cluster.local import connect, security_from
-        from dasktrain.jobs.dispatch import set_user_limit
-        from dasktrain.jobs.recover import recover
+        from dasktrain.jobs.scheduler.dispatch import set_user_limit
+        from dasktrain.jobs.scheduler.recovery import recover
         security = security_from(**state['tls']) if state['tls'] else None
         with connect(state['scheduler'], security) as client:
             if max_gpus_per_user is not None:
@@ -198,7 +200,7 @@ class Cluster(Command):
     def stop(cluster, args):
         """Stop the cluster; then record what became of its jobs."""
         from dasktrain.cluster import shared
-        from dasktrain.jobs.recover import live_jobs, settle
+        from dasktrain.jobs.scheduler.recovery import live_jobs, settle
         where = shared.layout(shared.shared_dir(args.shared_dir)) \
             if args.shared else None
         folder, jobs_dir = (where.private, where.jobs) if where else \

@@ -2,7 +2,8 @@
 user holding it, and the processes outside the queue NVML sees on it
 (pid, user, memory; a GPU they hold more than ``--busy-mib`` of is
 busy); on workers without GPUs, their CPU slots and the jobs holding
-them. The readings are :mod:`dasktrain.gpuuse`'s (workers' heartbeats),
+them. The readings are :mod:`dasktrain.jobs.worker.gpu_use`'s (workers'
+heartbeats),
 the jobs those the scheduler's monitor and the jobs dir know."""
 from dasktrain.commands import Command, add_jobs_dir, add_scheduler
 
@@ -17,15 +18,15 @@ class Gpus(Command):
         add_jobs_dir(parser)
 
     def run(self, args):
-        from dasktrain.jobs.door import front_door
-        door = front_door(args.scheduler, args.jobs_dir)
+        from dasktrain.jobs.client.route import shared_queue
+        door = shared_queue(args.scheduler, args.jobs_dir)
         if door is not None:  # a shared cluster: its front door reads them
             answer = door.gpus()
             print(self.table(answer['seen'], answer['running']))
             return 0
         from dasktrain.cluster.local import connect
-        from dasktrain.gpuuse import cluster_use
-        from dasktrain.jobs.asking import running_jobs
+        from dasktrain.jobs.scheduler.outside_use import cluster_use
+        from dasktrain.jobs.status import running_jobs
         with connect(args.scheduler) as client:
             seen = client.run_on_scheduler(cluster_use)
             address = client.scheduler.address
@@ -36,9 +37,11 @@ class Gpus(Command):
     @staticmethod
     def table(seen, jobs):
         """The lines for the scheduler's answer ``seen`` (see
-        :func:`~dasktrain.gpuuse.cluster_use`) and ``jobs``: the running
+        :func:`~dasktrain.jobs.scheduler.outside_use.cluster_use`) and
+        ``jobs``: the running
         jobs' summaries."""
-        from dasktrain.jobs.busy import describe, worker_ids
+        from dasktrain.jobs.scheduler.outside_use import worker_ids
+        from dasktrain.jobs.worker.gpu_use import describe
         rows = [('WORKER', 'GPU', 'JOB', 'USER', 'OUTSIDE THE QUEUE')]
         notes = []
         for address, worker in sorted(seen['workers'].items()):
@@ -69,8 +72,9 @@ class Gpus(Command):
                              job['user'] if job else '-', '-'))
             if count and not use.get('nvml'):
                 notes.append(f'{address}: no NVML process list (no NVIDIA '
-                             'driver, no permission, or no dasktrain.monitor '
-                             'preload): processes outside the queue unknown')
+                             'driver, no permission, or no '
+                             'dasktrain.jobs.worker.preload): processes '
+                             'outside the queue unknown')
         if len(rows) == 1:
             return 'no workers'
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -1,7 +1,7 @@
 """The job queue's commands: ``dasktrain submit``, ``jobs`` (the table,
 once or ``--watch``), ``logs``, ``cancel``, ``requeue`` and ``result``;
-each asks a cluster of your own or a shared cluster's front door, as
-:func:`dasktrain.jobs.door.front_door` decides."""
+each asks a cluster of your own or a shared cluster's socket, as
+:func:`dasktrain.jobs.client.route.shared_queue` decides."""
 import argparse
 import sys
 import time
@@ -69,34 +69,28 @@ class Submit(Command):
                                  'or a program and its arguments')
 
     def run(self, args):
-        from dasktrain.jobs.submit import submit
+        from dasktrain.jobs.client.submit import parse_env, queue_request
+        from dasktrain.jobs.request import JobRequest, Program, Training
         from dasktrain.notify import check_target
         if args.gpus < 0:
             args.command_parser.error(f'--gpus must be >= 0, got {args.gpus}')
         check_target(args.notify)  # before anything connects
         words = args.train_args[1:] if args.train_args[:1] == ['--'] \
             else args.train_args
-        if words and not words[0].startswith('-'):  # a program
-            from dasktrain.jobs.programs import parse_env, submit_command
-            job = submit_command(
-                words, gpus=args.gpus, name=args.name,
-                env=parse_env(args.env), grace=args.grace,
-                requeue=args.requeue, scheduler=args.scheduler,
-                path=args.jobs_dir, notify=args.notify,
-                **self.queue_args(args))
-            print(job.id)
-            return 0
-        config = train_config(args.train_args, 'dasktrain submit --')
-        job = submit(config, gpus=args.gpus, name=args.name,
-                     scheduler=args.scheduler, path=args.jobs_dir,
-                     notify=args.notify, **self.queue_args(args))
-        print(job.id)
+        # After --: a program and its arguments, or `dasktrain train`'s
+        # flags (a run, which its job runs as a program of its own).
+        if words and not words[0].startswith('-'):
+            program = Program.of(words, parse_env(args.env),
+                                 grace=args.grace, requeue=args.requeue)
+        else:
+            program = Training.of(train_config(args.train_args,
+                                               'dasktrain submit --'))
+        request = JobRequest.of(program, args.gpus, args.name, args.notify,
+                                args.after, args.after_any, args.time,
+                                args.time_limit)
+        print(queue_request(request, scheduler=args.scheduler,
+                            path=args.jobs_dir).id)
         return 0
-
-    @staticmethod
-    def queue_args(args):
-        return {'after': args.after, 'after_any': args.after_any,
-                'time': args.time, 'time_limit': args.time_limit}
 
 
 # Seconds between asking the scheduler whether a job it should hold is
@@ -148,8 +142,11 @@ class Jobs(Command):
         if args.interval <= 0:
             args.command_parser.error(
                 f'--interval must be > 0, got {args.interval:g}')
-        from dasktrain.jobs.asking import SchedulerPoller, ask_scheduler
-        from dasktrain.jobs.door import rows
+        from dasktrain.jobs.client.route import rows
+        from dasktrain.jobs.scheduler.query import (
+            SchedulerPoller,
+            ask_scheduler,
+        )
         if not args.watch:
             print(self.table(*rows(args.jobs_dir, ask_scheduler)))
             return 0
@@ -170,9 +167,9 @@ class Jobs(Command):
     @staticmethod
     def table(rows, unreadable=()):
         """The jobs table of ``rows`` (as
-        :func:`dasktrain.jobs.asking.job_rows` gives them: a cluster of
-        your own's job folders and scheduler, or a shared cluster's front
-        door); a job folder that cannot be read is one row 'unreadable'
+        :func:`dasktrain.jobs.status.job_rows` gives them: a cluster of
+        your own's job folders and scheduler, or a shared cluster's
+        socket); a job folder that cannot be read is one row 'unreadable'
         and a line with its reason below, never an error."""
         lines = [('ID', 'NAME', 'USER', 'STATE', 'GPUS', 'PROGRESS',
                   'ACCURACY', 'SUBMITTED', 'STARTED', 'ENDED', 'SCHEDULER',
@@ -180,7 +177,8 @@ class Jobs(Command):
         for r in rows:
             view = r.get('view') or {}
             lines.append((
-                r['id'], r['name'], r['user'], r['state'], r['gpus'],
+                r['id'], r['name'], r['user'], r['state'] +
+                (f" ({r['ending']})" if r.get('ending') else ''), r['gpus'],
                 r['progress'], '-' if r['accuracy'] is None else
                 f"{r['accuracy']:.4f}", _when(r['submitted']),
                 _when(r['started']), _when(r['ended']), r['seen'],
@@ -204,8 +202,8 @@ class _JobCommand(Command):
 
     def job(self, args):
         """The job, from a cluster of your own or a shared cluster's
-        front door (:func:`dasktrain.jobs.door.find` decides)."""
-        from dasktrain.jobs.door import find
+        socket (:func:`dasktrain.jobs.client.route.find` decides)."""
+        from dasktrain.jobs.client.route import find
         return find(args.id, args.jobs_dir)
 
 
@@ -219,8 +217,8 @@ class Logs(_JobCommand):
                             help='keep printing until the job ends')
 
     def run(self, args):
-        from dasktrain.jobs.asking import ask_scheduler
-        from dasktrain.jobs.records import DONE, JobError
+        from dasktrain.jobs.job import DONE, JobError
+        from dasktrain.jobs.scheduler.query import ask_scheduler
         job = self.job(args)
         offset, checked = 0, time.monotonic()
         while True:
@@ -252,7 +250,7 @@ class Cancel(_JobCommand):
                             ' job to stop (default: %(default)s)')
 
     def run(self, args):
-        from dasktrain.jobs.records import DONE
+        from dasktrain.jobs.job import DONE
         job = self.job(args)
         was = job.status()['state']
         job.cancel()
@@ -283,11 +281,11 @@ class Requeue(_JobCommand):
 
     def run(self, args):
         from dasktrain.cluster.local import connect
-        from dasktrain.jobs.door import front_door
-        from dasktrain.jobs.records import JobError
-        from dasktrain.jobs.recover import orphans, requeue
-        door = front_door(args.scheduler, args.jobs_dir)
-        if door is not None:  # a shared cluster: its front door decides
+        from dasktrain.jobs.client.route import shared_queue
+        from dasktrain.jobs.job import JobError
+        from dasktrain.jobs.scheduler.recovery import orphans, requeue
+        door = shared_queue(args.scheduler, args.jobs_dir)
+        if door is not None:  # a shared cluster: its server decides
             print(f'{args.id}: queued on {door.requeue(args.id)}')
             return 0
         job = self.job(args)
@@ -312,8 +310,8 @@ class Result(_JobCommand):
                             help='wait for the job to end')
 
     def run(self, args):
-        from dasktrain.jobs.asking import ask_scheduler
-        from dasktrain.jobs.records import DONE, JobError
+        from dasktrain.jobs.job import DONE, JobError
+        from dasktrain.jobs.scheduler.query import ask_scheduler
         job = self.job(args)
         status = job.status()
         if status['state'] not in DONE and not args.wait:

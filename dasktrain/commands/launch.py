@@ -1,5 +1,5 @@
 """``dasktrain launch -n N -- PROGRAM ARGS...``: a program as N ranks,
-the ``mpiexec`` of dasktrain (:mod:`dasktrain.launcher`); rank 0's output
+the ``mpiexec`` of dasktrain (:mod:`dasktrain.run.launch`); rank 0's output
 printed here as it comes."""
 import argparse
 import sys
@@ -36,11 +36,15 @@ class Launch(Command):
                             help='how long a collective waits for a peer '
                                  'before the job fails (default: '
                                  '%(default)s)')
+        parser.add_argument('--no-chainermn', action='store_true',
+                            help="leave the ranks' `import chainermn` to "
+                                 'the installed ChainerMN (default: '
+                                 'dasktrain.chainermn, ChainerMN on Dask)')
         parser.add_argument('program', nargs=argparse.REMAINDER,
                             help='after --: the program and its arguments')
 
     def run(self, args):
-        from dasktrain.launcher import launch
+        from dasktrain.run.launch import launch
         if args.n < 1:
             args.command_parser.error(f'-n must be >= 1, got {args.n}')
         if args.timeout <= 0:
@@ -53,4 +57,5 @@ class Launch(Command):
                                       '-- python train.py')
         return launch(program, args.n, devices=args.devices,
                       scheduler=args.scheduler, out=args.out,
-                      timeout=args.timeout, echo=_echo)
+                      timeout=args.timeout, echo=_echo,
+                      chainermn=not args.no_chainermn)

@@ -20,9 +20,10 @@ from dasktrain.config import (
 def add_data_arguments(parser):
     parser.add_argument(
         '--dataset', default='cifar10', metavar='SPEC',
-        help='cifar10, cifar100, npz:PATH (keys x_train, y_train, x_test, '
-             'y_test) or your own function returning those four arrays, '
-             'as file.py:NAME or package.module:NAME (default: '
+        help='cifar10, cifar100, sample (4,000 Fashion-MNIST images '
+             'shipped with dasktrain), npz:PATH (keys x_train, y_train, '
+             'x_test, y_test) or your own function returning those four '
+             'arrays, as file.py:NAME or package.module:NAME (default: '
              '%(default)s)')
     parser.add_argument('--label-set', choices=('fine', 'coarse'),
                         default='fine',
@@ -61,7 +62,10 @@ class _ModelArg(argparse.Action):
             value = json.loads(value)
         except ValueError:
             pass  # a bare string
-        args = dict(getattr(namespace, self.dest) or {})
+        # a dict so far, or the default (None; given_fields' probe: a
+        # sentinel that is not one)
+        so_far = getattr(namespace, self.dest, None)
+        args = dict(so_far) if isinstance(so_far, dict) else {}
         args[key] = value
         setattr(namespace, self.dest, args)
 
@@ -82,6 +86,8 @@ def given_fields(argv):
     --------
     >>> sorted(given_fields(['--resume', '--out', 'r', '--epochs', '20']))
     ['epochs', 'out', 'resume']
+    >>> sorted(given_fields(['--model-arg', 'n=1', '--model-arg', 'm=2']))
+    ['model_args']
     """
     import dataclasses
 

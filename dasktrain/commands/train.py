@@ -1,5 +1,14 @@
 """``dasktrain download`` and ``dasktrain train``: the data, and one run
-here or across ``--workers N`` Dask workers."""
+here or across ``--workers N`` Dask workers.
+
+A first run works anywhere: without ``--dataset``, where CIFAR-10 cannot
+be had (not in ``--data-dir``, no mirror, the official host unreachable)
+``train`` trains on the built-in sample (:mod:`dasktrain.data.sample`),
+saying so first; without a GPU and without ``--epochs``,
+``--train-size`` or ``--test-size`` it trains a short run
+(:data:`SHORT_CPU_RUN`, :func:`short_cpu_run`), saying how to ask for the
+full one.
+"""
 import dataclasses
 import json
 
@@ -34,6 +43,58 @@ class Download(Command):
         return 0
 
 
+# A CPU trains the seed post's network at about 100 to 200 images/s on 2
+# cores: the full default (20 epochs of 50,000 images) takes hours.
+SHORT_CPU_RUN = dict(epochs=2, train_size=2000, test_size=1000)
+
+
+def short_cpu_run(config, given, has_gpu):
+    """The sizes of a short run for ``config`` (a dict of TrainConfig
+    fields), or None to train as asked: a run that trains on the CPU
+    (``devices`` all CPU, or none named and ``has_gpu()`` false), here
+    (not ``--workers``), new (not ``--resume``), whose size the user did
+    not give (none of ``--epochs``, ``--train-size``, ``--test-size`` in
+    ``given``). ``has_gpu`` is asked only when needed.
+
+    Examples
+    --------
+    >>> from dasktrain.config import TrainConfig
+    >>> short_cpu_run(TrainConfig(), set(), lambda: False)
+    {'epochs': 2, 'train_size': 2000, 'test_size': 1000}
+    >>> short_cpu_run(TrainConfig(), {'epochs'}, lambda: False)
+    >>> short_cpu_run(TrainConfig(), set(), lambda: True)
+    >>> short_cpu_run(TrainConfig(devices='cpu:2'), set(), lambda: True)
+    {'epochs': 2, 'train_size': 2000, 'test_size': 1000}
+    """
+    if config.workers is not None or config.resume or \
+            given & {'epochs', 'train_size', 'test_size'}:
+        return None
+    if config.devices is not None:
+        on_cpu = all(d == '@numpy' for d in config.devices)
+    else:
+        on_cpu = not has_gpu()
+    return dict(SHORT_CPU_RUN) if on_cpu else None
+
+
+def short_run_line(sizes, full_epochs):
+    """What a short CPU run says first.
+
+    >>> print(short_run_line(SHORT_CPU_RUN, 20))  # doctest: +ELLIPSIS
+    no GPU: a short run, 2 epochs of 2,000 training images (--epochs 2 ...
+    """
+    return (f"no GPU: a short run, {sizes['epochs']} epochs of "
+            f"{sizes['train_size']:,} training images (--epochs "
+            f"{sizes['epochs']} --train-size {sizes['train_size']} "
+            f"--test-size {sizes['test_size']}), a minute or a few; for "
+            f'the full run ({full_epochs} epochs of every image, hours on '
+            f'a CPU) pass --epochs {full_epochs}')
+
+
+def _has_gpu():
+    from dasktrain.parallel.placement import default_devices
+    return default_devices() != ('@numpy',)
+
+
 class Train(Command):
     name = 'train'
     help = ('train a model on CIFAR-10 (or --dataset) on every GPU found '
@@ -44,12 +105,21 @@ class Train(Command):
         add_arguments(parser)
 
     def run(self, args):
-        from dasktrain.launch import train
+        from dasktrain.run.train import train
         config = config_from_args(args)
         if config.resume:
             config = self.resumed(config, args)
+        else:
+            config = self.first_run(config, given_fields(args.argv[1:]))
         summary = train(config)
-        final = summary['final']
+        final, stop = summary['final'], summary.get('stopped_by_request')
+        if stop:
+            print(f"stopped by request at iteration {stop['iteration']} "
+                  f"({stop['epoch']} epochs done); `dasktrain train --resume "
+                  f"--out {config.out}` continues from "
+                  f"{stop['checkpoint']}")
+        if final is None and stop:
+            return 0
         if final is None:
             print(f'nothing to do: {config.out} already finished '
                   f'{config.epochs} epochs')
@@ -65,7 +135,7 @@ class Train(Command):
     def curves(out):
         """OUT/curves.png, where matplotlib is installed."""
         try:
-            from dasktrain.report import save_curves
+            from dasktrain.results import save_curves
             path = save_curves(out)
         except ImportError:
             print('curves: `pip install matplotlib` (or dasktrain'
@@ -74,6 +144,29 @@ class Train(Command):
             return
         if path is not None:
             print(f'curves: {path}')
+
+    @staticmethod
+    def first_run(config, given):
+        """The built-in sample where CIFAR-10 was not named and cannot be
+        had; a short run on a CPU where no size was given. Each says so
+        in one line, first."""
+        if 'dataset' not in given and config.dataset == 'cifar10':
+            from dasktrain.data.sample import (
+                SAMPLE,
+                cifar10_unavailable,
+                fallback_line,
+            )
+            why = cifar10_unavailable(config.data_dir, config.url)
+            if why is not None:
+                if config.progress:
+                    print(fallback_line(why, config.data_dir), flush=True)
+                config = config.replace(dataset=SAMPLE)
+        sizes = short_cpu_run(config, given, _has_gpu)
+        if sizes is not None:
+            if config.progress:
+                print(short_run_line(sizes, config.epochs), flush=True)
+            config = config.replace(**sizes)
+        return config
 
     @staticmethod
     def resumed(config, args):

@@ -56,18 +56,9 @@ class Tune(Command):
             help='options of `dasktrain train` every trial shares, after --')
 
     def run(self, args):
-        from dasktrain.jobs.door import front_door
-        from dasktrain.jobs.records import JobError
-        if front_door(args.scheduler, args.jobs_dir) is not None:
-            raise JobError(
-                'dasktrain tune needs a cluster of your own: a search asks '
-                'Dask about its trials and keeps its study in the jobs dir, '
-                'and a shared cluster\'s users reach neither. Start one on '
-                'GPUs of your own (`dasktrain cluster start --port 0`), or '
-                'pass --scheduler and --jobs-dir')
         import optuna
 
-        from dasktrain.report import trials_table
+        from dasktrain.results import trials_table
         from dasktrain.tuning import study as tuning
         from dasktrain.tuning import trials
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # ours instead

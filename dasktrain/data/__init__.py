@@ -18,6 +18,7 @@ _EXPORTS = {
     **dict.fromkeys(('EpochLoader', 'epoch_permutation', 'minibatch_indices',
                      'shard_batches', 'shard_bounds'),
                     'dasktrain.data.loader'),
+    **dict.fromkeys(('SAMPLE', 'load_sample'), 'dasktrain.data.sample'),
     'DataError': 'dasktrain.errors',
 }
 

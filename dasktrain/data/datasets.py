@@ -1,5 +1,6 @@
 """A run's data, named by ``--dataset``: CIFAR-10 (the default), CIFAR-100,
-an ``npz:PATH`` file, or the user's own function (``file.py:NAME``,
+the built-in ``sample`` (:mod:`~dasktrain.data.sample`), an ``npz:PATH``
+file, or the user's own function (``file.py:NAME``,
 ``package.module:NAME``) returning ``(x_train, y_train, x_test, y_test)``
 as NumPy or Dask arrays.
 
@@ -34,8 +35,11 @@ from dasktrain.data.augment import (
 from dasktrain.errors import DataError, argument
 from dasktrain.userspec import SpecError, is_spec, load_attribute
 
-BUILT_IN = ('cifar10', 'cifar100')
-# --augment: 'auto' is crop-flip for images and nothing for other inputs
+BUILT_IN = ('cifar10', 'cifar100', 'sample')
+# --augment: 'auto' is crop-flip for the built-in sets (natural images,
+# clothes: a mirror image means the same), crop for a user's own (a flip
+# can change what an image means: digits, text, scans) and nothing for
+# other inputs
 AUGMENTS = ('auto', 'crop-flip', 'crop', 'none')
 NPZ_KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
 LABEL_SETS = ('fine', 'coarse')
@@ -92,20 +96,25 @@ class Dataset:
         """Keyword arguments of :func:`~dasktrain.data.augment.augment`
         for ``augment`` (True: 'auto', False: 'none'), None for none: a
         random crop after padding by 4 pixels at 32 (in proportion for
-        other sizes) and, with 'crop-flip', a horizontal flip."""
-        augment = {True: 'auto', False: 'none'}.get(augment, augment)
-        if augment not in AUGMENTS:
-            raise DataError(f'{argument("augment")} must be one of '
-                            f'{", ".join(AUGMENTS)}, got {augment!r}')
-        if augment == 'none' or (augment == 'auto' and not self.images):
-            return None
-        if not self.images:
+        other sizes) and, with 'crop-flip', a horizontal flip. 'auto' is
+        'crop-flip' for the built-in sets of natural images (CIFAR), 'crop'
+        for other images (a flip may change what they mean), 'none' for
+        inputs that are not images."""
+        options, _ = augmentation_plan(
+            self.name, self.images, self.train_images.shape[2:3], augment)
+        if options is False:
             raise DataError(f'{argument("augment")} {augment} crops and '
                             f'flips images; {self.name} holds inputs of '
                             f'shape {tuple(self.train_images.shape[1:])}: '
                             f'pass {argument("augment")} none')
-        return dict(pad=scaled_pad(self.train_images.shape[2]),
-                    flip=augment != 'crop')
+        return options
+
+    def augmentation_words(self, augment='auto'):
+        """One line: the augmentation a run applies, and why
+        (:func:`augmentation_plan`)."""
+        self.augmentation(augment)  # one line if it cannot be
+        return augmentation_plan(self.name, self.images,
+                                 self.train_images.shape[2:3], augment)[1]
 
     def statistics(self):
         """What OUT/args records of the data."""
@@ -116,11 +125,52 @@ class Dataset:
                     std=None if self.std is None else list(self.std))
 
 
+def augmentation_plan(name, images, size, augment='auto'):
+    """``(options, line)``: the keyword arguments of
+    :func:`~dasktrain.data.augment.augment` that ``augment`` comes to for
+    the dataset ``name`` (None: none; False: it asks to crop inputs that
+    are not ``images``), and one line saying what the run applies and why.
+    ``size``: the images' height, as a 1-tuple (none for other inputs).
+
+    Examples
+    --------
+    >>> augmentation_plan('cifar10', True, (32,))[1]
+    "augmentation: random crop (padding 4), horizontal flip: augment auto, \
+on cifar10's natural images"
+    >>> augmentation_plan('npz:digits.npz', True, (8,))[0]
+    {'pad': 1, 'flip': False}
+    """
+    augment = {True: 'auto', False: 'none'}.get(augment, augment)
+    if augment not in AUGMENTS:
+        raise DataError(f'{argument("augment")} must be one of '
+                        f'{", ".join(AUGMENTS)}, got {augment!r}')
+    flag = f'{argument("augment")} {augment}'
+    chosen, why = augment, flag
+    if augment == 'auto' and not images:
+        chosen, why = 'none', f'{flag}, on inputs that are not images'
+    elif augment == 'auto' and name in BUILT_IN:
+        chosen, why = 'crop-flip', f"{flag}, on {name}'s " + (
+            'natural images' if name != 'sample' else 'clothes')
+    elif augment == 'auto':
+        chosen, why = 'crop', (
+            f'{flag}, on your own images, whose meaning a flip may change '
+            f'(digits, text); {argument("augment")} crop-flip flips them')
+    if chosen == 'none':
+        what = 'none, normalisation only' if images else 'none'
+        return None, f'augmentation: {what}: {why}'
+    if not images:
+        return False, None
+    options = dict(pad=scaled_pad(size[0]), flip=chosen != 'crop')
+    what = f"random crop (padding {options['pad']}), " + \
+        ('horizontal flip' if options['flip'] else 'no flip')
+    return options, f'augmentation: {what}: {why}'
+
+
 def check_spec(spec):
     """Validate the form of a ``--dataset`` value (not its contents)."""
     if not isinstance(spec, str) or not spec:
         raise DataError(f'{argument("dataset")} must be cifar10, cifar100, '
-                        f'npz:PATH or file.py:NAME, got {spec!r}')
+                        f'sample, npz:PATH or file.py:NAME, got {spec!r}')
     if spec in BUILT_IN or spec.startswith('npz:'):
         if spec == 'npz:':
             raise DataError(f'{argument("dataset")} npz: needs a path, '
@@ -128,8 +178,8 @@ def check_spec(spec):
         return
     if not is_spec(spec):
         raise DataError(f'{argument("dataset")} must be cifar10, cifar100, '
-                        'npz:PATH, or your own function as file.py:NAME or '
-                        f'package.module:NAME, got {spec!r}')
+                        'sample, npz:PATH, or your own function as '
+                        f'file.py:NAME or package.module:NAME, got {spec!r}')
 
 
 def resolve_spec(spec, cwd=None):
@@ -169,7 +219,7 @@ def load_dataset(spec='cifar10', data_dir='data', url=None, md5=None,
     Parameters
     ----------
     spec : str, default 'cifar10'
-        ``cifar10``, ``cifar100``, ``npz:PATH`` (keys ``x_train``,
+        ``cifar10``, ``cifar100``, ``sample``, ``npz:PATH`` (keys ``x_train``,
         ``y_train``, ``x_test``, ``y_test``) or ``file.py:NAME`` /
         ``package.module:NAME`` (a function returning those four arrays).
     data_dir, url, md5 : optional
@@ -204,6 +254,9 @@ def load_dataset(spec='cifar10', data_dir='data', url=None, md5=None,
         from dasktrain.data.cifar import load_cifar100
         arrays = load_cifar100(data_dir, download=download, url=url, md5=md5,
                                label_set=label_set)
+    elif spec == 'sample':
+        from dasktrain.data.sample import load_sample
+        arrays = load_sample()
     elif spec.startswith('npz:'):
         arrays = _npz(spec)
     else:

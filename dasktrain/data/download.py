@@ -6,6 +6,7 @@ request after a break), its MD5 checked, and only then renamed into place;
 members are checked before extraction into a temporary folder that is
 renamed into place when complete.
 """
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -59,7 +60,13 @@ CIFAR100 = Source('CIFAR-100',
                   'cifar-100-python.tar.gz', 'cifar-100-python')
 
 
-def _mirror_hint(source=CIFAR10):
+def _mirror_hint(source=CIFAR10, mirror=None):
+    """What to do after a failed download: name a mirror, or, where one
+    was named, check it."""
+    if mirror:
+        return (f'check the mirror ({argument("url")} or '
+                f'${source.url_env}), or put {source.archive} into the '
+                'data dir')
     return (f'use a mirror ({argument("url")}, or ${source.url_env}) or put '
             f'{source.archive} into the data dir')
 
@@ -118,7 +125,21 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
     batches = data_dir / source.folder
     if batches.is_dir():  # nothing to write: a read-only folder is fine
         return batches
+    made = not data_dir.exists()
     _make_dir(data_dir)
+    try:
+        return _download(data_dir, url, md5, retries, backoff, timeout,
+                         progress, source)
+    except BaseException:
+        if made:  # a failed first download leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                data_dir.rmdir()
+        raise
+
+
+def _download(data_dir, url, md5, retries, backoff, timeout, progress,
+              source):
+    batches = data_dir / source.folder
     archive = data_dir / source.archive
     # Something else in the place of either: say so, before any download.
     if batches.exists() or batches.is_symlink():  # and not a folder
@@ -137,9 +158,10 @@ def download_cifar10(data_dir='data', url=None, md5=None, *, retries=5,
                 f'{argument("md5")} (or set {source.md5_env}) if it comes '
                 'from a mirror with another archive')
     else:
-        url = url or os.environ.get(source.url_env) or source.url
-        _fetch(url, archive, md5, retries=retries, backoff=backoff,
-               timeout=timeout, progress=progress, source=source)
+        mirror = url or os.environ.get(source.url_env)
+        _fetch(mirror or source.url, archive, md5, retries=retries,
+               backoff=backoff, timeout=timeout, progress=progress,
+               source=source, mirror=mirror)
     extract_archive(archive, data_dir, source)
     return batches
 
@@ -182,12 +204,13 @@ class _BrokenStream(Exception):
 
 
 def _fetch(url, dest, md5, *, retries, backoff, timeout, progress,
-           source=CIFAR10):
+           source=CIFAR10, mirror=None):
     part = dest.with_name(dest.name + '.part')
     with _session(retries, backoff) as session:
         for attempt in range(retries + 1):
             try:
-                _stream_once(session, url, part, timeout, progress, source)
+                _stream_once(session, url, part, timeout, progress, source,
+                             mirror)
                 break
             except _BrokenStream as e:
                 failure = e
@@ -195,7 +218,7 @@ def _fetch(url, dest, md5, *, retries, backoff, timeout, progress,
                 time.sleep(backoff * 2 ** attempt)
         else:
             raise DataError(f'download of {url} kept breaking off '
-                            f'({failure}); {_mirror_hint(source)}')
+                            f'({failure}); {_mirror_hint(source, mirror)}')
     got = _md5sum(part)
     if got != md5:
         part.unlink()
@@ -206,7 +229,8 @@ def _fetch(url, dest, md5, *, retries, backoff, timeout, progress,
     os.replace(part, dest)
 
 
-def _stream_once(session, url, part, timeout, progress, source=CIFAR10):
+def _stream_once(session, url, part, timeout, progress, source=CIFAR10,
+                 mirror=None):
     """Append the rest of ``url`` to ``part``; raise _BrokenStream to retry."""
     offset = part.stat().st_size if part.exists() else 0
     headers = {'Range': f'bytes={offset}-'} if offset else {}
@@ -215,7 +239,7 @@ def _stream_once(session, url, part, timeout, progress, source=CIFAR10):
                                headers=headers)
     except requests.RequestException as e:
         raise DataError(f'cannot download {url}: {_reason(e, url, timeout)}; '
-                        f'{_mirror_hint(source)}') from None
+                        f'{_mirror_hint(source, mirror)}') from None
     with response:
         if response.status_code == 416:  # the .part is not a prefix we know
             part.unlink()
@@ -223,7 +247,7 @@ def _stream_once(session, url, part, timeout, progress, source=CIFAR10):
         if response.status_code >= 400:
             raise DataError(f'cannot download {url} (HTTP '
                             f'{response.status_code} {response.reason}); '
-                            f'{_mirror_hint(source)}')
+                            f'{_mirror_hint(source, mirror)}')
         resumed = (offset and response.status_code == 206 and
                    response.headers.get('Content-Range', '')
                    .startswith(f'bytes {offset}-'))

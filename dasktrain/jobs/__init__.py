@@ -1,50 +1,45 @@
-"""Training jobs on a Dask cluster, queued by GPUs: a job's folder and files
-(:mod:`~dasktrain.jobs.records`), checking and queueing it on the scheduler
-(:mod:`~dasktrain.jobs.submit`), its order (:mod:`~dasktrain.jobs.queue`,
-:mod:`~dasktrain.jobs.dispatch`), asking the scheduler about it
-(:mod:`~dasktrain.jobs.asking`), requeueing what a scheduler lost
-(:mod:`~dasktrain.jobs.recover`), running it on a worker
-(:mod:`~dasktrain.jobs.worker`, as its submitter in a shared cluster:
-:mod:`~dasktrain.jobs.runas`) and the live jobs page
-(:mod:`~dasktrain.jobs.page`); a shared cluster's front door
-(:mod:`~dasktrain.jobs.frontdoor`, its wire
-:mod:`~dasktrain.jobs.protocol`) and the choice of queue a client talks
-to (:mod:`~dasktrain.jobs.door`).
+"""The job queue, cut by where its code runs, around one checked request.
 
+Every process reads the same few modules: a job and its states
+(:mod:`~dasktrain.jobs.job`), the request that makes one
+(:mod:`~dasktrain.jobs.request`), its folder (:mod:`~dasktrain.jobs.folder`),
+a shared cluster's socket lines (:mod:`~dasktrain.jobs.wire`), what the
+scheduler knows in the jobs table's words (:mod:`~dasktrain.jobs.status`)
+and what a job's end tells (:mod:`~dasktrain.jobs.end_notice`). Then:
+
+* :mod:`~dasktrain.jobs.worker`: a job on its worker, one task body for
+  every job (a program under its keeper), as whom, with what environment,
+  who uses the worker's GPUs;
+* :mod:`~dasktrain.jobs.scheduler`: the queue in the scheduler process:
+  its policy, the dispatcher, GPUs busy outside the queue, a shared
+  cluster's socket server, recovery, the job board, metrics and page, the
+  preload that installs them;
+* :mod:`~dasktrain.jobs.client`: the submitter's side: which queue,
+  submitting, the socket's client.
+
+Imports run one way: client -> scheduler -> worker -> the common modules.
 Each name below imports its module on first use (importing the package
-loads no dask.distributed). ``submit``, ``recover`` and ``queue`` are
-not among them: each would turn into the submodule of that name once that
-is imported; they are ``dasktrain.submit`` (or
-``dasktrain.jobs.submit.submit``), ``dasktrain.jobs.recover.recover`` and
-``dasktrain.jobs.submit.queue``.
+loads no dask.distributed).
 """
 from dasktrain._lazy import exports
 
 _EXPORTS = {
     **dict.fromkeys((
-        'DONE', 'EVENTS', 'JOBS_ENV', 'KEY_PREFIX', 'PRUNED', 'STATES', 'Job',
-        'JobError', 'Pruned', 'current_user', 'jobs_dir', 'list_jobs',
-        'update_status', 'user_name'),
-        'dasktrain.jobs.records'),
-    **dict.fromkeys((
-        'check_devices', 'check_owner', 'check_resources',
-        'queue_options'),
-        'dasktrain.jobs.submit'),
-    **dict.fromkeys((
-        'SchedulerPoller', 'ask_scheduler', 'scheduler_answer',
-        'scheduler_states', 'scheduler_view'),
-        'dasktrain.jobs.asking'),
-    **dict.fromkeys(('Plan', 'parse_time', 'plan'), 'dasktrain.jobs.queue'),
+        'CHILD', 'DONE', 'EVENTS', 'JOBS_ENV', 'KEY_PREFIX', 'PRUNED',
+        'STATES', 'STOPPED', 'Job', 'JobError', 'Pruned', 'current_user',
+        'jobs_dir', 'list_jobs', 'update_status', 'user_name'),
+        'dasktrain.jobs.job'),
+    **dict.fromkeys(('JobRequest', 'Program', 'Training', 'parse_time'),
+                    'dasktrain.jobs.request'),
+    **dict.fromkeys(('submit', 'submit_command', 'queue_request'),
+                    'dasktrain.jobs.client.submit'),
+    **dict.fromkeys(('find', 'shared_queue'), 'dasktrain.jobs.client.route'),
     **dict.fromkeys(('Dispatcher', 'set_user_limit'),
-                    'dasktrain.jobs.dispatch'),
-    **dict.fromkeys((
-        'STOP_POLICIES', 'live_jobs', 'lost_reason', 'orphans', 'requeue',
-        'settle'), 'dasktrain.jobs.recover'),
-    **dict.fromkeys((
-        'CHILD', 'child_module', 'run_child', 'run_job'),
-        'dasktrain.jobs.worker'),
-    **dict.fromkeys(('DoorJob', 'FrontDoor', 'find', 'front_door'),
-                    'dasktrain.jobs.door'),
+                    'dasktrain.jobs.scheduler.dispatch'),
+    **dict.fromkeys(('Plan', 'plan'), 'dasktrain.jobs.scheduler.policy'),
+    **dict.fromkeys(('ask_scheduler', 'SchedulerPoller'),
+                    'dasktrain.jobs.scheduler.query'),
+    'run_job': 'dasktrain.jobs.worker.task',
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

@@ -157,6 +157,12 @@ def place_devices(devices, indices):
 # ncclCommAbort from a thread other than the communicator's own, which a
 # rank's deadline needs, was made safe in 2.19.1 (NCCL issue #992).
 MIN_NCCL = (2, 19, 1)
+# 2.23 to 2.25 leave a non-blocking collective's group job in the calling
+# thread's thread-local storage until the communicator's next call (group.cc
+# 'ncclGroupJobMainPtr'); dasktrain sums from a thread per step, which has
+# ended by then. 2.26 completes the job in ncclCommGetAsyncError, 2.28
+# allocates it on the heap.
+BAD_NCCL = ((2, 23, 0), (2, 26, 0))
 
 
 def nccl_version(code):
@@ -186,6 +192,13 @@ def nccl_problem(nccl):
         version = nccl_version(int(nccl.get_version()))
     except Exception:  # a library too old for ncclGetVersion
         version = None
+    if version is not None and BAD_NCCL[0] <= version < BAD_NCCL[1]:
+        found = '.'.join(map(str, version))
+        return (f'warning: NCCL {found} (2.23 to 2.25) keeps a sum\'s state '
+                'in the thread that started it, which dasktrain\'s '
+                'communication threads outlive: GPU ranks sum over Dask '
+                'comms instead, slower; install NCCL >= 2.26 or 2.19-2.22 '
+                "(pip install 'dasktrain[cuda12]' brings one)")
     if version is None or version < MIN_NCCL:
         found = '.'.join(map(str, version)) if version else 'older than 2.3.4'
         return (f'warning: NCCL {found} is older than 2.19.1, whose '

@@ -5,8 +5,9 @@ PCI_BUS_ID``, NVML in PCI bus order; only UUIDs (and the driver's own
 answer) match them for certain: :func:`match_cuda_devices` and
 :func:`worker_devices` decide, as pure functions of the devices' dicts.
 
-Used by :mod:`dasktrain.monitor` (a worker's GPU readings) and
-:mod:`dasktrain.gpuuse` (who uses each GPU). Owns the matching only: it
+Used by the worker's preload (:mod:`dasktrain.jobs.worker.preload`: its
+GPU readings) and :mod:`dasktrain.jobs.worker.gpu_use` (who uses each
+GPU). Owns the matching only: it
 reads no metric and no process.
 """
 

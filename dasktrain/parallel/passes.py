@@ -46,6 +46,7 @@ class Passes:
         self.sizes = [len(part[0]) for part in parts]
         self.total = sum(self.sizes) if total is None else total
         self.group.initialize(parts)  # lazily initialised links, once
+        self.losses = None  # the last step's graphs, let go first
         self.losses = self.group.forward(parts)
         return self.losses[0]
 

@@ -16,7 +16,7 @@ host one, from the workers' advertised resources.
 Everything here is a pure function of what it is given (the config, the
 devices this process sees, the workers' resources), so the tests check
 the decisions without a GPU or a cluster. Owns the decisions; may not
-start processes (:mod:`dasktrain.launch` does, as decided here).
+start processes (:mod:`dasktrain.run.train` does, as decided here).
 """
 from typing import NamedTuple
 

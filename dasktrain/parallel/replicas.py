@@ -135,8 +135,11 @@ class Replicas:
     def forward(self, parts):
         """Each replica's loss on its part (a tuple of arguments; None if
         empty), with its device current, drawing from its own stream;
-        what they report goes to :attr:`reported`."""
-        losses, self.reported = [], {}
+        what they report goes to :attr:`reported`. The last step's losses
+        (and through them its whole graph) are let go first, as Chainer's
+        Classifier does: else two graphs' activations would peak
+        together."""
+        losses, self.reported, self._losses = [], {}, None
         with self.reporter.scope(self.reported):
             for i, (replica, device, part) in enumerate(zip(
                     self.links, self.devices, parts)):
@@ -155,7 +158,8 @@ class Replicas:
         accuracy = self.reported.get(f'r{i}/accuracy')
         loss = self._losses[i].array
         if accuracy is None:
-            return loss, loss * np.nan
+            with chainer.using_device(self.devices[i]):  # loss's own GPU
+                return loss, loss * np.nan
         return loss, getattr(accuracy, 'array', accuracy)
 
     def accumulate(self, sizes):

@@ -12,6 +12,9 @@ is the loop's).
 """
 import contextlib
 import json
+import os
+import shutil
+import tempfile
 
 import chainer
 import numpy as np
@@ -53,6 +56,27 @@ def save_checkpoint(path, model, state):
         return
     arrays['state'] = np.array(json.dumps(state))
     atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def keep_as(path, other):
+    """``other`` becomes the file ``path`` is (a hard link where the
+    filesystem makes one, else a copy), atomically: a snapshot that is
+    also the checkpoint ``--resume`` continues from."""
+    other = os.fspath(other)
+    fd, tmp = tempfile.mkstemp(prefix=f'.{os.path.basename(other)}.',
+                               dir=os.path.dirname(other) or '.')
+    os.close(fd)
+    try:
+        os.unlink(tmp)
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, other)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def load_checkpoint(path, model, what='this run'):

@@ -10,11 +10,16 @@ LogReport JSON, readable by ChainerUI), write a checkpoint atomically.
 All randomness is a function of (seed, epoch), so ``resume`` ends exactly
 where an uninterrupted run would.
 
+Between its steps and at each epoch's end it carries out the commands
+ChainerUI or ``dasktrain ctl`` sent (:mod:`~dasktrain.training.control`),
+and goes on from a checkpoint written within an epoch.
+
 Owns the epochs, the metrics, early stopping and the log rows; may not
 decide where it runs (which process, which devices, how many ranks:
-:mod:`dasktrain.launch` decides, and calls :func:`run` on every rank).
+:mod:`dasktrain.run.train` decides, and calls :func:`run` on every rank).
 """
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -42,7 +47,10 @@ from dasktrain.training.checkpoint import (
     save_checkpoint,
     save_model,
 )
+from dasktrain.training.control import RunControl, reseed
 from dasktrain.training.evaluate import evaluate, load_test_share
+from dasktrain.training.hyperparams import Hyperparameters
+from dasktrain.training.metrics import EpochSums
 from dasktrain.training.models import check_built_in, get_model
 from dasktrain.training.outdir import record_args
 from dasktrain.training.progress import Progress, describe_devices
@@ -75,53 +83,6 @@ def seed_everything(seed, epoch):
     np.random.seed(int(state))
 
 
-@dataclasses.dataclass
-class EpochSums:
-    """A rank's share of an epoch's metrics, summed over the ranks by one
-    all-reduce of the fields in this order; every rank then computes the
-    same log row (:meth:`row`).
-
-    Examples
-    --------
-    >>> sums = EpochSums(loss=3.0, accuracy=1.5, images=6, train_time=2.0,
-    ...                  val_loss=1.0, val_accuracy=2.0, val_images=4)
-    >>> row = sums.row(ranks=1)
-    >>> row['main/loss'], row['images_per_sec'], row['validation/main/loss']
-    (0.5, 3.0, 0.25)
-    """
-    loss: float = 0.0          # training loss, summed over images
-    accuracy: float = 0.0      # training accuracy, summed over images
-    images: float = 0.0        # training images seen
-    train_time: float = 0.0    # s of training (each rank's)
-    data_wait: float = 0.0     # s waiting for the epoch's data
-    comm_time: float = 0.0     # s communicating
-    val_loss: float = 0.0      # test loss, summed over test images
-    val_accuracy: float = 0.0  # test accuracy, summed over test images
-    val_images: float = 0.0    # test images evaluated
-    elapsed: float = 0.0       # s since the run began: rank 0's, else 0
-
-    def summed(self, comm):
-        """The sums over every rank of ``comm``."""
-        values = np.array([getattr(self, f.name)
-                           for f in dataclasses.fields(self)])
-        return EpochSums(*comm.allreduce([values])[0])
-
-    def row(self, ranks):
-        """The log row's metrics, from sums over ``ranks`` ranks; the
-        times are the ranks' means (all train in lock step)."""
-        return {
-            'main/loss': float(self.loss / self.images),
-            'main/accuracy': float(self.accuracy / self.images),
-            'validation/main/loss': float(self.val_loss / self.val_images),
-            'validation/main/accuracy':
-                float(self.val_accuracy / self.val_images),
-            'elapsed_time': float(self.elapsed),
-            'images_per_sec': float(self.images / (self.train_time / ranks)),
-            'data_wait_time': float(self.data_wait / ranks),
-            'comm_time': float(self.comm_time / ranks),
-        }
-
-
 def run(config, comm=None, devices=None, callbacks=(), progress=None):
     """Train as ``config`` says: the loop of one rank; return the summary.
 
@@ -151,7 +112,9 @@ def run(config, comm=None, devices=None, callbacks=(), progress=None):
     -------
     dict
         ``log`` (all rows), ``final`` (the last row, None if no epoch was
-        left), ``out``, ``devices`` and ``stopped_early``.
+        left), ``out``, ``devices``, ``stopped_early`` and
+        ``stopped_by_request`` (None, or ``epoch``, ``iteration``,
+        ``checkpoint``, ``saved``: a ``stop`` command ended the run).
 
     Notes
     -----
@@ -191,6 +154,7 @@ def _run(config, comm, devices, callbacks, progress):
         _say_devices(progress, model, named=bool(config.devices))
         if config.dataset != 'cifar10':
             progress.say(data.describe())
+        progress.say(data.augmentation_words(config.augment))
     _check(config, model, n_train)
     test = load_test_share(data, n_test, config.tta, comm.rank, comm.size)
     state = _start(config, model, out, lead, data)
@@ -199,23 +163,32 @@ def _run(config, comm, devices, callbacks, progress):
                             mode=config.early_stop_mode,
                             **state['early_stop'])
     stopped = stopper.stopped()
-    with _loader(config, data, n_train, model, client) as loader:
-        # The run's clock, as it stood at its last checkpoint; the data
-        # read into memory, not counted.
-        started = time.perf_counter() - state['elapsed']
-        for epoch in range(state['epoch'],
-                           state['epoch'] if stopped else config.epochs):
+    partial = state.pop('partial', None)
+    # The run's clock, as it stood at its last checkpoint; the data read
+    # into memory, not counted.
+    with _loader(config, data, n_train, model, client) as loader, \
+            RunControl(config, model, out, state, progress, time.perf_counter()
+                       - state['elapsed']) as commands:
+        if not stopped:
+            commands.poll(state['epoch'], partial and (lambda: partial))
+        for epoch in range(state['epoch'], state['epoch']
+                           if stopped or commands.stop else config.epochs):
             row, evaluated = _epoch(config, model, loader, test, epoch,
-                                    progress, started,
-                                    last=(out / CHECKPOINT, state['epoch']))
+                                    progress, commands.started,
+                                    (out / CHECKPOINT, state['epoch']),
+                                    commands, partial)
+            partial = None
+            if row is None:  # stopped by request within the epoch
+                break
             stopped = stopper.update(row)
             _save(out, model, state, row, stopper, evaluated)
             progress.end(row)
             for callback in callbacks:
                 callback(row)
-            if stopped:
+            if stopped or commands.poll(row['epoch']):
                 break
-    return _finish(model, out, state, stopped)
+        commands.finish(stopped, config.epochs)
+    return _finish(model, out, state, stopped, commands.stop)
 
 
 def _model(config, comm, devices, n_classes=10):
@@ -277,10 +250,14 @@ def _start(config, model, out, lead, data):
         state = load_checkpoint(out / CHECKPOINT, model,
                                 f'this run ({argument("model")} '
                                 f'{config.model})')
+        # The lr the run was given when the checkpoint was written.
+        state['lr_configured_before'] = state.pop('lr_configured', None)
     if lead:
+        partial = state.get('partial')
         record_args(out, {**json.loads(config.to_json()),
                           'data': data.statistics()},
-                    state['epoch'] if resumed else None)
+                    state['epoch'] if resumed else None,
+                    model.iteration if partial else None)
     return state
 
 
@@ -298,12 +275,20 @@ def _loader(config, data, n_train, model, client):
         client=client)
 
 
-def _epoch(config, model, loader, test, epoch, progress, started, last):
+def _epoch(config, model, loader, test, epoch, progress, started, last,
+           commands, partial=None):
     """Train and evaluate ``epoch``: its log row, the same on every rank,
-    and the link evaluated. ``test``: (views, labels) of the rank's test
-    images; ``started``: when the run began (``time.perf_counter``)."""
-    mixes = len(model.drifts)  # ipm's mixes before this epoch
-    sums = _train_epoch(config, model, loader, epoch, progress, last)
+    and the link evaluated; (None, None) when stopped by request within
+    it. ``test``: (views, labels) of the rank's test images; ``started``:
+    when the run began (``time.perf_counter``); ``partial``: where a
+    checkpoint within the epoch left it."""
+    if partial is not None:  # ipm's mixes of the epoch before it
+        model.drifts.extend(partial['drifts'])
+    mixes = len(model.drifts) - len(partial['drifts'] if partial else ())
+    sums = _train_epoch(config, model, loader, epoch, progress, last,
+                        commands, mixes, partial)
+    if sums is None:
+        return None, None
     evaluators = model.evaluators()
     views, labels = test
     loss, accuracy = evaluate(evaluators, views, labels,
@@ -314,54 +299,87 @@ def _epoch(config, model, loader, test, epoch, progress, started, last):
     if model.comm.rank == 0:
         sums.elapsed = time.perf_counter() - started
     row = _row(config, model, sums.summed(model.comm), epoch,
-               model.drifts[mixes:])
+               model.drifts[mixes:], commands)
     return row, evaluators[0][0]
 
 
-def _train_epoch(config, model, loader, epoch, progress, last):
-    """Train ``epoch``; its training sums (loss, accuracy, images, times).
-    ``last``: (checkpoint path, its epoch), named if the loss diverges."""
+def _train_epoch(config, model, loader, epoch, progress, last, commands,
+                 mixes, partial=None):
+    """Train ``epoch``; its training sums (loss, accuracy, images, times),
+    or None when stopped by request within it. ``last``: (checkpoint
+    path, its epoch), named if the loss diverges; ``mixes``: ipm's before
+    the epoch; ``partial``: where a checkpoint within the epoch left it,
+    to go on from."""
     seed_everything(config.seed, epoch)
     model.seed(config.seed, epoch)
+    first, sums = 0, EpochSums()
+    if partial is not None:
+        first, sums = partial['step'], EpochSums(**partial['sums'])
+        reseed(config.seed, model, epoch, model.iteration)
     comm_before, began = model.comm_time, time.perf_counter()
-    loss_sum = acc_sum = total = 0.0
     step_totals = loader.step_totals()
     progress.start(epoch, len(loader))
     loss = accuracy = math.nan
-    for step, ((x, t), step_total) in enumerate(
-            zip(loader.epoch(epoch), step_totals), 1):
+
+    def read():
+        """The loss and accuracy since the last read, into the sums."""
+        ls, acs, seen = model.take_metrics()
+        sums.loss, sums.accuracy, sums.images = (
+            sums.loss + ls, sums.accuracy + acs, sums.images + seen)
+        if not math.isfinite(ls):
+            raise _diverged(config, model, epoch, ls / (seen or 1), *last)
+        return ls / (seen or 1), acs / (seen or 1)
+
+    def so_far():
+        """The epoch as it stands after ``step``, for a checkpoint."""
+        read()
+        now = dataclasses.replace(
+            sums, train_time=sums.train_time + time.perf_counter() - began,
+            comm_time=sums.comm_time + model.comm_time - comm_before)
+        return {'step': step, 'sums': dataclasses.asdict(now),
+                'drifts': [float(d) for d in model.drifts[mixes:]]}
+
+    batches = itertools.islice(zip(loader.epoch(epoch), step_totals), first,
+                               None)
+    for step, ((x, t), step_total) in enumerate(batches, first + 1):
         model.step(x, t, total=step_total, observe=False)
         if step % READ_EVERY == 0 or step == len(step_totals):
-            ls, acs, seen = model.take_metrics()
-            loss_sum, acc_sum, total = (loss_sum + ls, acc_sum + acs,
-                                        total + seen)
-            loss, accuracy = ls / (seen or 1), acs / (seen or 1)
-            if not math.isfinite(ls):
-                raise _diverged(config, model, epoch, loss, *last)
+            loss, accuracy = read()
         progress.step(loss, accuracy)
+        # After an epoch's last step, the epoch's end polls.
+        if step < len(step_totals) and commands.due(model.iteration) and \
+                commands.poll(epoch, so_far, boundary=False):
+            return None
     synchronize(model.devices)  # the epoch's time, not its queuing
-    train_time = time.perf_counter() - began
+    sums.train_time += time.perf_counter() - began
+    sums.comm_time += model.comm_time - comm_before
+    sums.data_wait += loader.wait_times.get(epoch, 0.0)
     model.end_epoch()
-    return EpochSums(loss=loss_sum, accuracy=acc_sum, images=total,
-                     train_time=train_time,
-                     data_wait=loader.wait_times.get(epoch, 0.0),
-                     comm_time=model.comm_time - comm_before)
+    return sums
 
 
 def _diverged(config, model, epoch, loss, checkpoint, saved):
     kept = (f'{checkpoint} from epoch {saved} is kept' if saved
             else 'no checkpoint was written yet')
+    lr = Hyperparameters(model.optimizers).values().get(
+        'lr', config.learning_rate)
     return TrainingDiverged(
         f'loss became {loss} at epoch {epoch + 1}, iteration '
         f'{model.iteration}; stopped ({kept}). Lower {argument("lr")} (now '
-        f'{config.learning_rate:g})')
+        f'{lr:g})')
 
 
-def _row(config, model, sums, epoch, drifts):
+def _row(config, model, sums, epoch, drifts, commands):
     """Epoch ``epoch``'s log row, from the sums over all ranks;
-    ``drifts``: the replicas' distances before this epoch's ipm mixes."""
+    ``drifts``: the replicas' distances before this epoch's ipm mixes.
+    ``lr`` is the learning rate in force, and every other hyperparameter
+    changed by request is there too (ChainerUI draws them)."""
+    values = commands.hyper.values()
     row = {'epoch': epoch + 1, 'iteration': model.iteration,
-           **sums.row(model.comm.size), 'lr': config.learning_rate}
+           **sums.row(model.comm.size),
+           'lr': values.get('lr', config.learning_rate),
+           **{k: values[k] for k in commands.state['hyperparams']
+              if k != 'lr'}}
     if model.mode == 'ipm' and model.total_replicas > 1:
         # Mean distance before this epoch's mixes; with none (one-shot,
         # or long intervals), how far apart they are now.
@@ -384,15 +402,16 @@ def _save(out, model, state, row, stopper, evaluated):
     save_checkpoint(out / CHECKPOINT, model, state)
 
 
-def _finish(model, out, state, stopped):
+def _finish(model, out, state, stopped, by_request=None):
     """The final mix, the final model (and, in ipm, the checkpoint with
-    it); the run's summary."""
+    it, unless stopped by request: that run goes on from its checkpoint as
+    if never stopped); the run's summary."""
     model.finalize()
     if model.comm.rank == 0:
         save_model(out / 'model_final.npz', model.master)
-    if model.mode == 'ipm':  # the checkpoint holds the final mix too
+    if model.mode == 'ipm' and not by_request:  # the final mix too
         save_checkpoint(out / CHECKPOINT, model, state)
     log = state['log']
     return {'log': log, 'final': log[-1] if log else None, 'out': str(out),
             'devices': [str(d) for d in model.devices],
-            'stopped_early': stopped}
+            'stopped_early': stopped, 'stopped_by_request': by_request}

@@ -9,7 +9,8 @@ refused with one line instead of mixing its files with the first's. A run
 that fails before it has written anything worth keeping removes the folder
 again if it created it: a failed start leaves no empty folder behind.
 :func:`record_args` writes ``OUT/args`` so that a resumed run keeps the
-settings the run started with.
+settings the run started with; :func:`record_steering` adds the
+hyperparameters a command changed to its history.
 """
 import contextlib
 import fcntl
@@ -114,7 +115,8 @@ def _lock(out):
 def _applied(args):
     """``OUT/args``'s settings as they stand now: those the run started
     with, each resume's changes applied."""
-    current = {k: v for k, v in args.items() if k != 'resumed'}
+    current = {k: v for k, v in args.items()
+               if k not in ('resumed', 'steered')}
     for resume in args.get('resumed', ()):
         if isinstance(resume, dict):
             current.update(resume.get('changed', {}))
@@ -132,12 +134,12 @@ def recorded_settings(out):
     return _applied(args) if isinstance(args, dict) else None
 
 
-def record_args(out, settings, resumed_at=None):
+def record_args(out, settings, resumed_at=None, iteration=None):
     """Write ``OUT/args``: the run's ``settings`` (a dict, TrainConfig's
     fields). A run resumed after epoch ``resumed_at`` keeps the settings it
     started with instead, and appends what it changed,
     ``{'epoch': e, 'changed': {field: new value}}``, to their list
-    ``resumed``."""
+    ``resumed`` (with ``iteration``, where it resumed within an epoch)."""
     path = Path(out) / 'args'
     try:
         args = json.loads(path.read_text()) if resumed_at is not None \
@@ -148,7 +150,32 @@ def record_args(out, settings, resumed_at=None):
         current = _applied(args)
         args.setdefault('resumed', []).append({
             'epoch': resumed_at,
+            **({'iteration': iteration} if iteration is not None else {}),
             'changed': {k: v for k, v in settings.items()
                         if k != 'resume' and current.get(k) != v}})
         settings = args
     write_json(path, settings)
+
+
+def record_steering(out, epoch, iteration, changed):
+    """Append to ``OUT/args``'s history ``steered`` the hyperparameters a
+    command ``changed`` ({name: new value}) after ``epoch`` completed
+    epochs, at ``iteration``. They are not settings (a resumed run keeps
+    the values in force at its checkpoint, and ``--resume`` does not
+    take them as options); where ``OUT/args`` cannot be read or written,
+    nothing (the log rows hold them too)."""
+    path = Path(out) / 'args'
+    try:
+        args = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(args, dict):
+        return
+    if not isinstance(args.get('steered'), list):
+        args['steered'] = []
+    args['steered'].append({'epoch': epoch, 'iteration': iteration,
+                            'changed': dict(changed)})
+    try:
+        write_json(path, args)
+    except OSError:  # a full disk: the run goes on, the log has it
+        pass

@@ -4,13 +4,14 @@ A tqdm bar per epoch on a terminal, one line per finished epoch, and the
 run's few lines for the user (where it trains, a warning). The caller
 chooses the display (``progress=True`` shows it); the loop only reports
 to it, so the same loop runs under a command, in a notebook, or as a rank
-whose display is the driver's (:mod:`dasktrain.launch` relays it).
+whose display is the driver's (:mod:`dasktrain.run.train` relays it).
 
 Owns the display; may not touch files.
 """
 import logging
 import math
 import sys
+import time
 
 # plain tqdm: tqdm.auto warns in a notebook without ipywidgets
 from tqdm import tqdm
@@ -62,6 +63,8 @@ class Progress:
         self.tty = enabled and sys.stderr.isatty()
         self.total_epochs = total_epochs
         self.bar = None
+        self.began = None  # monotonic time of this session's first epoch
+        self.ended = 0  # epochs ended in this session
 
     def say(self, line):
         """One line for the user on stdout (where the run trains), when
@@ -76,6 +79,8 @@ class Progress:
 
     def start(self, epoch, iterations):
         """Epoch ``epoch`` (from 0) of ``iterations`` steps begins."""
+        if self.began is None:
+            self.began = time.monotonic()
         if self.tty:
             self.bar = tqdm(total=iterations, leave=False, unit='it',
                             desc=f'epoch {epoch + 1}/{self.total_epochs}')
@@ -93,10 +98,16 @@ class Progress:
                                      acc=f'{accuracy:.4f}')
 
     def end(self, row):
-        """The epoch ended with log row ``row``: one line."""
+        """The epoch ended with log row ``row``: one line, with the time
+        the run still needs from the first epoch on."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.ended += 1
+        left = None
+        if self.began is not None and self.total_epochs:
+            per_epoch = (time.monotonic() - self.began) / self.ended
+            left = per_epoch * max(self.total_epochs - row['epoch'], 0)
         if self.enabled:
             tqdm.write(
                 f"epoch {row['epoch']:>3}/{self.total_epochs}  "
@@ -104,4 +115,20 @@ class Progress:
                 f"  val/loss {row['validation/main/loss']:.4f}  val/acc "
                 f"{row['validation/main/accuracy']:.4f}  "
                 f"{row['images_per_sec']:,.0f} img/s  "
-                f"{row['elapsed_time']:.1f}s", file=sys.stdout)
+                f"{row['elapsed_time']:.1f}s{eta(left)}", file=sys.stdout)
+
+
+def eta(seconds):
+    """``'  ETA 3m20s'`` for a run with ``seconds`` left, ``''`` for none.
+
+    >>> eta(200.4), eta(4000), eta(12), eta(0), eta(None)
+    ('  ETA 3m20s', '  ETA 1h06m', '  ETA 12s', '', '')
+    """
+    if not seconds or seconds < 0.5:
+        return ''
+    s = round(seconds)
+    if s >= 3600:
+        return f'  ETA {s // 3600}h{s % 3600 // 60:02d}m'
+    if s >= 60:
+        return f'  ETA {s // 60}m{s % 60:02d}s'
+    return f'  ETA {s}s'

@@ -35,6 +35,9 @@ class DistributedUpdater(StandardUpdater):
     if one device had seen the whole batch. ``Evaluator`` and ``snapshot``
     see the master; a snapshot also holds the other replicas and their
     optimizers in ``ipm`` mode, and resuming from it continues the run.
+    What an extension sets on the Trainer's optimizer's hyperparameters
+    (``ExponentialShift``, ChainerUI's ``adjust_hyperparams``) holds for
+    every replica's optimizer from the next update on.
 
     Parameters
     ----------
@@ -90,6 +93,7 @@ class DistributedUpdater(StandardUpdater):
                              'converter turns into (x, t); got '
                              f'{got} array(s)')
         x, t = arrays
+        self._share_hyperparameters()
         self.model.step(x, t, observe=False)
         # what each replica reported, as 'r{i}/key'
         chainer.reporter.report(self._means(self.model.group.reported,
@@ -99,6 +103,17 @@ class DistributedUpdater(StandardUpdater):
             if self.auto_new_epoch:
                 for optimizer in self.model.optimizers:
                     optimizer.new_epoch(auto=True)
+
+    def _share_hyperparameters(self):
+        """The master optimizer's hyperparameters, on every replica's own
+        optimizer (ipm): what an extension changed on the Trainer's
+        optimizer (ChainerUI's adjust_hyperparams, a learning-rate
+        schedule) holds for every replica from this update on."""
+        master = self.model.optimizers[0].hyperparam.get_dict()
+        for other in self.model.optimizers[1:]:
+            for name, value in master.items():
+                if getattr(other.hyperparam, name) != value:
+                    setattr(other.hyperparam, name, value)
 
     def _means(self, values, n):
         """Each key the replicas reported, weighted by their parts. Where
@@ -121,11 +136,15 @@ class DistributedUpdater(StandardUpdater):
         for key, pairs in terms.items():
             where = {_gpu_of(value) for _, value in pairs}
             if len(where) == 1 and None not in where:
-                total = sum(size * value for size, value in pairs)
+                # on that GPU, whichever is current (a kernel on another
+                # would read across devices)
+                with chainer.backends.cuda.Device(where.pop()):
+                    total = sum(size * value for size, value in pairs)
+                    means[key] = total / weights[key]
             else:
                 total = sum(size * float(chainer.backends.cuda.to_cpu(v))
                             for size, v in pairs)
-            means[key] = total / weights[key]
+                means[key] = total / weights[key]
         return means
 
     def serialize(self, serializer):

@@ -4,7 +4,8 @@ are jobs on the cluster.
 :func:`tune` runs Optuna's ask-and-tell loop: it asks the study for a trial
 (Optuna's TPE or random sampler picks the params from the space, see
 space.py), submits the trial's TrainConfig as a job with
-:func:`dasktrain.jobs.submit.submit` (the queue ``dasktrain submit`` uses) and
+:func:`dasktrain.jobs.client.submit.submit` (the queue ``dasktrain submit``
+uses) and
 keeps ``parallel`` trials in flight. So trials wait for GPUs beside
 everyone's jobs, show in ``dasktrain jobs``, and resume on another worker
 when theirs dies. Each trial reports its epochs, is pruned and tells its
@@ -31,14 +32,12 @@ from dasktrain.cluster.local import connect
 from dasktrain.config import TrainConfig
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
-from dasktrain.jobs.asking import scheduler_states
-from dasktrain.jobs.records import DONE, jobs_dir, list_jobs
-from dasktrain.jobs.recover import requeue
-from dasktrain.jobs.submit import (
-    check_devices,
-    check_resources,
-    submit,
-)
+from dasktrain.jobs.client.route import shared_queue
+from dasktrain.jobs.client.submit import check_resources, submit
+from dasktrain.jobs.job import DONE, jobs_dir, list_jobs
+from dasktrain.jobs.request import JobRequest, Training, check_devices
+from dasktrain.jobs.scheduler.query import scheduler_states
+from dasktrain.jobs.scheduler.recovery import requeue
 from dasktrain.tuning.checks import (
     TuneError,
     check_metric,
@@ -129,8 +128,12 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
     seed : int, optional
         The sampler's seed.
     client, scheduler, path
-        The cluster (default: the recorded one) and jobs dir, as for
-        :func:`dasktrain.jobs.submit.submit`.
+        The cluster (default: the recorded one, else a shared cluster's
+        queue) and jobs dir, as for
+        :func:`dasktrain.jobs.client.submit.submit`. The study's own files
+        (``study.json``, the default storage) are in ``PATH/studies``,
+        the jobs dir of your own even where the trials go to a shared
+        cluster: its trials, run as you, write there.
 
     Returns
     -------
@@ -180,10 +183,13 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
             raise TuneError(f'study {name!r} was started with another {key} '
                             f'({folder / "study.json"}); run it with the same '
                             f'settings, or pass another {argument("study")}')
-    owned = client is None
-    client = client or connect(scheduler)
+    door = None if client is not None else shared_queue(scheduler, path)
+    owned = client is None and door is None
+    client = client or (connect(scheduler) if door is None else None)
     try:
-        check_resources(client, base, gpus)
+        if door is None:
+            check_resources(client, JobRequest(
+                Training(json.loads(base.to_json()), {}), gpus))
         # Before anything is written: a study the storage already holds
         # (study.json deleted, or another folder's) must rank the same
         # metric the same way.
@@ -205,7 +211,8 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
             load_if_exists=True)
         found.set_user_attr('metric', metric)
         search = _Search(found, settings, base, distributions, pruning,
-                         client, jobs_dir(path).resolve(), out or sys.stdout)
+                         client or door, jobs_dir(path).resolve(),
+                         out or sys.stdout)
         return search.run(trials, parallel, timeout, poll)
     finally:
         if owned:
@@ -213,19 +220,28 @@ def tune(space, base_config=None, trials=20, parallel=2, gpus=1,
 
 
 class _Search:
-    """The ask-and-tell loop of one run of ``tune``."""
+    """The ask-and-tell loop of one run of ``tune``; ``queue``: a Dask
+    client of a cluster of your own (job folders in ``root``), or a shared
+    cluster's :class:`~dasktrain.jobs.client.socket_client.SocketClient`
+    (which holds the jobs)."""
 
-    def __init__(self, study, settings, base, distributions, pruning, client,
+    def __init__(self, study, settings, base, distributions, pruning, queue,
                  root, out):
+        from distributed import Client
         self.study, self.settings, self.base = study, settings, base
-        self.distributions, self.client, self.root = (distributions, client,
-                                                      root)
-        self.out = out
+        self.distributions, self.root, self.out = distributions, root, out
+        own = isinstance(queue, Client)
+        self.client, self.door = (queue, None) if own else (None, queue)
         self.trial = {'study': settings['name'],
                       'storage': settings['storage'],
                       'metric': settings['metric'],
                       'direction': settings['direction'], 'pruner': pruning}
         self.jobs = {}  # trial number -> Job, this study's only
+        if self.door is not None:  # the trials name their jobs
+            for t in study.get_trials(deepcopy=False):
+                if 'job' in t.user_attrs:
+                    self.jobs[t.number] = self.door.job(t.user_attrs['job'])
+            return
         for job in list_jobs(root):
             spec = job.spec().get('trial') or {}
             if all(spec.get(k) == self.trial[k] for k in ('study', 'storage')):
@@ -283,9 +299,9 @@ class _Search:
             return finish(self.study, trial_id, TrialState.FAIL, error=str(e))
         job = submit(config, gpus=self.settings['gpus'],
                      name=f"{self.settings['name']}-{number}",
-                     client=self.client, path=self.root, check=False,
-                     extra={
-                         'child': 'dasktrain.tuning.trials',
+                     client=self.client,
+                     path=None if self.door else self.root, check=False,
+                     module='dasktrain.tuning.trials', extra={
                          'trial': dict(self.trial, id=trial_id,
                                        number=number)})
         self.jobs[number] = job
@@ -320,14 +336,23 @@ class _Search:
                 finish(self.study, trial._trial_id, state, value, **attrs)
             else:
                 live[job.key] = job
-        try:
-            known = scheduler_states(live, self.client)
-        except Exception:  # scheduler unreachable: look again next time
-            known = live
-        for key, job in live.items():
-            if key not in known:
+        for job in self.lost(live):
+            if self.door is not None:
+                self.door.requeue(job.id)
+            else:
                 requeue(job, self.client)
         return len(live)
+
+    def lost(self, live):
+        """The jobs among ``live`` ({key: job}) their scheduler lost (none
+        while it cannot be asked: look again next time)."""
+        if self.door is not None:
+            return [job for job in live.values() if job.lost_reason()]
+        try:
+            known = scheduler_states(live, self.client)
+        except Exception:  # scheduler unreachable
+            return []
+        return [job for key, job in live.items() if key not in known]
 
     def announce(self, done):
         """One line per trial that ended since the last look."""

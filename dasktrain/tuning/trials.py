@@ -1,12 +1,12 @@
 """One trial of a study, run as a dasktrain job, and what it tells Optuna.
 
-A trial's job runs this module as its child process (``python -m
+A trial's job runs this module as its program (``python -m
 dasktrain.tuning.trials FOLDER``, see
-:func:`dasktrain.jobs.submit.submit`'s ``extra``).
+:func:`dasktrain.jobs.client.submit.submit`'s ``module``).
 The training calls :class:`Reporter` after every epoch: it reports the
 metric to the study's storage (``trial.report(value, epoch)``) and asks the
 study's pruner (``trial.should_prune()``); when the pruner says so it
-raises :class:`dasktrain.jobs.records.Pruned`, the training stops at once (its
+raises :class:`dasktrain.jobs.job.Pruned`, the training stops at once (its
 checkpoint is already written), the job ends ``pruned`` and its GPUs go
 back to the queue. When the training ends the child tells the study
 itself (:func:`finish`), so a study's record does not depend on the
@@ -20,7 +20,7 @@ never got as good. (A pruned trial's value is Optuna's: its last epoch's.)
 
 :func:`describe_best` and :func:`trial_jobs` read a study's trials back,
 for ``dasktrain tune --status`` and notebooks (their table is
-:func:`dasktrain.report.trials_table`).
+:func:`dasktrain.results.trials_table`).
 """
 import json
 import math
@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 
 from dasktrain.errors import UserError, argument
-from dasktrain.jobs.records import PRUNED, Job, Pruned
-from dasktrain.jobs.worker import run_child
+from dasktrain.jobs.job import PRUNED, STOPPED, Job, Pruned
+from dasktrain.jobs.worker.child import read_spec, run_child
 
 
 class StorageError(UserError):
@@ -141,11 +141,12 @@ class Reporter:
                          f'({self.metric} {value:.4g})')
 
 
-def main(folder):
-    """The child process of a trial's job; returns its exit code."""
+def main(folder, spec=None):
+    """The program of a trial's job; returns its exit code. ``spec``: its
+    ``job.json`` (default: read from ``folder``)."""
     import optuna
     folder = Path(folder)
-    spec = json.loads((folder / 'job.json').read_text())
+    spec = spec or json.loads((folder / 'job.json').read_text())
     trial_spec = spec['trial']
     job = Job(spec['id'], folder)
     study = load_study(trial_spec)
@@ -155,12 +156,13 @@ def main(folder):
     for row in job.log_rows():  # epochs of a killed attempt not reported
         if row['epoch'] not in done and trial_spec['metric'] in row:
             trial.report(row[trial_spec['metric']], row['epoch'])
-    code = run_child(folder, callbacks=[reporter])
+    code = run_child(folder, callbacks=[reporter], spec=spec)
     # Told here, before the job's status says it ended: whoever sees the
     # job ended finds its trial ended too.
     lines = job.logs().strip().splitlines()
     state, value, attrs = outcome(
-        job, trial_spec, {0: 'finished', PRUNED: 'pruned'}.get(code, 'failed'),
+        job, trial_spec, {0: 'finished', STOPPED: 'finished',
+                          PRUNED: 'pruned'}.get(code, 'failed'),
         lines[-1] if lines else f'exit code {code}')
     finish(study, trial_spec['id'], state, value, **attrs)
     return code
@@ -193,4 +195,4 @@ def trial_jobs(study, path=None):
 
 
 if __name__ == '__main__':
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], read_spec(sys.argv[1], sys.argv[2:])))

@@ -1,5 +1,5 @@
 """NVML's readings of real GPUs, directly and through a real cluster's
-/metrics (dasktrain.monitor)."""
+/metrics (dasktrain.jobs.scheduler.metrics)."""
 import time
 import urllib.request
 
@@ -7,7 +7,7 @@ from gpu_marks import COUNT, needs
 from prometheus_client.parser import text_string_to_metric_families
 
 from dasktrain.cluster import start_cluster, stop_cluster
-from dasktrain.monitor import gpu_readings
+from dasktrain.jobs.worker.gpu_use import gpu_readings
 
 
 def _check(reading):

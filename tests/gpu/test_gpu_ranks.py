@@ -358,7 +358,7 @@ def test_two_gpus_per_rank_equal_one_process_with_four_replicas(
     # then NCCL sums the ranks (on distinct GPUs: the masters' orders
     # differ where there are only 2); float64 keeps the other order of
     # the sums within 1e-9.
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     pairs = ['0,1', '2,3'] if COUNT >= 4 else ['0,1', '1,0']
     one = train(_config(data_dir, tmp_path / 'one', in_process=True,
                         devices=('@cupy:0', '@cupy:1') * 2))
@@ -374,7 +374,7 @@ def test_two_gpus_per_rank_equal_one_process_with_four_replicas(
 @needs_nccl
 def test_ipm_optimizer_state_mixed_over_nccl_equals_the_cpu(
         gpu_cluster, data_dir, tmp_path, float64):
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     ipm = dict(mode='ipm', mix_every=2, mix_optimizer_state=True,
                optimizer='adam')
     cpu = train(_config(data_dir, tmp_path / 'cpu', in_process=True,

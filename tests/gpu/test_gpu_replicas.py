@@ -177,7 +177,7 @@ def data_dir(make_cifar_dir):
 
 def train_gpu(data_dir, out, **kw):
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     base = dict(model='cifar10', devices=('@cupy:0', '@cupy:0'), epochs=2,
                 batch_size=20, data_dir=str(data_dir), out=str(out),
                 progress=False, deterministic=True)

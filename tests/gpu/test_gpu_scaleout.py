@@ -117,7 +117,7 @@ def _pool_bytes():
 def test_two_gpu_workers_equal_one_process_with_two_gpus(
         gpu_cluster, data_dir, tmp_path, mode, extra):
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     base = TrainConfig(model='resnet20', mode=mode, epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
                        deterministic=True, **extra)
@@ -138,7 +138,7 @@ def test_two_gpu_workers_equal_one_process_with_two_gpus(
 def test_jobs_see_their_own_gpu_and_a_cpu_job_none(gpu_cluster, data_dir,
                                                    tmp_path):
     from dasktrain.config import TrainConfig
-    from dasktrain.jobs.submit import submit
+    from dasktrain.jobs.client.submit import submit
     gpu_cluster.worker(resources='GPU=2 CPU=1', nthreads=4)
     config = TrainConfig(model='tiny', epochs=1, batch_size=20,
                          data_dir=str(data_dir), train_size=200)
@@ -166,7 +166,7 @@ def test_one_worker_process_per_gpu_equals_one_process(data_dir, tmp_path):
     # `dasktrain train --devices 0,1`: one worker per GPU (each sees its
     # own as @cupy:0), NCCL between them; the same as --in-process.
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
                        deterministic=True, devices=('@cupy:0', '@cupy:1'))
@@ -184,7 +184,7 @@ def test_buckets_overlapped_on_two_gpus_sum_what_one_all_reduce_sums(
     # all-reduces on the side stream during each backward pass. Two ranks
     # add two numbers per element whatever the chunking: the same bits.
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
                        deterministic=True, devices=('@cupy:0', '@cupy:1'))
@@ -202,7 +202,7 @@ def test_float16_sums_over_nccl_stay_close_to_exact(data_dir, tmp_path):
     # Each array scaled by a power of two the ranks agree on, summed in
     # float16 by NCCL, cast back: rounding only.
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     base = TrainConfig(model='resnet20', epochs=2, batch_size=20,
                        data_dir=str(data_dir), progress=False,
                        deterministic=True, devices=('@cupy:0', '@cupy:1'))
@@ -221,7 +221,7 @@ def test_a_two_gpu_job_resumes_where_it_stopped(data_dir, tmp_path):
     # either order the same; cuDNN's deterministic algorithms; dropout
     # from each replica's seeded stream; float16 absent).
     from dasktrain.config import TrainConfig
-    from dasktrain.launch import train
+    from dasktrain.run.train import train
     base = TrainConfig(model='resnet20', batch_size=20, progress=False,
                        data_dir=str(data_dir), deterministic=True,
                        devices=('@cupy:0', '@cupy:1'))

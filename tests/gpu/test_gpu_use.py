@@ -1,7 +1,7 @@
-"""Who uses a real GPU (dasktrain.gpuuse through real NVML): a process
-outside the queue holding GPU memory is seen with its pid, Unix user and
-memory, makes the GPU busy over the threshold, and belongs to a job once
-its pid is a job's."""
+"""Who uses a real GPU (dasktrain.jobs.worker.gpu_use through real NVML):
+a process outside the queue holding GPU memory is seen with its pid, Unix
+user and memory, makes the GPU busy over the threshold, and belongs to a
+job once its pid is a job's."""
 import json
 import os
 import subprocess
@@ -11,8 +11,8 @@ import time
 from children import child
 from gpu_marks import needs
 
-from dasktrain.gpuuse import outside_use
-from dasktrain.jobs.records import current_user
+from dasktrain.jobs.job import current_user
+from dasktrain.jobs.scheduler.outside_use import outside_use
 
 HOLD = ('import cupy, time\n'
         'a = cupy.zeros(2 ** 28, dtype=cupy.float32)  # 1 GiB\n'
@@ -25,9 +25,9 @@ def _worker_use(env):
     """worker_use as a worker process runs it: not an ancestor of the
     holder (a process's own descendants are its job's, or the worker's)."""
     out = subprocess.run(
-        [sys.executable, '-c', 'import json, sys; from dasktrain.gpuuse '
-         'import worker_use; print(json.dumps(worker_use(env=json.loads('
-         'sys.argv[1]))))', json.dumps(env)],
+        [sys.executable, '-c', 'import json, sys; from dasktrain.jobs.'
+         'worker.gpu_use import worker_use; print(json.dumps(worker_use('
+         'env=json.loads(sys.argv[1]))))', json.dumps(env)],
         capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout)
 

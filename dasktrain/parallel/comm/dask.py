@@ -31,16 +31,21 @@ rank that hangs stops answering; both raise
 :class:`~dasktrain.parallel.comm.base.CollectiveError` on the others
 instead of blocking forever.
 
+:meth:`DaskComm.split` gives the ranks of one colour a communicator of
+their own (MPI's ``Comm_Split``; connecting is
+:mod:`~dasktrain.parallel.comm.mesh`'s); :meth:`DaskComm.exchange` is a
+collective step of any shape (a broadcast or gather from any root, an
+all-to-all), one message per pair that has something to say.
+
 GPU arrays are copied to the host and back here (each with its own device
 current); NCCL is :mod:`~dasktrain.parallel.comm.nccl`'s.
 """
 import asyncio
 import os
-import threading
-import time
 
 import numpy as np
 
+from dasktrain.parallel.comm import mesh
 from dasktrain.parallel.comm.base import (
     CollectiveError,
     Communicator,
@@ -147,6 +152,10 @@ class DaskComm(Communicator):
         self._links = None  # Links to the other hosts' leaders
         self.hosts = [list(range(size))]  # ranks by host, for routes
         self._staging = {}  # pinned host buffers for GPU sums, by batch
+        #: (listen host, Security) it was connected with: split()'s too
+        self.joined = None
+        #: (plain, streams) of its links (:meth:`routes`): split()'s too
+        self.link_options = (False, STREAMS)
 
     # -------------------------------------------------------- set-up
 
@@ -168,7 +177,6 @@ class DaskComm(Communicator):
         environment).
         """
         from distributed import Variable, get_client, get_worker
-        from distributed.comm import connect, listen
         from distributed.comm.addressing import get_address_host, parse_address
         if client is None:
             client = get_client()
@@ -178,74 +186,50 @@ class DaskComm(Communicator):
             listen_host = listen_host or \
                 f'{scheme}://{get_address_host(worker.address)}'
             security = security or worker.security
-        listen_args = security.get_listen_args('worker')
-        connect_args = security.get_connection_args('worker')
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, daemon=True,
-                                  name=f'dasktrain-comm-{rank}')
-        thread.start()
-        comms, arrived = {}, asyncio.Event()
 
-        async def accept(comm):
-            hello = await comm.read()
-            comms[hello['rank']] = comm
-            if len(comms) == size - 1:
-                arrived.set()
+        def publish(address):
+            Variable(f'{name}/rank{rank}', client=client).set(address)
 
-        async def start():
-            listener = listen(f'{listen_host}:0', accept, **listen_args)
-            await listener.start()
-            return listener
+        def lookup(peer, limit):
+            try:
+                return Variable(f'{name}/rank{peer}', client=client) \
+                    .get(timeout=limit)
+            except TimeoutError:
+                raise CollectiveError(
+                    f'rank {peer} of {size} did not start within '
+                    f'{timeout:g} s (collective_timeout)') from None
+        return mesh.connect(cls, rank, size, timeout, listen_host, security,
+                            publish, lookup, shared_memory, plain, streams)
 
-        def run(coro, limit):
-            return asyncio.run_coroutine_threadsafe(coro, loop).result(limit)
+    def split(self, color, key, shared_memory=None):
+        """A communicator of the ranks that give the same ``color``,
+        ranked by ``key`` (ties by this communicator's rank), as MPI's
+        ``Comm_Split``: every rank calls it, each gets its group's (see
+        :func:`~dasktrain.parallel.comm.mesh.split`).
 
-        deadline = time.monotonic() + timeout
-        listener = run(start(), timeout)
-        self = cls(rank, size, comms, loop, thread, listener, timeout)
-        try:
-            Variable(f'{name}/rank{rank}', client=client).set(
-                listener.contact_address)
-            for peer in range(rank):
-                try:
-                    address = Variable(f'{name}/rank{peer}', client=client) \
-                        .get(timeout=max(0.1, deadline - time.monotonic()))
-                except TimeoutError:
-                    raise CollectiveError(
-                        f'rank {peer} of {size} did not start within '
-                        f'{timeout:g} s (collective_timeout)') from None
+        Examples
+        --------
+        >>> rows = comm.split(comm.rank // 2, comm.rank)  # doctest: +SKIP
+        """
+        return mesh.split(self, color, key, shared_memory)
 
-                async def dial(address=address, peer=peer):
-                    comm = await connect(address, **connect_args)
-                    await comm.write({'rank': rank})
-                    comms[peer] = comm
-                    if len(comms) == size - 1:
-                        arrived.set()
-                run(dial(), max(0.1, deadline - time.monotonic()))
-            if size > 1:
-                try:
-                    run(asyncio.wait_for(arrived.wait(), max(
-                        0.1, deadline - time.monotonic())), None)
-                except asyncio.TimeoutError:
-                    missing = sorted(set(range(size)) - set(comms) - {rank})
-                    raise CollectiveError(
-                        f'ranks {missing} did not connect within {timeout:g}'
-                        ' s (collective_timeout)') from None
-            if shared_memory is None:
-                shared_memory = os.environ.get(SHARED_MEMORY, '1') != '0'
-            if size > 1:
-                host = get_address_host(listener.contact_address)
-                self._routes(host, shared_memory, plain_asked() if plain is
-                             None else plain, streams,
-                             parse_address(listen_host)[0] == 'tls')
-        except BaseException:
-            self.close()
-            raise
-        return self
 
-    def _routes(self, host, shared_memory, plain, streams, tls):
-        """Group the ranks by host, join each host's through shared
-        memory, link the hosts' leaders (see the module)."""
+    def routes(self, host, shared_memory=None, plain=None, streams=STREAMS,
+               tls=True):
+        """Decide how arrays travel (see the module), once connected:
+        group the ranks by their ``host``, join each host's through shared
+        memory (``shared_memory``; default: unless
+        ``DASKTRAIN_SHARED_MEMORY=0``), link the hosts' leaders with
+        ``streams`` streams each way, sealed where ``tls`` unless every
+        rank asks for ``plain`` links (default: ``DASKTRAIN_LINKS=tcp``).
+        A collective: every rank calls it."""
+        if shared_memory is None:
+            shared_memory = os.environ.get(SHARED_MEMORY, '1') != '0'
+        if plain is None:
+            plain = plain_asked()
+        self.link_options = (plain, streams)
+        if self.size == 1:
+            return
         hosts = host_groups(self.allgather(host))
         mine = next(g for g in hosts if self.rank in g)
         if shared_memory and len(mine) > 1:
@@ -462,6 +446,26 @@ class DaskComm(Communicator):
             self._run(self._exchange(tag, {p: obj for p in self._others()}))
             return obj
         return self._run(self._exchange(tag, receive=[0]))[0]
+
+    def exchange(self, send=None, receive=()):
+        """One collective step of any shape: send ``send[peer]`` to each
+        peer named in it while reading one object from each rank in
+        ``receive``; returns {rank: object read}. Every rank calls it at
+        the same point (it counts as a collective), and what each sends
+        must be what the others read: a broadcast from rank r is r
+        sending to all and the others reading from r; an all-to-all is
+        every rank sending to and reading from all.
+
+        Examples
+        --------
+        >>> comm.exchange({1: 'x'} if comm.rank == 0 else {},
+        ...               [0] if comm.rank == 1 else [])  # doctest: +SKIP
+        {}
+        """
+        for peer in [*(send or {}), *receive]:
+            self._check_peer(peer)
+        return self._run(self._exchange(self._tag('exchange'), send,
+                                        receive))
 
     def send(self, obj, dest):
         """Send ``obj`` to rank ``dest`` alone; it takes it with

@@ -174,15 +174,21 @@ class NcclComm(Communicator):
             # ncclCommInitRank waits for every peer, with no deadline). NCCL
             # stores the handle before returning, so it can be aborted.
             self._comm = comm
-            with self._lock:
-                nccl.groupStart()
-                try:
-                    self._call(comm.__init__, self.size, uid, self.rank)
-                finally:
-                    self._call(nccl.groupEnd)
-            poll(self._settled, time.monotonic() + self.timeout,
-                 f'NCCL set-up of rank {self.rank} of {self.size}',
-                 self._abort)
+            try:
+                with self._lock:
+                    nccl.groupStart()
+                    try:
+                        self._call(comm.__init__, self.size, uid, self.rank)
+                    finally:
+                        self._call(nccl.groupEnd)
+                poll(self._settled, time.monotonic() + self.timeout,
+                     f'NCCL set-up of rank {self.rank} of {self.size}',
+                     self._abort)
+            except BaseException:
+                # Aborted, not left to CuPy's __dealloc__, whose destroy
+                # frees nothing of a failed communicator (and hides it)
+                self._abort()
+                raise
 
     # -------------------------------------------------- NCCL's answers
 
@@ -229,10 +235,12 @@ class NcclComm(Communicator):
                     raise
                 if status == NCCL_IN_PROGRESS:
                     return False
-                self._abort_locked()
-                raise CollectiveError(f'NCCL failed on rank {self.rank}: '
-                                      f'{e}') from None
-        return True
+                error = e
+            else:
+                return True
+        self._abort()  # outside the lock, bounded
+        raise CollectiveError(f'NCCL failed on rank {self.rank}: '
+                              f'{error}') from None
 
     def _done(self, stream):
         """True once ``stream`` finished; CUDA errors on it raise (a plain
@@ -257,8 +265,15 @@ class NcclComm(Communicator):
             pass
 
     def _abort(self):
-        with self._lock:
-            self._abort_locked()
+        """Abort (once), within :data:`CLOSE_DEADLINE`: ncclCommAbort
+        synchronises NCCL's own streams and frees its memory, which a hung
+        GPU may not let it do."""
+        self._failed = True  # pollers on other threads stop at once
+
+        def abort():
+            with self._cupy.cuda.Device(self.device), self._lock:
+                self._abort_locked()
+        within(abort, CLOSE_DEADLINE, f'NCCL abort on rank {self.rank}')
 
     # -------------------------------------------------- the sums
 
@@ -292,13 +307,16 @@ class NcclComm(Communicator):
     def finish_queued(self):
         """Wait, within the timeout, until every sum queued by
         :meth:`allreduce_queued` is done."""
-        streams, self._queued = list(self._queued.values()), {}
+        streams = list(self._queued.values())
         self._enter()
         try:
-            for stream in streams:
-                poll(lambda s=stream: self._done(s),
-                     time.monotonic() + self.timeout,
-                     f'NCCL all-reduce on rank {self.rank}', self._abort)
+            with self._cupy.cuda.Device(self.device):  # streams' device
+                for stream in streams:
+                    poll(lambda s=stream: self._done(s),
+                         time.monotonic() + self.timeout,
+                         f'NCCL all-reduce on rank {self.rank}',
+                         self._abort)
+            self._queued = {}
         finally:
             self._leave()
 
@@ -338,6 +356,14 @@ class NcclComm(Communicator):
         try:
             with cupy.cuda.Device(self.device):
                 stream = cupy.cuda.get_current_stream()
+                if stream.ptr == cupy.cuda.runtime.streamPerThread:
+                    # NCCL (2.23+) launches from a thread of its own, where
+                    # this handle names another stream: the sum would be
+                    # unordered with this thread's work
+                    raise CollectiveError(
+                        'NCCL cannot sum on CuPy\'s per-thread default '
+                        'stream: unset CUPY_CUDA_PER_THREAD_DEFAULT_STREAM '
+                        'or make another stream current')
                 for _, members in batches(gpu):
                     self._batch(members, stream, wait)
         finally:
@@ -400,6 +426,18 @@ class NcclComm(Communicator):
     def recv(self, source):
         return self.host.recv(source)
 
+    def _clean(self):
+        """Whether the communicator reports no asynchronous error (the
+        caller holds the lock): ncclCommDestroy of one that does frees
+        nothing, and CuPy, ignoring its result, forgets the handle."""
+        if self._failed:
+            return False
+        try:
+            self._comm.check_async_error()
+        except (self._nccl.NcclError, KeyError):
+            return False
+        return True
+
     def close(self):
         """Free the NCCL communicator (``host`` is closed by its owner):
         aborted where a call failed or is still in flight on another
@@ -409,15 +447,15 @@ class NcclComm(Communicator):
         After an abort, threads still polling fail at their next query;
         they are given the deadline to leave."""
         raising = sys.exc_info()[0] is not None
-        way = ending(self._failed, self._busy, raising)
+        way = ending(self._failed, self._busy or self._queued, raising)
         cupy = self._cupy
 
         def end():
             with cupy.cuda.Device(self.device), self._lock:
-                if way == 'abort':
-                    self._abort_locked()
-                else:
+                if way == 'destroy' and self._clean():
                     self._comm.destroy()
+                else:
+                    self._abort_locked()
         within(end, CLOSE_DEADLINE, f'NCCL {way} on rank {self.rank}')
         deadline = time.monotonic() + CLOSE_DEADLINE
         while self._busy and time.monotonic() < deadline:

@@ -2,7 +2,7 @@
 starts who it is and where its peers are, and joining them from it.
 
 ``dasktrain launch -n N -- PROGRAM`` starts N copies of a program (see
-:mod:`dasktrain.launcher`), each with these variables set:
+:mod:`dasktrain.run.launch`), each with these variables set:
 
 =========================  ==============================================
 ``DASKTRAIN_RANK``         this process's rank, 0 to N - 1

@@ -1,0 +1,416 @@
+"""The queue's dispatcher: a scheduler plugin that starts the jobs
+:func:`~dasktrain.jobs.scheduler.policy.plan` says to start, in order,
+and keeps what it decided about the others (position, waiting reason,
+estimates) for ``dasktrain jobs`` and the jobs page.
+
+Every job handed to the scheduler (:func:`enqueue`) is held here, not as
+a Dask task: every :data:`TICK` seconds the :class:`Dispatcher` reads its
+queued and running jobs' files, the workers' GPUs (their ``GPU``
+resource, and where their heartbeats carry
+:func:`~dasktrain.jobs.worker.gpu_use.worker_use`'s reading, their
+``CUDA_VISIBLE_DEVICES`` entries and the GPUs busy outside the queue, by
+:func:`~dasktrain.jobs.scheduler.outside_use.busy_outside`: what
+``dasktrain gpus`` shows), plans, and hands each job to start to Dask as
+one task (:func:`~dasktrain.jobs.worker.task.run_job`) on the planned
+worker, with the planned GPU ids. A job across workers is a gang: it
+starts once its ranks' workers and GPUs are free at once; its task (the
+driver, holding no GPU) is told where they are, and the queue counts
+those GPUs as the job's until it ends. A task holds the job's Dask
+resources, so a worker that dies under it has Dask rerun it elsewhere.
+The files are small and few (a lab's queue): reading them on the
+scheduler's loop takes milliseconds. Nothing here is the only copy: the
+job files are, and a scheduler that restarts gets its jobs back from
+``cluster start``'s recovery (:mod:`~dasktrain.jobs.scheduler.recovery`),
+in their submission order.
+
+It also ends what must end: a job whose ``--after`` dependency failed
+(without ``--after-any``) fails with one line, and a job past its
+``--time-limit`` is stopped (its worker's cancel path, with the reason).
+"""
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dasktrain.errors import argument
+from dasktrain.jobs.job import (
+    DONE,
+    EVENTS,
+    KEY_PREFIX,
+    Job,
+    JobError,
+    update_status,
+)
+from dasktrain.jobs.scheduler.outside_use import busy_outside, worker_ids
+from dasktrain.jobs.scheduler.policy import plan
+from dasktrain.jobs.status import HELD
+from dasktrain.jobs.worker.gpu_use import USE_METRIC
+from dasktrain.jobs.worker.task import run_job
+
+logger = logging.getLogger(__name__)
+
+NAME = 'dasktrain-queue'
+TICK = 1.0  # seconds between two plans (and at once after a submit)
+
+
+def enqueue(dask_scheduler, folder):
+    """Run on the scheduler (``client.run_on_scheduler(enqueue,
+    folder=...)``): hold the job in ``folder`` in the queue, installing
+    the :class:`Dispatcher` first on a scheduler without it."""
+    installed(dask_scheduler).enqueue(folder)
+
+
+def queue(client, folder, spec):
+    """Hand the job in ``folder`` (its ``job.json`` is ``spec``) to
+    ``client``'s scheduler: held in the queue's order by its
+    :class:`Dispatcher` (installed there if missing), which starts it as
+    one task, a job across workers included."""
+    client.run_on_scheduler(enqueue, folder=str(folder))
+
+
+def set_user_limit(client, max_gpus_per_user):
+    """Let one user's jobs hold at most ``max_gpus_per_user`` GPUs at once
+    on ``client``'s cluster (None: no limit); the others wait, "user limit
+    reached". ``cluster start --max-gpus-per-user K`` calls it.
+
+    Examples
+    --------
+    >>> set_user_limit(client, 2)  # doctest: +SKIP
+    """
+    limit = max_gpus_per_user
+    if limit is not None and not (type(limit) is int and limit >= 1):
+        raise JobError(f'{argument("max_gpus_per_user")} must be an int '
+                       f'>= 1, got {limit!r}')
+    client.run_on_scheduler(configure, max_gpus_per_user=limit)
+
+
+def configure(dask_scheduler, max_gpus_per_user):
+    """Run on the scheduler: :func:`set_user_limit`'s change."""
+    installed(dask_scheduler).limit = max_gpus_per_user
+
+
+def installed(dask_scheduler):
+    """The scheduler's :class:`Dispatcher`, added and started first where
+    it has none (a scheduler without dasktrain's preload)."""
+    plugin = dask_scheduler.plugins.get(NAME)
+    if plugin is None:
+        plugin = Dispatcher()
+        dask_scheduler.add_plugin(plugin, name=NAME)
+    plugin.attach(dask_scheduler)
+    return plugin
+
+
+def answer(dask_scheduler, keys):
+    """Run on the scheduler: ``{key: {'task': state, ...}}`` for each job
+    key it holds: Dask's task state, or :data:`HELD` for a job still in
+    the queue, with the dispatcher's ``position``, ``reason``, ``start``,
+    ``end`` and ``overdue`` where it has them."""
+    plugin = dask_scheduler.plugins.get(NAME)
+    found = {}
+    for key in keys:
+        job_id = key[len(KEY_PREFIX):]
+        view = dict(plugin.view.get(job_id, {})) if plugin else {}
+        if key in dask_scheduler.tasks:
+            found[key] = dict(view, task=dask_scheduler.tasks[key].state)
+        elif plugin is not None and job_id in plugin.folders:
+            found[key] = dict(view, task=HELD)
+    return found
+
+
+class Dispatcher(SchedulerPlugin):
+    """The queue on the scheduler (see the module): ``folders`` {job id:
+    folder} of the jobs held, ``running`` {job id: (folder, [(worker, GPU
+    ids)] of each rank)} of those it started that may still hold their
+    GPUs, ``view`` {job id: what it last decided about it}."""
+    name = NAME
+
+    def __init__(self, max_gpus_per_user=None):
+        self.limit = max_gpus_per_user
+        self.folders, self.running, self.view = {}, {}, {}
+        self.scheduler = self.client = self.callback = None
+        self.ticking = False
+
+    async def start(self, scheduler):
+        self.attach(scheduler)
+
+    def attach(self, scheduler):
+        """Start planning every :data:`TICK` s on ``scheduler``'s loop
+        (once)."""
+        if self.callback is not None:
+            return
+        from tornado.ioloop import PeriodicCallback
+        self.scheduler = scheduler
+        self.callback = PeriodicCallback(self.tick, TICK * 1000)
+        self.callback.start()
+
+    async def close(self):
+        if self.callback is not None:
+            self.callback.stop()
+        if self.client is not None:
+            await self.client.close()
+
+    def enqueue(self, folder):
+        job_id = Path(folder).name
+        self.folders[job_id] = str(folder)
+        self.running.pop(job_id, None)
+        if self.scheduler is not None:  # plan now, not a tick later
+            self.scheduler.loop.add_callback(self.tick)
+
+    async def tick(self):
+        if self.ticking:
+            return
+        self.ticking = True
+        try:
+            await self._tick()
+        except Exception:  # a damaged file must not stop the queue
+            logger.exception('dasktrain queue: planning failed')
+        finally:
+            self.ticking = False
+
+    async def _tick(self):
+        now = time.time()
+        queued, states = self._queued()
+        self._unpin()
+        workers, busy = self._workers()
+        running = self._running(now, workers)
+        running += self._others(workers, running)
+        decided = plan(queued, running, workers, now, busy, self.limit,
+                       states)
+        view = {}
+        for job_id, estimate in decided.estimates.items():
+            view[job_id] = dict(estimate,
+                                reason=decided.reasons.get(job_id))
+        self.view = view
+        for job_id, why in decided.ends.items():
+            self._end(job_id, why, now)
+        placed = {}  # a gang's ranks, in order
+        for job_id, worker, gpus in decided.starts:
+            placed.setdefault(job_id, []).append((worker, gpus))
+        for job_id, ranks in placed.items():
+            await self._start(job_id, ranks, queued)
+
+    def _queued(self):
+        """The held jobs still queued, in submission order, as the planner
+        wants them, and the states of the jobs they run after."""
+        queued, states = [], {}
+        for job_id, folder in list(self.folders.items()):
+            job = Job(job_id, Path(folder))
+            try:
+                spec, status = job.spec(), job.status()
+            except JobError as e:
+                logger.warning('dasktrain queue: dropped %s: %s', job_id, e)
+                del self.folders[job_id]
+                continue
+            if status['state'] != 'queued' or \
+                    (job.folder / 'cancel').exists():
+                del self.folders[job_id]
+                continue
+            after = list(spec.get('after') or ())
+            for dep in after:
+                states.setdefault(dep, _state(job.folder.parent / dep))
+            queued.append({'id': job_id, 'user': spec.get('user', ''),
+                           'gpus': spec['gpus'], 'after': after,
+                           'ranks': spec.get('workers'),
+                           'after_any': bool(spec.get('after_any')),
+                           'time': spec.get('time'),
+                           'submitted': spec['submitted']})
+        queued.sort(key=lambda j: j['submitted'])
+        return queued, {k: v for k, v in states.items() if v is not None}
+
+    def _running(self, now, workers):
+        running = []
+        for job_id, (folder, placed) in list(self.running.items()):
+            job = Job(job_id, Path(folder))
+            try:
+                spec, status = job.spec(), job.status()
+            except JobError:
+                continue
+            task = self.scheduler.tasks.get(KEY_PREFIX + job_id)
+            over = task is None or task.state in ('memory', 'erred',
+                                                  'forgotten')
+            # Its GPUs are free once its task is over and it ended (a
+            # cancelled task is forgotten at once, its program may take
+            # --grace seconds to stop), or its task failed, or its worker
+            # is gone.
+            where = status.get('worker') or placed[0][0]
+            if over and (status['state'] in DONE or task is not None and
+                         task.state == 'erred' or
+                         where not in self.scheduler.workers):
+                del self.running[job_id]
+                continue
+            started = status.get('started')
+            limit = spec.get('time_limit')
+            common = {
+                'id': job_id, 'user': spec.get('user', ''),
+                'gpus': spec['gpus'],
+                'end': estimated_end(job, spec, status, now),
+                'due': started + spec['time'] if started and spec.get('time')
+                else None,
+                'limit': started + limit if started and limit else None}
+            if spec.get('workers'):  # a gang: its ranks hold what it planned
+                running += [dict(common, worker=w, held=held, ranks=True)
+                            for w, held in placed]
+                continue
+            ids = status.get('gpus') or []
+            # Its GPUs as the worker names them, where the queue knows
+            # those names; else as the queue planned them.
+            known = workers.get(where, {}).get('gpus', ())
+            if not ids or not set(ids) <= set(known):
+                ids = placed[0][1]
+            running.append(dict(common, worker=where, held=ids))
+        return running
+
+    def _workers(self):
+        """The workers' GPUs by the ids jobs get, and the GPUs busy
+        outside the queue (``cluster start --busy-mib``), both from each
+        worker's last reading of who uses its GPUs."""
+        workers = {}
+        for address, ws in list(self.scheduler.workers.items()):
+            use = (ws.metrics or {}).get(USE_METRIC)
+            workers[address] = {
+                'gpus': worker_ids(use, int(ws.resources.get('GPU', 0))),
+                'cpus': int(ws.resources.get('CPU', 0))}
+        busy = {address: outside for address, outside in
+                busy_outside(self.scheduler).items()
+                if outside and address in workers}
+        return workers, busy
+
+    def _unpin(self):
+        """Let Dask rerun anywhere that fits a started job whose worker
+        died: its task is pinned to that worker, and Dask's loose
+        restrictions do not apply beside resource ones (it would wait in
+        ``no-worker`` for ever). A training job then resumes from its
+        checkpoint, a command job is told it was lost, as before the
+        queue."""
+        live = set(self.scheduler.workers)
+        for job_id in list(self.running):
+            key = KEY_PREFIX + job_id
+            task = self.scheduler.tasks.get(key)
+            if task is None or task.state != 'no-worker' or \
+                    not task.worker_restrictions or \
+                    task.worker_restrictions & live:
+                continue
+            self.scheduler.set_restrictions({key: None})
+            self.scheduler.transitions(
+                {key: 'processing'}, stimulus_id=f'dasktrain-queue-{key}')
+
+    def _others(self, workers, running):
+        """GPUs Dask tasks hold that the queue did not start (a scale-out
+        job's ranks queue for theirs as tasks), as running jobs of unknown
+        end: the queue never hands them out twice."""
+        others = []
+        for address, ws in list(self.scheduler.workers.items()):
+            # a gang's ranks hold theirs as Dask tasks of the gang's own
+            ours = sum(r['gpus'] for r in running if r['worker'] == address
+                       and (r.get('ranks') or self._task_on(r['id']) is ws))
+            extra = int(ws.used_resources.get('GPU', 0)) - ours
+            if extra <= 0:
+                continue
+            taken = {g for r in running if r['worker'] == address
+                     for g in r['held']}
+            free = [g for g in workers[address]['gpus'] if g not in taken]
+            held = free[-extra:]
+            others.append({'id': f'other Dask tasks on {address}',
+                           'user': '', 'gpus': len(held), 'worker': address,
+                           'held': held, 'end': None})
+        return others
+
+    def _task_on(self, job_id):
+        task = self.scheduler.tasks.get(KEY_PREFIX + job_id)
+        return None if task is None else task.processing_on
+
+    async def _start(self, job_id, placed, queued):
+        """Hand the job to Dask as one task: on its planned worker with its
+        planned GPUs; a gang's (its driver's, holding no GPU) with where
+        its ranks go."""
+        from distributed import fire_and_forget
+        folder = self.folders[job_id]
+        job = next(j for j in queued if j['id'] == job_id)
+        client = await self._client()
+        worker, gpus = placed[0]
+        if job.get('ranks'):
+            args, resources = (folder, None, placed), None
+        else:
+            args = (folder, gpus)
+            resources = {'GPU': job['gpus']} if job['gpus'] else {'CPU': 1}
+        future = client.submit(run_job, *args, key=KEY_PREFIX + job_id,
+                               pure=False, workers=[worker],
+                               allow_other_workers=True, resources=resources)
+        fire_and_forget(future)  # runs on without this client's interest
+        # Held until handed over: a failure above leaves it queued here.
+        del self.folders[job_id]
+        self.running[job_id] = (folder, placed)
+        logger.info('dasktrain queue: %s starts on %s', job_id, ', '.join(
+            f'{w} (GPUs {",".join(g) or "none"})' for w, g in placed))
+
+    async def _client(self):
+        if self.client is None:
+            from distributed import Client
+            self.client = await Client(
+                self.scheduler.address, asynchronous=True,
+                security=client_security(self.scheduler.security),
+                set_as_default=False, name='dasktrain-queue')
+        return self.client
+
+    def _end(self, job_id, why, now):
+        if job_id in self.running:  # its time limit: stopped as a cancel is
+            folder = Path(self.running[job_id][0])
+            if not (folder / 'cancel').exists():
+                (folder / 'cancel').write_text(why)
+            return
+        folder = Path(self.folders.pop(job_id))
+        update_status(folder, state='failed', ended=now, error=why)
+        try:
+            self.scheduler.log_event(EVENTS, Job(job_id, folder).summary())
+        except Exception:  # monitoring never stops the queue
+            pass
+
+
+def client_security(security):
+    """The TLS settings of a client inside the scheduler process, from the
+    scheduler's own (its certificate serves as a client's too); None
+    without TLS."""
+    cert = getattr(security, 'tls_scheduler_cert', None)
+    if not cert:
+        return None
+    from distributed.security import Security
+    return Security(tls_ca_file=security.tls_ca_file, tls_client_cert=cert,
+                    tls_client_key=security.tls_scheduler_key,
+                    require_encryption=True)
+
+
+def _state(folder):
+    try:
+        return json.loads((Path(folder) / 'status.json').read_text())['state']
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def estimated_end(job, spec, status, now):
+    """When a running job is expected to end (seconds since the epoch;
+    None: unknown): a training job from its measured epoch times (mean
+    over the epochs logged, from the log's last write), any job from its
+    ``--time`` after its start otherwise.
+
+    Examples
+    --------
+    >>> estimated_end(job, {'time': 3600}, {'started': 100.0},
+    ...               now=200.0)  # doctest: +SKIP
+    3700.0
+    """
+    rows = job.log_rows()
+    epochs = (spec.get('config') or {}).get('epochs')
+    if rows and epochs and rows[-1].get('elapsed_time'):
+        per_epoch = rows[-1]['elapsed_time'] / max(rows[-1]['epoch'], 1)
+        try:  # never a symlink's target (a user's out/ in a shared cluster)
+            written = os.lstat(job.folder / 'out' / 'log').st_mtime
+        except OSError:
+            written = now
+        return written + per_epoch * max(epochs - rows[-1]['epoch'], 0)
+    started, planned = status.get('started'), spec.get('time')
+    if started and planned:
+        return started + planned
+    return None

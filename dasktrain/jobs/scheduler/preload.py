@@ -1,0 +1,44 @@
+"""The scheduler's preload (``dask scheduler --preload
+dasktrain.jobs.scheduler.preload``, what ``dasktrain cluster start``
+runs): it installs the queue in the scheduler process.
+
+* the :class:`~dasktrain.jobs.scheduler.board.JobBoard`, which keeps every
+  job's latest summary (after reading the jobs dir once, for the jobs
+  before it);
+* the queue's :class:`~dasktrain.jobs.scheduler.dispatch.Dispatcher`
+  (its jobs come back by :mod:`~dasktrain.jobs.scheduler.recovery`);
+* in a shared cluster (``cluster start --shared`` set
+  ``$DASKTRAIN_SHARED_SERVE``, as root) the socket every local user
+  submits through (:mod:`~dasktrain.jobs.scheduler.socket_server`);
+* the Prometheus metrics (:mod:`~dasktrain.jobs.scheduler.metrics`) and
+  the read-only jobs page (:mod:`~dasktrain.jobs.scheduler.page`), as
+  routes of the dashboard's web server, wherever it binds.
+"""
+import os
+
+from dasktrain.cluster.shared import OWNER_ENV, SERVE_ENV
+from dasktrain.jobs.scheduler.board import JobBoard
+from dasktrain.jobs.scheduler.dispatch import Dispatcher
+from dasktrain.jobs.scheduler.metrics import register, unregister
+from dasktrain.jobs.scheduler.outside_use import cluster_use
+from dasktrain.jobs.scheduler.page import add_routes
+from dasktrain.jobs.scheduler.socket_server import SocketServer
+
+
+def dask_setup(scheduler):
+    """Dask's preload hook."""
+    board = JobBoard()
+    scheduler.add_plugin(board)
+    queue = Dispatcher()
+    scheduler.add_plugin(queue, name=queue.name)
+    if os.environ.get(SERVE_ENV) and os.geteuid() == 0:  # a shared cluster
+        owner = os.environ.get(OWNER_ENV, '')
+        scheduler.add_plugin(SocketServer(
+            os.environ[SERVE_ENV], int(owner) if owner.isdigit() else None,
+            gpu_use=cluster_use))
+    register(scheduler, board)
+    add_routes(scheduler.http_application, board, queue)
+
+
+def dask_teardown(scheduler):
+    unregister(scheduler)

@@ -1,0 +1,333 @@
+"""A worker's GPUs and who uses them: what its heartbeats carry, read on
+the worker (installed by :mod:`~dasktrain.jobs.worker.preload`).
+
+Two readings per heartbeat. :func:`gpu_readings`: NVML's utilisation,
+memory, temperature and power of the worker's GPUs (its
+``CUDA_VISIBLE_DEVICES``, else all), for the metrics. :func:`worker_use`:
+the worker's GPUs by the ids jobs get (their ``CUDA_VISIBLE_DEVICES``
+entries), the processes NVML sees on them, and for each its OS user, its
+memory and the queue job it belongs to (:func:`job_of`: a job's keeper
+is the process, an ancestor, or its session leader; the worker process
+itself is the queue's too); the scheduler judges from it which GPUs are
+busy outside the queue (:mod:`~dasktrain.jobs.scheduler.outside_use`).
+
+NVML (``pynvml``, nvidia-ml-py) lists a GPU's processes twice over,
+``nvmlDeviceGetComputeRunningProcesses`` (CUDA) and
+``nvmlDeviceGetGraphicsRunningProcesses`` (graphics): entries with
+``pid`` and ``usedGpuMemory`` in bytes (``c_nvmlProcessInfo_v2_t``/v3
+also ``gpuInstanceId`` and ``computeInstanceId``, one entry per MIG
+instance). ``usedGpuMemory`` is None where the driver cannot say (pynvml
+turns ``NVML_VALUE_NOT_AVAILABLE``, 2**64-1, into None; older pynvml
+passed it through raw). The unversioned calls raise when pynvml is newer
+than the driver: the ``_v2`` calls are tried then. A process may be on
+both lists: it counts once. A pid is the host's (NVML's namespace): in
+another container's namespace ``/proc`` does not know it, and its user
+reads ``?``. Every decision is a pure function of those entries and of
+``/proc`` texts, tested with scripted entries; only :func:`nvml_processes`,
+:func:`read_process`, :func:`gpu_readings` and :func:`worker_use` touch
+NVML and ``/proc``.
+"""
+import os
+
+from dasktrain.cluster.settings import BUSY_ENV, BUSY_MIB
+from dasktrain.jobs.job import user_name
+from dasktrain.jobs.worker.task import job_children
+from dasktrain.parallel.gpus import visible_gpus
+from dasktrain.parallel.nvml import (
+    driver_view,
+    match_cuda_devices,
+    nvml_gpu,
+    nvml_read,
+    worker_devices,
+)
+
+USE_METRIC = 'dasktrain-gpu-use'  # the heartbeat's key of worker_use()
+GPU_METRIC = 'dasktrain-gpus'     # the heartbeat's key of gpu_readings()
+WORKER = 'dask worker'            # the owner of the worker's own process
+
+NOT_AVAILABLE = 2 ** 64 - 1       # NVML_VALUE_NOT_AVAILABLE_ulonglong
+NO_INSTANCE = 2 ** 32 - 1         # NVML_VALUE_NOT_AVAILABLE_uint
+MIB = 1024 * 1024
+
+
+# ----------------------------------------------- NVML's processes, pure
+
+def job_of(process, jobs):
+    """The queue job (a label from ``jobs``: ``{child pid: job id}``)
+    ``process`` belongs to: its own pid, its nearest ancestor among
+    ``jobs``, else its session leader's; None outside the queue.
+
+    >>> p = {'pid': 12, 'session': 10, 'ancestors': [11, 10, 5, 1]}
+    >>> job_of(p, {10: 'job-a', 5: WORKER})
+    'job-a'
+    >>> job_of(dict(p, ancestors=[1]), {10: 'job-a'})  # its parent died
+    'job-a'
+    >>> job_of(dict(p, session=12, ancestors=[1]), {10: 'job-a'}) is None
+    True
+    """
+    for pid in [process['pid']] + list(process.get('ancestors') or ()):
+        if pid in jobs:
+            return jobs[pid]
+    return jobs.get(process.get('session'))
+
+
+def describe(process):
+    """``'user (pid N, M MiB)'``.
+
+    >>> describe({'user': 'ann', 'pid': 7, 'mib': 5120.4})
+    'ann (pid 7, 5120 MiB)'
+    >>> describe({'user': '?', 'pid': 7, 'mib': None})
+    '? (pid 7, memory unknown)'
+    """
+    mib = 'memory unknown' if process.get('mib') is None else \
+        f"{process['mib']:.0f} MiB"
+    return f"{process['user']} (pid {process['pid']}, {mib})"
+
+
+def threshold(env=None):
+    """The busy threshold in MiB: ``$DASKTRAIN_BUSY_MIB`` (``cluster
+    start --busy-mib``), else :data:`~dasktrain.cluster.settings.BUSY_MIB`.
+
+    >>> threshold({'DASKTRAIN_BUSY_MIB': '1024'}), threshold({})
+    (1024.0, 256.0)
+    """
+    env = os.environ if env is None else env
+    try:
+        return float(env[BUSY_ENV])
+    except (KeyError, ValueError):
+        return float(BUSY_MIB)
+
+
+def entry_bytes(entry):
+    """An NVML process entry's ``usedGpuMemory`` in bytes, None where NVML
+    cannot say (None, or the raw NVML_VALUE_NOT_AVAILABLE).
+
+    >>> from types import SimpleNamespace as E
+    >>> entry_bytes(E(pid=1, usedGpuMemory=2 ** 30))
+    1073741824
+    >>> entry_bytes(E(pid=1, usedGpuMemory=2 ** 64 - 1)) is None
+    True
+    """
+    used = getattr(entry, 'usedGpuMemory', None)
+    if used is None or not isinstance(used, int) or used == NOT_AVAILABLE \
+            or used < 0:
+        return None
+    return used
+
+
+def merge_entries(*lists):
+    """NVML's process lists of one GPU (compute, graphics; None for one
+    NVML could not give) as ``[{'pid': N, 'bytes': B or None}]``, each pid
+    once, largest first; None when no list could be read.
+
+    An entry on several lists (a process using compute and graphics)
+    counts once (its largest figure); entries of one pid on distinct MIG
+    instances (``gpuInstanceId``, ``computeInstanceId``) add up.
+
+    >>> from types import SimpleNamespace as E
+    >>> merge_entries([E(pid=7, usedGpuMemory=300)],
+    ...               [E(pid=7, usedGpuMemory=300), E(pid=9,
+    ...                                               usedGpuMemory=None)])
+    [{'pid': 7, 'bytes': 300}, {'pid': 9, 'bytes': None}]
+    >>> merge_entries(None, None) is None
+    True
+    """
+    if all(entries is None for entries in lists):
+        return None
+    per_instance = {}
+    for entries in lists:
+        for entry in entries or ():
+            key = (int(entry.pid), getattr(entry, 'gpuInstanceId', None),
+                   getattr(entry, 'computeInstanceId', None))
+            used = entry_bytes(entry)
+            before = per_instance.get(key, None)
+            per_instance[key] = used if before is None else \
+                before if used is None else max(before, used)
+    by_pid = {}
+    for (pid, _, _), used in per_instance.items():
+        if pid not in by_pid or by_pid[pid] is None:
+            by_pid[pid] = used
+        elif used is not None:
+            by_pid[pid] += used
+    return sorted(({'pid': pid, 'bytes': used}
+                   for pid, used in by_pid.items()),
+                  key=lambda p: (-(p['bytes'] or 0), p['pid']))
+
+
+def nvml_processes(pynvml, handle):
+    """The processes NVML sees on the device ``handle``
+    (:func:`merge_entries`), None where it cannot list them (no
+    permission, not supported)."""
+    def listed(kind):
+        for name in (f'nvmlDeviceGet{kind}RunningProcesses',
+                     f'nvmlDeviceGet{kind}RunningProcesses_v2'):
+            call = getattr(pynvml, name, None)
+            if call is not None:
+                entries = nvml_read(call, handle)
+                if entries is not None:
+                    return list(entries)
+        return None
+    return merge_entries(listed('Compute'), listed('Graphics'))
+
+
+# ------------------------------------------------- /proc: user, lineage
+
+def parse_status(text):
+    """(real uid, parent pid) from ``/proc/PID/status``' text.
+
+    >>> parse_status('Name:\\tpython\\nPPid:\\t41\\nUid:\\t1000\\t1000\\t1000'
+    ...              '\\t1000\\n')
+    (1000, 41)
+    """
+    uid = ppid = None
+    for line in text.splitlines():
+        key, _, value = line.partition(':')
+        if key == 'Uid' and value.split():
+            uid = int(value.split()[0])
+        elif key == 'PPid' and value.strip():
+            ppid = int(value)
+    return uid, ppid
+
+
+def parse_stat(text):
+    """The session id from ``/proc/PID/stat``' text (after the command,
+    which may hold spaces and parentheses: ``pid (comm) state ppid pgrp
+    session ...``).
+
+    >>> parse_stat('4242 (my (odd) prog) S 1 4242 4240 0 -1')
+    4240
+    """
+    fields = text[text.rindex(')') + 1:].split()
+    return int(fields[3])
+
+
+def read_process(pid, proc='/proc'):
+    """``{'uid', 'ppid', 'session'}`` of ``pid`` from ``/proc``; None for
+    each that cannot be read (a pid of another namespace, gone, hidden)."""
+    found = {'uid': None, 'ppid': None, 'session': None}
+    try:
+        with open(f'{proc}/{pid}/status') as f:
+            found['uid'], found['ppid'] = parse_status(f.read())
+        with open(f'{proc}/{pid}/stat') as f:
+            found['session'] = parse_stat(f.read())
+    except (OSError, ValueError, IndexError):
+        pass
+    return found
+
+
+def lineage(pid, read=read_process, depth=64):
+    """``(uid, session, [parent, grandparent, ...])`` of ``pid``."""
+    first = read(pid)
+    ancestors, ppid = [], first['ppid']
+    while ppid and ppid not in ancestors and len(ancestors) < depth:
+        ancestors.append(ppid)
+        ppid = read(ppid)['ppid']
+    return first['uid'], first['session'], ancestors
+
+
+# ------------------------------------------------------ on a worker
+
+def worker_use(worker=None, env=None, read=read_process, nvml=None):
+    """What this worker's heartbeats carry: ``ids`` (its GPUs, the ids jobs
+    hold, and the queue hands out), ``nvml`` (whether NVML could list their
+    processes),
+    ``processes`` (each with ``gpu``, ``pid``, ``user``, ``mib``,
+    ``session``, ``ancestors`` and ``job``: the queue job's id, or
+    :data:`WORKER`, or None outside the queue), ``jobs`` (``[[pid,
+    job id]]`` of its jobs' children) and ``busy_mib``.
+
+    ``read`` (a pid's ``/proc`` facts, as :func:`read_process`) and
+    ``nvml`` (``nvml(ids, env)`` -> ``{gpu id: [{'pid', 'bytes'}] or
+    None}``, as NVML lists them) stand in for ``/proc`` and NVML where a
+    test scripts them."""
+    env = os.environ if env is None else env
+    total = int(worker.state.total_resources.get('GPU', 0)) \
+        if worker is not None else None
+    ids = visible_gpus(env, count=total)
+    jobs = dict(job_children())
+    jobs[os.getpid()] = WORKER
+    processes, listed = [], False
+    for entry, pids in (nvml or _nvml_use)(ids, env).items():
+        if pids is None:
+            continue
+        listed = True
+        for p in pids:
+            uid, session, ancestors = lineage(p['pid'], read)
+            process = {'gpu': entry, 'pid': p['pid'],
+                       'user': '?' if uid is None else user_name(uid),
+                       'mib': None if p['bytes'] is None
+                       else p['bytes'] / MIB,
+                       'session': session, 'ancestors': ancestors}
+            process['job'] = job_of(process, jobs)
+            processes.append(process)
+    return {'ids': ids, 'nvml': listed, 'processes': processes,
+            'jobs': [[pid, job] for pid, job in jobs.items()],
+            'busy_mib': threshold(env)}
+
+
+def _nvml_use(ids, env):
+    """``{gpu id: NVML's processes on it (None: not listed)}``; empty
+    without NVML."""
+    from distributed.diagnostics import nvml
+    try:
+        count = nvml.device_get_count()  # Dask's per-process NVML init
+    except Exception:  # a broken driver reads as no GPU, never an error
+        return {}
+    if not count or not ids:
+        return {}
+    import pynvml
+    gpus = [nvml_gpu(pynvml, index) for index in range(count)]
+    uuids = driver_view() if env is os.environ else None
+    matched = worker_devices(
+        gpus, ids, uuids=uuids,
+        pci_order=env.get('CUDA_DEVICE_ORDER') == 'PCI_BUS_ID')
+    return {entry: nvml_processes(pynvml, gpu['handle'])
+            for entry, gpu in matched.items()}
+
+
+def gpu_readings(worker=None, env=None):
+    """NVML's readings of the GPUs this worker owns: its
+    ``CUDA_VISIBLE_DEVICES`` (ids or ``GPU-`` UUIDs), else all of them.
+
+    Returns
+    -------
+    list of dict
+        ``index``, ``uuid``, ``utilization`` (0-1), ``memory_used`` and
+        ``memory_total`` (bytes), ``temperature`` (Celsius), ``power``
+        (watts); a value NVML does not support on that GPU is None. Empty
+        without NVML or GPUs.
+    """
+    from distributed.diagnostics import nvml
+    try:
+        count = nvml.device_get_count()  # Dask's per-process NVML init
+    except Exception:  # a broken driver reads as no GPU, never an error
+        return []
+    if not count:
+        return []
+    import pynvml
+    own = env is None  # this process's: the CUDA driver can say which
+    env = os.environ if env is None else env
+    gpus = [nvml_gpu(pynvml, index) for index in range(count)]
+    if own and driver_view() is not None:
+        chosen = match_cuda_devices(gpus, uuids=driver_view())
+    elif 'CUDA_VISIBLE_DEVICES' in env:
+        chosen = match_cuda_devices(
+            gpus, entries=visible_gpus(env),
+            pci_order=env.get('CUDA_DEVICE_ORDER') == 'PCI_BUS_ID')
+    else:
+        chosen = gpus
+    readings = []
+    for gpu in chosen:
+        index, uuid, handle = gpu['index'], gpu['uuid'], gpu['handle']
+        util = nvml_read(pynvml.nvmlDeviceGetUtilizationRates, handle)
+        memory = nvml_read(pynvml.nvmlDeviceGetMemoryInfo, handle)
+        power = nvml_read(pynvml.nvmlDeviceGetPowerUsage, handle)  # mW
+        readings.append({
+            'index': index, 'uuid': uuid or '',
+            'utilization': None if util is None else util.gpu / 100,
+            'memory_used': None if memory is None else memory.used,
+            'memory_total': None if memory is None else memory.total,
+            'temperature': nvml_read(pynvml.nvmlDeviceGetTemperature, handle,
+                                 pynvml.NVML_TEMPERATURE_GPU),
+            'power': None if power is None else power / 1000})
+    return readings

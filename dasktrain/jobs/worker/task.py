@@ -1,0 +1,270 @@
+"""A job on its worker: the one task body, :func:`run_job`. Every job is a
+program run under its keeper (:mod:`dasktrain.keeper`): a command job's
+is its command, a training job's ``python -m dasktrain.jobs.worker.child
+FOLDER`` (:mod:`~dasktrain.jobs.worker.child`, or a search's trial
+module), always resuming from its last checkpoint.
+
+The task takes the GPUs the queue planned for it (no other job on its
+worker holds them), records the attempt, starts the program in its
+folder (a training job's: the job folder) with its environment
+(:func:`~dasktrain.jobs.worker.environment.job_environment`: its
+submitter's, never the worker's), as its submitter in a shared cluster
+(:mod:`~dasktrain.jobs.worker.runas`), its output into ``output.log``;
+stops it when its ``cancel`` flag appears (SIGTERM to every process of
+it, SIGKILL after its grace), and records the end: ``finished`` (exit
+0; a training program's :data:`~dasktrain.jobs.job.STOPPED` too, its
+``ending`` 'stopped by request'), ``pruned`` (a training program's
+:data:`~dasktrain.jobs.job.PRUNED`), else ``failed``, with the training
+program's last line (its one-line error) or the exit in words. A job
+whose worker died under it runs again where it resumes by itself (a
+training job; a command with ``requeue``), else ends ``lost``. Every
+change is announced to the scheduler
+(:meth:`~dasktrain.jobs.job.Job.announce`).
+"""
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from dasktrain import keeper
+from dasktrain.jobs.job import (
+    CHILD,
+    DONE,
+    PRUNED,
+    RANKS_ENV,
+    STOPPED,
+    Job,
+    JobError,
+    update_status,
+)
+from dasktrain.jobs.worker.environment import job_environment, job_threads
+from dasktrain.jobs.worker.runas import job_user, last_line, open_output
+from dasktrain.parallel.gpus import GpuPool
+from dasktrain.spawn import python
+
+# Child modules that job folders written by earlier versions name, and
+# what runs them now: such a folder still runs (or resumes) as it was meant.
+FORMER_CHILDREN = {
+    'dasktrain.jobs': CHILD,
+    'dasktrain.cluster.jobs': CHILD,
+    'dasktrain.jobs.worker': CHILD,
+    'dasktrain.trials': 'dasktrain.tuning.trials',
+}
+
+
+def child_module(spec):
+    """The module a training job's program runs, from its ``job.json``:
+    its ``child`` (a former name mapped to today's), else
+    :data:`~dasktrain.jobs.job.CHILD`.
+
+    Examples
+    --------
+    >>> child_module({})
+    'dasktrain.jobs.worker.child'
+    >>> child_module({'child': 'dasktrain.cluster.jobs'})
+    'dasktrain.jobs.worker.child'
+    >>> child_module({'child': 'dasktrain.tuning.trials'})
+    'dasktrain.tuning.trials'
+    """
+    module = spec.get('child') or CHILD
+    return FORMER_CHILDREN.get(module, module)
+
+
+class JobProgram(NamedTuple):
+    """What a job runs: ``argv`` in ``cwd``, given ``stdin`` (text or
+    None); ``ours``: dasktrain's own training program, which prints its
+    one-line error last and exits :data:`~dasktrain.jobs.job.PRUNED`
+    when pruned."""
+    argv: list
+    cwd: str
+    stdin: str | None
+    ours: bool
+
+
+def job_program(spec, folder, user):
+    """The program of the job ``spec`` (its ``job.json``) in ``folder``,
+    run as ``user``: its command, or its training program. JobError for a
+    module that is not dasktrain's (``job.json`` names code)."""
+    if spec.get('command'):
+        return JobProgram(list(spec['command']), spec['cwd'], None, False)
+    module = child_module(spec)
+    if not module.startswith('dasktrain.'):
+        raise JobError(f'{module!r} is not ours')
+    # Its submitter cannot read root's job.json: the spec comes on stdin.
+    return JobProgram(python(module, folder) +
+                      (['--spec-stdin'] if user else []), str(folder),
+                      json.dumps(spec) if user else None, True)
+
+
+_children = {}  # {pid: job id} of the jobs' keepers running here
+
+
+def job_children():
+    """``{pid: job id}`` of the jobs' keepers running in this worker
+    process now (each its job's session leader): who uses a GPU is told
+    by them (:mod:`~dasktrain.jobs.worker.gpu_use`)."""
+    return dict(_children)
+
+
+def run_job(folder, gpus=None, ranks=None):
+    """The task body: one attempt of the job in ``folder``; the state it
+    ended in. ``gpus``: the ids of this worker's GPUs the queue planned
+    for it (see :class:`~dasktrain.parallel.gpus.GpuPool`); ``ranks``: a
+    job across workers, ``[(worker, [GPU ids])]`` where the queue placed
+    its ranks, told to its program (:data:`~dasktrain.jobs.job.RANKS_ENV`)."""
+    from distributed import get_worker
+    folder = Path(folder)
+    job = Job(folder.name, folder)
+    spec = json.loads((folder / 'job.json').read_text())
+    status = json.loads((folder / 'status.json').read_text())
+    if (folder / 'cancel').exists() or status['state'] in DONE:
+        return status['state']
+    # (A folder of an earlier version without `requeue` is a training
+    # job's: it resumed from its checkpoint.)
+    if status['state'] == 'running' and not spec.get('requeue', True):
+        # The attempt before never ended: its worker died under it.
+        update_status(folder, state='lost', ended=time.time(),
+                      error=f'its worker ({status["worker"]}) died while it '
+                            'ran; submit it again, or with --requeue if it '
+                            'resumes by itself')
+        job.announce()
+        return 'lost'
+    try:
+        user = job_user(spec)  # a shared cluster's: its submitter
+        program = job_program(spec, folder, user)
+    except JobError as e:
+        return _failed(folder, str(e), job)
+    worker = get_worker()
+    # A training job across workers holds no GPU here: its ranks do.
+    held = GpuPool.acquire(spec['gpus'], want=gpus) \
+        if spec['gpus'] and not spec.get('workers') else []
+    try:
+        return _attempt(job, spec, status, program, user, held, worker,
+                        ranks)
+    finally:
+        GpuPool.release(held)
+
+
+def _attempt(job, spec, status, program, user, held, worker, ranks):
+    folder = job.folder
+    ids = [g.id for g in held]  # the worker's CUDA_VISIBLE_DEVICES entries
+    attempt = status['attempts'] + 1
+    update_status(folder, state='running', attempts=attempt, gpus=ids,
+                  worker=worker.address,
+                  started=status['started'] or time.time())
+    job.announce()
+    env = job_environment(_recorded(folder), held, job_threads(
+        os.sched_getaffinity(0), len(held), worker.state.total_resources),
+        user)
+    if ranks:
+        env[RANKS_ENV] = json.dumps([[w, list(ids)] for w, ids in ranks])
+    rows = job.log_rows()
+    begins = f'resuming after epoch {rows[-1]["epoch"]}' if rows else \
+        f'in {program.cwd}: {" ".join(program.argv)}' \
+        if not program.ours else 'starting'
+    grace, cancelled = float(spec.get('grace', 30.0)), None
+    with open_output(folder, user) as log:
+        log.write(f'=== attempt {attempt} on {worker.address}, GPUs '
+                  f'{",".join(ids) or "none"} (CUDA_VISIBLE_DEVICES='
+                  f'{env["CUDA_VISIBLE_DEVICES"]!r}), {begins} ===\n'
+                  .encode())
+        log.flush()
+        # Under its keeper: nothing the program starts outlives it.
+        kept = keeper.start(program.argv, env, grace, stdout=log,
+                            user=user, cwd=program.cwd,
+                            stdin=program.stdin)
+        _children[kept.pid] = job.id
+        try:
+            seen = _mtime(folder / 'out' / 'log')
+            while kept.poll() is None:
+                if cancelled is None and (folder / 'cancel').exists():
+                    cancelled = kept.stop(grace)
+                    log.write(f'=== cancelled: {cancelled} ===\n'.encode())
+                if _mtime(folder / 'out' / 'log') != seen:  # an epoch
+                    seen = _mtime(folder / 'out' / 'log')   # ended: tell
+                    job.announce()                          # the monitor
+                time.sleep(0.2)
+        finally:
+            _children.pop(kept.pid, None)
+        error = kept.start_error()
+        if error is not None:  # no such program; its folder not enterable
+            return _failed(folder, error, job, log)
+    code = kept.returncode
+    more = {}
+    if cancelled is not None:
+        state, error = stopped_state(folder, cancelled)
+    elif code == 0:
+        state, error = 'finished', None
+    elif program.ours and code == PRUNED:
+        state, error = 'pruned', None
+    elif program.ours and code == STOPPED:  # a stop command's end
+        state, error, more = 'finished', None, {'ending': 'stopped by request'}
+    else:
+        words = exit_words(code)[len('failed ('):-1]
+        state = 'failed'
+        error = (last_line(folder, user) if program.ours else None) or words
+    # Recorded before the GPUs are free: the next job starts after it.
+    update_status(folder, state=state, error=error, ended=time.time(),
+                  exit_code=code, **more)
+    job.announce()
+    return state
+
+
+def _recorded(folder):
+    """The submitter's environment as recorded (a folder of an earlier
+    version without one: nothing of it)."""
+    try:
+        return json.loads((Path(folder) / 'env.json').read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _failed(folder, error, job, log=None):
+    """Record that the job in ``folder`` failed before its program ran,
+    with ``error`` (also written to its output ``log``, when given), and
+    tell the job's watchers; 'failed'."""
+    if log is not None:
+        log.write(f'error: {error}\n'.encode())
+    update_status(folder, state='failed', error=error, ended=time.time())
+    job.announce()
+    return 'failed'
+
+
+def exit_words(returncode):
+    """The end of a program in words, from ``Popen.returncode``.
+
+    >>> exit_words(0), exit_words(3), exit_words(-9)
+    ('finished', 'failed (exit 3)', 'failed (killed by SIGKILL)')
+    """
+    if returncode == 0:
+        return 'finished'
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f'signal {-returncode}'
+        return f'failed (killed by {name})'
+    return f'failed (exit {returncode})'
+
+
+def stopped_state(folder, how):
+    """(state, error) of a job its ``cancel`` flag stopped: ``cancelled``
+    (an empty flag: someone cancelled it), or ``failed`` with the reason
+    the queue wrote into the flag (its time limit passed); ``how`` it
+    was stopped, in words, if known."""
+    try:
+        reason = (Path(folder) / 'cancel').read_text().strip()
+    except OSError:
+        reason = ''
+    if not reason:
+        return 'cancelled', how
+    return 'failed', f'{reason}: {how}' if how else reason
+
+
+def _mtime(path):
+    try:  # a symlink's own time: its target may be anyone's
+        return os.lstat(path).st_mtime_ns
+    except OSError:
+        return None

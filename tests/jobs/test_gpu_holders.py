@@ -1,0 +1,104 @@
+"""`dasktrain gpus` on a real local cluster: a worker advertising GPU=2
+(its GPU ids faked by CUDA_VISIBLE_DEVICES=3,5, no NVIDIA driver here)
+shows which command job and user hold each GPU; a worker without GPUs
+shows its CPU slots and the job holding one."""
+import sys
+
+import pytest
+from distributed import Client
+from test_cluster import Processes, wait_until
+
+from dasktrain.cli import main
+from dasktrain.jobs.client.submit import submit_command
+from dasktrain.jobs.job import current_user
+from dasktrain.jobs.scheduler.outside_use import busy_outside
+from dasktrain.jobs.worker.gpu_use import USE_METRIC
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    procs = Processes(tmp_path)
+    yield procs
+    procs.close()
+
+
+def preloaded_worker(procs, resources, visible=None):
+    env = None
+    if visible is not None:
+        import os
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
+    cwd = procs.tmp_path / 'worker-cwd'
+    cwd.mkdir(exist_ok=True)
+    return procs.spawn('worker', procs.address, '--no-nanny', '--nthreads',
+                       '3', '--resources', resources, '--preload',
+                       'dasktrain.jobs.worker.preload', '--host',
+                       '127.0.0.1',
+                       '--local-directory', str(procs.tmp_path / 'space'),
+                       cwd=cwd, env=env)
+
+
+def heartbeat_seen(client):
+    def seen(dask_scheduler):
+        return all((ws.metrics or {}).get(USE_METRIC)
+                   for ws in dask_scheduler.workers.values())
+    return client.run_on_scheduler(seen)
+
+
+def sleeper(client, tmp_path, gpus):
+    return submit_command(
+        [sys.executable, '-c', 'import time; time.sleep(60)'], gpus=gpus,
+        client=client, path=tmp_path / 'jobs', name='nap', grace=1)
+
+
+def test_gpus_shows_the_job_and_user_holding_each_gpu(cluster, tmp_path,
+                                                      capsys):
+    preloaded_worker(cluster, 'GPU=2 CPU=1', visible='3,5')
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        wait_until(lambda: heartbeat_seen(client), 30, 'a heartbeat')
+        job = sleeper(client, tmp_path, gpus=1)
+        wait_until(lambda: job.status()['state'] == 'running', 60,
+                   'the job runs')
+        try:
+            assert main(['gpus', '--scheduler', cluster.address,
+                         '--jobs-dir', str(tmp_path / 'jobs')]) == 0
+            out = capsys.readouterr().out
+            held = job.status()['gpus']
+            assert held in (['3'], ['5'])
+            free = '5' if held == ['3'] else '3'
+            lines = out.splitlines()
+            assert lines[0].split() == ['WORKER', 'GPU', 'JOB', 'USER',
+                                        'OUTSIDE', 'THE', 'QUEUE']
+            row = next(ln for ln in lines if f'  {held[0]}  ' in ln)
+            assert f'{job.id} (nap)' in row and current_user() in row
+            row = next(ln for ln in lines if f'  {free}  ' in ln)
+            assert ' free ' in row
+            assert 'CPU slot 1' in out
+            assert 'no NVML process list' in out  # no driver here
+            # what the queue's planner asks the scheduler: nothing busy
+            assert client.run_on_scheduler(busy_outside) == \
+                {w: {} for w in client.scheduler_info()['workers']}
+        finally:
+            job.cancel(client)
+
+
+def test_gpus_on_a_machine_without_gpus_lists_cpu_slots(cluster, tmp_path,
+                                                        capsys):
+    preloaded_worker(cluster, 'CPU=2')
+    with Client(cluster.address) as client:
+        client.wait_for_workers(1)
+        job = sleeper(client, tmp_path, gpus=0)
+        wait_until(lambda: job.status()['state'] == 'running', 60,
+                   'the job runs')
+        try:
+            assert main(['gpus', '--scheduler', cluster.address,
+                         '--jobs-dir', str(tmp_path / 'jobs')]) == 0
+            out = capsys.readouterr().out
+            slots = [ln for ln in out.splitlines() if 'CPU slot' in ln]
+            assert len(slots) == 2
+            assert f'{job.id} (nap)' in slots[0] and \
+                current_user() in slots[0]
+            assert ' free ' in slots[1]
+            assert 'NVML' not in out  # no GPU: nothing to say about NVML
+        finally:
+            job.cancel(client)

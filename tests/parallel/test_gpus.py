@@ -1,0 +1,266 @@
+"""The GPU path's decisions, given what a GPU machine would give them:
+CUDA_VISIBLE_DEVICES values, worker GPU counts, NCCL present or not. None
+of this needs a GPU; tests/gpu/ runs the same paths on real ones."""
+import time
+import types
+
+import numpy as np
+import pytest
+
+from dasktrain.config import TrainConfig
+from dasktrain.jobs.job import JobError
+from dasktrain.jobs.request import check_devices
+from dasktrain.parallel.comm import CollectiveError, NcclComm, poll, signature
+from dasktrain.parallel.devices import format_uuid, unused_gpus_message
+from dasktrain.parallel.gpus import (
+    NCCL_MISSING,
+    Gpu,
+    GpuError,
+    GpuPool,
+    gpu_ids,
+    job_environment,
+    nccl_problem,
+    nccl_version,
+    place_devices,
+    use_nccl,
+    visible_gpus,
+)
+
+
+@pytest.mark.parametrize('value,count,expected', [
+    (None, 3, ['0', '1', '2']),                  # unset: all the driver has
+    ('2,3', None, ['2', '3']),
+    ('1,0', 2, ['1', '0']),                      # CUDA order, not sorted
+    ('', 4, []),                                 # set but empty: none
+    ('0,1,2,3', 2, ['0', '1']),                  # the worker offers 2
+    ('GPU-8f6c2a,MIG-1b2c/1/0', None, ['GPU-8f6c2a', 'MIG-1b2c/1/0']),
+    ('3, 1', None, ['3', '1']),
+    ('0,nope,1', None, ['0']),                   # CUDA stops at a bad entry
+])
+def test_visible_gpus_follow_cuda(value, count, expected):
+    env = {} if value is None else {'CUDA_VISIBLE_DEVICES': value}
+    assert visible_gpus(env, count=count) == expected
+
+
+@pytest.fixture
+def pool():
+    GpuPool.used.clear()
+    yield GpuPool
+    GpuPool.used.clear()
+
+
+def test_pool_hands_out_ordinals_with_their_entries(pool):
+    # A worker started with CUDA_VISIBLE_DEVICES=2,3: CUDA calls them 0, 1.
+    env = {'CUDA_VISIBLE_DEVICES': '2,3'}
+    first = pool.acquire(1, total=2, env=env)
+    second = pool.acquire(1, total=2, env=env)
+    assert first == [Gpu(0, '2')] and second == [Gpu(1, '3')]
+    # a rank on the second uses @cupy:1, never the invalid @cupy:3
+    assert place_devices(None, [g.index for g in second]) == ('@cupy:1',)
+    with pytest.raises(GpuError, match=r'1 GPU\(s\) asked'):
+        pool.acquire(1, total=2, env=env)
+    pool.release(first)
+    assert pool.acquire(1, total=2, env=env) == [Gpu(0, '2')]
+
+
+def test_pool_in_reversed_order_takes_no_other_rank_s_gpu(pool):
+    env = {'CUDA_VISIBLE_DEVICES': '1,0'}
+    a = pool.acquire(1, total=2, env=env)
+    b = pool.acquire(1, total=2, env=env)
+    assert a == [Gpu(0, '1')] and b == [Gpu(1, '0')]
+    assert {g.index for g in a + b} == {0, 1}  # distinct CUDA ordinals
+
+
+def test_pool_with_uuids_and_mig(pool):
+    env = {'CUDA_VISIBLE_DEVICES': 'GPU-aaa,MIG-bbb'}
+    gpus = pool.acquire(2, total=2, env=env)
+    assert gpus == [Gpu(0, 'GPU-aaa'), Gpu(1, 'MIG-bbb')]
+    child = job_environment({'PATH': '/bin'}, gpus)
+    assert child['CUDA_VISIBLE_DEVICES'] == 'GPU-aaa,MIG-bbb'
+    assert child['PATH'] == '/bin'
+
+
+def test_a_job_without_gpus_sees_none():
+    env = job_environment({'CUDA_VISIBLE_DEVICES': '0,1,2,3'}, [])
+    assert env['CUDA_VISIBLE_DEVICES'] == ''
+    assert visible_gpus(env, count=4) == []
+
+
+@pytest.mark.parametrize('devices,given,expected', [
+    (('@cupy:2', '@cupy:3'), [0, 1], ('@cupy:0', '@cupy:1')),
+    (('@cupy:3', '@cupy:2'), [0, 1], ('@cupy:0', '@cupy:1')),
+    (('@cupy:5', '@cupy:5'), [1], ('@cupy:1', '@cupy:1')),
+    (None, [1, 0], ('@cupy:1', '@cupy:0')),
+    (None, [], None),
+    (('@numpy', '@numpy'), [0], ('@numpy', '@numpy')),  # CPU: as given
+])
+def test_devices_are_renumbered_onto_the_given_gpus(devices, given,
+                                                    expected):
+    assert place_devices(devices, given) == expected
+
+
+def test_devices_naming_other_gpus_than_reserved_are_refused():
+    with pytest.raises(GpuError, match=r'devices 2,3,4 names 3 GPU\(s\) '
+                                       r'but 2 were reserved'):
+        place_devices(('@cupy:2', '@cupy:3', '@cupy:4'), [0, 1])
+    with pytest.raises(JobError, match='names 2 GPU'):
+        check_devices(TrainConfig(devices=('@cupy:2', '@cupy:3')), 1)
+    with pytest.raises(JobError, match='but 0 were reserved'):
+        check_devices(TrainConfig(devices=('@cupy:0',)), 0)
+    check_devices(TrainConfig(devices=('@cupy:2', '@cupy:3')), 2)
+    check_devices(TrainConfig(devices=('@numpy',)), 0)
+    assert gpu_ids(('@cupy:3', '@numpy', '@cupy:3', '@cupy:0')) == [3, 0]
+
+
+def nccl_module(available=True, version=22809):
+    """What launch reads of ``cupy.cuda.nccl``: ``available`` and
+    ``get_version()`` (ncclGetVersion's code)."""
+    return types.SimpleNamespace(available=available,
+                                 get_version=lambda: version)
+
+
+def test_nccl_is_used_only_where_it_loaded_and_is_recent():
+    loaded = nccl_module()
+    missing = nccl_module(available=False)  # cupy-cudaXXx alone
+    assert use_nccl(('@cupy:0',), loaded)
+    assert not use_nccl(('@cupy:0',), missing)
+    assert not use_nccl(('@cupy:0',), None)       # no CuPy at all
+    assert not use_nccl(('@numpy',), loaded)      # CPU ranks: Dask comms
+    assert 'nvidia-nccl' in NCCL_MISSING and '\n' not in NCCL_MISSING
+    assert nccl_problem(missing) == NCCL_MISSING
+    # NCCL_COMM_BLOCKING needs 2.14, an abort from another thread 2.19.1:
+    # older ones fall back, saying which
+    for code, words in ((21900, '2.19.0'), (21306, '2.13.6'),
+                        (2708, '2.7.8'), (0, 'older than 2.3.4')):
+        old = nccl_module(version=code)
+        assert not use_nccl(('@cupy:0',), old)
+        problem = nccl_problem(old)
+        assert f'NCCL {words} is older than 2.19.1' in problem
+        assert 'Dask comms' in problem and '\n' not in problem
+    assert nccl_problem(nccl_module(version=21901)) is None
+    assert nccl_problem(nccl_module(version=22703)) is None
+    # 2.23-2.25 keep a sum's group job in the starting thread's storage
+    for code in (22304, 22505):
+        problem = nccl_problem(nccl_module(version=code))
+        assert '2.23 to 2.25' in problem and '\n' not in problem
+        assert not use_nccl(('@cupy:0',), nccl_module(version=code))
+    assert nccl_problem(nccl_module(version=22602)) is None
+    assert nccl_version(20906) == (2, 9, 6)
+
+
+def test_poll_raises_and_aborts_at_the_deadline():
+    aborted = []
+    began = time.monotonic()
+    with pytest.raises(CollectiveError, match='NCCL set-up did not finish'):
+        poll(lambda: False, began + 0.2, 'NCCL set-up',
+             lambda: aborted.append(True))
+    assert aborted == [True] and time.monotonic() - began < 5
+    calls = iter([False, False, True])
+    poll(lambda: next(calls), time.monotonic() + 5, 'x', aborted.clear)
+    assert aborted == [True]
+
+    def failing():
+        raise CollectiveError('NCCL failed on rank 1: unhandled cuda error')
+    with pytest.raises(CollectiveError, match='unhandled cuda error'):
+        poll(failing, time.monotonic() + 5, 'x', lambda: None)
+
+
+def test_signature_tells_ranks_apart():
+    a = [np.zeros(3, np.float32), np.zeros((2, 2))]
+    assert signature(a) == [('<f4', 3), ('<f8', 4)]
+    assert signature(a, where=True) == [('<f4', 3, False), ('<f8', 4, False)]
+    assert signature(a) != signature(a[:1])
+
+
+def test_unused_gpus_are_explained_in_chainers_words():
+    smi = ['GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)',
+           'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)']
+    line = unused_gpus_message(smi, 0, 'libcublas.so.12: cannot open')
+    assert line == ('nvidia-smi sees 2 GPU(s) that Chainer cannot use: '
+                    'libcublas.so.12: cannot open')
+    assert unused_gpus_message(smi, 2, None) is None     # all in use
+    assert unused_gpus_message(smi, 0, None) is None     # hidden on purpose
+    assert unused_gpus_message([], 0, 'no cupy') is None  # no GPUs at all
+
+
+def test_nccl_in_progress_is_waited_for_and_errors_raised():
+    class NcclError(RuntimeError):  # as cupy_backends' NcclError
+        def __init__(self, status):
+            self.status = status
+            super().__init__(f'NCCL error {status}')
+    comm = NcclComm.__new__(NcclComm)
+    comm._nccl, comm.rank = types.SimpleNamespace(NcclError=NcclError), 1
+
+    def in_progress():  # CuPy's NcclError(7) dies on its message table
+        raise KeyError(7)
+    comm._call(in_progress)  # not an error: poll until settled
+    comm._call(lambda: (_ for _ in ()).throw(NcclError(7)))
+
+    def failed():
+        raise NcclError(2)
+    with pytest.raises(CollectiveError, match='NCCL failed on rank 1'):
+        comm._call(failed)
+    with pytest.raises(KeyError):  # not NCCL's: let it through
+        comm._call(lambda: {}['missing'])
+
+
+def test_uuids_are_spelled_as_nvidia_smi_does():
+    raw = bytes.fromhex('8f6c2a1b00d44e1f9a0b00c1d2e3f405')  # zero bytes
+    assert format_uuid(raw) == 'GPU-8f6c2a1b-00d4-4e1f-9a0b-00c1d2e3f405'
+
+
+def test_a_failed_runs_model_can_be_collected_before_its_error_is_gone():
+    import gc
+    import traceback
+    import weakref
+
+    from dasktrain.parallel.devices import frames_released
+
+    class Model:
+        pass
+    refs = []
+
+    def run():
+        model = Model()  # held by this frame's locals
+        refs.append(weakref.ref(model))
+        raise ValueError('the run failed')
+    try:
+        with frames_released():
+            run()
+    except ValueError as e:
+        gc.collect()
+        assert refs[0]() is None  # freeable while the error still exists
+        lines = ''.join(traceback.format_tb(e.__traceback__))
+        assert "raise ValueError('the run failed')" in lines
+
+
+@pytest.mark.parametrize('options', [
+    {}, {'comm': 'mirror'}, {'comm': 'mirror', 'bucket_mb': 1e-3},
+    {'mode': 'ipm', 'mix_every': 1},
+    *({'comm': 'mirror', 'double_buffering': True, 'warmup': 0,
+       'stale': recipe} for recipe in ('corrected', 'predicted', 'plain'))],
+    ids=str)
+def test_no_step_synchronises_a_whole_device(options, monkeypatch):
+    # devices.synchronize is cudaDeviceSynchronize on each GPU: it would
+    # also wait for a side stream's all-reduce (no overlap left, and its
+    # time counted nowhere). Steps order their work by streams and events
+    # (Clock, devices.transfer); the CPU counts the calls all the same.
+    import chainer
+    from test_parallel import Mirror, batch, fresh
+
+    import dasktrain.parallel.devices as devices_module
+    import dasktrain.parallel.replicas as replicas_module
+    from dasktrain.parallel import GPUDistributedGradient
+    calls = []
+    for module in (devices_module, replicas_module):
+        monkeypatch.setattr(module, 'synchronize', calls.append)
+    options = dict(options)
+    comm = Mirror() if options.pop('comm', None) else None
+    replicas = 1 if options.get('bucket_mb') else 3
+    model = GPUDistributedGradient(fresh(), ['@numpy'] * replicas,
+                                   comm=comm, **options)
+    model.setup(chainer.optimizers.MomentumSGD(lr=0.01))
+    for step in range(4):
+        model.step(*batch(6, step), total=12 if comm else None)
+    model.end_epoch()
+    assert calls == []

@@ -1,0 +1,107 @@
+"""A first run works anywhere: without CIFAR-10 and without a network,
+``dasktrain train`` trains on the built-in sample of real images (and
+says so first, with how to get CIFAR-10); without a GPU it trains a short
+run (and says how to ask for the full one); each epoch's line says how
+long the run still needs."""
+import doctest
+import zipfile
+
+import numpy as np
+import pytest
+
+import dasktrain.commands.options as options
+import dasktrain.commands.train as train_command
+import dasktrain.data.sample as sample
+import dasktrain.training.progress as progress
+from dasktrain.cli import main
+from dasktrain.config import TrainConfig
+
+
+@pytest.mark.parametrize('module', [sample, train_command, progress,
+                                    options])
+def test_examples(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_sample_is_real_balanced_licensed_and_small():
+    x_train, y_train, x_test, y_test = sample.load_sample()
+    assert x_train.shape == (4000, 3, 32, 32) and x_train.dtype == np.uint8
+    assert x_test.shape == (1000, 3, 32, 32)
+    assert np.bincount(y_train).tolist() == [400] * 10
+    assert np.bincount(y_test).tolist() == [100] * 10
+    # grey in every channel, a black 2-pixel border, real photographs
+    # (many grey levels, not a synthetic pattern)
+    assert (x_train[:, 0] == x_train[:, 2]).all()
+    assert x_train[:, :, :2].max() == 0 and x_train[:, :, -2:].max() == 0
+    assert len(np.unique(x_train[:50])) > 200
+    assert sample.SAMPLE_FILE.stat().st_size < 3 * 2 ** 20
+    licence = sample.SAMPLE_FILE.with_suffix('.LICENSE').read_text()
+    assert 'MIT' in licence and 'Zalando SE' in licence
+    with zipfile.ZipFile(sample.SAMPLE_FILE) as z:  # no pickles inside
+        assert sorted(z.namelist()) == ['x_test.npy', 'x_train.npy',
+                                        'y_test.npy', 'y_train.npy']
+
+
+def test_cifar10_in_the_data_folder_or_a_mirror_needs_no_fallback(tmp_path):
+    offline = lambda url: 'offline'  # noqa: E731
+    assert sample.cifar10_unavailable(tmp_path, env={}, probe=offline) == \
+        f'CIFAR-10 is not in {tmp_path} and offline'
+    assert sample.cifar10_unavailable(
+        tmp_path, env={'DASKTRAIN_CIFAR10_URL': 'http://m/c.tgz'},
+        probe=offline) is None
+    (tmp_path / 'cifar-10-batches-py').mkdir()
+    assert sample.cifar10_unavailable(tmp_path, env={}, probe=offline) \
+        is None
+
+
+def test_a_closed_port_is_unreachable_in_words():
+    import socket
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    why = sample.reachable(f'http://127.0.0.1:{port}/x', timeout=2)
+    assert why is not None and f'127.0.0.1:{port}' in why
+
+
+def test_offline_without_a_gpu_the_first_run_trains_on_the_sample(
+        tmp_path, monkeypatch, capsys):
+    # The official host unreachable, as on a machine without a network.
+    monkeypatch.setattr(sample, 'reachable',
+                        lambda url, timeout=3.0: 'offline (test)')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv('DASKTRAIN_CIFAR10_URL', raising=False)
+    assert main(['train', '--model', 'tiny', '--out', 'first']) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith('CIFAR-10 is not in data and offline (test): '
+                               'training on the built-in sample instead')
+    assert 'copy cifar-10-python.tar.gz into data/' in lines[0]
+    assert lines[1].startswith('no GPU: a short run, 2 epochs of 2,000 '
+                               'training images')
+    assert 'pass --epochs 20' in lines[1]
+    epoch1 = next(line for line in lines if line.startswith('epoch   1/2'))
+    assert ' ETA ' in epoch1
+    args = TrainConfig.from_json((tmp_path / 'first' / 'args').read_text())
+    assert (args.dataset, args.epochs, args.train_size, args.test_size) == \
+        ('sample', 2, 2000, 1000)
+    done = next(line for line in lines if line.startswith('done:'))
+    accuracy = float(done.split('test accuracy ')[1].split(',')[0])
+    assert accuracy > 0.6  # Fashion-MNIST learns fast: 10 classes, not 0.1
+    assert not (tmp_path / 'data').exists() or \
+        not any((tmp_path / 'data').iterdir())
+
+
+def test_a_named_dataset_or_size_is_trained_as_asked(tmp_path, monkeypatch,
+                                                     capsys):
+    monkeypatch.setattr(sample, 'reachable',
+                        lambda url, timeout=3.0: 'offline (test)')
+    monkeypatch.chdir(tmp_path)
+    # --dataset cifar10 named: no fallback, the download's one line
+    assert main(['train', '--dataset', 'cifar10', '--url',
+                 'http://127.0.0.1:9/cifar-10-python.tar.gz']) == 1
+    err = capsys.readouterr().err
+    assert 'cannot download http://127.0.0.1:9/' in err
+    # a size named: no short run
+    config = train_command.Train.first_run(
+        TrainConfig(dataset='sample', epochs=1), {'dataset', 'epochs'})
+    assert (config.epochs, config.train_size) == (1, None)
