@@ -46,7 +46,13 @@ from dasktrain.cluster.guard import signals_raise
 from dasktrain.cluster.local import connect, restore_default_scheduler
 from dasktrain.cluster.workers import local_device_workers
 from dasktrain.errors import UserError, argument
-from dasktrain.parallel.comm.rendezvous import LISTEN, SIZE, rank_environment
+from dasktrain.parallel.comm.rendezvous import (
+    LISTEN,
+    SIZE,
+    chainermn_environment,
+    chainermn_folder,
+    rank_environment,
+)
 from dasktrain.parallel.gpus import VISIBLE, GpuPool
 from dasktrain.run.driver import SETTLE, Driver, Failure, Stop, blame
 
@@ -154,9 +160,9 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
         # A queue's cancel (SIGTERM) or a closed terminal (SIGHUP) stops
         # the ranks as Ctrl-C does, rather than orphaning them.
         stack.enter_context(signals_raise())
-        from dasktrain.chainermn import substitution
-        extra = substitution.rank_environment(stack.enter_context(
-            substitution.shim_folder(out)), os.environ) if chainermn else {}
+        # Not dasktrain.chainermn's import here: Chainer's, a second.
+        extra = chainermn_environment(stack.enter_context(
+            chainermn_folder(out)), os.environ) if chainermn else {}
         if client is None:
             stack.enter_context(restore_default_scheduler(always=True))
             if scheduler is not None:

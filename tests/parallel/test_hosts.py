@@ -1,10 +1,10 @@
 """Ranks on several hosts: real Dask clusters whose workers listen on
 different addresses of the loopback interface (127.0.0.2, 127.0.0.3, ...:
-different hosts to dasktrain, one machine to the kernel), and, as root,
-on network namespaces joined by a switch (dasktrain/bench/netns.py).
-Arrays cross over links (sealed on these TLS clusters, plain when every
-rank asks), and with several ranks per host through shared memory first
-(hierarchical); the results are those of one process."""
+different hosts to dasktrain, one machine to the kernel; network namespaces
+joined by a switch are bench/hosts.py's). One cluster for the module, 2
+hosts of 2 workers. Arrays cross over links (sealed on these TLS clusters,
+plain when every rank asks), and with several ranks per host through shared
+memory first (hierarchical); the results are those of one process."""
 import os
 import sys
 
@@ -13,13 +13,17 @@ import numpy as np
 import pytest
 from test_train import assert_same_logs, config, npz
 
-from dasktrain.bench.netns import Hosts, Loopback, cluster, ours, unavailable
+from dasktrain.bench.netns import Loopback, cluster
 from dasktrain.parallel.comm import DaskComm
 from dasktrain.run.train import train
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-# The tasks below travel by reference: the workers import this module.
-HERE = {'PYTHONPATH': os.path.dirname(os.path.abspath(__file__))}
+# The tasks below travel by reference: the workers import this module
+# and what it imports (the test folders, as conftest.py puts them).
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = {'PYTHONPATH': os.pathsep.join(
+    [TESTS] + sorted(os.path.join(TESTS, p) for p in os.listdir(TESTS)
+                     if os.path.isdir(os.path.join(TESTS, p))))}
 
 
 @pytest.fixture(scope='module')
@@ -27,8 +31,23 @@ def data_dir(make_cifar_dir):
     return make_cifar_dir(40, 30, 5)
 
 
-def _sums(name, rank, size):
-    with DaskComm.rendezvous(name, rank, size, timeout=60) as comm:
+@pytest.fixture(scope='module')
+def two_hosts():
+    """One cluster for the module: 2 "hosts" of the loopback interface,
+    2 workers each; a Client and the workers, host by host."""
+    with cluster(Loopback(2), per_host=2,
+                 env=dict(HERE, CHAINER_DTYPE='float64')) as client:
+        workers = sorted(client.scheduler_info(n_workers=-1)['workers'])
+        by_host = {}
+        for w in workers:
+            by_host.setdefault(w.split('//')[1].rsplit(':', 1)[0],
+                               []).append(w)
+        yield client, sorted(by_host.values())
+
+
+def _sums(name, rank, size, plain):
+    with DaskComm.rendezvous(name, rank, size, timeout=60,
+                             plain=plain) as comm:
         big = np.random.default_rng(rank).standard_normal(300_001)
         ints = np.arange(5, dtype=np.int32) * (rank + 1)
         comm.allreduce([big, ints])
@@ -36,30 +55,28 @@ def _sums(name, rank, size):
         return big, ints, comm.route, comm.sealed, comm.hosts
 
 
-def _run(client, name):
-    workers = sorted(client.scheduler_info(n_workers=-1)['workers'])
+def _run(client, name, workers, plain=None):
     return client.gather([
-        client.submit(_sums, name, r, len(workers), workers=[w], pure=False)
-        for r, w in enumerate(workers)])
+        client.submit(_sums, name, r, len(workers), plain, workers=[w],
+                      pure=False) for r, w in enumerate(workers)])
 
 
-@pytest.mark.parametrize('hosts,per_host,route,env', [
-    (3, 1, 'links', {}),
-    (2, 1, 'links', {'DASKTRAIN_LINKS': 'tcp'}),
-    (2, 2, 'hierarchical', {}),
+@pytest.mark.parametrize('per_host,route,plain', [
+    (1, 'links', None),
+    (1, 'links', True),
+    (2, 'hierarchical', None),
 ])
-def test_every_rank_gets_the_same_sum_whatever_the_route(hosts, per_host,
-                                                         route, env):
-    size = hosts * per_host
-    with cluster(Loopback(hosts), per_host=per_host,
-                 env=dict(HERE, **env)) as client:
-        got = _run(client, f'sums-{hosts}-{per_host}')
+def test_every_rank_gets_the_same_sum_whatever_the_route(
+        two_hosts, per_host, route, plain):
+    client, hosts = two_hosts
+    workers = [w for ws in hosts for w in ws[:per_host]]
+    size = len(workers)
+    got = _run(client, f'sums-{per_host}-{plain}', workers, plain)
     once = sum(np.random.default_rng(r).standard_normal(300_001)
                for r in range(size))
     for big, ints, took, _, groups in got:
         assert took == route
-        assert len(groups) == hosts and \
-            all(len(g) == per_host for g in groups)
+        assert len(groups) == 2 and all(len(g) == per_host for g in groups)
         # the same bits everywhere; each sum rounded per rank or host
         np.testing.assert_array_equal(big, got[0][0])
         np.testing.assert_allclose(big, size * once, rtol=1e-12, atol=1e-12)
@@ -67,26 +84,21 @@ def test_every_rank_gets_the_same_sum_whatever_the_route(hosts, per_host,
             ints, np.arange(5, dtype=np.int32) * size * (size + 1) // 2)
     leaders = [g[0] for g in got[0][4]]
     for rank, (*_, sealed, _) in enumerate(got):  # leaders only cross
-        assert sealed == (None if rank not in leaders else
-                          env.get('DASKTRAIN_LINKS') != 'tcp')
+        assert sealed == (None if rank not in leaders else not plain)
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize('hosts,per_host,mode', [(3, 1, 'dg'), (2, 2, 'dg')])
 def test_ranks_across_hosts_give_the_results_of_one_process(
-        data_dir, tmp_path, hosts, per_host, mode, float64):
-    size = hosts * per_host
-    common = config(data_dir, tmp_path, model='cifar10', mode=mode,
-                    batch_size=4, **({'mix_every': 3} if mode == 'ipm'
-                                     else {}))
+        two_hosts, data_dir, tmp_path, float64):
+    client, hosts = two_hosts
+    size = 4  # 2 hosts of 2 ranks: shared memory, then links
+    common = config(data_dir, tmp_path, mode='dg', batch_size=4, epochs=1)
     single = train(common.replace(out=str(tmp_path / 'one'),
                                   devices=('@numpy',) * size,
                                   in_process=True))
-    with cluster(Loopback(hosts), per_host=per_host,
-                 env=dict(HERE, CHAINER_DTYPE='float64')) as client:
-        apart = train(common.replace(out=str(tmp_path / 'apart'),
-                                     workers=size, devices=('@numpy',)),
-                      client=client)
+    apart = train(common.replace(out=str(tmp_path / 'apart'),
+                                 workers=size, devices=('@numpy',)),
+                  client=client)
     assert len(apart['workers']) == size
     assert_same_logs(single['log'], apart['log'])
     one, two = (npz(tmp_path / d / 'model_final.npz')
@@ -94,20 +106,3 @@ def test_ranks_across_hosts_give_the_results_of_one_process(
     for key in one:
         np.testing.assert_allclose(two[key], one[key], rtol=1e-9,
                                    atol=1e-12, err_msg=key)
-
-
-@pytest.mark.skipif(unavailable() is not None,
-                    reason=f'no network namespaces here: {unavailable()}')
-def test_ranks_in_network_namespaces_sum_over_the_switch():
-    with Hosts(2, rate='10gbit') as hosts:
-        with cluster(hosts, env=HERE) as client:
-            got = _run(client, 'netns-sums')
-            workers = sorted(client.scheduler_info()['workers'])
-    assert [w.split('//')[1].split(':')[0] for w in workers] == \
-        hosts.addresses
-    once = sum(np.random.default_rng(r).standard_normal(300_001)
-               for r in range(2))
-    for big, _, took, sealed, _ in got:
-        assert took == 'links' and sealed
-        np.testing.assert_array_equal(big, 2 * once)
-    assert os.getpid() not in ours()  # every namespace deleted

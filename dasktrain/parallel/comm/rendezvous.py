@@ -33,7 +33,10 @@ shared memory where they share a machine, links otherwise. Without
 Owns the variables' names and meaning; starting processes is the
 launcher's.
 """
+import contextlib
 import os
+import shutil
+import tempfile
 
 from dasktrain.parallel.comm.base import CollectiveError, Solo
 from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY_ENV
@@ -69,6 +72,90 @@ def rank_environment(rank, size, scheduler, job, listen, tls=None,
     if tls is not None:
         env.update(zip((TLS_CA, TLS_CERT, TLS_KEY), map(str, tls)))
     return env
+
+
+# ``import chainermn`` on a launched rank: dasktrain.chainermn (see
+# :mod:`dasktrain.chainermn.substitution`): a folder first on its path.
+
+#: A file that marks the folder as dasktrain's: the ``sys.path`` entry
+#: whose ``chainermn`` is not ChainerMN's.
+CHAINERMN_MARK = '.dasktrain-chainermn'
+
+#: The folder's ``chainermn/__init__.py``. It imports nothing of
+#: dasktrain's before the installed ChainerMN is loaded: dasktrain's
+#: modules import ChainerMN's, which must not find this package again.
+CHAINERMN_SHIM = '''"""`import chainermn` on a rank of `dasktrain launch`:
+dasktrain.chainermn, ChainerMN's API on Dask (`dasktrain launch
+--no-chainermn` leaves the installed ChainerMN). Written by
+dasktrain.parallel.comm.rendezvous for one launch, removed when it ends."""
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+
+def _load_installed():
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec('chainermn', path)
+    if spec is None:
+        raise ImportError('ChainerMN is not installed (chainer 7.8.1 brings '
+                          'it), which dasktrain.chainermn needs',
+                          name='chainermn')
+    module = importlib.util.module_from_spec(spec)
+    hook = sys.excepthook
+    sys.modules['chainermn'] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules['chainermn']
+        raise
+    finally:
+        sys.excepthook = hook  # not ChainerMN's MPI_Abort hook
+    return module
+
+
+_load_installed()
+import dasktrain.chainermn  # noqa: E402,F401  (then takes the name)
+'''
+
+
+@contextlib.contextmanager
+def chainermn_folder(out):
+    """A folder in ``out`` (the launch's output folder, which every rank
+    reaches) holding :data:`CHAINERMN_SHIM` as ``chainermn``; removed on
+    leaving.
+
+    Examples
+    --------
+    >>> with chainermn_folder('.') as folder:  # doctest: +SKIP
+    ...     env = chainermn_environment(folder, os.environ)
+    """
+    folder = tempfile.mkdtemp(prefix='.chainermn-', dir=out)
+    try:
+        with open(os.path.join(folder, CHAINERMN_MARK), 'w'):
+            pass
+        os.mkdir(os.path.join(folder, 'chainermn'))
+        with open(os.path.join(folder, 'chainermn', '__init__.py'),
+                  'w') as f:
+            f.write(CHAINERMN_SHIM)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def chainermn_environment(folder, environ):
+    """The variables that put ``folder`` (from :func:`chainermn_folder`)
+    first on a rank's ``PYTHONPATH``, given the environment ``environ``.
+
+    Examples
+    --------
+    >>> chainermn_environment('/x', {'PYTHONPATH': '/y'})
+    {'PYTHONPATH': '/x:/y'}
+    """
+    before = environ.get('PYTHONPATH')
+    return {'PYTHONPATH': os.pathsep.join([str(folder)] + (
+        [before] if before else []))}
 
 
 def launched(environ=None):
