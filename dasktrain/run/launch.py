@@ -54,7 +54,15 @@ from dasktrain.parallel.comm.rendezvous import (
     rank_environment,
 )
 from dasktrain.parallel.gpus import VISIBLE, GpuPool
-from dasktrain.run.driver import SETTLE, Driver, Failure, Stop, blame
+from dasktrain.run.driver import (
+    PATIENCE,
+    POLL,
+    SETTLE,
+    Driver,
+    Failure,
+    Stop,
+    blame,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -163,15 +171,15 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
         # Not dasktrain.chainermn's import here: Chainer's, a second.
         extra = chainermn_environment(stack.enter_context(
             chainermn_folder(out)), os.environ) if chainermn else {}
+        if local and not gpus:  # CPU ranks on this machine: started here
+            return _run_here(argv, n, out, timeout, grace, echo, extra)
         if client is None:
             stack.enter_context(restore_default_scheduler(always=True))
             if scheduler is not None:
                 client = stack.enter_context(connect(scheduler))
-            elif gpus:
+            else:
                 client = stack.enter_context(local_device_workers(
                     tuple(f'@cupy:{g}' for g in gpus)))
-            else:  # CPU ranks on this machine: started here
-                return _run_here(argv, n, out, timeout, grace, echo, extra)
         tls = stack.enter_context(_tls_files(client.security))
         return _run(client, argv, n, bool(gpus), out, timeout, grace, echo,
                     tls, local, extra)
@@ -498,24 +506,32 @@ def _scheduler_here(port, tls):
 
 
 def _watch_here(children, ended, grace, echo):
-    """Wait for the ranks; as the driver does, the first to fail that is
-    not a peer's echo ends the job, named in one line."""
+    """Wait for the ranks; as :meth:`~dasktrain.run.driver.Driver.watch`
+    does, the first to fail that is not a peer's echo ends the job (once
+    the others have had ``SETTLE`` seconds to show theirs; an echo waits
+    ``PATIENCE`` seconds for its cause), named in one line."""
+    first = None
     while True:
-        ended.wait(1.0)
+        ended.wait(POLL)
         ended.clear()
         outcomes = [c.outcome() for c in children]
-        if any(o is not None and o['code'] != 0 for o in outcomes):
-            time.sleep(SETTLE)  # a peer's failure follows the root one
-            failed = [Failure(o['rank'], None, o, o['ended'])
-                      for o in (c.outcome() for c in children)
-                      if o is not None and o['code'] != 0]
-            for child in children:
-                child.stop(grace)
-            return _report(blame(failed).result, echo)
-        if all(o is not None for o in outcomes):
+        failures = [Failure(o['rank'], None, o, o['ended'])
+                    for o in outcomes if o is not None and o['code'] != 0]
+        done = all(o is not None for o in outcomes)
+        if done and not failures:
             for child in children:
                 child.join_output()
             return 0
+        if not failures:
+            continue
+        now = time.monotonic()
+        first = first or now
+        roots = [f for f in failures if not f.echo()]
+        if done or now - first > PATIENCE or \
+                (roots and now - first >= SETTLE):
+            for child in children:
+                child.stop(grace)
+            return _report(blame(failures).result, echo)
 
 
 class _Child:
