@@ -4,39 +4,30 @@ different hosts to dasktrain, one machine to the kernel; network namespaces
 joined by a switch are bench/hosts.py's). One cluster for the module, 2
 hosts of 2 workers. Arrays cross over links (sealed on these TLS clusters,
 plain when every rank asks), and with several ranks per host through shared
-memory first (hierarchical); the results are those of one process."""
+memory first (hierarchical); every rank gets the same bits, those of one
+process's sum to float64's rounding (training across them: the
+equivalence tests of tests/run, whose ranks sum through the same
+DaskComm, and bench/hosts.py --train)."""
 import os
 import sys
 
 import cloudpickle
 import numpy as np
 import pytest
-from test_train import assert_same_logs, config, npz
 
 from dasktrain.bench.netns import Loopback, cluster
 from dasktrain.parallel.comm import DaskComm
-from dasktrain.run.train import train
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-# The tasks below travel by reference: the workers import this module
-# and what it imports (the test folders, as conftest.py puts them).
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HERE = {'PYTHONPATH': os.pathsep.join(
-    [TESTS] + sorted(os.path.join(TESTS, p) for p in os.listdir(TESTS)
-                     if os.path.isdir(os.path.join(TESTS, p))))}
-
-
-@pytest.fixture(scope='module')
-def data_dir(make_cifar_dir):
-    return make_cifar_dir(40, 30, 5)
+# The tasks below travel by reference: the workers import this module.
+HERE = {'PYTHONPATH': os.path.dirname(os.path.abspath(__file__))}
 
 
 @pytest.fixture(scope='module')
 def two_hosts():
     """One cluster for the module: 2 "hosts" of the loopback interface,
     2 workers each; a Client and the workers, host by host."""
-    with cluster(Loopback(2), per_host=2,
-                 env=dict(HERE, CHAINER_DTYPE='float64')) as client:
+    with cluster(Loopback(2), per_host=2, env=HERE) as client:
         workers = sorted(client.scheduler_info(n_workers=-1)['workers'])
         by_host = {}
         for w in workers:
@@ -85,24 +76,3 @@ def test_every_rank_gets_the_same_sum_whatever_the_route(
     leaders = [g[0] for g in got[0][4]]
     for rank, (*_, sealed, _) in enumerate(got):  # leaders only cross
         assert sealed == (None if rank not in leaders else not plain)
-
-
-@pytest.mark.equivalence
-def test_ranks_across_hosts_give_the_results_of_one_process(
-        two_hosts, data_dir, tmp_path, float64):
-    client, hosts = two_hosts
-    size = 4  # 2 hosts of 2 ranks: shared memory, then links
-    common = config(data_dir, tmp_path, mode='dg', batch_size=4, epochs=1)
-    single = train(common.replace(out=str(tmp_path / 'one'),
-                                  devices=('@numpy',) * size,
-                                  in_process=True))
-    apart = train(common.replace(out=str(tmp_path / 'apart'),
-                                 workers=size, devices=('@numpy',)),
-                  client=client)
-    assert len(apart['workers']) == size
-    assert_same_logs(single['log'], apart['log'])
-    one, two = (npz(tmp_path / d / 'model_final.npz')
-                for d in ('one', 'apart'))
-    for key in one:
-        np.testing.assert_allclose(two[key], one[key], rtol=1e-9,
-                                   atol=1e-12, err_msg=key)
