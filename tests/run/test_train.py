@@ -121,8 +121,14 @@ def test_several_devices_train_as_one_worker_process_each(data_dir,
     apart = train(config(data_dir, tmp_path / 'apart', **both))
     assert 'workers' not in here and len(apart['workers']) == 2
     assert_same_logs(here['log'], apart['log'])
+    # args records the run as asked, so that --resume places it again
+    # the same way (not the per-rank view, which names no cluster).
     args = json.loads((tmp_path / 'apart' / 'args').read_text())
-    assert args['workers'] == 2 and args['devices'] == ['@numpy']
+    assert args['workers'] is None and args['devices'] == ['@numpy'] * 2
+    more = train(config(data_dir, tmp_path / 'apart', epochs=3, resume=True,
+                        **both))
+    assert [row['epoch'] for row in more['log']] == [1, 2, 3]
+    assert len(more['workers']) == 2
 
 
 @pytest.mark.equivalence
