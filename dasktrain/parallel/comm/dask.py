@@ -69,7 +69,7 @@ def _to_host(members, staging=None):
     made (:func:`~dasktrain.parallel.comm.base.packing`, and the GPU
     buffer it came from): a flat host array is the buffer itself; GPU
     arrays of one GPU travel in one transfer, not one each, into
-    ``staging(dtype, size)``'s buffer where given (pinned memory: both
+    ``staging(dtype, size, device)``'s buffer where given (pinned memory: both
     transfers run at the bus's speed, not through a pageable bounce)."""
     how = packing([place(a) for a in members])
     if how == 'itself' and isinstance(members[0], np.ndarray):
@@ -84,7 +84,8 @@ def _to_host(members, staging=None):
     with members[0].device:  # 'itself' or 'device': one GPU's
         flat = members[0].reshape(-1) if how == 'itself' else \
             cupy.concatenate([a.ravel() for a in members])
-        out = None if staging is None else staging(flat.dtype, flat.size)
+        out = None if staging is None else staging(flat.dtype, flat.size,
+                                                   flat.device.id)
         return flat.get(out=out), (how, flat)  # get() waits for its copy
 
 
@@ -363,11 +364,13 @@ class DaskComm(Communicator):
 
     def _stager(self, k):
         """The pinned host buffers of an all-reduce's ``k``-th batch: one
-        per batch position, dtype and size, made once and reused by every
-        later sum (each finishes before the next begins)."""
-        def staging(dtype, size):
+        per batch position, dtype, size and GPU, made once and reused by
+        every later sum on that GPU (each finishes before the next begins,
+        on the GPU's one stream of sums: the copy back out of a buffer is
+        ordered before the next copy into it)."""
+        def staging(dtype, size, device=0):
             import cupyx
-            key = (k, np.dtype(dtype).str, int(size))
+            key = (k, np.dtype(dtype).str, int(size), int(device))
             found = self._staging.get(key)
             if found is None:
                 found = self._staging[key] = cupyx.empty_pinned(size, dtype)
