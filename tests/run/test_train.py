@@ -273,3 +273,24 @@ def test_ctrl_c_in_a_terminal_ends_a_multi_process_run_in_one_line(
         err = run.stderr()
     assert 'Traceback' not in err
     assert err.strip().splitlines()[-1] == 'dasktrain train: interrupted'
+
+
+def test_workers_train_in_the_dtype_of_each_run(data_dir, tmp_path,
+                                                monkeypatch):
+    # cpu:N workers fork from a server that imported Chainer once, and
+    # Chainer reads CHAINER_DTYPE when it loads: a run under another
+    # dtype than the server's gets spawned workers, not a stale default.
+    import chainer
+    small = dict(devices=('@numpy',) * 2, epochs=1, train_size=16,
+                 test_size=8)
+    before = chainer.global_config.dtype
+    try:
+        for dtype in ('float32', 'float64'):
+            monkeypatch.setenv('CHAINER_DTYPE', dtype)
+            chainer.global_config.dtype = np.dtype(dtype)
+            train(config(data_dir, tmp_path / dtype, **small))
+            weights = npz(tmp_path / dtype / 'model_final.npz')
+            assert {w.dtype for w in weights.values()
+                    if w.dtype.kind == 'f'} == {np.dtype(dtype)}, dtype
+    finally:
+        chainer.global_config.dtype = before
