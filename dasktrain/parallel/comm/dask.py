@@ -368,7 +368,7 @@ class DaskComm(Communicator):
         every later sum on that GPU (each finishes before the next begins,
         on the GPU's one stream of sums: the copy back out of a buffer is
         ordered before the next copy into it)."""
-        def staging(dtype, size, device=0):
+        def staging(dtype, size, device):
             import cupyx
             key = (k, np.dtype(dtype).str, int(size), int(device))
             found = self._staging.get(key)
