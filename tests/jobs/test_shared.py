@@ -58,7 +58,7 @@ CONSOLE = Path(sys.executable).parent / 'dasktrain'
 ENDS = ('finished', 'failed', 'cancelled', 'lost')
 # A user's client: loaded as root, then that user (see the module).
 AS_USER = """
-import os, pwd, sys
+import importlib, os, pkgutil, pwd, sys
 import dasktrain.cli, dasktrain.cluster.shared, dasktrain.commands.gpus
 import dasktrain.commands.jobs, dasktrain.commands.tune, dasktrain.notify
 import dasktrain.jobs.client.route, dasktrain.jobs.client.submit
@@ -66,6 +66,12 @@ import dasktrain.jobs.request, dasktrain.jobs.scheduler.outside_use
 import dasktrain.jobs.scheduler.query, dasktrain.jobs.scheduler.recovery
 import dasktrain.jobs.status, dasktrain.jobs.worker.gpu_use
 import dasktrain.data.datasets, dasktrain.userspec, dasktrain.config
+# Every command's modules, imported as root: a checkout only root may
+# read (a clone in a 0700 folder) serves the users all the same.
+for package in ('dasktrain.commands', 'dasktrain.cluster', 'dasktrain.jobs'):
+    for found in pkgutil.walk_packages(
+            importlib.import_module(package).__path__, package + '.'):
+        importlib.import_module(found.name)
 for module in filter(None, os.environ.pop('PRELOAD', '').split(',')):
     __import__(module)
 name = sys.argv[1]
