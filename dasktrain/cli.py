@@ -14,7 +14,7 @@ import sys
 import threading
 
 from dasktrain import __version__
-from dasktrain.commands import Parser
+from dasktrain.commands import Parser, printable
 from dasktrain.commands.bench import Bench
 from dasktrain.commands.cluster import Cluster
 from dasktrain.commands.ctl import Ctl
@@ -37,12 +37,16 @@ COMMANDS = (Download, Train, Launch, Cluster, Submit, Jobs, Gpus, Logs,
 
 
 class _Stderr(logging.StreamHandler):
-    """The ``dasktrain`` logger's lines, as they are, on whatever
-    ``sys.stderr`` is when one is written (a test's capture too)."""
+    """The ``dasktrain`` logger's lines on whatever ``sys.stderr`` is
+    when one is written (a test's capture too), control characters
+    escaped (:func:`~dasktrain.commands.printable`)."""
 
     def __init__(self):
         super().__init__()
         self.setFormatter(logging.Formatter('%(message)s'))
+
+    def format(self, record):
+        return printable(super().format(record), keep='\n\t')
 
     @property
     def stream(self):
@@ -137,7 +141,8 @@ def _run(parser, argv):
     except SystemExit as e:  # --help, --version and usage errors
         return e.code if isinstance(e.code, int) else 2
     except Error as e:
-        print(f'dasktrain {args.command}: error: {e}', file=sys.stderr)
+        print(f'dasktrain {args.command}: error: {printable(e)}',
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         where = f' {args.command}' if args is not None else ''

@@ -11,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-from dasktrain.commands import Command, add_jobs_dir
+from dasktrain.commands import Command, add_jobs_dir, printable
 
 ACTIONS = {'snapshot': 'take_snapshot', 'set': 'adjust_hyperparams',
            'stop': 'stop'}
@@ -132,7 +132,7 @@ class Ctl(Command):
             message = (answer.get('body') or {}).get('message') or \
                 'no reason given'
             raise JobError(f'{args.target}: {what} refused: {message}')
-        print(f'{args.target}: {describe(name, answer, out)}')
+        print(printable(f'{args.target}: {describe(name, answer, out)}'))
         if name == 'stop' and job is not None:
             self.wait_end(job, args.timeout)
         return 0

@@ -30,9 +30,12 @@ from pathlib import Path
 
 from dasktrain.errors import argument
 from dasktrain.jobs.job import CHILD, JobError
+from dasktrain.keeper import RLIMITS, own_rlimits
 from dasktrain.notify import check_target
 
 MAX_TEXT = 4 * 1024 * 1024  # characters of one field (a request's bound)
+MAX_ENV = 256 * 1024  # bytes of a submitter's environment a job keeps
+MAX_MEM = 2 ** 50  # bytes: a --mem beyond any machine is a typo
 FILES = {'model': 'model', 'dataset': 'data'}  # request key -> folder
 _ID = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}')
 _ENV = re.compile(r'[A-Za-z_][A-Za-z0-9_]{0,199}')
@@ -90,14 +93,33 @@ def job_id(value):
 
 
 def environment(env):
-    """``env`` if it is a dict of variable names to strings."""
+    """``env`` if it is a dict of variable names to strings, at most
+    :data:`MAX_ENV` bytes in all."""
     if not isinstance(env, dict) or len(env) > 65536:
         fail('env must be a JSON object of strings')
     for key, value in env.items():
         if not _ENV.fullmatch(key):
             fail(f'env: not a variable name: {key!r}'[:200])
         text(value, f'env {key}', MAX_TEXT)
+    size = sum(len(k) + len(v) + 2 for k, v in env.items())
+    if size > MAX_ENV:
+        fail(f'env is {size / 1024:.0f} KiB; a job keeps at most '
+             f'{MAX_ENV // 1024} KiB of your environment (largest: '
+             f'{max(env, key=lambda k: len(env[k]))}): unset what it '
+             'does not need')
     return dict(env)
+
+
+def rlimits(value):
+    """``value`` if it is ``{name: [soft, hard]}`` of
+    :data:`dasktrain.keeper.RLIMITS`, ints >= -1 (-1: unlimited)."""
+    if not isinstance(value, dict) or set(value) - set(RLIMITS):
+        fail(f'rlimits takes {", ".join(RLIMITS)} only')
+    for name, pair in value.items():
+        if not (isinstance(pair, list) and len(pair) == 2 and
+                all(type(v) is int and v >= -1 for v in pair)):
+            fail(f'rlimits.{name} must be [soft, hard], ints >= -1')
+    return {k: list(v) for k, v in value.items()}
 
 
 def folder(value):
@@ -135,6 +157,27 @@ def parse_time(value, name='time'):
         raise JobError(f'{argument(name)} takes a duration such as 90s, '
                        f'45m, 2h, 1h30m or 2:00:00, got {value!r}')
     return total
+
+
+_SIZES = {'': 1, 'k': 2 ** 10, 'm': 2 ** 20, 'g': 2 ** 30, 't': 2 ** 40}
+
+
+def parse_size(value, name='mem'):
+    """Bytes in ``value`` (``512M``, ``1.5G``: binary units, as Slurm's
+    ``--mem``; an int: bytes); JobError naming ``name`` otherwise.
+
+    >>> parse_size('8G'), parse_size('512m'), parse_size(4096)
+    (8589934592, 536870912, 4096)
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    found = re.fullmatch(r'(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?',
+                         str(value).strip().lower())
+    size = int(float(found[1]) * _SIZES[found[2]]) if found else 0
+    if size <= 0:
+        raise JobError(f'{argument(name)} takes a size such as 512M, 8G or '
+                       f'1.5G, got {value!r}')
+    return size
 
 
 def after_ids(after):
@@ -406,6 +449,10 @@ class JobRequest:
     time, time_limit : float, optional
         Seconds it is expected to run (its estimated end), and may run
         (stopped, failed, once past).
+    mem : int, optional
+        Bytes its processes may use together (its cgroup's ``memory.max``).
+    rlimits : dict
+        Its submitter's resource limits, ``{name: [soft, hard]}``.
 
     Examples
     --------
@@ -422,11 +469,17 @@ class JobRequest:
     after_any: bool = False
     time: float | None = None
     time_limit: float | None = None
+    mem: int | None = None
+    rlimits: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if type(self.gpus) is not int or not 0 <= self.gpus <= 4096:
             raise JobError(f'{argument("gpus")} must be an int >= 0, got '
                            f'{self.gpus!r}')
+        if self.mem is not None and not (type(self.mem) is int and
+                                         0 < self.mem <= MAX_MEM):
+            raise JobError(f'{argument("mem")} must be bytes > 0, got '
+                           f'{self.mem!r}')
         if self.after_any and not self.after:
             raise JobError(f'{argument("after_any")} needs '
                            f'{argument("after")} ID[,ID]')
@@ -434,15 +487,18 @@ class JobRequest:
 
     @classmethod
     def of(cls, program, gpus=1, name=None, notify=None, after=None,
-           after_any=False, time=None, time_limit=None):
+           after_any=False, time=None, time_limit=None, mem=None):
         """A request from a submitter's arguments (``after`` a list or
-        ``'ID,ID'``; durations as seconds or words such as ``2h``), each
-        checked; JobError naming the argument."""
+        ``'ID,ID'``; durations as seconds or words such as ``2h``; ``mem``
+        bytes or words such as ``8G``), each checked, with this process's
+        resource limits; JobError naming the argument."""
         return cls(program, gpus, name, check_target(notify),
                    after_ids(after), bool(after_any),
                    None if time is None else parse_time(time, 'time'),
                    None if time_limit is None else
-                   parse_time(time_limit, 'time_limit'))
+                   parse_time(time_limit, 'time_limit'),
+                   None if mem is None else parse_size(mem, 'mem'),
+                   own_rlimits())
 
     @property
     def label(self):
@@ -458,6 +514,7 @@ class JobRequest:
         return {'gpus': self.gpus, 'name': self.name, 'notify': self.notify,
                 'after': list(self.after), 'after_any': self.after_any,
                 'time': self.time, 'time_limit': self.time_limit,
+                'mem': self.mem, 'rlimits': dict(self.rlimits),
                 self.program.kind: self.program.wire()}
 
     @classmethod
@@ -486,7 +543,8 @@ class JobRequest:
                    [job_id(a) for a in after],
                    flag(message.get('after_any', False), 'after_any'),
                    seconds(message.get('time'), 'time'),
-                   seconds(message.get('time_limit'), 'time_limit'))
+                   seconds(message.get('time_limit'), 'time_limit'),
+                   message.get('mem'), rlimits(message.get('rlimits') or {}))
 
     def check_after(self, root):
         """JobError unless every job ``after`` names is in the jobs dir
@@ -505,7 +563,7 @@ class JobRequest:
 
 
 FIELDS = ('gpus', 'name', 'notify', 'after', 'after_any', 'time',
-          'time_limit', *PROGRAMS)
+          'time_limit', 'mem', 'rlimits', *PROGRAMS)
 
 
 def check_fits(resources, workers, gpus):

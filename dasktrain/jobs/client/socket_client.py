@@ -88,11 +88,18 @@ class SocketClient:
         answer = self.ask('status', id=job_id)
         return SharedJob(job_id, Path(answer['folder']), door=self)
 
-    def rows(self):
-        """``(rows, unreadable)`` as :func:`~dasktrain.jobs.status.job_rows`
-        returns them, everyone's."""
-        answer = self.ask('jobs')
-        return answer['rows'], [tuple(u) for u in answer['unreadable']]
+    def rows(self, everything=False, user=None, page=1, per_page=None):
+        """``(rows, unreadable, counts)`` as
+        :func:`~dasktrain.jobs.status.shown` returns them, everyone's
+        (what others may not see of a job left out by the server)."""
+        fields = {'all': bool(everything), 'page': page}
+        if user is not None:
+            fields['user'] = user
+        if per_page is not None:
+            fields['per_page'] = per_page
+        answer = self.ask('jobs', **fields)
+        return (answer['rows'], [tuple(u) for u in answer['unreadable']],
+                answer.get('counts') or {})
 
     def gpus(self):
         """``{'seen': ..., 'running': [...]}``: what ``dasktrain gpus``

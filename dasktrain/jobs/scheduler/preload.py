@@ -12,7 +12,8 @@ runs): it installs the queue in the scheduler process.
   submits through (:mod:`~dasktrain.jobs.scheduler.socket_server`);
 * the Prometheus metrics (:mod:`~dasktrain.jobs.scheduler.metrics`) and
   the read-only jobs page (:mod:`~dasktrain.jobs.scheduler.page`), as
-  routes of the dashboard's web server, wherever it binds.
+  routes of the dashboard's web server, wherever it binds; a shared
+  cluster's private: nothing of any job's output.
 """
 import os
 
@@ -31,13 +32,15 @@ def dask_setup(scheduler):
     scheduler.add_plugin(board)
     queue = Dispatcher()
     scheduler.add_plugin(queue, name=queue.name)
-    if os.environ.get(SERVE_ENV) and os.geteuid() == 0:  # a shared cluster
+    shared = bool(os.environ.get(SERVE_ENV)) and os.geteuid() == 0
+    if shared:
         owner = os.environ.get(OWNER_ENV, '')
         scheduler.add_plugin(SocketServer(
             os.environ[SERVE_ENV], int(owner) if owner.isdigit() else None,
             gpu_use=cluster_use))
-    register(scheduler, board)
-    add_routes(scheduler.http_application, board, queue)
+    # A shared cluster's page and metrics show nothing of a job's output.
+    register(scheduler, board, private=shared)
+    add_routes(scheduler.http_application, board, queue, private=shared)
 
 
 def dask_teardown(scheduler):

@@ -16,11 +16,17 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 from dasktrain.config import TrainConfig
 from dasktrain.errors import Error
-from dasktrain.jobs.job import PRUNED, RANKS_ENV, STOPPED, Pruned
+from dasktrain.jobs.job import (
+    PRUNED,
+    RANKS_ENV,
+    SPEC_LIMIT,
+    STOPPED,
+    Pruned,
+    read_file,
+)
 from dasktrain.parallel.gpus import VISIBLE, place_devices
 
 
@@ -40,7 +46,7 @@ def read_spec(folder, argv=()):
     ``--spec-stdin`` (a shared cluster's job), else from ``folder``."""
     if list(argv) == ['--spec-stdin']:
         return json.load(sys.stdin)
-    return json.loads((Path(folder) / 'job.json').read_text())
+    return read_file(folder, 'job.json', SPEC_LIMIT)
 
 
 def run_child(folder, callbacks=(), spec=None):
