@@ -370,7 +370,8 @@ class Cgroup:
 # ------------------------------------------------------------ a sweep
 
 def _table():
-    """``{pid: (parent, state)}`` of every process, from ``/proc``."""
+    """``{pid: (parent, state, group, session)}`` of every process, from
+    ``/proc``."""
     table = {}
     for entry in os.listdir('/proc'):
         if not entry.isdigit():
@@ -380,7 +381,8 @@ def _table():
                 fields = f.read().rsplit(b')', 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        table[int(entry)] = (int(fields[1]), fields[0])
+        table[int(entry)] = (int(fields[1]), fields[0], int(fields[2]),
+                             int(fields[3]))
     return table
 
 
@@ -388,7 +390,7 @@ def descendants(root, table=None):
     """The pids of every live (not zombie) descendant of ``root``."""
     table = _table() if table is None else table
     children = {}
-    for pid, (parent, _) in table.items():
+    for pid, (parent, *_) in table.items():
         children.setdefault(parent, []).append(pid)
     found, todo = [], [root]
     while todo:
@@ -407,7 +409,7 @@ def marked(mark, table=None):
     want = f'{MARK_ENV}={mark}'.encode()
     prefix = mark.endswith('/')
     found = []
-    for pid, (_, state) in table.items():
+    for pid, (_, state, *_) in table.items():
         if state == b'Z' or pid == os.getpid():
             continue
         try:
@@ -422,20 +424,37 @@ def marked(mark, table=None):
     return found
 
 
-def job_processes(mark=None, keeper=None):
-    """Every live process of a job: its ``keeper``'s descendants and the
-    processes marked ``mark``."""
-    table = _table()
+def job_processes(mark=None, keeper=None, table=None):
+    """Every live process of a job: its ``keeper``'s descendants, the
+    processes marked ``mark``, and every process in a session one of
+    those started (a session holds only processes its first one
+    started: a fork loop's new pids are found by it, even those that
+    were born after the scan saw the loop's last one)."""
+    table = _table() if table is None else table
     found = set(marked(mark, table)) if mark else set()
     if keeper is not None:
         found.update(descendants(keeper, table))
+    own = table.get(keeper or os.getpid(), (0, b'', 0, 0))[3]
+    sessions = {table[p][3] for p in found if p in table} - {own, 0}
+    found.update(p for p, (_, state, _, session) in table.items()
+                 if session in sessions and state != b'Z')
     return found
 
 
 def signal_job(signum, mark=None, keeper=None):
-    """``signum`` to every process of the job (:func:`job_processes`);
-    their pids."""
-    found = job_processes(mark, keeper)
+    """``signum`` to every process of the job (:func:`job_processes`),
+    and to the whole process group of each (a group's signal reaches
+    every member at once, also one forked meanwhile), but the keeper's
+    own; their pids."""
+    table = _table()
+    found = job_processes(mark, keeper, table)
+    own = os.getpgid(0)
+    groups = {table[p][2] for p in found if p in table} - {own, 0, 1}
+    for group in groups:
+        try:
+            os.killpg(group, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
     for pid in found:
         try:
             os.kill(pid, signum)

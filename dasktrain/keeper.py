@@ -352,11 +352,16 @@ class _User:
 
 class _Box:
     """Where the program's processes are kept: its cgroup (``cgroup``),
-    else found by descent from the keeper and by marker (``mark``)."""
+    else found by descent from the keeper, by marker (``mark``), and by
+    the process groups of the orphans the keeper reaps: a fork loop's
+    processes end as the keeper's children (it is their subreaper), each
+    a zombie it reads before it reaps it, so the loop's group is known
+    and signalled whole, however fast its pids change."""
 
     def __init__(self, contain):
         self.mark = contain.get('mark')
         self.cgroup, self.note = None, None
+        self.groups, self.reaps, self.seen = set(), 0, 0
         if contain.get('cgroup'):
             try:
                 self.cgroup = Cgroup(contain['cgroup']).create(
@@ -371,26 +376,55 @@ class _Box:
                 self.note = (f'no cgroup for this job ({e}): its processes '
                              'are found by their marker')
 
+    def reaped(self, pid):
+        """An orphan of the program about to be reaped (a zombie): its
+        process group, and that the job still had processes."""
+        self.reaps += 1
+        try:
+            with open(f'/proc/{pid}/stat', 'rb') as f:
+                group = int(f.read().rsplit(b')', 1)[1].split()[2])
+        except (OSError, ValueError, IndexError):
+            return
+        if group not in (os.getpgid(0), 0, 1):
+            self.groups.add(group)
+
+    def _groups(self, signum):
+        """``signum`` to each group seen; ``{-group}`` of those that still
+        had a process (a group counts as one of its processes at least)."""
+        hit = set()
+        for group in self.groups:
+            try:
+                os.killpg(group, signum)
+                hit.add(-group)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return hit
+
     def signal(self, signum):
         """``signum`` to every process of the program; their pids."""
         if self.cgroup is not None:
             return self.cgroup.signal(signum)
+        self._groups(signum)
         return signal_job(signum, self.mark, os.getpid())
 
     def kill(self):
         """SIGKILL to all of them: ``cgroup.kill`` (at once), else each
-        found now; the pids still there."""
+        found now and each group seen; the pids still there."""
         if self.cgroup is not None:
             left = set(self.cgroup.pids())
             self.cgroup.kill()
             return left
-        return signal_job(signal.SIGKILL, self.mark, os.getpid())
+        hit = self._groups(signal.SIGKILL)
+        found = signal_job(signal.SIGKILL, self.mark, os.getpid())
+        return found | hit if not found else found
 
     def empty(self):
-        """Whether none is left (a sweep: none found now)."""
+        """Whether none is left (a sweep: none found now, and no orphan
+        reaped since the last look)."""
         if self.cgroup is not None:
             return not self.cgroup.populated()
-        return not job_processes(self.mark, os.getpid())
+        quiet, self.seen = self.reaps == self.seen, self.reaps
+        return quiet and not job_processes(self.mark, os.getpid())
 
 
 def _start(spec, box):
@@ -469,12 +503,16 @@ def keep(spec):
     quiet = 0  # a sweep: scans in a row that found none
     while True:
         while True:  # reap: the program, and orphans handed to us
-            try:
-                pid, got = os.waitpid(-1, os.WNOHANG)
+            try:  # each looked at first, while a zombie
+                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG |
+                                  os.WNOWAIT)
             except ChildProcessError:
                 break
-            if pid == 0:
+            if found is None or not found.si_pid:
                 break
+            if found.si_pid != child.pid:
+                box.reaped(found.si_pid)
+            pid, got = os.waitpid(found.si_pid, 0)
             if pid == child.pid:
                 status, ended = got, time.monotonic()
         if deadline is None and (stop or status is not None):

@@ -236,11 +236,9 @@ def _post(target, text, timeout, rules):
     options = {'timeout': urllib3.Timeout(connect=timeout, read=timeout),
                'retries': False}
     if https:
-        import certifi
         pool = urllib3.HTTPSConnectionPool(
             addresses[0], port, server_hostname=parts.hostname,
-            assert_hostname=parts.hostname, cert_reqs='CERT_REQUIRED',
-            ca_certs=certifi.where(), **options)
+            assert_hostname=parts.hostname, ssl_context=_tls(), **options)
     else:
         pool = urllib3.HTTPConnectionPool(addresses[0], port, **options)
     path = (parts.path or '/') + (f'?{parts.query}' if parts.query else '')
@@ -253,33 +251,73 @@ def _post(target, text, timeout, rules):
     return answer.status
 
 
+_loaded = {}
+
+
+def _tls():
+    """The TLS context of every webhook POST (certifi's CAs), made once:
+    a child that dropped to ``nobody`` may no longer read them."""
+    if 'tls' not in _loaded:
+        import ssl
+
+        import certifi
+        _loaded['tls'] = ssl.create_default_context(cafile=certifi.where())
+    return _loaded['tls']
+
+
+def _preload():
+    """Everything :func:`send` imports or reads, loaded now: a child that
+    dropped to ``nobody`` may not read this interpreter's files (one
+    under ``/root``)."""
+    import email.policy  # noqa: F401  (mailto)
+    import encodings.idna  # noqa: F401  (a host name, encoded)
+    import http.client  # noqa: F401
+
+    import urllib3
+    import urllib3.exceptions
+    import urllib3.util.ssl_
+    _tls()
+    urllib3.HTTPConnectionPool('127.0.0.1', 9)  # its lazy imports
+    socket.getaddrinfo('localhost', 80, type=socket.SOCK_STREAM)
+
+
 def send(target, text, attempts=None, timeout=None, backoff=None,
          rules=None):
     """Deliver ``text`` to ``target`` now; True once delivered, False (and
     a logged warning) when every attempt failed. Default: :data:`ATTEMPTS`
     tries of :data:`TIMEOUT` seconds, :data:`BACKOFF`. A webhook's 2xx
     is delivery; a connection error, a timeout, 429 or 5xx is tried again
-    after ``backoff``, then twice that, ...; another 4xx is not (the URL
-    is wrong: retrying cannot help)."""
+    after ``backoff``, then twice that, ...; another 4xx, or a redirect,
+    is not (the URL is wrong: retrying cannot help). ``rules``: where it
+    may go (:func:`allow_rules`; default :func:`rules_of` this process's
+    environment), checked at each try on the addresses it then resolves
+    to: a target the rules refuse is logged, not sent."""
     attempts = ATTEMPTS if attempts is None else attempts
     timeout = TIMEOUT if timeout is None else timeout
     backoff = BACKOFF if backoff is None else backoff
-    if target.startswith('mailto:'):
-        return _mail(target[len('mailto:'):], text, timeout)
-    import requests
+    rules = rules_of() if rules is None else rules
     where = redacted(target)
+    if target.startswith('mailto:'):
+        why = refusal(target, rules)
+        if why:
+            logger.warning('notification not sent: %s', why)
+            return False
+        return _mail(target[len('mailto:'):], text, timeout)
+    import urllib3
     for attempt in range(1, attempts + 1):
         try:
-            answer = requests.post(target, json={'text': text},
-                                   timeout=timeout)
-            if 200 <= answer.status_code < 300:
+            code = _post(target, text, timeout, rules)
+            if 200 <= code < 300:
                 return True
-            why = f'HTTP {answer.status_code}'
-            if answer.status_code < 500 and answer.status_code != 429:
+            why = f'HTTP {code}'
+            if code < 500 and code != 429:
                 logger.warning('notification to %s refused (%s); not '
                                'retried', where, why)
                 return False
-        except requests.RequestException as e:
+        except NotifyError as e:
+            logger.warning('notification not sent: %s', e)
+            return False
+        except (OSError, urllib3.exceptions.HTTPError) as e:
             why = type(e).__name__
         if attempt < attempts:
             logger.info('notification to %s failed (%s), try %d of %d',
@@ -355,6 +393,7 @@ def _unprivileged(target, text, **kwargs):
     it may make. Waited for in this thread."""
     uid, gid = nobody()
     rules = kwargs.pop('rules', None) or rules_of()
+    _preload()
     attempts = kwargs.get('attempts') or ATTEMPTS
     limit = attempts * ((kwargs.get('timeout') or TIMEOUT) * 2 +
                         (kwargs.get('backoff') or BACKOFF) * 2 ** attempts)

@@ -217,8 +217,8 @@ class Jobs(Command):
         widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
         text = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
                 for r in lines]
-        text += [f'unreadable: {printable(job_id)}: {printable(reason)}'
-                 for job_id, reason in unreadable]
+        text += [f'unreadable: {printable(reason)}'
+                 for _, reason in unreadable]
         if any(r[11] != '-' for r in lines[1:]):
             text.append('ESTIMATE: the queue\'s estimate (#position in '
                         'line), from --time and measured epoch times')

@@ -189,7 +189,8 @@ def _checked(data, fields, where):
         if value is None:
             raise JobError(f'{where} lacks {key}')
         if not _is(value, kind):
-            what = kind if kind is _NUMBER else \
+            what = 'a time in seconds' if key == 'submitted' else \
+                kind if kind is _NUMBER else \
                 f'{"an" if kind.__name__[0] in "aeiou" else "a"} ' \
                 f'{kind.__name__}'
             raise JobError(f'{where} has {key}={_short(value)}, not {what}')
@@ -212,7 +213,8 @@ def check_spec(data, where='job.json'):
     >>> check_spec({'submitted': 'x', 'gpus': 0, 'command': ['true']})
     Traceback (most recent call last):
     ...
-    dasktrain.jobs.job.JobError: job.json has submitted='x', not a number
+    dasktrain.jobs.job.JobError: job.json has submitted='x', not a time in \
+seconds
     """
     _checked(data, _SPEC, where)
     if 'command' not in data and 'config' not in data:

@@ -68,6 +68,11 @@ import dasktrain.jobs.status, dasktrain.jobs.worker.gpu_use
 import dasktrain.data.datasets, dasktrain.userspec, dasktrain.config
 for module in filter(None, os.environ.pop('PRELOAD', '').split(',')):
     __import__(module)
+import resource
+for spec in filter(None, os.environ.pop('RLIMITS', '').split(',')):
+    what, soft, hard = spec.split(':')  # the user's shell's `ulimit`s
+    resource.setrlimit(getattr(resource, 'RLIMIT_' + what.upper()),
+                       (int(soft), int(hard)))
 name = sys.argv[1]
 if name != 'root':
     entry = pwd.getpwnam(name)
@@ -360,8 +365,11 @@ class Lab:
                     process.kill()
 
 
-@pytest.fixture(scope='module')
-def lab():
+@contextlib.contextmanager
+def started_lab(*flags, **env):
+    """A :class:`Lab` whose cluster root started (``cluster start --shared
+    FLAGS``, ``env`` added to root's shell), its owner ann (she ran sudo);
+    stopped, its users removed, when the block is left."""
     if os.geteuid() != 0:
         pytest.skip('only root can start a shared cluster and create Unix '
                     'users')
@@ -372,17 +380,26 @@ def lab():
         for who in ('ann', 'bob', 'eve'):
             lab.add_user(who)
         # ann ran `sudo dasktrain cluster start --shared`: its owner.
+        lab.flags = ['--port', '0', '--dashboard-port', '0', '--gpus', '0',
+                     '--cpu-slots', '3', *flags]
         with child([str(CONSOLE), 'cluster', 'start', '--shared',
-                    '--shared-dir', str(lab.where.root), '--port', '0',
-                    '--dashboard-port', '0', '--gpus', '0', '--cpu-slots',
-                    '3'], env=lab.env(SUDO_UID=str(lab.uid('ann')),
-                                      OWNER_MARK='root-shell')) as c:
+                    '--shared-dir', str(lab.where.root), *lab.flags],
+                   env=lab.env(SUDO_UID=str(lab.uid('ann')),
+                               OWNER_MARK='root-shell', **env)) as c:
             assert c.wait(120) == 0, c.stderr()
         lab.state = json.loads((lab.where.private / 'cluster.json')
                                .read_text())
         yield lab
     finally:
         lab.close()
+
+
+@pytest.fixture(scope='module')
+def lab():
+    # The webhooks of these tests listen on 127.0.0.1: allowed here.
+    with started_lab('--notify-allow', 'public', '--notify-allow',
+                     '127.0.0.0/8') as lab:
+        yield lab
 
 
 def test_the_shared_place_keeps_every_user_to_their_own(lab):
@@ -702,7 +719,7 @@ def test_the_queue_works_for_every_user(lab):
     # bob's job, eve's after it; `jobs` shows both with their times to
     # anyone; eve is told when hers ends; logs --follow, result --wait,
     # gpus and requeue for a user.
-    hook = Hook()
+    hook = Hook()  # posted by nobody, not root
     try:
         first = lab.submit('bob', '--time', '1h', '--', 'sh', '-c',
                            'echo started; sleep 8; echo done')
@@ -724,6 +741,7 @@ def test_the_queue_works_for_every_user(lab):
         assert (code, err) == (1, f'dasktrain result: error: job {second} '
                                   'failed: exit 3\n')
         wait_until(lambda: hook.posts, 30, 'the webhook')
+        assert hook.posters == [pwd.getpwnam('nobody').pw_uid]
         text = hook.posts[0][1]['text']
         assert text.startswith(f"job {second} (sh) of {lab.names['eve']} "
                                'failed after ')

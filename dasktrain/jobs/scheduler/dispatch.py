@@ -205,7 +205,7 @@ class Dispatcher(SchedulerPlugin):
         them, in a thread (one purge at a time)."""
         keep = keep_finished()
         if keep is None or self.purging is not None or \
-                time.monotonic() - self.purged_at < PURGE:
+                time.monotonic() - self.purged_at < min(PURGE, keep / 4):
             return
         self.purged_at = time.monotonic()
         roots = {jobs_dir()} | {Path(f).parent for f in self.folders.values()}

@@ -339,8 +339,9 @@ class SocketServer(SchedulerPlugin):
         page = [{k: v for k, v in (
             r if owner or r.get('uid') == peer.uid else public_row(r)
         ).items() if k != 'uid'} for r in page]
-        hidden = [(i, why if owner else 'its files cannot be read; the '
-                   "cluster's owner can see why") for i, why in hidden]
+        hidden = [(i, why if owner else f'job {i}: its files cannot be '
+                   "read; the cluster's owner can see why")
+                  for i, why in hidden]
         return {'rows': page, 'unreadable': hidden, 'counts': counts}
 
     def op_gpus(self, peer, request):
