@@ -82,14 +82,16 @@ def nvidia_smi():
     return (done.stdout or done.stderr).strip()
 
 
-def run(command, timeout, log):
-    """Run ``command`` with output to ``log``; (exit status, seconds,
+def run(command, timeout, log, errors=None):
+    """Run ``command`` with output to ``log`` (its standard error too,
+    unless ``errors`` names a file of its own); (exit status, seconds,
     True if it ran out of time). The process group is killed at the
     deadline: nothing it started outlives the check."""
     began = datetime.datetime.now()
-    with open(log, 'w') as out:
+    with open(log, 'w') as out, \
+            open(errors or os.devnull, 'w') as err:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT,
+                                stderr=err if errors else subprocess.STDOUT,
                                 start_new_session=True)
         try:
             code, late = proc.wait(timeout=timeout), False
@@ -206,12 +208,15 @@ def main(argv=None):
         suite = (code, seconds, late, rows, log[-args.detail_chars:])
         bcode, bsec, blate = run(
             [sys.executable, 'bench/gpu.py', *args.bench_args.split()],
-            args.bench_timeout, work / 'bench.log')
-        btext = (work / 'bench.log').read_text(errors='replace')
+            args.bench_timeout, work / 'bench.md', work / 'bench.log')
+        btext = (work / 'bench.md').read_text(errors='replace')
+        if bcode or blate:  # what it said on the way out
+            btext += '\n```\n' + (work / 'bench.log').read_text(
+                errors='replace')[-args.detail_chars:] + '\n```\n'
         print(btext[-6000:])
         if args.logs:
             Path(args.logs).mkdir(parents=True, exist_ok=True)
-            for name in ('suite.log', 'bench.log', 'suite.xml'):
+            for name in ('suite.log', 'bench.md', 'bench.log', 'suite.xml'):
                 if (work / name).exists():
                     shutil.copy(work / name, Path(args.logs) / name)
     text = report(machine, smi, suite, (bcode, bsec, blate, btext), args)

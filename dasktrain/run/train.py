@@ -26,6 +26,7 @@ Every worker must see ``out`` and ``data_dir`` at the same paths (one
 machine, or a shared filesystem): rank 0 writes the log and checkpoint,
 and after a lost worker the new ranks resume from it.
 """
+import contextlib
 import logging
 import os
 import time
@@ -44,7 +45,7 @@ from dasktrain.config import TrainConfig
 from dasktrain.data.datasets import resolve_spec
 from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.data.download import CIFAR100, download_cifar10
-from dasktrain.errors import UserError, argument
+from dasktrain.errors import UserError, argument, flag_names, naming_flags
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
 from dasktrain.parallel.comm.base import Communicator
 from dasktrain.parallel.devices import (
@@ -95,9 +96,11 @@ class Ranks(NamedTuple):
     devices: tuple | None
 
     def config(self, config, attempt=1):
-        """The config each rank runs (what its ``args`` file records)."""
-        return config.replace(workers=self.count, devices=self.devices,
-                              resume=config.resume or attempt > 1,
+        """The config each rank runs, which rank 0 records in ``args``: the
+        run as it was asked for (its devices, and ``workers`` only where it
+        named a cluster's), so that ``--resume`` places it again as the
+        first start did; each rank trains on :attr:`devices`."""
+        return config.replace(resume=config.resume or attempt > 1,
                               progress=False)
 
 
@@ -291,13 +294,21 @@ def _nccl_module():
     return nccl
 
 
-def _rank(config, name, rank, size, gpus, want=None):
+def _rank(config, name, rank, size, gpus, want=None, flags=False,
+          devices=None):
     """The task body of rank ``rank``: join the others, train, report;
-    ``want``: the GPU ids of its worker planned for it, if any."""
+    ``want``: the GPU ids of its worker planned for it, if any; ``flags``:
+    its messages name command-line flags, as the driver's (the
+    ``dasktrain`` command's) do; ``devices``: the rank's (Ranks.devices)."""
+    with flag_names() if flags else contextlib.nullcontext():
+        return _rank_body(config, name, rank, size, gpus, want, devices)
+
+
+def _rank_body(config, name, rank, size, gpus, want, devices):
     held = GpuPool.acquire(gpus, want=want) if gpus else []
     # The worker's free GPUs by their CUDA ordinals in this process.
-    devices = place_devices(config.devices, [g.index for g in held]) \
-        if held else config.devices or ('@numpy',)
+    devices = place_devices(devices, [g.index for g in held]) \
+        if held else devices or ('@numpy',)
     try:
         with Stop(name, event=False) as stop, frames_released(), \
                 DaskComm.rendezvous(name, rank, size,
@@ -375,7 +386,8 @@ def _drive(client, config, ranks, callbacks, progress, placed=None):
         with Driver(client, name, _relay(progress, callbacks),
                     [f'rank{r}' for r in range(len(workers))]) as driver:
             driver.start(
-                _rank, [(each, name, r, len(workers), ranks.gpus, want[r])
+                _rank, [(each, name, r, len(workers), ranks.gpus, want[r],
+                         naming_flags(), ranks.devices)
                         for r in range(len(workers))],
                 workers, [rank_resources(ranks.gpus, infos[w])
                           for w in workers])

@@ -9,6 +9,7 @@ The data is small and synthetic, in Chainer's dataset cache
 do not seed NumPy, so both runs get a ``sitecustomize`` that seeds it per
 rank. The ``mpiexec`` halves skip, saying why, where Open MPI or mpi4py is
 missing."""
+import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from test_chainermn import _mpi_problem, launch, mpiexec
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS / 'examples'
-PROJECT = TESTS.parent / 'bench' / 'chainermn_example'
+PROJECT = TESTS.parents[1] / 'bench' / 'chainermn_example'
 MPI = _mpi_problem()
 SEED = '''import os
 import numpy
@@ -178,6 +179,10 @@ def test_the_project_scripts_as_under_mpiexec(tmp_path, float64, n, name,
                                        atol=1e-10, err_msg=f'{r} {key}')
 
 
+@pytest.mark.skipif(importlib.util.find_spec('mpi4py') is None,
+                    reason="run alone, a script's `import chainermn` is "
+                    "ChainerMN's own, which needs mpi4py (pip install -e "
+                    "'.[mpi]')")
 def test_the_project_scripts_run_alone_as_one_rank_says_why():
     """Outside a launch a model-parallel script is a job of one rank,
     which the example refuses with its own message (as under MPI)."""

@@ -299,26 +299,27 @@ def packing(places):
 
 #: Seconds a wait only yields between queries, then sleeps
 #: :func:`pause`'s. Measured on an H200 (docs/gpus.md): sleeping 100 us
-#: between queries added ~100 us to every NCCL call, yielding and this
-#: back-off none measurable.
+#: between queries added ~100 us to every NCCL call; yielding, then
+#: sleeping a small part of the time waited, ended within a few us of a
+#: blocking synchronise.
 YIELD_FOR = 1e-3
 
 
 def pause(waited):
     """Seconds to sleep between two queries of a wait that began
     ``waited`` seconds ago: none (a yield) for the first
-    :data:`YIELD_FOR`, then a tenth of the time waited, at most 1 ms, so a
-    wait ends at most ~10 % (or 1 ms) after what it waits for, and a long
-    one wakes 1000 times a second, not 10,000.
+    :data:`YIELD_FOR`, then a fiftieth of the time waited, at most 1 ms,
+    so a wait ends at most ~2 % (or 1 ms) after what it waits for, and a
+    long one wakes 1000 times a second, not 10,000.
 
     Examples
     --------
     >>> pause(0.0), pause(0.005), pause(0.002), pause(10.0)
-    (0.0, 0.0005, 0.0002, 0.001)
+    (0.0, 0.0001, 4e-05, 0.001)
     """
     if waited < YIELD_FOR:
         return 0.0
-    return min(1e-3, round(waited / 10, 6))
+    return min(1e-3, round(waited / 50, 6))
 
 
 def poll(check, deadline, what, abort):
