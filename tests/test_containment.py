@@ -13,7 +13,6 @@ import time
 import uuid
 
 import pytest
-from test_cluster import wait_until
 from test_programs import alive
 
 from dasktrain import keeper
