@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +35,10 @@ for name in ('QUEUE', 'JOBS_DIR', 'NOTIFY', 'NOTIFY_ALLOW', 'BUSY_MIB',
              'KEEP_FINISHED', 'CONTAIN', 'CLUSTER_MARK', 'SHARED_SERVE',
              'SHARED_OWNER', 'JOB_MARK'):  # a cluster's, or a job's
     os.environ.pop(f'DASKTRAIN_{name}', None)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(QUIET, ignore_errors=True)  # the suite's own, gone
 
 
 @pytest.fixture
