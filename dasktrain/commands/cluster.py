@@ -202,9 +202,9 @@ class Cluster(Command):
                                 f"{resources or 'no resources'}, "
                                 f"{worker['threads']} threads"))
             if status.get('contain'):
-                print(f"jobs kept in: {status['contain']}")
+                print(printable(f"jobs kept in: {status['contain']}"))
             for line in status.get('rules') or ():
-                print(line)
+                print(printable(line))
             if door is not None:
                 print(printable(f'shared: front door {door.path}, owners '
                                 f"{', '.join(status['owners'])}; you are "

@@ -35,11 +35,13 @@ class Submit(Command):
         parser.add_argument('--env', action='append', metavar='KEY=VALUE',
                             help='a program: a variable added to your '
                                  'environment as it is now (repeatable)')
-        parser.add_argument('--grace', type=float, default=30.0,
+        parser.add_argument('--grace', type=float, default=None,
                             metavar='SECONDS',
                             help='a program: seconds between a cancel\'s '
-                                 'SIGTERM and its SIGKILL (default: '
-                                 '%(default)s)')
+                                 'SIGTERM and its SIGKILL, at most the '
+                                 'cluster\'s `cluster start --max-grace` '
+                                 '(default: that longest, 30 unless the '
+                                 'cluster says otherwise)')
         parser.add_argument('--requeue', action='store_true',
                             help='a program: start it again if its worker '
                                  'dies (it resumes by itself); else it '

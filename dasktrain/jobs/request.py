@@ -196,17 +196,18 @@ def after_ids(after):
 @dataclasses.dataclass(frozen=True)
 class Program:
     """Any program: ``command`` (argv, no shell) run in ``cwd`` with
-    ``env``; ``grace`` seconds between a stop's SIGTERM and its SIGKILL;
+    ``env``; ``grace`` seconds between a stop's SIGTERM and its SIGKILL
+    (None: the cluster's longest, ``cluster start --max-grace``);
     ``requeue``: start it again if its worker dies (it resumes by itself),
     else it ends ``lost``."""
     command: list
     cwd: str
     env: dict
-    grace: float = 30.0
+    grace: float | None = None
     requeue: bool = False
 
     @classmethod
-    def of(cls, argv, env=None, cwd=None, grace=30.0, requeue=False):
+    def of(cls, argv, env=None, cwd=None, grace=None, requeue=False):
         """The program ``argv`` as its submitter runs it now: their
         folder (``cwd``, default the working directory, made absolute)
         and environment, plus ``env``. JobError naming the argument."""
@@ -214,7 +215,8 @@ class Program:
                 not all(isinstance(a, str) for a in argv):
             raise JobError(f'a command job needs a program and its '
                            f'arguments as a list of strings, got {argv!r}')
-        if not (isinstance(grace, (int, float)) and grace >= 0):
+        if grace is not None and not (
+                isinstance(grace, (int, float)) and grace >= 0):
             raise JobError(f'{argument("grace")} must be seconds >= 0, got '
                            f'{grace!r}')
         cwd = os.path.abspath(cwd or os.getcwd())
@@ -222,7 +224,7 @@ class Program:
             raise JobError(f'the job would run in {cwd}, which is not a '
                            'folder')
         return cls(list(argv), cwd, dict(os.environ, **(env or {})),
-                   float(grace), bool(requeue))
+                   None if grace is None else float(grace), bool(requeue))
 
     kind = 'program'  # its key on the wire
     workers = None
@@ -254,8 +256,7 @@ class Program:
         return cls([text(a, 'command', MAX_TEXT) for a in command],
                    folder(message.get('cwd')),
                    environment(message.get('env')),
-                   seconds(message.get('grace', 30.0), 'grace',
-                           optional=False, zero=True),
+                   seconds(message.get('grace'), 'grace', zero=True),
                    flag(message.get('requeue', False), 'requeue'))
 
 

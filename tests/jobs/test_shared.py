@@ -128,7 +128,7 @@ def _training(**fields):
 
 def test_every_field_of_a_request_is_checked():
     request = check_request(_program())['request']
-    assert request.program.grace == 30.0 and request.gpus == 0
+    assert request.program.grace is None and request.gpus == 0
     assert request.program.env == {'A': '1'}
     train = check_request(_training(files={'model': {
         'name': 'net.py', 'data': 'eCA9IDE='}}))['request']
@@ -250,7 +250,7 @@ def test_a_users_job_gets_their_identity_not_the_clusters():
                 'USER': 'ann-at-submit'}
     queue = {'PYTHONUNBUFFERED': '1', 'CUDA_VISIBLE_DEVICES': '',
              'OMP_NUM_THREADS': '2', 'OPENBLAS_NUM_THREADS': '2',
-             'MKL_NUM_THREADS': '2'}
+             'MKL_NUM_THREADS': '2', 'LANG': 'C.UTF-8'}  # LANG: allowed
     assert job_environment(recorded, [], 2, ann) == dict(
         recorded, USER='ann', HOME='/home/ann', LOGNAME='ann', **queue)
     assert job_environment(recorded, [], 2) == dict(recorded, **queue)
@@ -721,8 +721,10 @@ def test_the_queue_works_for_every_user(lab):
     # gpus and requeue for a user.
     hook = Hook()  # posted by nobody, not root
     try:
+        go = lab.homes['bob'] / 'go'  # it runs until the test says go
         first = lab.submit('bob', '--time', '1h', '--', 'sh', '-c',
-                           'echo started; sleep 8; echo done')
+                           f'echo started; while [ ! -e {go} ]; do sleep '
+                           '0.2; done; echo done')
         second = lab.submit('eve', '--after', first, '--notify', hook.url,
                             '--', 'sh', '-c', 'exit 3')
         lab.wait_for(first, ('running',))
@@ -735,6 +737,7 @@ def test_the_queue_works_for_every_user(lab):
         code, out, err = lab.run('bob', 'gpus')
         assert code == 0, err
         assert f'{first} (sh)' in out and lab.names['bob'] in out
+        go.touch()
         code, out, err = lab.run('bob', 'logs', '--follow', first)
         assert (code, out.splitlines()[1:]) == (0, ['started', 'done']), err
         code, _, err = lab.run('eve', 'result', '--wait', second)

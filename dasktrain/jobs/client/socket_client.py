@@ -108,12 +108,14 @@ class SocketClient:
         return self.ask('gpus')
 
     def cluster(self):
-        """The scheduler's address, its dashboard, and its workers."""
+        """The scheduler's address, its dashboard, its workers, how its
+        jobs are kept (``contain``, in words) and its rules (lines)."""
         answer = self.ask('cluster')
         return {'scheduler': answer['scheduler'],
                 'dashboard': answer.get('dashboard'),
                 'workers': answer['workers'], 'owners': answer['owners'],
-                'you': answer['you']}
+                'you': answer['you'], 'contain': answer.get('contain'),
+                'rules': list(answer.get('rules') or ())}
 
     def requeue(self, job_id):
         """Hand the job ``job_id`` to the running cluster again; the

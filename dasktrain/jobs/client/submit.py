@@ -114,7 +114,7 @@ def parse_env(items):
     return env
 
 
-def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
+def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=None,
                    requeue=False, client=None, scheduler=None, path=None,
                    notify=None, after=None, after_any=False, time=None,
                    time_limit=None, mem=None):
@@ -142,8 +142,10 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
         Variables added to the submitter's environment as it is now.
     cwd : str, optional
         Where it runs; default the working directory, made absolute.
-    grace : float, default 30
-        Seconds between a cancel's SIGTERM and its SIGKILL.
+    grace : float, optional
+        Seconds between a cancel's SIGTERM and its SIGKILL; default the
+        cluster's longest (``cluster start --max-grace``, default 30). A
+        cluster refuses more than its longest.
     requeue : bool, default False
         Start it again if its worker dies (for programs that resume
         themselves); otherwise it ends ``lost``.

@@ -269,8 +269,8 @@ class SocketServer(SchedulerPlugin):
     def check_limits(self, peer, asked):
         """JobError in one line where ``asked`` (a submit of ``peer``) is
         over one of the cluster's limits."""
-        grace = getattr(asked.program, 'grace', 0.0)
-        if grace > max_grace():
+        grace = getattr(asked.program, 'grace', None)
+        if grace is not None and grace > max_grace():
             raise JobError(f'{argument("grace")} {grace:g}: this cluster '
                            f'stops a job within {max_grace():g} s of its '
                            'SIGTERM (cluster start --max-grace)')

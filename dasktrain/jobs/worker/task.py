@@ -209,8 +209,9 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
     begins = f'resuming after epoch {rows[-1]["epoch"]}' if rows else \
         f'in {program.cwd}: {" ".join(program.argv)}' \
         if not program.ours else 'starting'
-    asked = float(spec.get('grace', 30.0))
-    grace, cancelled = min(asked, max_grace()), None
+    asked = spec.get('grace')  # None: the cluster's longest
+    grace = max_grace() if asked is None else min(float(asked), max_grace())
+    cancelled = None
     kept_in = containment.in_force()
     where = containment.jobs_folder()
     problem = kept_in.limit_problem(mem=spec.get('mem')) if where else \
@@ -226,7 +227,7 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
                   f'{",".join(ids) or "none"} (CUDA_VISIBLE_DEVICES='
                   f'{env["CUDA_VISIBLE_DEVICES"]!r}), {begins} ===\n'
                   .encode())
-        if grace < asked:
+        if asked is not None and grace < asked:
             log.write(f'=== grace {asked:g} s asked; this cluster stops a '
                       f'job within {grace:g} s (--max-grace) ===\n'.encode())
         log.flush()
