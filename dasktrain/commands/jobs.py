@@ -362,11 +362,12 @@ class Result(_JobCommand):
         from dasktrain.jobs.job import DONE, JobError
         from dasktrain.jobs.scheduler.query import ask_scheduler
         job = self.job(args)
+        job.spec()  # yours to read, or one line saying whose it is
         status = job.status()
         if status['state'] not in DONE and not args.wait:
             raise JobError(f"job {job.id} is {status['state']} (epoch "
-                           f"{status['epoch']}/{status['epochs']}); pass "
-                           '--wait to wait for it')
+                           f"{status.get('epoch')}/{status.get('epochs')});"
+                           ' pass --wait to wait for it')
         while status['state'] not in DONE:
             reason = job.lost_reason(ask_scheduler)
             if reason:
