@@ -299,15 +299,22 @@ class Cancel(_JobCommand):
                             '%(default)s)')
 
     def run(self, args):
-        from dasktrain.jobs.job import DONE
+        from dasktrain.jobs.job import DONE, JobError
+
+        def state_now(told=None):
+            # A job whose files cannot be read: what the cancel answered.
+            try:
+                return job.status()['state']
+            except JobError:
+                return told or 'unreadable'
         job = self.job(args)
-        was = job.status()['state']
-        job.cancel()
+        was = state_now()
+        told = job.cancel()  # a shared cluster's answer: its state now
         deadline = time.monotonic() + args.timeout
-        state = job.status()['state']
+        state = state_now(told)
         while state not in DONE and time.monotonic() < deadline:
             time.sleep(0.2)  # a running job stops within a second or so
-            state = job.status()['state']
+            state = state_now(told)
         if was in DONE:
             print(f'{job.id}: already {was}')
         elif state in DONE:

@@ -67,7 +67,7 @@ def raw(lab, who, *requests, timeout=60):
         code = 1
         try:
             os.close(read)
-            entry = pwd.getpwnam(lab.names[who])
+            entry = pwd.getpwnam(lab.names.get(who, who))
             os.setgroups([])
             os.setgid(entry.pw_gid)
             os.setuid(entry.pw_uid)
@@ -232,16 +232,21 @@ def test_every_hostile_form_of_every_file_halts_nothing(lab):
     block = blocker(lab)
     eve = lab.uid('eve')
     planted = {}  # job id -> (file, form)
-    for name in ('job.json', 'status.json', 'out/log', 'env.json'):
-        for form in HOSTILE:
-            job_id = lab.submit('eve', '--name', f'{name}-{form}',
-                                '--after', block, '--after-any', '--',
-                                'sleep', '600')
-            path = lab.where.jobs / job_id / name
-            # root's files damaged (a disk, an admin's editor); out/ is
-            # the user's own
-            _plant(path, form, eve if name == 'out/log' else 0)
-            planted[job_id] = (name, form)
+    kinds = [(name, form) for name in ('job.json', 'status.json',
+                                       'out/log', 'env.json')
+             for form in HOSTILE]
+    # eve's jobs, all through one client (no interpreter per submit)
+    answers = raw(lab, 'eve', *[program(
+        ['sleep', '600'], name=f'{name}-{form}', after=[block],
+        after_any=True) for name, form in kinds])
+    assert all(a['ok'] for a in answers), answers
+    for (name, form), answer in zip(kinds, answers):
+        job_id = answer['id']
+        path = lab.where.jobs / job_id / name
+        # root's files damaged (a disk, an admin's editor); out/ is the
+        # user's own
+        _plant(path, form, eve if name == 'out/log' else 0)
+        planted[job_id] = (name, form)
     time.sleep(4)  # ticks go by
     # The queue plans the others.
     other = lab.submit('bob', '--', 'sh', '-c', 'echo fine')
@@ -276,7 +281,7 @@ def test_every_hostile_form_of_every_file_halts_nothing(lab):
     damaged = next(i for i, (n, f) in planted.items()
                    if (n, f) == ('job.json', 'deep'))
     code, _, err = lab.run('eve', 'cancel', damaged)
-    assert code == 1 and 'job.json nests more than 16 deep' in err, err
+    assert code == 1 and 'nobody known' in err, err
     assert lab.run('ann', 'cancel', damaged)[0] == 0
     # The blocker ends: the jobs with a damaged env.json fail in one line,
     # those with a damaged log run.
@@ -290,8 +295,7 @@ def test_every_hostile_form_of_every_file_halts_nothing(lab):
     wait_until(lambda: all(lab.job(i).status()['state'] in
                            ('running', 'queued') for i in started), 30,
                'the logs\' jobs')
-    for job_id in list(planted):
-        lab.run('root', 'cancel', job_id)
+    raw(lab, 'root', *[{'op': 'cancel', 'id': i} for i in planted])
 
 
 # ------------------------------------------------------------------- 2

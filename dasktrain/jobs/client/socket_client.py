@@ -159,5 +159,5 @@ class SharedJob(Job):
 
     def cancel(self, client=None):
         """Cancel the job (its submitter, root, or the cluster's owner
-        only: JobError otherwise, in one line)."""
-        self.door.ask('cancel', id=self.id)
+        only: JobError otherwise, in one line); the state it has now."""
+        return self.door.ask('cancel', id=self.id).get('state')
