@@ -304,9 +304,10 @@ class Cancel(_JobCommand):
         def state_now(told=None):
             # A job whose files cannot be read: what the cancel answered.
             try:
-                return job.status()['state']
+                state = job.status()['state']
             except JobError:
-                return told or 'unreadable'
+                state = 'unreadable'
+            return told if state == 'unreadable' and told else state
         job = self.job(args)
         was = state_now()
         told = job.cancel()  # a shared cluster's answer: its state now

@@ -359,9 +359,13 @@ class SocketServer(SchedulerPlugin):
 
     async def op_status(self, peer, request, job):
         mine = self.may(peer, job)
-        status = await asyncio.to_thread(job.status if mine else
-                                         job.recorded)
-        lost = None if status['state'] in DONE else job.lost_reason(self.ask)
+        try:
+            status = await asyncio.to_thread(job.status if mine else
+                                             job.recorded)
+            lost = None if status['state'] in DONE else \
+                job.lost_reason(self.ask)
+        except JobError as e:  # damaged: one state, why to its owners
+            status, lost = {'state': 'unreadable', 'error': str(e)}, None
         if not mine:
             status = {k: status.get(k) for k in PUBLIC_STATUS}
         return {'folder': str(job.folder), 'status': status, 'lost': lost}
