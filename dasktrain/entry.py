@@ -6,8 +6,9 @@ import sys
 
 def main() -> int:
     try:
+        from dasktrain.cli import finish
         from dasktrain.cli import main as run
     except KeyboardInterrupt:
         print('dasktrain: interrupted', file=sys.stderr)
         return 130
-    return run()
+    return finish(run())

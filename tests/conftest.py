@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -11,6 +12,12 @@ from cifar_fixture import ArchiveServer, make_batches, write_archive
 
 import dasktrain  # noqa: F401  (restores numpy.sctypes before chainer)
 from dasktrain.data import extract_archive
+
+# A shell's background job (`make test &`, nohup) starts with SIGINT
+# ignored, which every child would inherit: the tests of a terminal's
+# Ctrl-C need its default, as a terminal gives it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The suite follows the package's folders; a test may import another's
 # helpers by module name wherever it lies (``from test_cluster import

@@ -3,7 +3,8 @@ steps with and without overlapping it with the backward pass.
 
 ``bench_allreduce()`` times one all-reduce of the seed network's gradients
 (22.5 MB of float32 by default) between two Dask worker processes on this
-machine, through dasktrain's shared-memory path and through its TCP path,
+machine, through dasktrain's shared-memory path and through its links
+(the path between machines; sealed, the workers' comms being TLS),
 and OpenMPI's ``Allreduce`` through mpi4py between two ``mpirun`` ranks on
 the same machine, the anchor. The three are measured in turns, round after
 round, and each reports its best round, so a noisy neighbour hits all
@@ -92,11 +93,11 @@ def bench_allreduce(mbytes=22.5, iterations=10, rounds=3):
     """
     from dasktrain.cluster.workers import local_workers
     n = int(mbytes * 1e6 / 4)
-    best = {'shared memory': [], 'tcp': [], 'mpi': []}
+    best = {'shared memory': [], 'links': [], 'mpi': []}
     with local_workers(2) as client:
         workers = sorted(client.scheduler_info()['workers'])
         for round_ in range(rounds):
-            for label, shared in (('shared memory', True), ('tcp', False)):
+            for label, shared in (('shared memory', True), ('links', False)):
                 times = client.gather([
                     client.submit(_dask_times, f'bench-ar-{round_}-{label}',
                                   r, 2, n, iterations, shared, workers=[w],
@@ -110,7 +111,7 @@ def bench_allreduce(mbytes=22.5, iterations=10, rounds=3):
             else:
                 best['mpi'].append(statistics.median(mpi))
     rows = []
-    for label in ('shared memory', 'tcp'):
+    for label in ('shared memory', 'links'):
         rows.append((f'dasktrain all-reduce, {label}',
                      1000 * min(best[label]), 'ms'))
     if isinstance(best['mpi'], str):
@@ -118,7 +119,7 @@ def bench_allreduce(mbytes=22.5, iterations=10, rounds=3):
     else:
         mpi = min(best['mpi'])
         rows.append(('OpenMPI Allreduce (mpi4py)', 1000 * mpi, 'ms'))
-        for label in ('shared memory', 'tcp'):
+        for label in ('shared memory', 'links'):
             rows.append((f'{label} vs MPI', f'{min(best[label]) / mpi:.2f}x',
                          ''))
     return rows
@@ -179,7 +180,7 @@ def bench_overlap(model='cifar10', batch=100, buckets=(0, 0.25, 1, 4, 16),
     rounds : int, default 3
         Rounds of all sizes in turns; each size's best round counts.
     shared : bool, default True
-        Sum through shared memory; False: over TLS sockets, the path
+        Sum through shared memory; False: over links (sealed), the path
         between machines.
     """
     from dasktrain.cluster.workers import local_workers

@@ -142,7 +142,7 @@ class Bench(Command):
                        help='rounds of all sizes in turns, best reported '
                             '(default: %(default)s)')
         p.add_argument('--sockets', action='store_true',
-                       help='sum over TLS sockets, the path between '
+                       help='sum over links (sealed), the path between '
                             'machines (default: shared memory)')
         p.set_defaults(command_parser=p, positive=('batch_size', 'steps',
                                                    'rounds'))
@@ -192,7 +192,7 @@ class Bench(Command):
                                  shared=not args.sockets)
             title = (f'dasktrain bench overlap (model={args.model}, batch '
                      f'{args.batch_size} per worker, 2 workers, '
-                     f'{"TLS sockets" if args.sockets else "shared memory"})')
+                     f'{"links" if args.sockets else "shared memory"})')
         elif args.bench == 'scaleout':
             from dasktrain.bench.scaleout import bench_scaleout
             rows = bench_scaleout(

@@ -170,8 +170,6 @@ class FusedFill:
         self._numbers[4 * n:] = factors if factors is not None else 0.0
         stream = cupy.cuda.get_current_stream()
         self._device.set(self._host, stream=stream)
-        self._copied = cupy.cuda.Event(disable_timing=True)
-        self._copied.record(stream)
         numbers = self._device.view(np.float64)
         if self.blocks:
             module.get_function('fill_chunks')(
@@ -183,3 +181,7 @@ class FusedFill:
                 (-(-n // THREADS),), (THREADS,),
                 (self._first, numbers[4 * n:], self._partial,
                  np.int32(n), probes))
+        # After the kernels too: they read the table and write _partial,
+        # which the next call (maybe on another stream) overwrites.
+        self._copied = cupy.cuda.Event(disable_timing=True)
+        self._copied.record(stream)

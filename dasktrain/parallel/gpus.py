@@ -155,14 +155,13 @@ def place_devices(devices, indices):
 # Non-blocking communicators (NCCL_COMM_BLOCKING=0) came with NCCL 2.14;
 # before, the variable is ignored and a dead peer blocks groupEnd forever.
 # ncclCommAbort from a thread other than the communicator's own, which a
-# rank's deadline needs, was made safe in 2.19.1 (NCCL issue #992).
-MIN_NCCL = (2, 19, 1)
-# 2.23 to 2.25 leave a non-blocking collective's group job in the calling
-# thread's thread-local storage until the communicator's next call (group.cc
-# 'ncclGroupJobMainPtr'); dasktrain sums from a thread per step, which has
-# ended by then. 2.26 completes the job in ncclCommGetAsyncError, 2.28
-# allocates it on the heap.
-BAD_NCCL = ((2, 23, 0), (2, 26, 0))
+# rank's deadline needs, was made safe in 2.19.1 (NCCL issue #992). Up to
+# 2.25 a non-blocking collective's group job stays in the calling thread's
+# thread-local storage until the communicator's next call (group.cc's
+# ncclGroupJobMainPtr; 2.22's and 2.25's read alike); dasktrain sums from
+# a thread per step, which has ended by then. 2.26 completes the job in
+# ncclCommGetAsyncError, 2.28 allocates it on the heap.
+MIN_NCCL = (2, 26, 0)
 
 
 def nccl_version(code):
@@ -192,21 +191,13 @@ def nccl_problem(nccl):
         version = nccl_version(int(nccl.get_version()))
     except Exception:  # a library too old for ncclGetVersion
         version = None
-    if version is not None and BAD_NCCL[0] <= version < BAD_NCCL[1]:
-        found = '.'.join(map(str, version))
-        return (f'warning: NCCL {found} (2.23 to 2.25) keeps a sum\'s state '
-                'in the thread that started it, which dasktrain\'s '
-                'communication threads outlive: GPU ranks sum over Dask '
-                'comms instead, slower; install NCCL >= 2.26 or 2.19-2.22 '
-                "(pip install 'dasktrain[cuda12]' brings one)")
     if version is None or version < MIN_NCCL:
         found = '.'.join(map(str, version)) if version else 'older than 2.3.4'
-        return (f'warning: NCCL {found} is older than 2.19.1, whose '
-                'non-blocking communicators and safe abort let a rank give '
-                'up on a dead peer (before, it can block forever): GPU '
-                'ranks sum over Dask comms instead, slower; install NCCL '
-                '>= 2.19.1 (pip '
-                "install 'dasktrain[cuda12]' brings nvidia-nccl)")
+        return (f'warning: NCCL {found} is older than 2.26, the first whose '
+                'non-blocking sums complete from any thread and whose abort '
+                'lets a rank give up on a dead peer: GPU ranks sum over Dask '
+                'comms instead, slower; install NCCL >= 2.26 (pip install '
+                "'dasktrain[cuda12]' brings nvidia-nccl)")
     return None
 
 
@@ -214,7 +205,7 @@ def use_nccl(devices, nccl):
     """Whether a rank on ``devices`` sums over NCCL, given CuPy's ``nccl``
     module: only on GPUs, and only where :func:`nccl_problem` finds none
     (the NCCL library loaded, ``nccl.available``, which the cupy-cudaXXx
-    wheels do not bring; version 2.19.1 or later)."""
+    wheels do not bring; version 2.26 or later)."""
     return bool(gpu_ids(devices)) and nccl_problem(nccl) is None
 
 

@@ -9,11 +9,16 @@ ranks have too). Each task (:func:`run_rank`) starts the program under
 its keeper (:mod:`dasktrain.keeper`), with the environment of
 :mod:`dasktrain.parallel.comm.rendezvous` (rank, size, rendezvous, TLS
 files): ``dasktrain.chainermn.create_communicator()`` in the program
-joins the other ranks from it, peer to peer.
+joins the other ranks from it, peer to peer. CPU ranks on this machine
+(no ``scheduler``, no GPUs) are started here instead, as ``mpiexec``
+starts them (:func:`_run_here`): under their keepers, children of this
+process, all at once, with a scheduler in this process for their
+rendezvous and no worker processes.
 
 Output: rank 0's stdout and stderr come back live (Dask events, so from
-any machine) and also go to ``rank0.log`` in the output folder; every
-other rank's to ``rank{r}.log``, shown in full when that rank fails.
+any machine; pipes, for ranks started here) and also go to ``rank0.log``
+in the output folder; every other rank's to ``rank{r}.log``, shown in
+full when that rank fails.
 
 Faults: the first rank to exit non-zero (or to lose its worker) ends the
 job: the others are stopped (their keepers: SIGTERM to every process of
@@ -24,6 +29,7 @@ way. Ctrl-C stops every rank before the local workers go.
 """
 import codecs
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -38,12 +44,25 @@ from pathlib import Path
 from dasktrain import keeper
 from dasktrain.cluster.guard import signals_raise
 from dasktrain.cluster.local import connect, restore_default_scheduler
-from dasktrain.cluster.workers import local_device_workers, local_workers
+from dasktrain.cluster.workers import local_device_workers
 from dasktrain.errors import UserError, argument
-from dasktrain.parallel.comm.rendezvous import LISTEN, SIZE, rank_environment
+from dasktrain.parallel.comm.rendezvous import (
+    LISTEN,
+    SIZE,
+    chainermn_environment,
+    chainermn_folder,
+    rank_environment,
+)
 from dasktrain.parallel.gpus import VISIBLE, GpuPool
-from dasktrain.parallel.placement import rank_threads
-from dasktrain.run.driver import Driver, Stop
+from dasktrain.run.driver import (
+    PATIENCE,
+    POLL,
+    SETTLE,
+    Driver,
+    Failure,
+    Stop,
+    blame,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,23 +168,19 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
         # A queue's cancel (SIGTERM) or a closed terminal (SIGHUP) stops
         # the ranks as Ctrl-C does, rather than orphaning them.
         stack.enter_context(signals_raise())
+        # Not dasktrain.chainermn's import here: Chainer's, a second.
+        extra = chainermn_environment(stack.enter_context(
+            chainermn_folder(out)), os.environ) if chainermn else {}
+        if local and not gpus:  # CPU ranks on this machine: started here
+            return _run_here(argv, n, out, timeout, grace, echo, extra)
         if client is None:
             stack.enter_context(restore_default_scheduler(always=True))
             if scheduler is not None:
                 client = stack.enter_context(connect(scheduler))
-            elif gpus:
+            else:
                 client = stack.enter_context(local_device_workers(
                     tuple(f'@cupy:{g}' for g in gpus)))
-            else:
-                # No dashboard, workers forked from one that imported
-                # Dask once: a launch's start-up is waited on.
-                client = stack.enter_context(local_workers(
-                    n, rank_threads(n, os.cpu_count()), dashboard=False,
-                    method='forkserver'))
         tls = stack.enter_context(_tls_files(client.security))
-        from dasktrain.chainermn import substitution
-        extra = substitution.rank_environment(stack.enter_context(
-            substitution.shim_folder(out)), os.environ) if chainermn else {}
         return _run(client, argv, n, bool(gpus), out, timeout, grace, echo,
                     tls, local, extra)
 
@@ -329,9 +344,9 @@ def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
                 worker.log_event(job, {'kind': 'pid', 'rank': rank,
                                        'pid': kept.pid})
                 lock = threading.Lock()  # stdout and stderr share the log
-                readers = [_reader(worker, job, stream, name, log, lock)
-                           for stream, name in ((kept.stdout, 'stdout'),
-                                                (kept.stderr, 'stderr'))
+                readers = [_reader(stream, log, lock, functools.partial(
+                    _send, worker, job, name)) for stream, name in (
+                        (kept.stdout, 'stdout'), (kept.stderr, 'stderr'))
                            if stream is not None]
                 code, ended = _wait(kept, stop, grace)
                 for reader in readers:
@@ -361,9 +376,14 @@ def _machine_gpus(worker, job, rank, size, held, stop):
         time.sleep(0.2)
 
 
-def _reader(worker, job, stream, name, log, lock):
-    """A thread copying ``stream`` to ``log`` and, as events, to the
-    launch (chunks as they come: a progress bar's ``\\r`` stays)."""
+def _send(worker, job, name, text):
+    """``text`` of the rank's stream ``name``, an event to the launch."""
+    worker.log_event(job, {'kind': 'output', 'stream': name, 'text': text})
+
+
+def _reader(stream, log, lock, send):
+    """A thread copying ``stream`` to ``log`` and its text to ``send``
+    (chunks as they come: a progress bar's ``\\r`` stays)."""
     # A character split between two reads is decoded once it is whole.
     decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
 
@@ -376,12 +396,11 @@ def _reader(worker, job, stream, name, log, lock):
                 log.write(data)
                 log.flush()
             if text:
-                worker.log_event(job, {'kind': 'output', 'stream': name,
-                                       'text': text})
+                send(text)
             if not data:
                 break
     thread = threading.Thread(target=run, daemon=True,
-                              name=f'dasktrain-{name}')
+                              name='dasktrain-output')
     thread.start()
     return thread
 
@@ -407,3 +426,167 @@ def _last_line(path):
         return None
     lines = [line.strip() for line in lines if line.strip()]
     return lines[-1][:300] if lines else None
+
+
+# ------------------------------------------------- ranks started here
+# A CPU launch on this machine starts its ranks as children of this
+# process, as mpiexec does, all at once, with a scheduler in this process
+# (no workers) for their rendezvous: no worker processes to start, import
+# Dask in, register and stop, which were most of a short job's wall time
+# (bench/startup.py). Keepers, output, faults and stopping as on workers.
+
+def _run_here(argv, n, out, timeout, grace, echo, extra):
+    """Run the ranks under keepers started here; the exit status. They
+    start first, the scheduler (Dask's import, most of this process's
+    start-up) while they import theirs: their rendezvous waits for it."""
+    job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
+    environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
+    environ.update({k: environ.get(k, '1') for k in _BLAS})
+    ended = threading.Event()  # set whenever a rank ends
+    children = []
+    with _throwaway_tls() as tls:
+        port = _free_port()
+        address = f'tls://127.0.0.1:{port}'
+        try:
+            for rank in range(n):
+                env = dict(environ, **rank_environment(
+                    rank, n, address, job, 'tls://127.0.0.1', tls, timeout))
+                children.append(_Child(argv, env, rank, out, echo, ended,
+                                       grace))
+            with _scheduler_here(port, tls):
+                return _watch_here(children, ended, grace, echo)
+        finally:
+            for child in children:
+                child.stop(grace)
+
+
+@contextlib.contextmanager
+def _throwaway_tls():
+    """(ca, cert, key) of a CA and certificate made for this launch alone
+    (127.0.0.1), in a private folder removed on exit."""
+    from dasktrain.cluster.tls import ensure_certificates
+    folder = tempfile.mkdtemp(prefix='dasktrain-launch-')  # 0700
+    try:
+        files = ensure_certificates(folder)
+        yield files['tls_ca_file'], files['tls_cert'], files['tls_key']
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _free_port():
+    """A port of 127.0.0.1 free now, for the scheduler the ranks are
+    told of before it starts."""
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _scheduler_here(port, tls):
+    """A scheduler in this process on 127.0.0.1:``port`` (TLS, no
+    dashboard, no workers), for the ranks' rendezvous."""
+    from distributed import LocalCluster
+    from distributed.security import Security
+    ca, cert, key = tls
+    security = Security(tls_ca_file=ca, tls_client_cert=cert,
+                        tls_client_key=key, tls_scheduler_cert=cert,
+                        tls_scheduler_key=key, require_encryption=True)
+    try:
+        cluster = LocalCluster(
+            n_workers=0, processes=False, host='127.0.0.1', protocol='tls',
+            scheduler_port=port, security=security,
+            dashboard_address='127.0.0.1:0',
+            scheduler_kwargs={'dashboard': False})
+    except OSError as e:
+        raise LaunchError(f'the ranks\' rendezvous cannot listen on '
+                          f'127.0.0.1:{port} ({e}); launch again') from None
+    with cluster:
+        yield
+
+
+def _watch_here(children, ended, grace, echo):
+    """Wait for the ranks; as :meth:`~dasktrain.run.driver.Driver.watch`
+    does, the first to fail that is not a peer's echo ends the job (once
+    the others have had ``SETTLE`` seconds to show theirs; an echo waits
+    ``PATIENCE`` seconds for its cause), named in one line."""
+    first = None
+    while True:
+        ended.wait(POLL)
+        ended.clear()
+        outcomes = [c.outcome() for c in children]
+        failures = [Failure(o['rank'], None, o, o['ended'])
+                    for o in outcomes if o is not None and o['code'] != 0]
+        done = all(o is not None for o in outcomes)
+        if done and not failures:
+            for child in children:
+                child.join_output()
+            return 0
+        if not failures:
+            continue
+        now = time.monotonic()
+        first = first or now
+        roots = [f for f in failures if not f.echo()]
+        if done or now - first > PATIENCE or \
+                (roots and now - first >= SETTLE):
+            for child in children:
+                child.stop(grace)
+            return _report(blame(failures).result, echo)
+
+
+class _Child:
+    """One rank started here, under its keeper (dying with this process;
+    rank 0's output relayed live, every rank's kept in its log)."""
+
+    def __init__(self, argv, env, rank, out, echo, ended, grace):
+        self.rank, self.log = rank, str(out / f'rank{rank}.log')
+        self.time = self.why = None
+        self._readers = []
+        with open(self.log, 'wb') as log:
+            pipe = subprocess.PIPE if rank == 0 else log
+            self.kept = keeper.start(argv, env, grace, stdout=pipe,
+                                     stderr=pipe, cwd=os.getcwd())
+        if rank == 0:
+            log = open(self.log, 'ab')
+            lock = threading.Lock()  # stdout and stderr share the log
+            self._readers = [
+                _reader(stream, log, lock, functools.partial(echo, name))
+                for stream, name in ((self.kept.stdout, 'stdout'),
+                                     (self.kept.stderr, 'stderr'))]
+        else:
+            log = None
+
+        def wait():
+            self.kept.wait()
+            self.join_output()
+            if log is not None:
+                log.close()
+            self.why = self.kept.start_error()
+            self.time = time.time()
+            ended.set()
+        threading.Thread(target=wait, daemon=True,
+                         name=f'dasktrain-rank{rank}').start()
+
+    def outcome(self):
+        """The rank's result as a worker's rank task gives it, or None
+        while it runs."""
+        if self.time is None:
+            return None
+        if self.why is not None:
+            return {'rank': self.rank, 'code': keeper.CANNOT_START,
+                    'ended': self.time, 'log': self.log, 'why': self.why,
+                    'last': None}
+        return {'rank': self.rank, 'code': self.kept.returncode,
+                'ended': self.time, 'log': self.log, 'why': None,
+                'last': _last_line(self.log)}
+
+    def join_output(self):
+        for reader in self._readers:
+            reader.join(5)
+
+    def stop(self, grace):
+        """Its keeper stops every process of the rank: SIGTERM, SIGKILL
+        after ``grace`` s."""
+        if self.kept.poll() is None:
+            self.kept.stop(grace)
+        self.join_output()

@@ -153,7 +153,8 @@ def train(config=None, callbacks=(), client=None, placed=None, **overrides):
         # A missing GPU is one line, before any worker process starts.
         resolve_devices(placement.devices)
         progress.say(f'training on {placement.ranks} worker processes, one '
-                     f'per device ({argument("in_process")}: all in this one)')
+                     f'per device ({argument("in_process")} trains them all '
+                     'in this process instead)')
         ranks = Ranks(placement.ranks, len(gpu_ids(placement.rank_devices)),
                       placement.rank_devices)
         with local_device_workers(placement.devices, rank_threads(

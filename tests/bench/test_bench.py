@@ -36,14 +36,14 @@ def test_bench_usage_errors(capsys):
         'see `dasktrain bench train --help`']
 
 
-def test_bench_allreduce_times_shared_memory_tcp_and_says_what_of_mpi(
+def test_bench_allreduce_times_shared_memory_links_and_says_what_of_mpi(
         capsys):
     assert main(['bench', 'allreduce', '--mbytes', '0.5', '--iterations',
                  '2', '--rounds', '1']) == 0
     out = capsys.readouterr().out
     times = dict(re.findall(r'\| dasktrain all-reduce, ([a-z ]+) \| '
                             r'([\d,.]+) \| ms \|', out))
-    assert set(times) == {'shared memory', 'tcp'}
+    assert set(times) == {'shared memory', 'links'}
     assert all(float(v.replace(',', '')) > 0 for v in times.values())
     # MPI: a time and the ratios, or why not (mpi4py is bench-only)
     assert re.search(r'\| OpenMPI Allreduce \(mpi4py\) \| ([\d,.]+ \| ms|'

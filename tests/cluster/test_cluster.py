@@ -338,7 +338,10 @@ def test_workers_start_with_glibcs_allocator_after_a_plain_dask_cluster(
     monkeypatch.delenv(malloc.VARIABLE, raising=False)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
                       host='127.0.0.1', dashboard_address=None) as cluster:
-        with Client(cluster) as client:
+        # Not the default client: this test is about the nanny's
+        # environment, not dask's default scheduler (which a default
+        # client's close restores, at a time of its own).
+        with Client(cluster, set_as_default=False) as client:
             assert set(client.run(lambda: os.environ.get(
                 'MALLOC_TRIM_THRESHOLD_')).values()) == {'65536'}
     assert os.environ.get(malloc.VARIABLE) == '65536'  # Dask's leftover

@@ -90,7 +90,7 @@ def test_job_folders_are_whole_private_and_the_users_own(
     monkeypatch.setenv('USER', 'alice')  # anyone can set it
     monkeypatch.setenv('LOGNAME', 'alice')
     jobs = tmp_path / 'jobs'
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         job = submit(job_config(data_dir, epochs=1), gpus=1, client=client,
                      path=jobs)
@@ -110,7 +110,7 @@ def test_job_folders_are_whole_private_and_the_users_own(
 def test_a_job_that_cannot_be_written_leaves_nothing(cluster, data_dir,
                                                       tmp_path):
     (tmp_path / 'a-file').write_text('')
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         with pytest.raises(JobError, match='cannot write the job to'):
             submit(job_config(data_dir), gpus=1, client=client,
@@ -148,7 +148,7 @@ def _fill(folder):
 def test_only_the_submitter_cancels_a_job(cluster, data_dir, tmp_path,
                                           capsys):
     jobs = tmp_path / 'jobs'
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         job = submit(job_config(data_dir, epochs=50), gpus=1, client=client,
                      path=jobs)
@@ -171,7 +171,7 @@ def test_only_the_submitter_cancels_a_job(cluster, data_dir, tmp_path,
 
 def test_a_cluster_refuses_a_job_it_could_not_write(cluster):
     nobody = pwd.getpwnam('nobody').pw_uid
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         with pytest.raises(JobError) as e:
             check_owner(client, uid=nobody)
         check_owner(client)  # its owner: fine
@@ -210,7 +210,7 @@ def test_a_second_unix_user_is_refused_in_one_line(cluster, tmp_path):
     os.chown(home, nobody.pw_uid, nobody.pw_gid)
     env = dict(os.environ, HOME=str(home), DASKTRAIN_HOME=str(home / 'dt'),
                DASKTRAIN_JOBS_DIR=str(home / 'jobs'))
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
     with child([sys.executable, '-c', SECOND_USER, cluster.address,
                 str(nobody.pw_uid), str(nobody.pw_gid)], env=env,

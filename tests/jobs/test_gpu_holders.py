@@ -53,7 +53,7 @@ def sleeper(client, tmp_path, gpus):
 def test_gpus_shows_the_job_and_user_holding_each_gpu(cluster, tmp_path,
                                                       capsys):
     preloaded_worker(cluster, 'GPU=2 CPU=1', visible='3,5')
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         wait_until(lambda: heartbeat_seen(client), 30, 'a heartbeat')
         job = sleeper(client, tmp_path, gpus=1)
@@ -85,7 +85,7 @@ def test_gpus_shows_the_job_and_user_holding_each_gpu(cluster, tmp_path,
 def test_gpus_on_a_machine_without_gpus_lists_cpu_slots(cluster, tmp_path,
                                                         capsys):
     preloaded_worker(cluster, 'CPU=2')
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         job = sleeper(client, tmp_path, gpus=0)
         wait_until(lambda: job.status()['state'] == 'running', 60,

@@ -36,7 +36,7 @@ def cluster(tmp_path):
 def test_three_one_gpu_jobs_share_a_two_gpu_worker(cluster, data_dir,
                                                    tmp_path):
     cluster.worker(gpus=2)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         jobs = [submit(job_config(data_dir, epochs=3), gpus=1,
                        name=f'j{i}', client=client, path=tmp_path / 'jobs')
@@ -61,7 +61,7 @@ def test_a_cpu_job_sees_no_gpu(cluster, data_dir, tmp_path):
     cluster.spawn('worker', cluster.address, '--no-nanny', '--nthreads',
                   '3', '--resources', 'GPU=2 CPU=1', '--host', '127.0.0.1',
                   '--local-directory', str(tmp_path / 'space'))
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         job = submit(job_config(data_dir, epochs=1, devices=None), gpus=0,
                      client=client, path=tmp_path / 'jobs')
@@ -77,7 +77,7 @@ def test_a_submitted_job_across_two_cpu_workers(cluster, data_dir,
         cluster.spawn('worker', cluster.address, '--no-nanny', '--nthreads',
                       '2', '--resources', 'CPU=1', '--host', '127.0.0.1',
                       '--local-directory', str(tmp_path / 'space'))
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(2)
         job = submit(job_config(data_dir, workers=2, mode='ipm',
                                 mix_every=2), gpus=0, client=client,
@@ -105,7 +105,7 @@ def test_a_job_across_workers_holds_its_gpus_on_every_rank(cluster,
     # to every rank (the ranks train on the CPU here: devices say so).
     for ids in ('GPU-a,GPU-b', 'GPU-c,GPU-d'):
         cluster.worker(gpus=2, nthreads=3, visible=ids)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(2)
         with pytest.raises(JobError, match=r'gpus_per_worker 1 contradicts '
                            r'gpus 2'):
@@ -136,9 +136,9 @@ def test_a_job_across_workers_holds_its_gpus_on_every_rank(cluster,
 @pytest.mark.equivalence
 def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
         cluster, data_dir, tmp_path, capsys, float64):
-    config = job_config(data_dir, epochs=6, train_size=1000)
+    config = job_config(data_dir, epochs=6, train_size=500)
     worker = cluster.worker(gpus=1)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         job = submit(config, gpus=1, client=client, path=tmp_path / 'jobs')
     wait_until(lambda: len(job.log_rows()) >= 1, 120, 'the first epoch')
@@ -174,7 +174,7 @@ def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
 def test_cancel_a_queued_and_a_running_job(cluster, data_dir, tmp_path,
                                            capsys):
     cluster.worker(gpus=1)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         running = submit(job_config(data_dir, epochs=50, train_size=1000),
                          gpus=1, client=client, path=tmp_path / 'jobs')
@@ -204,7 +204,7 @@ def test_a_failing_job_is_marked_failed_and_others_finish(
     broken = tmp_path / 'broken'
     (broken / 'cifar-10-batches-py').mkdir(parents=True)
     cluster.worker(gpus=2)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         bad = submit(job_config(broken), gpus=1, client=client,
                      path=tmp_path / 'jobs')
@@ -251,7 +251,7 @@ def test_a_failing_job_is_marked_failed_and_others_finish(
 def test_submit_time_errors(cluster, data_dir, tmp_path, monkeypatch,
                             capsys):
     cluster.worker(gpus=2)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         with pytest.raises(JobError, match='no worker has 3 GPU'):
             submit(job_config(data_dir), gpus=3, client=client,
@@ -281,7 +281,7 @@ def test_submit_time_errors(cluster, data_dir, tmp_path, monkeypatch,
 def test_without_gpus_submit_says_that_gpus_0_takes_a_cpu_slot(
         cluster, tmp_path, capsys):
     cluster.worker(gpus=0, resources='CPU=2')
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
     assert main(['submit', '--scheduler', cluster.address, '--jobs-dir',
                  str(tmp_path / 'jobs'), '--', '--model', 'tiny']) == 1
@@ -295,7 +295,7 @@ def test_without_gpus_submit_says_that_gpus_0_takes_a_cpu_slot(
 def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
                                              capsys, monkeypatch):
     cluster.worker(gpus=1)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
     # Relative paths mean the submitter's directory, not the worker's.
     monkeypatch.chdir(data_dir.parent)
@@ -331,7 +331,7 @@ def test_former_child_modules_map_to_todays():
 def test_a_job_folder_naming_a_former_child_module_still_runs(
         cluster, data_dir, tmp_path):
     cluster.worker(gpus=0, resources='CPU=1')
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         job = submit(job_config(data_dir, epochs=1, train_size=200), gpus=0,
                      client=client, path=tmp_path / 'jobs',

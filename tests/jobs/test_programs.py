@@ -46,7 +46,7 @@ def test_a_program_runs_where_and_as_its_submitter_said(
     monkeypatch.chdir(lab)
     monkeypatch.setenv('LAB_TOKEN', 'abc123')  # the submitter's env
     jobs = tmp_path / 'jobs'
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
     assert main(['submit', '--gpus', '1', '--scheduler', cluster.address,
                  '--jobs-dir', str(jobs), '--env', 'EXTRA=yes', '--',
@@ -73,7 +73,7 @@ def wait_for_end(job, timeout=120):
 
 def test_exit_codes_and_signals_are_the_end_in_words(cluster, tmp_path):
     cluster.worker(gpus=0, resources='CPU=2', nthreads=2)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         three = submit_command([sys.executable, '-c', 'raise SystemExit(3)'],
                                gpus=0, client=client, path=tmp_path / 'j')
@@ -109,7 +109,7 @@ def test_cancel_stops_the_whole_process_tree(cluster, tmp_path, trap):
               f'print("ready", flush=True)\n'
               f'time.sleep(300)\n')
     (tmp_path / 'tree.py').write_text(script)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         job = submit_command(['sh', '-c', f'{sys.executable} tree.py'],
                              gpus=0, grace=2, cwd=tmp_path, client=client,
@@ -165,7 +165,7 @@ def test_a_worker_killed_under_a_program_leaves_it_lost(cluster, tmp_path):
               f'{sys.executable} -c "import os, time; '
               f"open('{pids}.3', 'w').write(str(os.getpid())); "
               f"print('up', flush=True); time.sleep(300)\"")
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         job = submit_command(['sh', '-c', script], gpus=0, client=client,
                              path=tmp_path / 'j')
@@ -190,7 +190,7 @@ def test_what_a_program_leaves_running_ends_with_it(cluster, tmp_path):
     # (a shell's `cmd &`) does not hold the worker's GPUs on.
     cluster.worker(gpus=0, resources='CPU=1', nthreads=1)
     pid = tmp_path / 'pid'
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         job = submit_command(['sh', '-c', f'sleep 300 & echo $! > {pid}'],
                              gpus=0, grace=2, client=client,

@@ -209,7 +209,7 @@ def test_a_two_gpu_job_is_not_starved_by_a_stream_of_one_gpu_jobs(
         return submit_command([sys.executable, 'wait.py', name], gpus=gpus,
                               name=name, cwd=lab, client=client, path=jobs,
                               **kw)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         a, b = submit('a', 1), submit('b', 1)
         big = submit('big', 2)
@@ -257,7 +257,7 @@ def test_a_job_across_workers_waits_its_turn_as_a_gang(cluster, tmp_path,
     for _ in range(2):
         cluster.worker(resources='CPU=1', nthreads=3)
     jobs = tmp_path / 'jobs'
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(2)
 
         def view(job):
@@ -300,7 +300,7 @@ def test_limits_dependencies_and_time_limits_on_a_cluster(cluster,
         return submit_command(argv, gpus=gpus, cwd=tmp_path, client=client,
                               path=jobs, **kw)
     sleep = [sys.executable, '-c', 'import time; time.sleep(60)']
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         set_user_limit(client, 1)
         held = submit(sleep, gpus=1, time='1h')
@@ -373,7 +373,7 @@ def test_a_gpu_busy_outside_the_queue_is_never_handed_out(cluster, tmp_path,
     lab, jobs = tmp_path / 'lab', tmp_path / 'j'
     lab.mkdir()
     (lab / 'wait.py').write_text(WAIT)
-    with Client(cluster.address) as client:
+    with Client(cluster.address, set_as_default=False) as client:
         client.wait_for_workers(1)
         wait_until(lambda: list(client.run_on_scheduler(busy_outside)
                                 .values()) == [{'3': STRANGER}], 30,

@@ -128,22 +128,19 @@ def test_nccl_is_used_only_where_it_loaded_and_is_recent():
     assert not use_nccl(('@numpy',), loaded)      # CPU ranks: Dask comms
     assert 'nvidia-nccl' in NCCL_MISSING and '\n' not in NCCL_MISSING
     assert nccl_problem(missing) == NCCL_MISSING
-    # NCCL_COMM_BLOCKING needs 2.14, an abort from another thread 2.19.1:
-    # older ones fall back, saying which
-    for code, words in ((21900, '2.19.0'), (21306, '2.13.6'),
+    # NCCL_COMM_BLOCKING needs 2.14, an abort from another thread 2.19.1,
+    # a sum completed from any thread 2.26: older ones fall back, saying
+    # which
+    for code, words in ((22505, '2.25.5'), (22203, '2.22.3'),
+                        (21901, '2.19.1'), (21306, '2.13.6'),
                         (2708, '2.7.8'), (0, 'older than 2.3.4')):
         old = nccl_module(version=code)
         assert not use_nccl(('@cupy:0',), old)
         problem = nccl_problem(old)
-        assert f'NCCL {words} is older than 2.19.1' in problem
+        assert f'NCCL {words} is older than 2.26' in problem
         assert 'Dask comms' in problem and '\n' not in problem
-    assert nccl_problem(nccl_module(version=21901)) is None
     assert nccl_problem(nccl_module(version=22703)) is None
-    # 2.23-2.25 keep a sum's group job in the starting thread's storage
-    for code in (22304, 22505):
-        problem = nccl_problem(nccl_module(version=code))
-        assert '2.23 to 2.25' in problem and '\n' not in problem
-        assert not use_nccl(('@cupy:0',), nccl_module(version=code))
+    assert nccl_problem(nccl_module(version=22809)) is None
     assert nccl_problem(nccl_module(version=22602)) is None
     assert nccl_version(20906) == (2, 9, 6)
 

@@ -71,8 +71,12 @@ def npz(path):
 ])
 def test_workers_give_the_results_of_one_process_with_as_many_replicas(
         data_dir, tmp_path, mode, model, local, extra, float64):
+    # 40 training images in batches of 4: 20 steps over 2 epochs, six
+    # mixes at mix_every=3; 16 test images. More steps prove no more and
+    # cost minutes (resnet20 in float64 on 2 cores).
+    sizes = dict(train_size=40, test_size=16)
     common = config(data_dir, tmp_path, model=model, mode=mode,
-                    batch_size=4, **extra)
+                    batch_size=4, **sizes, **extra)
     single = train(common.replace(
         out=str(tmp_path / 'one'), devices=('@numpy',) * 2 * local,
         in_process=True))
@@ -82,6 +86,7 @@ def test_workers_give_the_results_of_one_process_with_as_many_replicas(
                      '--out', str(tmp_path / 'two'), '--mode', mode,
                      '--model', model, '--devices', f'cpu:{local}',
                      '--epochs', '2', '--batch-size', '4', '--lr', '0.01',
+                     '--train-size', '40', '--test-size', '16',
                      '--data-dir', str(data_dir), '--no-progress',
                      *(['--mix-every', '3', '--optimizer', 'momentum-sgd',
                         '--weight-decay', '5e-4'] if extra else [])]) == 0
@@ -116,8 +121,14 @@ def test_several_devices_train_as_one_worker_process_each(data_dir,
     apart = train(config(data_dir, tmp_path / 'apart', **both))
     assert 'workers' not in here and len(apart['workers']) == 2
     assert_same_logs(here['log'], apart['log'])
+    # args records the run as asked, so that --resume places it again
+    # the same way (not the per-rank view, which names no cluster).
     args = json.loads((tmp_path / 'apart' / 'args').read_text())
-    assert args['workers'] == 2 and args['devices'] == ['@numpy']
+    assert args['workers'] is None and args['devices'] == ['@numpy'] * 2
+    more = train(config(data_dir, tmp_path / 'apart', epochs=3, resume=True,
+                        **both))
+    assert [row['epoch'] for row in more['log']] == [1, 2, 3]
+    assert len(more['workers']) == 2
 
 
 @pytest.mark.equivalence
@@ -262,3 +273,24 @@ def test_ctrl_c_in_a_terminal_ends_a_multi_process_run_in_one_line(
         err = run.stderr()
     assert 'Traceback' not in err
     assert err.strip().splitlines()[-1] == 'dasktrain train: interrupted'
+
+
+def test_workers_train_in_the_dtype_of_each_run(data_dir, tmp_path,
+                                                monkeypatch):
+    # cpu:N workers fork from a server that imported Chainer once, and
+    # Chainer reads CHAINER_DTYPE when it loads: a run under another
+    # dtype than the server's gets spawned workers, not a stale default.
+    import chainer
+    small = dict(devices=('@numpy',) * 2, epochs=1, train_size=16,
+                 test_size=8)
+    before = chainer.global_config.dtype
+    try:
+        for dtype in ('float32', 'float64'):
+            monkeypatch.setenv('CHAINER_DTYPE', dtype)
+            chainer.global_config.dtype = np.dtype(dtype)
+            train(config(data_dir, tmp_path / dtype, **small))
+            weights = npz(tmp_path / dtype / 'model_final.npz')
+            assert {w.dtype for w in weights.values()
+                    if w.dtype.kind == 'f'} == {np.dtype(dtype)}, dtype
+    finally:
+        chainer.global_config.dtype = before

@@ -1,21 +1,30 @@
 """Collectives among the processes of one training job, without MPI.
 
 Ranks find each other through Dask (each publishes its listening address
-in a ``distributed.Variable``) and then talk directly, peer to peer, over
-Dask's own comm layer (TCP or TLS, with Dask's zero-copy serialisation of
-NumPy arrays): nothing funnels through the client or the scheduler.
+in a ``distributed.Variable``) and connect peer to peer over Dask's own
+comm layer (TCP or TLS): nothing funnels through the client or the
+scheduler. Those comms carry the small messages (objects, barriers, the
+set-up); arrays take the fastest path there is:
 
-:class:`DaskComm` sums arrays with a reduce-scatter followed by an
-all-gather over a full mesh: each rank owns 1/N of every flattened buffer,
-receives the other ranks' pieces of it, adds them in rank order (so the
-result is the same on every rank, and for two ranks bit-identical to one
-process adding the two), and sends the sum back. Per call each rank sends
-and receives 2 (N - 1) / N of the buffer, as in a ring all-reduce, in
-2 (N - 1) messages. :class:`~dasktrain.parallel.comm.nccl.NcclComm` does
-the array part with NCCL through CuPy on GPUs, its unique id handed out
-over a :class:`DaskComm`. Between ranks of one machine,
-:mod:`~dasktrain.parallel.comm.shm` sums through shared memory instead of
-sockets.
+* every rank on one host: shared memory
+  (:mod:`~dasktrain.parallel.comm.shm`);
+* one rank per host: *links* (:mod:`~dasktrain.parallel.comm.links`),
+  sockets of their own outside Dask's event loop, several streams on
+  several threads, sealed with AES-GCM where the comms use TLS; a
+  reduce-scatter then an all-gather, each rank summing its slice in rank
+  order, so every rank gets the same bits, and for two ranks those of one
+  process adding the two;
+* several hosts with several ranks each: *hierarchical*, as ChainerMN's
+  ``hierarchical`` communicator: the ranks of a host sum through shared
+  memory, the first rank of each host (its leader) all-reduces the host's
+  sum with the other leaders over links, in place in the shared result,
+  and every rank of the host reads it from there. Only one rank per host
+  crosses the network.
+
+A host is a listening address (its IP): ranks that listen on one address
+and see one ``/dev/shm`` share memory. :class:`~dasktrain.parallel.comm.
+nccl.NcclComm` does the array part with NCCL through CuPy on GPUs, its
+unique id handed out over a :class:`DaskComm`.
 
 Every wait has a deadline: a rank that died closes its connections, and a
 rank that hangs stops answering; both raise
@@ -32,6 +41,7 @@ GPU arrays are copied to the host and back here (each with its own device
 current); NCCL is :mod:`~dasktrain.parallel.comm.nccl`'s.
 """
 import asyncio
+import os
 
 import numpy as np
 
@@ -44,6 +54,10 @@ from dasktrain.parallel.comm.base import (
     place,
     signature,
 )
+from dasktrain.parallel.comm.links import STREAMS, plain_asked
+from dasktrain.parallel.comm.links import connect as link
+from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY
+from dasktrain.parallel.comm.shm import SharedMemoryReducer
 
 
 class PeerLost(CollectiveError):
@@ -55,7 +69,7 @@ def _to_host(members, staging=None):
     made (:func:`~dasktrain.parallel.comm.base.packing`, and the GPU
     buffer it came from): a flat host array is the buffer itself; GPU
     arrays of one GPU travel in one transfer, not one each, into
-    ``staging(dtype, size)``'s buffer where given (pinned memory: both
+    ``staging(dtype, size, device)``'s buffer where given (pinned memory: both
     transfers run at the bus's speed, not through a pageable bounce)."""
     how = packing([place(a) for a in members])
     if how == 'itself' and isinstance(members[0], np.ndarray):
@@ -70,7 +84,8 @@ def _to_host(members, staging=None):
     with members[0].device:  # 'itself' or 'device': one GPU's
         flat = members[0].reshape(-1) if how == 'itself' else \
             cupy.concatenate([a.ravel() for a in members])
-        out = None if staging is None else staging(flat.dtype, flat.size)
+        out = None if staging is None else staging(flat.dtype, flat.size,
+                                                   flat.device.id)
         return flat.get(out=out), (how, flat)  # get() waits for its copy
 
 
@@ -133,23 +148,34 @@ class DaskComm(Communicator):
         self._listener = listener
         self._calls = 0
         self._pairs = {}  # (source, dest) -> point-to-point messages
-        self._shm = None  # a SharedMemoryReducer when all share a host
+        self._groups = {}  # group name -> its collectives' count
+        self._shm = None  # a SharedMemoryReducer over this host's ranks
+        self._links = None  # Links to the other hosts' leaders
+        self.hosts = [list(range(size))]  # ranks by host, for routes
         self._staging = {}  # pinned host buffers for GPU sums, by batch
         #: (listen host, Security) it was connected with: split()'s too
         self.joined = None
+        #: (plain, streams) of its links (:meth:`routes`): split()'s too
+        self.link_options = (False, STREAMS)
 
     # -------------------------------------------------------- set-up
 
     @classmethod
     def rendezvous(cls, name, rank, size, timeout=300.0, client=None,
-                   listen_host=None, security=None, shared_memory=True):
+                   listen_host=None, security=None, shared_memory=None,
+                   plain=None, streams=STREAMS):
         """Meet the other ranks of job attempt ``name`` and connect to all.
 
         Each rank listens on its worker's host, publishes the address as
         Dask Variable ``{name}/rank{r}``; a rank dials every lower rank.
         Raises CollectiveError after ``timeout`` seconds without them all.
-        With ``shared_memory`` and every rank on this machine, all-reduces
-        go through shared memory (:mod:`~dasktrain.parallel.comm.shm`).
+        Then the routes of the arrays (see the module): with
+        ``shared_memory`` (default: unless ``DASKTRAIN_SHARED_MEMORY=0``
+        in the environment) the ranks of one host sum through it; the
+        hosts' leaders open ``streams`` links each way to each other,
+        sealed where the comms use TLS unless every rank asks for
+        ``plain`` ones (default: ``DASKTRAIN_LINKS=tcp`` in its
+        environment).
         """
         from distributed import Variable, get_client, get_worker
         from distributed.comm.addressing import get_address_host, parse_address
@@ -174,7 +200,7 @@ class DaskComm(Communicator):
                     f'rank {peer} of {size} did not start within '
                     f'{timeout:g} s (collective_timeout)') from None
         return mesh.connect(cls, rank, size, timeout, listen_host, security,
-                            publish, lookup, shared_memory)
+                            publish, lookup, shared_memory, plain, streams)
 
     def split(self, color, key, shared_memory=None):
         """A communicator of the ranks that give the same ``color``,
@@ -188,20 +214,75 @@ class DaskComm(Communicator):
         """
         return mesh.split(self, color, key, shared_memory)
 
-    def attach_shared_memory(self, reducer):
-        """Sum through ``reducer`` (a SharedMemoryReducer; None: over the
-        connections) from now on."""
-        self._shm = reducer
+
+    def routes(self, host, shared_memory=None, plain=None, streams=STREAMS,
+               tls=True):
+        """Decide how arrays travel (see the module), once connected:
+        group the ranks by their ``host``, join each host's through shared
+        memory (``shared_memory``; default: unless
+        ``DASKTRAIN_SHARED_MEMORY=0``), link the hosts' leaders with
+        ``streams`` streams each way, sealed where ``tls`` unless every
+        rank asks for ``plain`` links (default: ``DASKTRAIN_LINKS=tcp``).
+        A collective: every rank calls it."""
+        if shared_memory is None:
+            shared_memory = os.environ.get(SHARED_MEMORY, '1') != '0'
+        if plain is None:
+            plain = plain_asked()
+        self.link_options = (plain, streams)
+        if self.size == 1:
+            return
+        hosts = host_groups(self.allgather(host))
+        mine = next(g for g in hosts if self.rank in g)
+        if shared_memory and len(mine) > 1:
+            self._shm = SharedMemoryReducer.connect(
+                self.group(mine, f'host{mine[0]}'))
+        # A host whose ranks cannot share memory is as many hosts.
+        joined = self.allgather(self._shm is not None or len(mine) == 1)
+        self.hosts = [g for g in hosts if all(joined[r] for r in g)] + \
+            [[r] for g in hosts if not all(joined[r] for r in g) for r in g]
+        self.hosts.sort()
+        leaders = [g[0] for g in self.hosts]
+        sealed = tls and not all(self.allgather(bool(plain)))
+        if len(leaders) > 1 and self.rank in leaders:
+            self._links = link(self.group(leaders, 'leaders'), host,
+                               streams, sealed, self.timeout)
 
     @property
     def shared_memory(self):
-        """Whether all-reduces go through shared memory (every rank on
-        this machine) rather than over the sockets."""
-        return self._shm is not None
+        """Whether all-reduces go through shared memory alone (every rank
+        on this machine) rather than also over the network."""
+        return self._shm is not None and len(self.hosts) == 1
+
+    @property
+    def route(self):
+        """How this job's arrays travel: ``'shared memory'`` (one host),
+        ``'links'`` (one rank per host), ``'hierarchical'`` (both), or
+        ``'none'`` (one rank)."""
+        if self.size == 1:
+            return 'none'
+        if len(self.hosts) == 1:
+            return 'shared memory'
+        if all(len(g) == 1 for g in self.hosts):
+            return 'links'
+        return 'hierarchical'
+
+    @property
+    def sealed(self):
+        """Whether this rank's links seal what they carry (None: it has
+        none)."""
+        return None if self._links is None else self._links.sealed
+
+    def group(self, members, name):
+        """The ranks ``members`` (ascending, this rank among them) as a
+        communicator of their own for small messages, numbered from 0:
+        collectives among them alone, which the other ranks never see."""
+        return _Group(self, members, name)
 
     def close(self):
         """Drop the connections at once: peers still waiting fail fast."""
         self._staging.clear()
+        if self._links is not None:
+            self._links.close()
         if self._shm is not None:
             self._shm.close()
         async def shut():
@@ -283,11 +364,13 @@ class DaskComm(Communicator):
 
     def _stager(self, k):
         """The pinned host buffers of an all-reduce's ``k``-th batch: one
-        per batch position, dtype and size, made once and reused by every
-        later sum (each finishes before the next begins)."""
-        def staging(dtype, size):
+        per batch position, dtype, size and GPU, made once and reused by
+        every later sum on that GPU (each finishes before the next begins,
+        on the GPU's one stream of sums: the copy back out of a buffer is
+        ordered before the next copy into it)."""
+        def staging(dtype, size, device):
             import cupyx
-            key = (k, np.dtype(dtype).str, int(size))
+            key = (k, np.dtype(dtype).str, int(size), int(device))
             found = self._staging.get(key)
             if found is None:
                 found = self._staging[key] = cupyx.empty_pinned(size, dtype)
@@ -302,8 +385,9 @@ class DaskComm(Communicator):
 
     def allreduce(self, arrays, check=False):
         """Sum ``arrays`` (NumPy or CuPy) over ranks, in place, and return
-        them. Each dtype is summed in its own precision, in rank order.
-        Ranks whose arrays differ in dtype or size raise CollectiveError
+        them. Each dtype is summed in its own precision, in rank order
+        (between hosts' sums, in the order of the hosts' leaders). Ranks
+        whose arrays differ in dtype or size raise CollectiveError
         whatever ``check`` says (the comparison rides with the data)."""
         if self.size == 1:
             return arrays
@@ -311,37 +395,11 @@ class DaskComm(Communicator):
             return self._allreduce_shared(arrays)
         # One flat host buffer per batch; a flat host array (a gradient
         # bucket's buffer) is summed where it lies.
-        packed = {str(k): (members, *_to_host(members, self._stager(k)))
-                  for k, (_, members) in enumerate(batches(arrays))}
-        tag = self._tag('allreduce')
-        me, others = self.rank, self._others()
-        mine = signature(arrays)
-        pieces = {k: np.array_split(flat, self.size)
-                  for k, (_, flat, _) in packed.items()}
-        got = self._run(self._exchange(
-            tag, {p: {'sig': mine,
-                      'parts': {k: v[p] for k, v in pieces.items()}}
-                  for p in others}, others))
-        for peer, msg in list(got.items()):
-            if msg['sig'] != mine:
-                raise CollectiveError(
-                    f'rank {peer} sums {len(msg["sig"])} arrays where rank '
-                    f'{me} sums {len(mine)} (or of other sizes): the ranks '
-                    'are out of step (different models or optimizer state)')
-            got[peer] = msg['parts']
-        got[me] = {k: v[me] for k, v in pieces.items()}
-        mine = {}
-        with np.errstate(over='ignore', invalid='ignore'):  # inf, quietly
-            for k in pieces:
-                mine[k] = np.array(got[0][k], copy=True)
-                for p in range(1, self.size):
-                    mine[k] += got[p][k]
-        back = self._run(self._exchange(
-            tag + '/gather', {p: mine for p in others}, others))
-        back[me] = mine
-        for k, (members, flat, made) in packed.items():
-            # The slices arrive into the flat buffer: no other copy.
-            np.concatenate([back[p][k] for p in range(self.size)], out=flat)
+        packed = [(members, *_to_host(members, self._stager(k)))
+                  for k, (_, members) in enumerate(batches(arrays))]
+        self._links.allreduce([flat for _, flat, _ in packed],
+                              signature(arrays))
+        for members, flat, made in packed:
             _from_host(members, flat, made)
         return arrays
 
@@ -356,7 +414,12 @@ class DaskComm(Communicator):
             flat, made = _to_host(members, self._stager(k))
             groups.setdefault(key, []).append(flat)
             back.append((members, flat, made))
-        self._shm.allreduce(groups, signature(arrays))
+        between = None
+        if len(self.hosts) > 1:  # hierarchical: the leader crosses
+            mine = signature(arrays)
+            between = (lambda flats: self._links.allreduce(flats, mine)) \
+                if self._links is not None else (lambda flats: None)
+        self._shm.allreduce(groups, signature(arrays), between)
         for members, flat, made in back:
             _from_host(members, flat, made)
         return arrays
@@ -434,3 +497,55 @@ class DaskComm(Communicator):
     def _others(self):
         return [p for p in range(self.size) if p != self.rank]
 
+
+
+def host_groups(hosts):
+    """The ranks of each host, from every rank's listening host (in rank
+    order): lists of ranks, ascending, ordered by their first rank.
+
+    Examples
+    --------
+    >>> host_groups(['10.0.0.1', '10.0.0.2', '10.0.0.1', '10.0.0.2'])
+    [[0, 2], [1, 3]]
+    """
+    found = {}
+    for rank, host in enumerate(hosts):
+        found.setdefault(host, []).append(rank)
+    return sorted(found.values())
+
+
+class _Group:
+    """Some ranks of a :class:`DaskComm` as a communicator of their own
+    for small messages (``rank`` and ``size`` among them): the shared
+    memory barriers of one host, the set-up of the leaders' links. Its
+    messages are tagged with its name and its own count, so the other
+    ranks' collectives never mix with them."""
+
+    def __init__(self, comm, members, name):
+        self.comm, self.members, self.name = comm, list(members), name
+        self.rank, self.size = self.members.index(comm.rank), len(members)
+
+    def _tag(self, kind):
+        calls = self.comm._groups.get(self.name, 0) + 1
+        self.comm._groups[self.name] = calls
+        return f'{self.name}/{kind}#{calls}'
+
+    def alltoall(self, objs):
+        """``objs[r]`` to the group's rank r; {r: what r sent here}."""
+        others = [r for r in range(self.size) if r != self.rank]
+        got = self.comm._run(self.comm._exchange(
+            self._tag('alltoall'),
+            {self.members[r]: objs[r] for r in others},
+            [self.members[r] for r in others]))
+        return {self.members.index(p): obj for p, obj in got.items()}
+
+    def allgather(self, obj):
+        got = self.alltoall({r: obj for r in range(self.size)})
+        got[self.rank] = obj
+        return [got[r] for r in range(self.size)]
+
+    def bcast(self, obj):
+        return self.allgather(obj if self.rank == 0 else None)[0]
+
+    def barrier(self):
+        self.allgather(None)

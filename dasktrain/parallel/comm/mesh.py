@@ -20,7 +20,6 @@ import threading
 import time
 
 from dasktrain.parallel.comm.base import CollectiveError, Solo
-from dasktrain.parallel.comm.shm import SharedMemoryReducer
 
 
 def group(colors, color):
@@ -39,16 +38,19 @@ def group(colors, color):
 
 
 def connect(cls, rank, size, timeout, listen_host, security, publish,
-            lookup, shared_memory):
+            lookup, shared_memory=None, plain=None, streams=None):
     """A ``cls`` (a DaskComm) joining ``size`` ranks as ``rank``: listen
     on ``listen_host``, ``publish(address)``, dial every lower rank at
     ``lookup(peer, seconds left)`` and wait for the higher ones, all
     within ``timeout`` seconds (else :class:`CollectiveError`). It runs
-    its connections on an event loop thread of its own. With
-    ``shared_memory`` and every rank on this machine, all-reduces go
-    through shared memory (:mod:`~dasktrain.parallel.comm.shm`)."""
+    its connections on an event loop thread of its own. Then the routes
+    of its arrays (``shared_memory``, ``plain``, ``streams``:
+    :meth:`~dasktrain.parallel.comm.dask.DaskComm.routes`; None: its
+    defaults): shared memory among the ranks of a host, links between
+    hosts."""
     from distributed.comm import connect as dial_address
     from distributed.comm import listen
+    from distributed.comm.addressing import get_address_host, parse_address
     listen_args = security.get_listen_args('worker')
     connect_args = security.get_connection_args('worker')
     loop = asyncio.new_event_loop()
@@ -96,8 +98,10 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
                 raise CollectiveError(
                     f'ranks {missing} did not connect within {timeout:g}'
                     ' s (collective_timeout)') from None
-        if shared_memory and size > 1:
-            self.attach_shared_memory(SharedMemoryReducer.connect(self))
+        options = {} if streams is None else {'streams': streams}
+        self.routes(get_address_host(listener.contact_address),
+                    shared_memory, plain,
+                    tls=parse_address(listen_host)[0] == 'tls', **options)
     except BaseException:
         self.close()
         raise
@@ -110,14 +114,14 @@ def split(comm, color, key, shared_memory=None):
     (two all-gathers over ``comm``: the colours, then the new listeners'
     addresses). The group listens where ``comm`` does and sums through
     shared memory where ``comm`` does (unless ``shared_memory`` says
-    otherwise); a group of one is a
+    otherwise) and links as ``comm`` does; a group of one is a
     :class:`~dasktrain.parallel.comm.base.Solo`."""
     members = group(comm.allgather((color, key)), color)
     if len(members) == 1:
         comm.allgather(None)  # the addresses' round, which the others make
         return Solo()
     if shared_memory is None:
-        shared_memory = comm.shared_memory
+        shared_memory = comm.route in ('shared memory', 'hierarchical')
     addresses = {}
 
     def publish(address):
@@ -126,6 +130,7 @@ def split(comm, color, key, shared_memory=None):
     def lookup(peer, limit):
         return addresses[members[peer]]
     listen_host, security = comm.joined
+    plain, streams = comm.link_options
     return connect(type(comm), members.index(comm.rank), len(members),
                    comm.timeout, listen_host, security, publish, lookup,
-                   shared_memory)
+                   shared_memory, plain, streams)

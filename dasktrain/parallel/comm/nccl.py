@@ -166,8 +166,7 @@ class NcclComm(Communicator):
         # and every call here copes with 'in progress'.
         non_blocking_environment()
         with cupy.cuda.Device(self.device):
-            uid = host.bcast(nccl.get_unique_id() if host.rank == 0
-                             else None)
+            uid = host.bcast(self._new_id() if host.rank == 0 else None)
             comm = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
             # Inside a group, ncclCommInitRank only queues the set-up and
             # groupEnd returns at once (outside one, CuPy 13's plain
@@ -192,6 +191,12 @@ class NcclComm(Communicator):
 
     # -------------------------------------------------- NCCL's answers
 
+
+    def _new_id(self):
+        """Rank 0's unique id for the others: each ``get_unique_id`` starts
+        a bootstrap root thread in NCCL that lives until the communicator
+        made from it is set up, so only an id that is used is made."""
+        return self._nccl.get_unique_id()
     def _status(self, error):
         """The ncclResult_t of an error CuPy raised: NcclError(status), or
         KeyError(7), which CuPy's NcclError raises for the statuses its

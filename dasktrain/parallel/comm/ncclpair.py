@@ -129,6 +129,11 @@ class NcclPair(NcclComm):
     def __init__(self, rank, uid, device, timeout):
         super().__init__(PairHost(rank, uid, timeout), device)
 
+    def _new_id(self):
+        """None: the sender made the pair's id (``uid``), which
+        :class:`PairHost` hands to both ranks."""
+        return None
+
     def _transfer(self, call, buffer, what):
         """``call`` (the NCCL communicator's ``send`` or ``recv``) of
         ``buffer`` with the other rank, on this thread's current stream

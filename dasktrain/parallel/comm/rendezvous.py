@@ -18,22 +18,28 @@ starts who it is and where its peers are, and joining them from it.
 =========================  ==============================================
 
 and, set by the user rather than ``launch``, ``DASKTRAIN_SHARED_MEMORY=0``:
-ranks of one machine talk over their TLS (or TCP) connections instead of
-shared memory (to compare, or where ``/dev/shm`` is too small).
+ranks of one machine send arrays over links
+(:mod:`~dasktrain.parallel.comm.links`) instead of shared memory (to
+compare, or where ``/dev/shm`` is too small); ``DASKTRAIN_LINKS=tcp`` on
+every rank: links between machines unencrypted, for a trusted network.
 
 :func:`join` reads them and returns the rank's
 :class:`~dasktrain.parallel.comm.dask.DaskComm`: each rank publishes its
 address on the scheduler and then talks to the others directly, over
-shared memory where they share a machine, TLS (or TCP) otherwise. Without
+shared memory where they share a machine, links otherwise. Without
 ``DASKTRAIN_SIZE`` (a script run by itself) it returns a
 :class:`~dasktrain.parallel.comm.base.Solo`.
 
 Owns the variables' names and meaning; starting processes is the
 launcher's.
 """
+import contextlib
 import os
+import shutil
+import tempfile
 
 from dasktrain.parallel.comm.base import CollectiveError, Solo
+from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY_ENV
 
 RANK = 'DASKTRAIN_RANK'
 SIZE = 'DASKTRAIN_SIZE'
@@ -43,7 +49,7 @@ LISTEN = 'DASKTRAIN_LISTEN'
 TLS_CA, TLS_CERT, TLS_KEY = ('DASKTRAIN_TLS_CA', 'DASKTRAIN_TLS_CERT',
                              'DASKTRAIN_TLS_KEY')
 TIMEOUT = 'DASKTRAIN_TIMEOUT'
-SHARED_MEMORY = 'DASKTRAIN_SHARED_MEMORY'
+SHARED_MEMORY = SHARED_MEMORY_ENV
 ALL = (RANK, SIZE, RENDEZVOUS, JOB, LISTEN, TLS_CA,
        TLS_CERT, TLS_KEY, TIMEOUT)
 
@@ -66,6 +72,90 @@ def rank_environment(rank, size, scheduler, job, listen, tls=None,
     if tls is not None:
         env.update(zip((TLS_CA, TLS_CERT, TLS_KEY), map(str, tls)))
     return env
+
+
+# ``import chainermn`` on a launched rank: dasktrain.chainermn (see
+# :mod:`dasktrain.chainermn.substitution`): a folder first on its path.
+
+#: A file that marks the folder as dasktrain's: the ``sys.path`` entry
+#: whose ``chainermn`` is not ChainerMN's.
+CHAINERMN_MARK = '.dasktrain-chainermn'
+
+#: The folder's ``chainermn/__init__.py``. It imports nothing of
+#: dasktrain's before the installed ChainerMN is loaded: dasktrain's
+#: modules import ChainerMN's, which must not find this package again.
+CHAINERMN_SHIM = '''"""`import chainermn` on a rank of `dasktrain launch`:
+dasktrain.chainermn, ChainerMN's API on Dask (`dasktrain launch
+--no-chainermn` leaves the installed ChainerMN). Written by
+dasktrain.parallel.comm.rendezvous for one launch, removed when it ends."""
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+
+def _load_installed():
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec('chainermn', path)
+    if spec is None:
+        raise ImportError('ChainerMN is not installed (chainer 7.8.1 brings '
+                          'it), which dasktrain.chainermn needs',
+                          name='chainermn')
+    module = importlib.util.module_from_spec(spec)
+    hook = sys.excepthook
+    sys.modules['chainermn'] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules['chainermn']
+        raise
+    finally:
+        sys.excepthook = hook  # not ChainerMN's MPI_Abort hook
+    return module
+
+
+_load_installed()
+import dasktrain.chainermn  # noqa: E402,F401  (then takes the name)
+'''
+
+
+@contextlib.contextmanager
+def chainermn_folder(out):
+    """A folder in ``out`` (the launch's output folder, which every rank
+    reaches) holding :data:`CHAINERMN_SHIM` as ``chainermn``; removed on
+    leaving.
+
+    Examples
+    --------
+    >>> with chainermn_folder('.') as folder:  # doctest: +SKIP
+    ...     env = chainermn_environment(folder, os.environ)
+    """
+    folder = tempfile.mkdtemp(prefix='.chainermn-', dir=out)
+    try:
+        with open(os.path.join(folder, CHAINERMN_MARK), 'w'):
+            pass
+        os.mkdir(os.path.join(folder, 'chainermn'))
+        with open(os.path.join(folder, 'chainermn', '__init__.py'),
+                  'w') as f:
+            f.write(CHAINERMN_SHIM)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def chainermn_environment(folder, environ):
+    """The variables that put ``folder`` (from :func:`chainermn_folder`)
+    first on a rank's ``PYTHONPATH``, given the environment ``environ``.
+
+    Examples
+    --------
+    >>> chainermn_environment('/x', {'PYTHONPATH': '/y'})
+    {'PYTHONPATH': '/x:/y'}
+    """
+    before = environ.get('PYTHONPATH')
+    return {'PYTHONPATH': os.pathsep.join([str(folder)] + (
+        [before] if before else []))}
 
 
 def launched(environ=None):

@@ -38,6 +38,8 @@ import numpy as np
 from dasktrain.parallel.comm.base import CollectiveError
 
 SHM_DIR = '/dev/shm'
+#: ``DASKTRAIN_SHARED_MEMORY=0``: ranks of one host do not sum through it.
+ENV = 'DASKTRAIN_SHARED_MEMORY'
 ALIGN = 64  # bytes: each dtype's region starts on a cache line
 
 
@@ -165,11 +167,17 @@ class SharedMemoryReducer:
         self._segments[nbytes] = ins, outs
         return ins, outs
 
-    def allreduce(self, groups, signature):
+    def allreduce(self, groups, signature, between=None):
         """Sum, in place, ``groups`` = {dtype str: [arrays]} (host arrays,
         any shapes, contiguous or not) over the ranks; ``signature`` is
         compared across ranks at the first barrier (a mismatch raises
-        CollectiveError)."""
+        CollectiveError).
+
+        ``between`` (given alike on every rank, or on none): once the sums
+        are in the result segment, rank 0 calls ``between(flats)`` on its
+        flat regions (one per dtype, in place: the hierarchical path adds
+        the other hosts' sums there) while the others wait, then all read
+        the result."""
         counts = {k: sum(a.size for a in arrays)
                   for k, arrays in groups.items()}
         regions, nbytes = layout(counts)
@@ -198,6 +206,11 @@ class SharedMemoryReducer:
                     for peer in ins[1:]:
                         acc += peer.view(dtype, offset, count)[lo:hi]
         self.comm.barrier()  # 4. every slice summed
+        if between is not None:
+            if self.rank == 0:
+                between([result.view(dtype, offset, count)
+                         for _, dtype, offset, count in regions])
+            self.comm.barrier()  # the other hosts' sums added
         for key, dtype, offset, count in regions:  # 5. read the result
             flat, start = result.view(dtype, offset, count), 0
             for a in groups[key]:
