@@ -7,6 +7,7 @@ cluster's jobs table and ``dasktrain gpus`` read.
 """
 import asyncio
 import math
+import os
 import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -72,6 +73,7 @@ class JobBoard(SchedulerPlugin):
         self.jobs_dir = jobs_dir
         self.jobs = {}
         self.read_at, self.reading = 0.0, None
+        self.heard = {}  # {id: summary} told while a reading is under way
         self.jobs = self._read({})
 
     def log_event(self, topic, msg):
@@ -80,6 +82,8 @@ class JobBoard(SchedulerPlugin):
             msg = checked_summary(msg)
             if msg is not None:
                 self.jobs[msg['id']] = msg
+                if self.reading is not None:
+                    self.heard[msg['id']] = msg
 
     def summaries(self):
         """Every job, oldest first."""
@@ -109,6 +113,7 @@ class JobBoard(SchedulerPlugin):
         thread: the scheduler's loop goes on meanwhile)."""
         if time.monotonic() - self.read_at > age:
             if self.reading is None:
+                self.heard = {}
                 self.reading = asyncio.ensure_future(
                     asyncio.to_thread(self._read, dict(self.jobs)))
                 self.reading.add_done_callback(self._done)
@@ -117,6 +122,14 @@ class JobBoard(SchedulerPlugin):
 
     def _done(self, reading):
         self.reading = None
+        heard, self.heard = self.heard, {}
         if not reading.cancelled() and reading.exception() is None:
-            self.jobs = reading.result()
+            # What an event told during the reading is newer than the
+            # files it may have read before (a job queued meanwhile is
+            # not lost); a job purged meanwhile stays gone.
+            jobs = reading.result()
+            for job_id, msg in heard.items():
+                if job_id in jobs or os.path.isdir(msg['folder']):
+                    jobs[job_id] = msg
+            self.jobs = jobs
             self.read_at = time.monotonic()

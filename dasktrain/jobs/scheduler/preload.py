@@ -15,6 +15,7 @@ runs): it installs the queue in the scheduler process.
   routes of the dashboard's web server, wherever it binds; a shared
   cluster's private: nothing of any job's output.
 """
+import logging
 import os
 
 from dasktrain.cluster.shared import OWNER_ENV, SERVE_ENV
@@ -26,8 +27,21 @@ from dasktrain.jobs.scheduler.page import add_routes
 from dasktrain.jobs.scheduler.socket_server import SocketServer
 
 
+def _log_as_dask():
+    """The queue's own lines (who queued or cancelled what, what was
+    purged) in the scheduler's log, at INFO, formatted as Dask's."""
+    ours = logging.getLogger('dasktrain')
+    handlers = logging.getLogger('distributed').handlers
+    if handlers and not ours.handlers:
+        for handler in handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 def dask_setup(scheduler):
     """Dask's preload hook."""
+    _log_as_dask()
     board = JobBoard()
     scheduler.add_plugin(board)
     queue = Dispatcher()
