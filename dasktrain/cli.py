@@ -142,8 +142,9 @@ def _run(parser, argv):
     except SystemExit as e:  # --help, --version and usage errors
         return e.code if isinstance(e.code, int) else 2
     except Error as e:
-        print(f'dasktrain {args.command}: error: {printable(e)}',
-              file=sys.stderr)
+        # escaped, but in lines: the traceback of a user's own code
+        message = printable(e, keep='\n')
+        print(f'dasktrain {args.command}: error: {message}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         where = f' {args.command}' if args is not None else ''

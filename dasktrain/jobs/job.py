@@ -177,17 +177,20 @@ def _is(value, kind):
     return isinstance(value, kind)
 
 
-def _checked(data, fields, where):
+def _checked(data, fields, where, more=lambda data: []):
     """``data`` if it is a dict whose ``fields`` are what they must be
-    (None for one not required); JobError naming the first that is not."""
+    (None for one not required); JobError naming every key missing (those
+    required, and ``more(data)``), else the first that is wrong."""
     if not isinstance(data, dict):
         raise JobError(f'{where} is not a JSON object')
-    for key, (kind, required) in fields.items():
+    missing = [key for key, (_, required) in fields.items()
+               if required and data.get(key) is None] + more(data)
+    if missing:
+        raise JobError(f'{where} lacks {", ".join(missing)}')
+    for key, (kind, _) in fields.items():
         value = data.get(key)
-        if value is None and not required:
-            continue
         if value is None:
-            raise JobError(f'{where} lacks {key}')
+            continue
         if not _is(value, kind):
             what = 'a time in seconds' if key == 'submitted' else \
                 kind if kind is _NUMBER else \
@@ -216,9 +219,8 @@ def check_spec(data, where='job.json'):
     dasktrain.jobs.job.JobError: job.json has submitted='x', not a time in \
 seconds
     """
-    _checked(data, _SPEC, where)
-    if 'command' not in data and 'config' not in data:
-        raise JobError(f'{where} lacks config')
+    _checked(data, _SPEC, where, more=lambda data: [] if 'command' in data
+             or 'config' in data else ['config'])
     if data['gpus'] < 0 or (data.get('workers') is not None and
                             data['workers'] < 1):
         raise JobError(f'{where} has gpus={data["gpus"]}, workers='

@@ -238,7 +238,8 @@ def test_a_failing_job_is_marked_failed_and_others_finish(
                       'cut': 'unreadable', 'blank': 'unreadable'}
     assert 'unreadable: job cut: status.json is not valid JSON' in \
         '\n'.join(lines)
-    assert 'unreadable: job blank: job.json lacks submitted, config' in lines
+    assert 'unreadable: job blank: job.json lacks submitted, gpus, config' \
+        in lines
     for command, job_id, reason in [
             ('result', 'cut', 'status.json is not valid JSON'),
             ('logs', 'blank', 'job.json lacks submitted'),
