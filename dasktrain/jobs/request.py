@@ -28,7 +28,7 @@ import os
 import re
 from pathlib import Path
 
-from dasktrain.errors import argument
+from dasktrain.errors import argument, plural
 from dasktrain.jobs.job import CHILD, JobError
 from dasktrain.keeper import RLIMITS, own_rlimits
 from dasktrain.notify import check_target
@@ -406,7 +406,7 @@ def check_devices(config, gpus):
     >>> check_devices(TrainConfig(devices=('@cupy:0',)), gpus=0)
     Traceback (most recent call last):
     ...
-    dasktrain.jobs.job.JobError: devices 0 names 1 GPU(s) but 0 were...
+    dasktrain.jobs.job.JobError: devices 0 names 1 GPU but 0 were...
     """
     from dasktrain.parallel.gpus import GpuError, place_devices
     if config.workers is not None and \
@@ -583,7 +583,7 @@ def check_fits(resources, workers, gpus):
     if workers is not None:
         able = sum(1 for n in have.values() if n >= gpus)
         if able < workers:
-            each = f'{gpus} GPUs' if gpus else 'a CPU slot'
+            each = plural(gpus, 'GPU') if gpus else 'a CPU slot'
             raise JobError(f'{argument("workers")} {workers} needs as '
                            f'many Dask workers with {each}; the cluster has '
                            f'{able}; add workers or lower '
@@ -591,10 +591,12 @@ def check_fits(resources, workers, gpus):
     elif not have or max(have.values()) < need:
         largest = max(have.values(), default=0)
         slots = sum(r.get('CPU', 0) for r in resources.values())
-        instead = (f'pass {argument("gpus")} 0 to take one of the {slots:g} '
-                   f'CPU slot{"s" * (slots != 1)} the workers offer, '
-                   if gpus and slots else 'ask for fewer, ')
-        raise JobError(f'no worker has {need} {resource} (largest: '
-                       f'{largest:g} among {len(have)} workers); '
+        offer = ('the CPU slot' if slots == 1 else
+                 f'one of the {slots:g} CPU slots')
+        instead = (f'pass {argument("gpus")} 0 to take {offer} the workers '
+                   'offer, ' if gpus and slots else 'ask for fewer, ')
+        what = plural(need, 'GPU') if gpus else 'a CPU slot'
+        raise JobError(f'no worker has {what} (largest: {largest:g} among '
+                       f'{plural(len(have), "worker")}); '
                        f'{instead}or add a worker with `dask worker '
                        f'ADDRESS --resources {resource}={need}`')

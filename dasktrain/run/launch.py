@@ -45,7 +45,7 @@ from dasktrain import keeper
 from dasktrain.cluster.guard import signals_raise
 from dasktrain.cluster.local import connect, restore_default_scheduler
 from dasktrain.cluster.workers import local_device_workers
-from dasktrain.errors import UserError, argument
+from dasktrain.errors import UserError, argument, plural
 from dasktrain.parallel.comm.rendezvous import (
     LISTEN,
     SIZE,
@@ -88,8 +88,8 @@ def parse_devices(devices, n):
                           f'like 0,1; got {devices!r}') from None
     if len(ids) != n or len(set(ids)) != n or min(ids) < 0:
         raise LaunchError(f'{argument("devices")} {devices} names '
-                          f'{len(set(ids))} distinct GPU(s) for {n} ranks: '
-                          'one GPU per rank')
+                          f'{plural(len(set(ids)), "distinct GPU")} for '
+                          f'{n} ranks: one GPU per rank')
     return ids
 
 

@@ -355,7 +355,7 @@ def test_mistakes_are_one_line(tmp_path):
     cases = [(['-n', '0', '--', 'true'], '-n must be >= 1'),
              (['-n', '2'], 'give the program after --'),
              (['-n', '2', '--devices', '0', '--', 'true'],
-              '--devices 0 names 1 distinct GPU(s) for 2 ranks'),
+              '--devices 0 names 1 distinct GPU for 2 ranks'),
              (['-n', '2', '--', 'no-such-program-xyz'],
               'cannot start no-such-program-xyz: no such program')]
     for args, words in cases:

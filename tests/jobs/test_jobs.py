@@ -278,6 +278,25 @@ def test_submit_time_errors(cluster, data_dir, tmp_path, monkeypatch,
         not any((tmp_path / 'jobs').iterdir())
 
 
+def test_the_refusal_of_a_job_that_fits_no_worker_counts_in_words():
+    from dasktrain.jobs.request import check_fits
+
+    def refusal(resources, gpus, workers=None):
+        with pytest.raises(JobError) as e:
+            check_fits(resources, workers, gpus)
+        return str(e.value)
+    said = refusal({'w': {'CPU': 1}}, 2)
+    assert said.startswith('no worker has 2 GPUs (largest: 0 among 1 '
+                           'worker); pass gpus 0 to take the CPU slot the '
+                           'workers offer, or add a worker with '), said
+    said = refusal({'a': {'GPU': 1, 'CPU': 1}, 'b': {'CPU': 2}}, 3)
+    assert said.startswith('no worker has 3 GPUs (largest: 1 among 2 '
+                           'workers); pass gpus 0 to take one of the 3 CPU '
+                           'slots'), said
+    assert refusal({'a': {'GPU': 2}}, 1, workers=2).startswith(
+        'workers 2 needs as many Dask workers with 1 GPU; the cluster has 1')
+
+
 def test_without_gpus_submit_says_that_gpus_0_takes_a_cpu_slot(
         cluster, tmp_path, capsys):
     cluster.worker(gpus=0, resources='CPU=2')

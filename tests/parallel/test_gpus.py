@@ -173,7 +173,7 @@ def test_unused_gpus_are_explained_in_chainers_words():
     smi = ['GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)',
            'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)']
     line = unused_gpus_message(smi, 0, 'libcublas.so.12: cannot open')
-    assert line == ('nvidia-smi sees 2 GPU(s) that Chainer cannot use: '
+    assert line == ('nvidia-smi sees 2 GPUs that Chainer cannot use: '
                     'libcublas.so.12: cannot open')
     assert unused_gpus_message(smi, 2, None) is None     # all in use
     assert unused_gpus_message(smi, 0, None) is None     # hidden on purpose

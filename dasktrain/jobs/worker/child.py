@@ -18,7 +18,7 @@ import sys
 import traceback
 
 from dasktrain.config import TrainConfig
-from dasktrain.errors import Error
+from dasktrain.errors import Error, plural
 from dasktrain.jobs.job import (
     PRUNED,
     RANKS_ENV,
@@ -86,7 +86,7 @@ def run_child(folder, callbacks=(), spec=None):
     final, stop = summary['final'], summary.get('stopped_by_request')
     if stop:
         print(f"stopped by request at iteration {stop['iteration']} "
-              f"({stop['epoch']} epochs done)", flush=True)
+              f"({plural(stop['epoch'], 'epoch')} done)", flush=True)
     if final:
         print(f"done: epoch {final['epoch']}, test accuracy "
               f"{final['validation/main/accuracy']:.4f}", flush=True)
