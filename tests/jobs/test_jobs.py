@@ -2,6 +2,7 @@
 127.0.0.1: CPU workers labelled with fake GPU resources, jobs that train
 on the CPU; `dasktrain submit`, `jobs`, `logs`, `cancel` and `result`."""
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -331,6 +332,26 @@ def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
     assert main(['logs', job_id, '--follow', '--jobs-dir',
                  str(tmp_path / 'jobs')]) == 0
     assert 'done: epoch 1' in capsys.readouterr().out
+
+
+def test_logs_of_a_job_killed_mid_line_end_with_a_newline(tmp_path,
+                                                          capsys):
+    folder = tmp_path / 'jobs' / 'cut-1'
+    folder.mkdir(parents=True)
+    (folder / 'job.json').write_text(json.dumps(
+        {'submitted': 1.0, 'gpus': 0, 'command': ['true']}))
+    (folder / 'status.json').write_text(json.dumps(
+        {'state': 'failed', 'attempts': 1, 'error': 'killed'}))
+    (folder / 'output.log').write_bytes(b'epoch 1\nepoch 2 [####  ]\r')
+    assert main(['logs', 'cut-1', '--jobs-dir', str(tmp_path / 'jobs')]) == 0
+    assert capsys.readouterr().out == 'epoch 1\nepoch 2 [####  ]\r\n'
+    # --raw: the bytes as written, nothing added
+    assert main(['logs', 'cut-1', '--raw', '--jobs-dir',
+                 str(tmp_path / 'jobs')]) == 0
+    assert capsys.readouterr().out == 'epoch 1\nepoch 2 [####  ]\r'
+    (folder / 'output.log').write_bytes(b'done\n')
+    assert main(['logs', 'cut-1', '--jobs-dir', str(tmp_path / 'jobs')]) == 0
+    assert capsys.readouterr().out == 'done\n'
 
 
 def test_former_child_modules_map_to_todays():
