@@ -136,7 +136,7 @@ class Train(Command):
     def curves(out):
         """OUT/curves.png, where matplotlib is installed."""
         try:
-            from dasktrain.results import save_curves
+            from dasktrain.training.curves import save_curves
             path = save_curves(out)
         except ImportError:
             print('curves: `pip install matplotlib` (or dasktrain'

@@ -579,24 +579,22 @@ def check_fits(resources, workers, gpus):
     """
     resource = 'GPU' if gpus else 'CPU'
     need = max(gpus, 1)
+    what = plural(gpus, 'GPU') if gpus else 'a CPU slot'
     have = {addr: r.get(resource, 0) for addr, r in resources.items()}
     if workers is not None:
         able = sum(1 for n in have.values() if n >= gpus)
         if able < workers:
-            each = plural(gpus, 'GPU') if gpus else 'a CPU slot'
             raise JobError(f'{argument("workers")} {workers} needs as '
-                           f'many Dask workers with {each}; the cluster has '
-                           f'{able}; add workers or lower '
-                           f'{argument("workers")}')
+                           f'many Dask workers with {what}; the cluster has '
+                           f'{able}; add workers or lower it')
     elif not have or max(have.values()) < need:
         largest = max(have.values(), default=0)
         slots = sum(r.get('CPU', 0) for r in resources.values())
-        offer = ('the CPU slot' if slots == 1 else
-                 f'one of the {slots:g} CPU slots')
-        instead = (f'pass {argument("gpus")} 0 to take {offer} the workers '
-                   'offer, ' if gpus and slots else 'ask for fewer, ')
-        what = plural(need, 'GPU') if gpus else 'a CPU slot'
-        raise JobError(f'no worker has {what} (largest: {largest:g} among '
-                       f'{plural(len(have), "worker")}); '
+        offer = 'the' if slots == 1 else f'one of the {slots:g}'
+        instead = (f'pass {argument("gpus")} 0 to take {offer} CPU '
+                   f'slot{"s" * (slots != 1)} the workers offer, '
+                   if gpus and slots else 'ask for fewer, ')
+        raise JobError(f'no worker has {what} (largest: '
+                       f'{largest:g} among {plural(len(have), "worker")}); '
                        f'{instead}or add a worker with `dask worker '
                        f'ADDRESS --resources {resource}={need}`')

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from distributed import Client
@@ -331,7 +332,12 @@ def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
     assert list((tmp_path / 'worker-cwd').iterdir()) == []
     assert main(['logs', job_id, '--follow', '--jobs-dir',
                  str(tmp_path / 'jobs')]) == 0
-    assert 'done: epoch 1' in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert 'done: epoch 1' in said
+    # its curves, as a local run draws them
+    curves = Path(job.spec()['config']['out']) / 'curves.png'
+    assert f'curves: {curves}' in said
+    assert curves.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
 def test_logs_of_a_job_killed_mid_line_end_with_a_newline(tmp_path,
