@@ -127,7 +127,8 @@ def estimate_words(state, view):
         start = view.get('start')
         return (f'#{view["position"]}, start ~{_when(start)}' if start
                 else f'#{view["position"]}, start unknown')
-    if state == 'running' and 'end' in view:
+    # a job the queue started before its worker says so: already its end
+    if state in ('queued', 'running') and 'end' in view:
         end = view.get('end')
         if end is None:
             return 'end unknown'

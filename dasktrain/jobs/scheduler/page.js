@@ -45,7 +45,8 @@ function estimate(job) {  // the queue's estimate, labelled as one
     return '#' + job.position + (job.start ? ', start ~' + when(job.start)
                                  : ', start unknown') + ' (estimate)';
   }
-  if (job.state === 'running' && job.end) {
+  // a job the queue started before its worker says so: already its end
+  if ((job.state === 'running' || job.state === 'queued') && job.end) {
     return 'end ~' + when(job.end) + ' (estimate)' +
       (job.overdue ? ' OVERDUE' : '');
   }
