@@ -457,3 +457,16 @@ def test_the_same_accuracy_curve_as_chainermn_under_mpiexec(tmp_path,
     for key in two:
         np.testing.assert_allclose(two[key], mpi_params[key], rtol=0,
                                    atol=1e-10, err_msg=key)
+
+
+def test_launch_logs_go_to_a_new_folder_under_runs(tmp_path, monkeypatch):
+    from dasktrain.run.launch import default_out
+    monkeypatch.chdir(tmp_path)
+    first, second = default_out(now=0.0), default_out(now=0.0)
+    stamp = time.strftime('launch-%Y%m%d-%H%M%S', time.localtime(0.0))
+    # under runs/, not loose in the working folder; a launch of the same
+    # second gets a folder of its own, never the other's rank logs
+    assert first == tmp_path / 'runs' / stamp
+    assert second == tmp_path / 'runs' / f'{stamp}-2'
+    assert first.is_dir() and second.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['runs']
