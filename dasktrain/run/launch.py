@@ -63,6 +63,7 @@ from dasktrain.run.driver import (
     Stop,
     blame,
 )
+from dasktrain.training.outdir import launch_folder
 
 logger = logging.getLogger(__name__)
 
@@ -107,31 +108,6 @@ def exit_words(code):
     return f'exit {code}'
 
 
-def default_out(root='runs', now=None):
-    """A new folder for a launch's rank logs: ``root/launch-YYYYmmdd-HHMMSS``
-    (``-2``, ``-3``... after it where a launch of the same second has
-    one), under ``runs/`` where the runs' outputs go (and which git
-    ignores in a dasktrain checkout), not loose in the working folder.
-
-    Examples
-    --------
-    >>> default_out(now=0.0)  # doctest: +SKIP
-    PosixPath('/home/ann/project/runs/launch-19700101-000000')
-    """
-    base = Path(root).absolute() / time.strftime(
-        'launch-%Y%m%d-%H%M%S', time.localtime(now))
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 1000):
-        folder = base.with_name(base.name + (f'-{n}' if n > 1 else ''))
-        try:
-            folder.mkdir()
-            return folder
-        except FileExistsError:
-            continue
-    raise LaunchError(f'{base.parent} holds 999 launches of {base.name}; '
-                      f'pass {argument("out")}')
-
-
 def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
            grace=5.0, echo=None, client=None, chainermn=True):
     """Run ``argv`` as ``n`` ranks until they end; the exit status.
@@ -150,7 +126,8 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
         stopped here.
     out : str, optional
         The output folder (``rank{r}.log``); default a new
-        ``runs/launch-YYYYmmdd-HHMMSS`` (:func:`default_out`).
+        ``runs/launch-YYYYmmdd-HHMMSS``
+        (:func:`~dasktrain.training.outdir.launch_folder`).
     timeout : float
         Seconds a collective waits for a peer (``DASKTRAIN_TIMEOUT``).
     grace : float
@@ -185,7 +162,7 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
     if scheduler is None and client is None and \
             shutil.which(argv[0]) is None:
         raise LaunchError(f'cannot start {argv[0]}: no such program')
-    out = Path(out).absolute() if out else default_out()
+    out = Path(out).absolute() if out else launch_folder()
     out.mkdir(parents=True, exist_ok=True)
     echo = echo or (lambda stream, text: None)
     local = scheduler is None and client is None  # workers started here

@@ -460,9 +460,9 @@ def test_the_same_accuracy_curve_as_chainermn_under_mpiexec(tmp_path,
 
 
 def test_launch_logs_go_to_a_new_folder_under_runs(tmp_path, monkeypatch):
-    from dasktrain.run.launch import default_out
+    from dasktrain.training.outdir import launch_folder
     monkeypatch.chdir(tmp_path)
-    first, second = default_out(now=0.0), default_out(now=0.0)
+    first, second = launch_folder(now=0.0), launch_folder(now=0.0)
     stamp = time.strftime('launch-%Y%m%d-%H%M%S', time.localtime(0.0))
     # under runs/, not loose in the working folder; a launch of the same
     # second gets a folder of its own, never the other's rank logs
