@@ -105,7 +105,8 @@ def check_install(env=None, problem=_ASK):
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     dasktrain.cluster.local.ClusterError: other users cannot run ... \
-`sudo /opt/dasktrain/bin/dasktrain cluster start --shared`
+`sudo dasktrain cluster start --shared` (install-shared links it into \
+/usr/local/bin, on sudo's PATH)
     """
     env = os.environ if env is None else env
     if env.get(PRIVATE_PYTHON_ENV) == '1':
@@ -118,8 +119,9 @@ def check_install(env=None, problem=_ASK):
             f'{problem}, and a shared cluster runs each training job as its '
             'submitter with it: install dasktrain for every user (`sudo '
             'make install-shared PREFIX=/opt/dasktrain` in its clone, '
-            'docs/security.md) and start that one: `sudo '
-            '/opt/dasktrain/bin/dasktrain cluster start --shared`')
+            'docs/security.md) and start that one: `sudo dasktrain '
+            'cluster start --shared` (install-shared links it into '
+            '/usr/local/bin, on sudo\'s PATH)')
 
 
 def owner_uid(env=None):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from dasktrain.commands import Command, add_jobs_dir, printable
+from dasktrain.errors import plural
 
 ACTIONS = {'snapshot': 'take_snapshot', 'set': 'adjust_hyperparams',
            'stop': 'stop'}
@@ -55,7 +56,7 @@ def describe(name, answer, out):
     """What the run did, in words, from its ``answer`` (a response)."""
     when = answer.get('executed_at', '')[11:19]
     where = (f"at iteration {answer.get('iteration')} "
-             f"({answer.get('epoch')} epochs done), {when}")
+             f"({plural(answer.get('epoch'), 'epoch')} done), {when}")
     body = answer.get('body') or {}
     if name == 'take_snapshot':
         return (f"snapshot {body.get('path')} {where}; until the next "

@@ -127,7 +127,8 @@ def estimate_words(state, view):
         start = view.get('start')
         return (f'#{view["position"]}, start ~{_when(start)}' if start
                 else f'#{view["position"]}, start unknown')
-    if state == 'running' and 'end' in view:
+    # a job the queue started before its worker says so: already its end
+    if state in ('queued', 'running') and 'end' in view:
         end = view.get('end')
         if end is None:
             return 'end unknown'
@@ -266,7 +267,7 @@ class Logs(_JobCommand):
         from dasktrain.jobs.job import DONE, JobError
         from dasktrain.jobs.scheduler.query import ask_scheduler
         job = self.job(args)
-        offset, checked = 0, time.monotonic()
+        offset, checked, last = 0, time.monotonic(), '\n'
         while True:
             done = job.status()['state'] in DONE
             while True:  # all there is now, a chunk at a time
@@ -276,7 +277,12 @@ class Logs(_JobCommand):
                 sys.stdout.flush()
                 if not text:
                     break
+                last = text[-1]
             if done or not args.follow:
+                # A last line cut short (a process killed mid-line, a
+                # progress bar's \r) ends here, not in the shell's prompt.
+                if last != '\n' and not args.raw:
+                    print()
                 return 0
             if time.monotonic() - checked > LOST_CHECK:
                 checked = time.monotonic()

@@ -84,11 +84,16 @@ def message(spec, status, rows=()):
     >>> message(spec, {'state': 'failed', 'started': 0, 'ended': 30,
     ...                'exit_code': 3, 'error': 'exit 3'})
     'job x-1 (resnet) of ann failed after 30 s: exit code 3'
+    >>> message(spec, {'state': 'finished', 'ending': 'stopped by request',
+    ...                'started': 0, 'ended': 60})
+    'job x-1 (resnet) of ann finished (stopped by request) after 1 min'
     >>> message(spec, {'state': 'cancelled', 'started': None, 'ended': 9})
     'job x-1 (resnet) of ann cancelled before it started'
     """
     head = f"job {spec.get('id')} ({spec.get('name')}) of " \
         f"{spec.get('user') or '?'} {status['state']}"
+    if status.get('ending'):  # finished (stopped by request)
+        head += f" ({status['ending']})"
     started, ended = status.get('started'), status.get('ended')
     if started is None:
         return f'{head} before it started'

@@ -28,7 +28,7 @@ import os
 import re
 from pathlib import Path
 
-from dasktrain.errors import argument
+from dasktrain.errors import argument, plural
 from dasktrain.jobs.job import CHILD, JobError
 from dasktrain.keeper import RLIMITS, own_rlimits
 from dasktrain.notify import check_target
@@ -406,7 +406,7 @@ def check_devices(config, gpus):
     >>> check_devices(TrainConfig(devices=('@cupy:0',)), gpus=0)
     Traceback (most recent call last):
     ...
-    dasktrain.jobs.job.JobError: devices 0 names 1 GPU(s) but 0 were...
+    dasktrain.jobs.job.JobError: devices 0 names 1 GPU but 0 were...
     """
     from dasktrain.parallel.gpus import GpuError, place_devices
     if config.workers is not None and \
@@ -579,22 +579,22 @@ def check_fits(resources, workers, gpus):
     """
     resource = 'GPU' if gpus else 'CPU'
     need = max(gpus, 1)
+    what = plural(gpus, 'GPU') if gpus else 'a CPU slot'
     have = {addr: r.get(resource, 0) for addr, r in resources.items()}
     if workers is not None:
         able = sum(1 for n in have.values() if n >= gpus)
         if able < workers:
-            each = f'{gpus} GPUs' if gpus else 'a CPU slot'
             raise JobError(f'{argument("workers")} {workers} needs as '
-                           f'many Dask workers with {each}; the cluster has '
-                           f'{able}; add workers or lower '
-                           f'{argument("workers")}')
+                           f'many Dask workers with {what}; the cluster has '
+                           f'{able}; add workers or lower it')
     elif not have or max(have.values()) < need:
         largest = max(have.values(), default=0)
         slots = sum(r.get('CPU', 0) for r in resources.values())
-        instead = (f'pass {argument("gpus")} 0 to take one of the {slots:g} '
-                   f'CPU slot{"s" * (slots != 1)} the workers offer, '
+        offer = 'the' if slots == 1 else f'one of the {slots:g}'
+        instead = (f'pass {argument("gpus")} 0 to take {offer} CPU '
+                   f'slot{"s" * (slots != 1)} the workers offer, '
                    if gpus and slots else 'ask for fewer, ')
-        raise JobError(f'no worker has {need} {resource} (largest: '
-                       f'{largest:g} among {len(have)} workers); '
+        raise JobError(f'no worker has {what} (largest: '
+                       f'{largest:g} among {plural(len(have), "worker")}); '
                        f'{instead}or add a worker with `dask worker '
                        f'ADDRESS --resources {resource}={need}`')

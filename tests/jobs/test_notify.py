@@ -114,6 +114,12 @@ def test_the_message_says_job_user_state_time_and_result():
                    [{'epoch': 30, 'validation/main/accuracy': 0.93456}])
     assert text == ('job j-1 (resnet) of ann finished after 3 h 01 min: '
                     'epoch 30, test accuracy 0.9346')
+    # a stop command's end says so, as the jobs table and page do
+    assert message(spec, {'state': 'finished', 'started': 100.0,
+                          'ended': 160.0, 'ending': 'stopped by request'},
+                   [{'epoch': 3, 'validation/main/accuracy': 0.5}]) == (
+        'job j-1 (resnet) of ann finished (stopped by request) after 1 min: '
+        'epoch 3, test accuracy 0.5000')
     program = dict(spec, kind='program')
     assert message(program, {'state': 'failed', 'started': 0, 'ended': 5,
                              'exit_code': -9, 'error': 'killed by SIGKILL'}

@@ -218,7 +218,7 @@ def check_resources(client, request):
     Examples
     --------
     >>> check_resources(client, request)  # doctest: +SKIP
-    JobError: no worker has 3 GPU (largest: 2 among 1 workers); ...
+    JobError: no worker has 3 GPUs (largest: 2 among 1 worker); ...
     """
     request.check_fits({addr: w.get('resources', {})
                         for addr, w in worker_info(client).items()})

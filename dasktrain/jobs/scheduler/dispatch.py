@@ -409,6 +409,10 @@ class Dispatcher(SchedulerPlugin):
         # Held until handed over: a failure above leaves it queued here.
         del self.folders[job_id]
         self.running[job_id] = (folder, placed)
+        # Its end from now on, not from the next plan: its --time counts
+        # from now until its worker records its start.
+        self.view[job_id] = {'end': job['time'] and time.time() + job['time'],
+                             'overdue': False, 'reason': None}
         logger.info('dasktrain queue: %s starts on %s', job_id, ', '.join(
             f'{w} (GPUs {",".join(g) or "none"})' for w, g in placed))
 
@@ -459,7 +463,8 @@ def estimated_end(job, spec, status, now):
     """When a running job is expected to end (seconds since the epoch;
     None: unknown): a training job from its measured epoch times (mean
     over the epochs logged, from the log's last write), any job from its
-    ``--time`` after its start otherwise.
+    ``--time`` after its start otherwise (after ``now`` while its worker
+    has not yet recorded its start).
 
     Examples
     --------
@@ -477,7 +482,5 @@ def estimated_end(job, spec, status, now):
         except OSError:
             written = now
         return written + per_epoch * max(epochs - rows[-1]['epoch'], 0)
-    started, planned = status.get('started'), spec.get('time')
-    if started and planned:
-        return started + planned
-    return None
+    planned = spec.get('time')
+    return (status.get('started') or now) + planned if planned else None

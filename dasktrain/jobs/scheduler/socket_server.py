@@ -61,7 +61,7 @@ from dasktrain.cluster.settings import (
 )
 from dasktrain.cluster.shared import layout
 from dasktrain.containment import Containment
-from dasktrain.errors import Error, argument, flag_names
+from dasktrain.errors import Error, argument, flag_names, plural
 from dasktrain.jobs.folder import create, submitter
 from dasktrain.jobs.job import (
     DONE,
@@ -301,7 +301,8 @@ class SocketServer(SchedulerPlugin):
         limit = max_queued()
         live = sum(j['state'] in ('queued', 'running') for j in mine)
         if limit is not None and live >= limit:
-            raise JobError(f'you have {live} jobs queued or running, the '
+            raise JobError(f'you have {plural(live, "job")} queued or '
+                           'running, the '
                            f'most this cluster takes from one user '
                            '(cluster start --max-queued-per-user); submit '
                            'more once some have ended')

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from dasktrain import containment, keeper
 from dasktrain.cluster.settings import job_pids, max_grace
+from dasktrain.errors import plural
 from dasktrain.files import read_regular
 from dasktrain.jobs.job import (
     CHILD,
@@ -255,7 +256,8 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
             log.write(f'=== {note} ===\n'.encode())
         end = kept.ending() or {}
         if left:
-            log.write(f'=== {left} process(es) the job left were killed '
+            left = plural(left, 'process', 'processes')
+            log.write(f'=== {left} the job left were killed '
                       'after its keeper ended ===\n'.encode())
         elif end.get('left') and cancelled is None:
             log.write(f"=== it ended; {end['left']} process(es) it left "
