@@ -260,12 +260,13 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
             log.write(f'=== {left} the job left were killed '
                       'after its keeper ended ===\n'.encode())
         elif end.get('left') and cancelled is None:
-            log.write(f"=== it ended; {end['left']} process(es) it left "
-                      'running were killed by SIGKILL after its grace '
-                      '===\n'.encode())
+            left = plural(end['left'], 'process', 'processes')
+            log.write(f'=== it ended; the {left} it left running were '
+                      'killed by SIGKILL after its grace ===\n'.encode())
         if end.get('oom'):
-            log.write(f"=== {end['oom']} process(es) killed for memory "
-                      f"(--mem {spec.get('mem')} bytes) ===\n".encode())
+            oom = plural(end['oom'], 'process', 'processes')
+            log.write(f"=== {oom} killed for memory (--mem "
+                      f"{spec.get('mem')} bytes) ===\n".encode())
         error = kept.start_error()
         if error is not None:  # no such program; its folder not enterable
             return _failed(folder, error, job, log)
