@@ -804,3 +804,48 @@ def test_a_stopped_shared_cluster_brings_back_every_users_jobs(lab):
     lab.wait_for(job_id, ('running',))
     assert lab.run('ann', 'cancel', job_id)[:2] == (0, f'{job_id}: '
                                                        'cancelled\n')
+
+
+def test_a_running_job_is_steered_by_its_submitter_only(lab):
+    # root's training job (a user's needs a Python every user can run):
+    # 500 epochs of 5 iterations, stopped by request long before.
+    net = lab.root / 'steered.py'
+    net.write_text('import chainer, chainer.links as L\n'
+                   'class Net(chainer.Chain):\n'
+                   '    def __init__(self, n_classes=10):\n'
+                   '        super().__init__()\n'
+                   '        with self.init_scope():\n'
+                   '            self.l = L.Linear(None, n_classes)\n'
+                   '    def forward(self, x):\n'
+                   '        return self.l(x)\n')
+    data = lab.data('steered-data', seed=5)
+    job_id = lab.submit('root', '--', '--model', f'{net}:Net', '--epochs',
+                        '500', '--batch-size', '40', '--train-size', '200',
+                        '--test-size', '40', '--devices', 'cpu',
+                        '--optimizer', 'momentum-sgd', '--data-dir',
+                        str(data), preload='chainer,'
+                        'dasktrain.training.models')
+    job = lab.job(job_id)
+    wait_until(lambda: len(job.log_rows()) >= 1, 120, 'an epoch')
+    code, out, err = lab.run('eve', 'ctl', job_id, 'stop')
+    assert (code, out) == (1, ''), err
+    assert err == f'dasktrain ctl: error: job {job_id} belongs to root; ' \
+        "only root or the cluster's owner (root, " \
+        f"{lab.names['ann']}) can read it\n"
+    # The cluster's owner reads it and may cancel it, but steers only
+    # jobs of her own: the job's owner alone changes how it trains.
+    code, out, err = lab.run('ann', 'ctl', job_id, 'snapshot')
+    assert (code, out) == (1, ''), err
+    assert err == f'dasktrain ctl: error: job {job_id} was submitted by ' \
+        f"root; only root can steer it (you are {lab.names['ann']})\n"
+    code, out, err = lab.run('root', 'ctl', job_id, 'set', 'lr=0.02')
+    assert code == 0 and out.startswith(f'{job_id}: lr 0.05 -> 0.02 '), err
+    code, out, err = lab.run('root', 'ctl', job_id, 'stop')
+    assert code == 0, err
+    assert out.splitlines()[-1] == \
+        f'job {job_id}: finished (stopped by request)'
+    assert job.status()['epoch'] < 500
+    assert any(r.get('lr') == 0.02 for r in job.log_rows())
+    code, out, err = lab.run('eve', 'jobs', '--all')
+    line = next(x for x in out.splitlines() if x.startswith(job_id))
+    assert 'finished (stopped by request)' in line, out
