@@ -15,7 +15,7 @@ import sys
 import threading
 
 from dasktrain import __version__
-from dasktrain.commands import Parser
+from dasktrain.commands import Parser, printable
 from dasktrain.commands.bench import Bench
 from dasktrain.commands.cluster import Cluster
 from dasktrain.commands.ctl import Ctl
@@ -38,12 +38,16 @@ COMMANDS = (Download, Train, Launch, Cluster, Submit, Jobs, Gpus, Logs,
 
 
 class _Stderr(logging.StreamHandler):
-    """The ``dasktrain`` logger's lines, as they are, on whatever
-    ``sys.stderr`` is when one is written (a test's capture too)."""
+    """The ``dasktrain`` logger's lines on whatever ``sys.stderr`` is
+    when one is written (a test's capture too), control characters
+    escaped (:func:`~dasktrain.commands.printable`)."""
 
     def __init__(self):
         super().__init__()
         self.setFormatter(logging.Formatter('%(message)s'))
+
+    def format(self, record):
+        return printable(super().format(record), keep='\n\t')
 
     @property
     def stream(self):
@@ -138,7 +142,9 @@ def _run(parser, argv):
     except SystemExit as e:  # --help, --version and usage errors
         return e.code if isinstance(e.code, int) else 2
     except Error as e:
-        print(f'dasktrain {args.command}: error: {e}', file=sys.stderr)
+        # escaped, but in lines: the traceback of a user's own code
+        message = printable(e, keep='\n')
+        print(f'dasktrain {args.command}: error: {message}', file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         where = f' {args.command}' if args is not None else ''

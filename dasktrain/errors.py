@@ -47,6 +47,20 @@ def argument(name):
     return FLAGS.get(name) or '--' + name.replace('_', '-')
 
 
+def plural(n, what, many=None):
+    """``n`` and ``what``, plural (``many``, default ``what`` + 's')
+    unless ``n`` is one: how a message counts.
+
+    Examples
+    --------
+    >>> plural(2, 'GPU'), plural(1, 'CPU slot'), plural(0, 'worker')
+    ('2 GPUs', '1 CPU slot', '0 workers')
+    >>> plural(3, 'process', 'processes')
+    '3 processes'
+    """
+    return f'{n:g} {what if n == 1 else many or what + "s"}'
+
+
 # Arguments whose flag is not their name with dashes.
 FLAGS = {'model_args': '--model-arg'}
 

@@ -30,15 +30,26 @@ and the keeper exits :data:`CANNOT_START`. Who the program runs as is the
 caller's decision; this module only applies it.
 """
 import ctypes
+import errno
 import functools
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+from dasktrain.containment import (
+    MARK_ENV,
+    PAUSE,
+    SCANS,
+    Cgroup,
+    job_processes,
+    own_folder,
+    signal_job,
+)
 from dasktrain.spawn import die_with_parent
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -47,10 +58,11 @@ POLL = 0.05  # s between looks at the program's processes
 ARGV = [sys.executable, '-I', '-m', 'dasktrain.keeper']
 
 
-def popen_options(user, cwd=None):
+def popen_options(user, cwd=None, rlimits=None):
     """``subprocess.Popen`` keywords that start a program in ``cwd`` as
     ``user`` (anything with ``uid``, ``gid``, ``groups``; None: as this
-    process), dying with the thread that started it.
+    process), dying with the thread that started it, with ``rlimits``
+    (``{name: [soft, hard]}``, :func:`capped` to what it may have).
 
     As another user: its groups, umask 077, and a ``preexec_fn`` that runs
     after CPython's ``setgroups``/``setregid``/``setreuid``: the kernel
@@ -59,16 +71,60 @@ def popen_options(user, cwd=None):
     enter is refused by the kernel, not entered by root).
     """
     if user is None:
-        return {'cwd': cwd, 'preexec_fn': die_with_parent}
+        return {'cwd': cwd, 'preexec_fn': functools.partial(
+            _enter, None, rlimits)}
     return {'user': user.uid, 'group': user.gid,
             'extra_groups': list(user.groups), 'umask': 0o077,
-            'preexec_fn': functools.partial(_enter, cwd)}
+            'preexec_fn': functools.partial(_enter, cwd, rlimits)}
 
 
-def _enter(cwd):
+def _enter(cwd, rlimits=None):
     die_with_parent()
+    for name, wanted in (rlimits or {}).items():
+        which = getattr(resource, f'RLIMIT_{name.upper()}', None)
+        if which is None:
+            continue
+        try:
+            resource.setrlimit(which, capped(wanted,
+                                             resource.getrlimit(which)))
+        except (OSError, ValueError):  # what it had stays
+            pass
     if cwd is not None:
         os.chdir(cwd)
+
+
+# The limits a submitter's process had that its job gets (Slurm's
+# PropagateResourceLimits=ALL).
+RLIMITS = ('as', 'core', 'cpu', 'data', 'fsize', 'memlock', 'nofile',
+           'nproc', 'rss', 'stack')
+
+
+def capped(wanted, current):
+    """The ``(soft, hard)`` limit a program gets that asks for ``wanted``
+    where it has ``current`` (each a pair, -1 for unlimited): as asked,
+    but a hard limit only ever lowered (the program is no longer root
+    when it is set).
+
+    >>> capped((1024, 4096), (1024, 524288)), capped((-1, -1), (8, 64))
+    ((1024, 4096), (64, 64))
+    >>> capped((100, -1), (-1, -1))
+    (100, -1)
+    """
+    def low(a, b):
+        return b if a < 0 else a if b < 0 else min(a, b)
+    hard = low(wanted[1], current[1])
+    return low(wanted[0], hard), hard
+
+
+def own_rlimits():
+    """``{name: [soft, hard]}`` of this process's :data:`RLIMITS` (what a
+    submitter's request carries)."""
+    found = {}
+    for name in RLIMITS:
+        which = getattr(resource, f'RLIMIT_{name.upper()}', None)
+        if which is not None:
+            found[name] = list(resource.getrlimit(which))
+    return found
 
 
 def cannot_start(program, user, error, cwd=None):
@@ -81,28 +137,67 @@ def cannot_start(program, user, error, cwd=None):
 
 
 def program_text(program, env, grace, user=None, cwd=None, stdin=None,
-                 report=None):
+                 report=None, contain=None):
     """What a keeper reads on its standard input: run ``program`` (a list)
     with ``env`` as ``user`` in ``cwd``, given ``stdin`` (text) on its
     standard input, stopping its processes with a ``grace`` of seconds;
-    ``report``: the fd of the pipe for a start-up error."""
+    ``report``: the fd of the pipe for a start-up error and the end;
+    ``contain``: where its processes are kept (see :func:`start`)."""
     spec = {'program': list(program), 'env': dict(env),
             'grace': float(grace), 'cwd': cwd, 'stdin': stdin,
-            'report': report}
+            'report': report, 'contain': dict(contain or {})}
     if user is not None:
         spec.update(uid=user.uid, gid=user.gid, groups=list(user.groups),
                     user=user.name)
     return json.dumps(spec).encode()
 
 
+def ending_words(end):
+    """How a stopped program ended, in words, from the keeper's report
+    (``{'status': its wait status, 'after': seconds from the SIGTERM to
+    its end, 'killed': whether the keeper's SIGKILL ended it, 'left':
+    processes it started that the SIGKILL ended, 'grace': seconds
+    given}``): what ended the job, all of its processes.
+
+    >>> ending_words({'status': 15, 'after': 0.1, 'killed': False})
+    'stopped by SIGTERM'
+    >>> ending_words({'status': 9, 'after': 30.0, 'killed': True,
+    ...               'grace': 30.0})
+    'SIGTERM ignored for 30 s: killed by SIGKILL'
+    >>> ending_words({'status': 0, 'after': 40.2, 'killed': False})
+    'ended by itself (exit 0) 40 s after SIGTERM'
+    """
+    status = end.get('status')
+    if end.get('killed') or end.get('left'):
+        return (f"SIGTERM ignored for {end.get('grace', 0):g} s: killed by "
+                'SIGKILL')
+    if status is None:
+        return 'ended'
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        verb = 'stopped' if signum == signal.SIGTERM else 'killed'
+        return f'{verb} by {_signame(signum)}'
+    after = end.get('after')
+    when = f' {after:.0f} s after SIGTERM' if after is not None else ''
+    return f'ended by itself (exit {os.WEXITSTATUS(status)}){when}'
+
+
+def _signame(signum):
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f'signal {signum}'
+
+
 class Kept:
     """A program under its keeper, as its starter holds it: the keeper's
     ``process`` (a ``Popen``: ``pid``, ``poll``, ``wait``, ``returncode``,
     its ``stdout`` and ``stderr`` where they are pipes), :meth:`stop`,
-    :meth:`start_error`."""
+    :meth:`start_error`, :meth:`ending`."""
 
     def __init__(self, process, report):
         self.process, self._report = process, report
+        self._lines = None
 
     def __getattr__(self, name):
         return getattr(self.process, name)
@@ -111,7 +206,7 @@ class Kept:
         """SIGTERM to the keeper, which passes it on to every process of
         the program and SIGKILLs what is left after ``grace`` seconds;
         SIGKILL to the keeper's group if it has not ended a few seconds
-        after that. What it took, in words."""
+        after that. How it ended, in words (:func:`ending_words`)."""
         keeper = self.process
         try:
             keeper.send_signal(signal.SIGTERM)
@@ -119,22 +214,44 @@ class Kept:
         except subprocess.TimeoutExpired:  # a keeper that hangs: all of it
             os.killpg(keeper.pid, signal.SIGKILL)
             keeper.wait()
-        if keeper.returncode == -signal.SIGKILL:
-            return f'SIGTERM ignored for {grace:g} s: killed by SIGKILL'
-        return 'stopped by SIGTERM'
+        end = self.ending()
+        if end is None:  # the keeper itself was killed
+            return 'SIGTERM ignored: its keeper was killed by SIGKILL'
+        return ending_words(dict(end, grace=grace))
+
+    def _read(self):
+        """The keeper's reports (decoded lines), once it has ended."""
+        if self._lines is None:
+            self._lines = []
+            if self._report is not None:
+                report, self._report = self._report, None
+                with os.fdopen(report, 'rb') as f:
+                    data = f.read(1 << 16)
+                for line in data.splitlines():
+                    try:
+                        self._lines.append(json.loads(line))
+                    except ValueError:
+                        pass
+        return self._lines
 
     def start_error(self):
         """Why the program could not start, or None; once it has ended."""
-        if self._report is None:
-            return None
-        report, self._report = self._report, None
-        with os.fdopen(report, 'rb') as f:
-            line = f.read()
-        return json.loads(line)['error'] if line else None
+        return next((r['error'] for r in self._read() if 'error' in r),
+                    None)
+
+    def ending(self):
+        """How the program ended, as its keeper reports it (see
+        :func:`ending_words`), or None (a keeper killed before its end)."""
+        return next((r['end'] for r in self._read() if 'end' in r), None)
+
+    def notes(self):
+        """What the keeper noted (a cgroup it could not make), in words."""
+        return [r['note'] for r in self._read() if 'note' in r]
 
 
 def start(program, env, grace, stdout=None, stderr=subprocess.STDOUT,
-          user=None, cwd=None, stdin=None, outlives=False, umask=-1):
+          user=None, cwd=None, stdin=None, outlives=False, umask=-1,
+          contain=None):
     """Start ``program`` (a list) under a keeper; a :class:`Kept`.
 
     Parameters
@@ -158,6 +275,12 @@ def start(program, env, grace, stdout=None, stderr=subprocess.STDOUT,
         processes); by default the keeper gets SIGTERM then.
     umask : int, default -1
         The umask it starts with (-1: this process's).
+    contain : dict, optional
+        Where its processes are kept and what they may use: ``cgroup``
+        (the folder of its own cgroup, made here: see
+        :mod:`dasktrain.containment`), ``mark`` (its marker, in its
+        environment), ``mem`` (bytes, ``memory.max``), ``pids``
+        (``pids.max``), ``rlimits`` (``{name: [soft, hard]}``).
     """
     read, write = os.pipe()
     try:
@@ -173,7 +296,7 @@ def start(program, env, grace, stdout=None, stderr=subprocess.STDOUT,
         os.close(write)
     with keeper.stdin:
         keeper.stdin.write(program_text(program, env, grace, user, cwd,
-                                        stdin, write))
+                                        stdin, write, contain))
     return Kept(keeper, read)
 
 
@@ -227,23 +350,116 @@ class _User:
         self.groups, self.name = spec['groups'], spec.get('user')
 
 
-def _start(spec):
-    """The program, as asked, dying with the keeper by SIGKILL; the error
-    in words if it cannot start."""
+class _Box:
+    """Where the program's processes are kept: its cgroup (``cgroup``),
+    else found by descent from the keeper, by marker (``mark``), and by
+    the process groups of the orphans the keeper reaps: a fork loop's
+    processes end as the keeper's children (it is their subreaper), each
+    a zombie it reads before it reaps it, so the loop's group is known
+    and signalled whole, however fast its pids change."""
+
+    def __init__(self, contain):
+        self.mark = contain.get('mark')
+        self.cgroup, self.note = None, None
+        self.groups, self.reaps, self.seen = set(), 0, 0
+        if contain.get('cgroup'):
+            try:
+                self.cgroup = Cgroup(contain['cgroup']).create(
+                    contain.get('mem'), contain.get('pids'))
+                self.home = own_folder()
+                if self.home is None:
+                    raise OSError(errno.ENOENT, 'no cgroup of its own')
+            except OSError as e:
+                if self.cgroup is not None:
+                    self.cgroup.remove()
+                self.cgroup = None
+                self.note = (f'no cgroup for this job ({e}): its processes '
+                             'are found by their marker')
+
+    def reaped(self, pid):
+        """An orphan of the program about to be reaped (a zombie): its
+        process group, and that the job still had processes."""
+        self.reaps += 1
+        try:
+            with open(f'/proc/{pid}/stat', 'rb') as f:
+                group = int(f.read().rsplit(b')', 1)[1].split()[2])
+        except (OSError, ValueError, IndexError):
+            return
+        if group not in (os.getpgid(0), 0, 1):
+            self.groups.add(group)
+
+    def _groups(self, signum):
+        """``signum`` to each group seen; ``{-group}`` of those that still
+        had a process (a group counts as one of its processes at least)."""
+        hit = set()
+        for group in self.groups:
+            try:
+                os.killpg(group, signum)
+                hit.add(-group)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return hit
+
+    def signal(self, signum):
+        """``signum`` to every process of the program; their pids."""
+        if self.cgroup is not None:
+            return self.cgroup.signal(signum)
+        self._groups(signum)
+        return signal_job(signum, self.mark, os.getpid())
+
+    def kill(self):
+        """SIGKILL to all of them: ``cgroup.kill`` (at once), else each
+        found now and each group seen; the pids still there."""
+        if self.cgroup is not None:
+            left = set(self.cgroup.pids())
+            self.cgroup.kill()
+            return left
+        hit = self._groups(signal.SIGKILL)
+        found = signal_job(signal.SIGKILL, self.mark, os.getpid())
+        return found | hit if not found else found
+
+    def empty(self):
+        """Whether none is left (a sweep: none found now, and no orphan
+        reaped since the last look)."""
+        if self.cgroup is not None:
+            return not self.cgroup.populated()
+        quiet, self.seen = self.reaps == self.seen, self.reaps
+        return quiet and not job_processes(self.mark, os.getpid())
+
+
+def _start(spec, box):
+    """The program, as asked, dying with the keeper by SIGKILL, born in
+    its cgroup where it has one; the error in words if it cannot start."""
     program, cwd = spec['program'], spec.get('cwd')
     user = None if spec.get('uid') is None else _User(spec)
     text = spec.get('stdin')
+    env = dict(spec['env'])
+    if box.mark:
+        env[MARK_ENV] = box.mark
+    rlimits = (spec.get('contain') or {}).get('rlimits')
+    entered = False
     try:
+        if box.cgroup is not None:
+            box.cgroup.enter()  # the program is born inside: no race
+            entered = True
         child = subprocess.Popen(
-            program, env=spec['env'],
+            program, env=env,
             stdin=subprocess.DEVNULL if text is None else subprocess.PIPE,
-            **popen_options(user, cwd))
+            **popen_options(user, cwd, rlimits))
     except (OSError, subprocess.SubprocessError) as e:
         return None, cannot_start(program[0], user, e, cwd)
+    finally:
+        if entered:  # and the keeper is not: its cgroup.kill spares it
+            _write(box.home / 'cgroup.procs', str(os.getpid()))
     if text is not None:  # never blocks the keeper on a full pipe
         threading.Thread(target=_hand, args=(child.stdin, text),
                          daemon=True).start()
     return child, None
+
+
+def _write(path, text):
+    with open(path, 'w') as f:
+        f.write(text)
 
 
 def _hand(pipe, text):
@@ -254,44 +470,80 @@ def _hand(pipe, text):
         pass
 
 
+def _report(spec, message):
+    report = spec.get('report')
+    if report is not None:
+        try:
+            os.write(report, json.dumps(message).encode() + b'\n')
+        except OSError:  # its starter is gone
+            pass
+
+
 def keep(spec):
     """Run the program of ``spec`` (:func:`program_text`'s, decoded) under
     the keeper's rules (see the module); its wait status
-    (``os.waitpid``'s), None if it never started."""
-    me = os.getpid()
+    (``os.waitpid``'s), None if it never started. Its end is reported on
+    the report pipe (see :func:`ending_words`)."""
     ctypes.CDLL('libc.so.6', use_errno=True).prctl(
         PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    child, error = _start(spec)
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(time.monotonic()))
+    box = _Box(spec.get('contain') or {})
+    if box.note:
+        _report(spec, {'note': box.note})
+    child, error = _start(spec, box)
     if child is None:
-        report = spec.get('report')
-        if report is not None:
-            os.write(report, json.dumps({'error': error}).encode() + b'\n')
+        _report(spec, {'error': error})
+        if box.cgroup is not None:
+            box.cgroup.remove()
         return None
-    status, deadline, killed = None, None, False
+    grace = float(spec.get('grace', 30))
+    status = ended = deadline = None
+    killed, left = False, set()  # the program by SIGKILL; what it left
+    quiet = 0  # a sweep: scans in a row that found none
     while True:
         while True:  # reap: the program, and orphans handed to us
-            try:
-                pid, got = os.waitpid(-1, os.WNOHANG)
+            try:  # each looked at first, while a zombie
+                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG |
+                                  os.WNOWAIT)
             except ChildProcessError:
                 break
-            if pid == 0:
+            if found is None or not found.si_pid:
                 break
+            if found.si_pid != child.pid:
+                box.reaped(found.si_pid)
+            pid, got = os.waitpid(found.si_pid, 0)
             if pid == child.pid:
-                status = got
+                status, ended = got, time.monotonic()
         if deadline is None and (stop or status is not None):
             # stopped, or the program ended: its processes get the grace
-            signal_all(me, signal.SIGTERM)
-            deadline = time.monotonic() + float(spec.get('grace', 30))
+            box.signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
         if deadline is not None:
-            if status is not None and not processes(me):
-                # Stopped, and the grace was not enough for all: the job
-                # ended by SIGKILL, whatever its first process did.
-                return signal.SIGKILL if stop and killed else status
-            if killed is False and time.monotonic() > deadline:
-                killed = signal_all(me, signal.SIGKILL) > 0
-        time.sleep(POLL)
+            if status is not None:
+                quiet = quiet + 1 if box.empty() else 0
+                if quiet >= (1 if box.cgroup is not None else SCANS):
+                    break
+            if time.monotonic() > deadline:
+                found = box.kill()
+                if status is None:
+                    killed = True
+                else:
+                    left |= found - {child.pid}
+        time.sleep(POLL if deadline is None or status is None else PAUSE)
+    if box.cgroup is not None:
+        oom = box.cgroup.oom_kills()
+        box.cgroup.remove()
+    else:
+        oom = 0
+    program_killed = killed and os.WIFSIGNALED(status) and \
+        os.WTERMSIG(status) == signal.SIGKILL
+    _report(spec, {'end': {
+        'status': status, 'stopped': bool(stop),
+        'after': None if not stop or ended is None or ended < stop[0]
+        else ended - stop[0], 'killed': program_killed, 'left': len(left),
+        'grace': grace, 'oom': oom}})
+    return status
 
 
 def end_as(status):

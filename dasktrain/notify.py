@@ -1,21 +1,38 @@
 """Telling someone: a webhook (Slack-compatible JSON ``{"text": ...}``
-POSTed with ``requests``) or ``mailto:ADDR`` through the machine's local
+POSTed with ``urllib3``) or ``mailto:ADDR`` through the machine's local
 MTA (``sendmail``), checked, sent in the background, retried.
 
 :func:`check_target` says whether a target can be used (one line naming
 the argument otherwise); :func:`send` delivers one message, retrying a
 failed or slow webhook a few times with a bounded backoff, and only logs
-when it gives up; :func:`send_later` does that in a daemon thread, so
+when it gives up; :func:`send_later` does that in the background, so
 that nothing waiting on a message (a job being marked ended) is delayed,
 and a process that exits first waits for it a bounded time at exit.
+
+Where a webhook may go is the cluster's rule (:func:`allow_rules`,
+``cluster start --notify-allow``, ``$DASKTRAIN_NOTIFY_ALLOW``): by
+default in a shared cluster only to public addresses (no loopback,
+link-local, private, shared, multicast or reserved one), checked on the
+addresses the name resolves to when it is sent (:func:`refusal`), and
+the POST goes to the very address checked (no second lookup for DNS to
+answer otherwise), never following a redirect. A process running as
+root never sends itself: :func:`send_later` forks a child that drops to
+``nobody`` (no groups) first, so a webhook URL is no way to make root
+connect anywhere.
 
 Owns delivering a text; it knows nothing of jobs (what a job's end says
 is :mod:`dasktrain.jobs.end_notice`'). Never raises once a target is
 checked: a message that cannot be delivered is a logged warning.
 """
 import atexit
+import ipaddress
+import json
 import logging
+import os
+import pwd
 import shutil
+import signal
+import socket
 import subprocess
 import threading
 import time
@@ -27,6 +44,10 @@ from dasktrain.errors import UserError, argument
 logger = logging.getLogger(__name__)
 
 ENV = 'DASKTRAIN_NOTIFY'  # the cluster-wide default, in its processes
+ALLOW_ENV = 'DASKTRAIN_NOTIFY_ALLOW'  # where webhooks may go, as JSON
+# A shared cluster's default rule: public addresses, and the local MTA.
+SHARED_ALLOW = ('public', 'mailto')
+NOBODY = 65534  # the uid and gid of `nobody` where it has no entry
 ATTEMPTS = 4   # a webhook is tried this often at most ...
 TIMEOUT = 10.0  # ... each waiting this long for an answer ...
 BACKOFF = 1.0  # ... with 1, 2, 4 s between tries
@@ -85,32 +106,218 @@ def check_target(target, name='notify'):
     return target
 
 
-def send(target, text, attempts=None, timeout=None, backoff=None):
+def allow_rules(entries, name='notify_allow'):
+    """The rules of where notifications may go, each of ``entries``
+    checked: ``public`` (a webhook whose every address is public),
+    ``any`` (anywhere), ``mailto`` (mail through the local MTA), a network
+    (``10.1.0.0/16``: a webhook whose every address lies in the allowed
+    ones) or a URL prefix (``https://chat.lab.example.org/hooks/``:
+    those webhooks, wherever the name resolves); NotifyError naming the
+    argument ``name`` for anything else.
+
+    >>> allow_rules(['public', '10.0.0.0/8', 'https://chat.lab/hooks/'])
+    ('public', '10.0.0.0/8', 'https://chat.lab/hooks/')
+    >>> allow_rules(['intranet'])
+    Traceback (most recent call last):
+    ...
+    dasktrain.notify.NotifyError: notify_allow takes public, any, mailto, \
+a network (10.0.0.0/8) or a URL prefix (https://host/path), got 'intranet'
+    """
+    rules = []
+    for entry in entries:
+        entry = str(entry).strip()
+        if entry in ('public', 'any', 'mailto'):
+            rules.append(entry)
+            continue
+        try:
+            rules.append(str(ipaddress.ip_network(entry, strict=False)))
+            continue
+        except ValueError:
+            pass
+        parts = urlsplit(entry)
+        if parts.scheme in ('http', 'https') and parts.hostname:
+            rules.append(entry)
+            continue
+        raise NotifyError(f'{argument(name)} takes public, any, mailto, a '
+                          'network (10.0.0.0/8) or a URL prefix '
+                          f'(https://host/path), got {entry!r}')
+    return tuple(rules)
+
+
+def rules_of(env=None):
+    """The rules in ``$DASKTRAIN_NOTIFY_ALLOW`` (JSON), else ``('any',)``:
+    a cluster of your own sends as you, anywhere you could."""
+    text = (os.environ if env is None else env).get(ALLOW_ENV)
+    try:
+        return allow_rules(json.loads(text)) if text else ('any',)
+    except (ValueError, TypeError, NotifyError):
+        return SHARED_ALLOW  # damaged: the safe default
+
+
+def _kind(address):
+    for kind in ('loopback', 'link_local', 'private', 'multicast',
+                 'reserved', 'unspecified'):
+        if getattr(address, f'is_{kind}'):
+            return kind.replace('_', '-')
+    return 'public' if address.is_global else 'not public'
+
+
+def refusal(target, rules, addresses=None):
+    """Why ``target`` may not be told under ``rules`` (one line), or
+    None; a webhook's ``addresses`` (default: its host's, resolved now).
+
+    >>> refusal('http://127.0.0.1:8080/x', ('public',))
+    'notify http://127.0.0.1:8080/...: 127.0.0.1 is a loopback address; this \
+cluster sends to public addresses only (cluster start --notify-allow)'
+    >>> refusal('https://hooks.slack.com/x', ('public',),
+    ...         addresses=['34.1.2.3']) is None
+    True
+    """
+    if 'any' in rules:
+        return None
+    if target.startswith('mailto:'):
+        return None if 'mailto' in rules else (
+            f'notify {target}: this cluster sends no mail (cluster start '
+            '--notify-allow mailto)')
+    if any(r.startswith(('http://', 'https://')) and target.startswith(r)
+           for r in rules):
+        return None
+    parts = urlsplit(target)
+    if addresses is None:
+        try:
+            addresses = resolve(parts.hostname, parts.port)
+        except OSError as e:
+            return f'notify {redacted(target)}: cannot resolve ' \
+                f'{parts.hostname} ({e.strerror or e})'
+    networks = [ipaddress.ip_network(r) for r in rules
+                if r[0].isdigit() or ':' in r and '//' not in r]
+    allowed = [r for r in rules if r in ('public', 'mailto')] + \
+        [str(n) for n in networks]
+    for text in addresses:
+        address = ipaddress.ip_address(text)
+        if getattr(address, 'ipv4_mapped', None):
+            address = address.ipv4_mapped
+        if 'public' in rules and address.is_global or \
+                any(address in n for n in networks):
+            continue
+        kind = _kind(address)
+        article = 'an' if kind[0] in 'aeiou' else 'a'
+        only = ' and '.join(f'{r} addresses' if r == 'public' else r
+                            for r in allowed if r != 'mailto') or 'nowhere'
+        return (f'notify {redacted(target)}: {address} is {article} {kind} '
+                f'address; this cluster sends to {only} only (cluster start '
+                '--notify-allow)')
+    return None
+
+
+def resolve(host, port=None):
+    """The addresses ``host`` resolves to now (a literal address: itself);
+    OSError if none."""
+    try:
+        return [str(ipaddress.ip_address(host.strip('[]')))]
+    except ValueError:
+        pass
+    found = socket.getaddrinfo(host, port or 443, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(info[4][0] for info in found))
+
+
+def _post(target, text, timeout, rules):
+    """POST ``text`` to ``target`` at the address :func:`refusal` checked;
+    the HTTP status, or NotifyError (refused: no retry), or OSError and
+    urllib3's errors (try again)."""
+    import urllib3
+    parts = urlsplit(target)
+    addresses = resolve(parts.hostname, parts.port)
+    why = refusal(target, rules, addresses)
+    if why:
+        raise NotifyError(why)
+    https = parts.scheme == 'https'
+    port = parts.port or (443 if https else 80)
+    options = {'timeout': urllib3.Timeout(connect=timeout, read=timeout),
+               'retries': False}
+    if https:
+        pool = urllib3.HTTPSConnectionPool(
+            addresses[0], port, server_hostname=parts.hostname,
+            assert_hostname=parts.hostname, ssl_context=_tls(), **options)
+    else:
+        pool = urllib3.HTTPConnectionPool(addresses[0], port, **options)
+    path = (parts.path or '/') + (f'?{parts.query}' if parts.query else '')
+    with pool:
+        answer = pool.urlopen(
+            'POST', path, body=json.dumps({'text': text}).encode(),
+            headers={'Host': parts.netloc.rsplit('@', 1)[-1],
+                     'Content-Type': 'application/json'},
+            redirect=False, assert_same_host=False, preload_content=True)
+    return answer.status
+
+
+_loaded = {}
+
+
+def _tls():
+    """The TLS context of every webhook POST (certifi's CAs), made once:
+    a child that dropped to ``nobody`` may no longer read them."""
+    if 'tls' not in _loaded:
+        import ssl
+
+        import certifi
+        _loaded['tls'] = ssl.create_default_context(cafile=certifi.where())
+    return _loaded['tls']
+
+
+def _preload():
+    """Everything :func:`send` imports or reads, loaded now: a child that
+    dropped to ``nobody`` may not read this interpreter's files (one
+    under ``/root``)."""
+    import email.policy  # noqa: F401  (mailto)
+    import encodings.idna  # noqa: F401  (a host name, encoded)
+    import http.client  # noqa: F401
+
+    import urllib3
+    import urllib3.exceptions
+    import urllib3.util.ssl_
+    _tls()
+    urllib3.HTTPConnectionPool('127.0.0.1', 9)  # its lazy imports
+    socket.getaddrinfo('localhost', 80, type=socket.SOCK_STREAM)
+
+
+def send(target, text, attempts=None, timeout=None, backoff=None,
+         rules=None):
     """Deliver ``text`` to ``target`` now; True once delivered, False (and
     a logged warning) when every attempt failed. Default: :data:`ATTEMPTS`
     tries of :data:`TIMEOUT` seconds, :data:`BACKOFF`. A webhook's 2xx
     is delivery; a connection error, a timeout, 429 or 5xx is tried again
-    after ``backoff``, then twice that, ...; another 4xx is not (the URL
-    is wrong: retrying cannot help)."""
+    after ``backoff``, then twice that, ...; another 4xx, or a redirect,
+    is not (the URL is wrong: retrying cannot help). ``rules``: where it
+    may go (:func:`allow_rules`; default :func:`rules_of` this process's
+    environment), checked at each try on the addresses it then resolves
+    to: a target the rules refuse is logged, not sent."""
     attempts = ATTEMPTS if attempts is None else attempts
     timeout = TIMEOUT if timeout is None else timeout
     backoff = BACKOFF if backoff is None else backoff
-    if target.startswith('mailto:'):
-        return _mail(target[len('mailto:'):], text, timeout)
-    import requests
+    rules = rules_of() if rules is None else rules
     where = redacted(target)
+    if target.startswith('mailto:'):
+        why = refusal(target, rules)
+        if why:
+            logger.warning('notification not sent: %s', why)
+            return False
+        return _mail(target[len('mailto:'):], text, timeout)
+    import urllib3
     for attempt in range(1, attempts + 1):
         try:
-            answer = requests.post(target, json={'text': text},
-                                   timeout=timeout)
-            if 200 <= answer.status_code < 300:
+            code = _post(target, text, timeout, rules)
+            if 200 <= code < 300:
                 return True
-            why = f'HTTP {answer.status_code}'
-            if answer.status_code < 500 and answer.status_code != 429:
+            why = f'HTTP {code}'
+            if code < 500 and code != 429:
                 logger.warning('notification to %s refused (%s); not '
                                'retried', where, why)
                 return False
-        except requests.RequestException as e:
+        except NotifyError as e:
+            logger.warning('notification not sent: %s', e)
+            return False
+        except (OSError, urllib3.exceptions.HTTPError) as e:
             why = type(e).__name__
         if attempt < attempts:
             logger.info('notification to %s failed (%s), try %d of %d',
@@ -153,9 +360,13 @@ _at_exit = []  # [True] once wait_pending is registered
 
 
 def send_later(target, text, **kwargs):
-    """:func:`send` in a daemon thread; returns it at once. A process that
-    exits waits for it at most :data:`AT_EXIT` seconds in all."""
-    thread = threading.Thread(target=_send_quietly, args=(target, text),
+    """:func:`send` in the background; returns at once with the thread
+    that waits for it. A process running as root sends from a child it
+    forks, which drops to ``nobody`` first (:func:`_unprivileged`). A
+    process that exits waits for its messages at most :data:`AT_EXIT`
+    seconds in all."""
+    work = _unprivileged if os.geteuid() == 0 else _send_quietly
+    thread = threading.Thread(target=work, args=(target, text),
                               kwargs=kwargs, name='dasktrain-notify',
                               daemon=True)
     with _lock:
@@ -164,6 +375,52 @@ def send_later(target, text, **kwargs):
         _pending[:] = [t for t in _pending if t.is_alive()] + [thread]
     thread.start()
     return thread
+
+
+def nobody():
+    """``(uid, gid)`` of the user ``nobody`` (:data:`NOBODY` where it has
+    no entry)."""
+    try:
+        entry = pwd.getpwnam('nobody')
+        return entry.pw_uid, entry.pw_gid
+    except KeyError:
+        return NOBODY, NOBODY
+
+
+def _unprivileged(target, text, **kwargs):
+    """:func:`send` in a child of this process that is ``nobody`` (no
+    groups, no new interpreter to find); killed if it outlasts every try
+    it may make. Waited for in this thread."""
+    uid, gid = nobody()
+    rules = kwargs.pop('rules', None) or rules_of()
+    _preload()
+    attempts = kwargs.get('attempts') or ATTEMPTS
+    limit = attempts * ((kwargs.get('timeout') or TIMEOUT) * 2 +
+                        (kwargs.get('backoff') or BACKOFF) * 2 ** attempts)
+    pid = os.fork()
+    if pid == 0:  # the child: drop everything root has, then send
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            code = 0 if send(target, text, rules=rules, **kwargs) else 1
+        except BaseException:  # never returns into the parent's code
+            pass
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + limit
+    while True:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            logger.warning('notification to %s given up after %.0f s',
+                           redacted(target), limit)
+            return
+        time.sleep(0.05)
 
 
 def _send_quietly(target, text, **kwargs):

@@ -1,5 +1,8 @@
+import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import chainer
@@ -25,6 +28,24 @@ FOLDERS = [TESTS] + sorted(p for p in TESTS.iterdir()
                            if p.is_dir() and p.name != '__pycache__')
 sys.path.extend(str(p) for p in FOLDERS[1:] + [TESTS.parent / 'tools']
                 if str(p) not in sys.path)
+
+# Hermetic: the suite talks to no queue it did not start. A cluster of the
+# machine's user (~/.dasktrain), a shared queue running on the machine
+# (/var/lib/dasktrain) or one a shell names ($DASKTRAIN_QUEUE) is never
+# found: every process the suite starts inherits this, and a test that
+# wants a cluster of its own or a shared place names it.
+QUIET = Path(tempfile.mkdtemp(prefix='dasktrain-suite-'))
+os.environ.update({'DASKTRAIN_HOME': str(QUIET / 'home'),
+                   'DASKTRAIN_SHARED_DIR': str(QUIET / 'no-shared-queue')})
+for name in ('QUEUE', 'JOBS_DIR', 'NOTIFY', 'NOTIFY_ALLOW', 'BUSY_MIB',
+             'MAX_GRACE', 'PIDS_PER_JOB', 'MAX_QUEUED', 'MAX_BYTES',
+             'KEEP_FINISHED', 'CONTAIN', 'CLUSTER_MARK', 'SHARED_SERVE',
+             'SHARED_OWNER', 'JOB_MARK'):  # a cluster's, or a job's
+    os.environ.pop(f'DASKTRAIN_{name}', None)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(QUIET, ignore_errors=True)  # the suite's own, gone
 
 
 @pytest.fixture

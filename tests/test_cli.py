@@ -94,3 +94,33 @@ def test_every_command_runs_as_python_m_dasktrain_cli():
                               '--help'], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith(f'usage: dasktrain {name}')
+
+
+def test_the_jobs_table_escapes_pages_and_says_what_it_left_out(capsys):
+    from dasktrain.commands.jobs import Jobs
+    row = {'id': 'a-1', 'name': 'x\x1b]0;TITLE\x07\x1b[2J',
+           'user': 'bob\u202e', 'state': 'failed', 'ending': None,
+           'gpus': '0', 'progress': '1/2', 'accuracy': 0.5, 'submitted': 0,
+           'started': None, 'ended': None, 'seen': 'ended', 'view': {}}
+    text = Jobs.table([row], [('b-2', 'job b-2: status.json\x1b[2J')],
+                      {'page': 1, 'pages': 3, 'total': 250, 'older': 4})
+    assert not set(text) & {'\x1b', '\x07', '\u202e'}
+    lines = text.splitlines()
+    assert lines[1].split()[:4] == ['a-1', 'x\\x1b]0;TITLE\\x07\\x1b[2J',
+                                    'bob\\u202e', 'failed']
+    assert lines[2].split()[:4] == ['b-2', '-', '-', 'unreadable']
+    assert lines[3:] == [
+        'unreadable: job b-2: status.json\\x1b[2J',
+        'page 1 of 3 (250 jobs): --page 2 for another',
+        '4 job(s) that ended more than a day ago not shown: --all lists '
+        'them']
+    # Its flags: checked before anything is asked.
+    for argv, error in ((['--page', '0'], '--page must be >= 1, got 0'),
+                        (['--interval', '0'], '--interval must be > 0, '
+                                              'got 0')):
+        assert main(['jobs', *argv]) == 2
+        assert capsys.readouterr().err.splitlines()[-2:] == [
+            f'dasktrain jobs: error: {error}',
+            'see `dasktrain jobs --help`']
+    assert main(['jobs', '--mine', '--user', 'bob']) == 2
+    assert 'not allowed with argument' in capsys.readouterr().err

@@ -15,7 +15,7 @@ PACKAGE = ROOT / 'dasktrain'
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
     {'errors', 'files', 'config', '_compat', '_lazy', 'keeper', 'everyone',
-     'spawn', 'userspec', 'notify'},
+     'spawn', 'userspec', 'notify', 'containment'},
     {'data'},
     {'parallel'},
     {'training', 'chainermn'},

@@ -21,6 +21,7 @@ Owns the recorded cluster and the clients to it; throwaway workers for
 one run are :mod:`dasktrain.cluster.workers`'. May not touch training.
 """
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -31,8 +32,28 @@ from pathlib import Path
 from dasktrain.cluster import malloc
 from dasktrain.cluster import tls as _tls
 from dasktrain.cluster.guard import starting
-from dasktrain.cluster.processes import kill, running, spawn, wait_for
-from dasktrain.cluster.settings import environment, settings
+from dasktrain.cluster.processes import (
+    GRACE,
+    kill,
+    running,
+    spawn,
+    wait_for,
+)
+from dasktrain.cluster.settings import (
+    MAX_GRACE,
+    environment,
+    max_grace,
+    rules,
+    settings,
+)
+from dasktrain.containment import (
+    CLUSTER_ENV,
+    CONTAIN_ENV,
+    Containment,
+    cluster_tag,
+    end_all,
+    prepare,
+)
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.spawn import python
@@ -196,7 +217,8 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
                   gpus=None, cpu_slots=1, tls_ca_file=None, tls_cert=None,
                   tls_key=None, insecure=False, timeout=60,
                   dashboard_host=None, notify=None, busy_mib=None,
-                  folder=None, env=None, umask=-1):
+                  folder=None, env=None, umask=-1, cgroup=None, limits=None,
+                  shared=False):
     """Start a scheduler and a worker in the background; record them.
 
     Parameters
@@ -224,6 +246,15 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         listens on the network: reach it through an SSH tunnel.
     notify, busy_mib : optional
         See :mod:`dasktrain.cluster.settings`.
+    limits : dict, optional
+        The other settings of :func:`~dasktrain.cluster.settings.settings`
+        (``max_grace``, ``pids_per_job``, ``notify_allow``, a shared
+        cluster's limits per user); ``shared``: its defaults for those not
+        given.
+    cgroup : str, optional
+        The cgroup v2 folder its jobs' cgroups go under (default: one
+        beside this process's own cgroup; see
+        :mod:`dasktrain.containment`).
     folder : Path, optional
         Its state, certificates and logs (default :func:`home`; a shared
         cluster's own, see :mod:`~dasktrain.cluster.shared`).
@@ -238,17 +269,30 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
         What was recorded: scheduler and dashboard addresses, pids and
         their start times, resources, TLS files, settings.
     """
-    extra = settings(notify, busy_mib)  # checked before anything starts
+    # checked before anything starts
+    extra = settings(notify, busy_mib, shared=shared, **(limits or {}))
     folder = Path(folder or home())
     with starting(folder):
         return _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
                       tls_cert, tls_key, insecure, timeout, dashboard_host,
-                      extra, folder, env or {}, umask)
+                      extra, folder, env or {}, umask, cgroup)
+
+
+def _contain(folder, cgroup):
+    """The containment of the cluster in ``folder`` (:mod:`dasktrain.
+    containment`), with what a cluster there before left ended first."""
+    tag = cluster_tag(folder.resolve())
+    found = prepare(cgroup, name=f'dasktrain-{tag}')
+    left = end_all(found, f'{tag}/')
+    if left:
+        logger.warning('ended %d process(es) or cgroup(s) the jobs of a '
+                       'cluster before left', left)
+    return tag, found
 
 
 def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
            tls_cert, tls_key, insecure, timeout, dashboard_host, extra,
-           folder, more_env, umask):
+           folder, more_env, umask, cgroup):
     given = any((tls_ca_file, tls_cert, tls_key))
     if insecure and given:
         raise ClusterError(f'{argument("insecure")} and the TLS files '
@@ -276,7 +320,9 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
     logs.mkdir(parents=True, exist_ok=True)
     scheduler_file = folder / 'scheduler.json'
     scheduler_file.unlink(missing_ok=True)
+    tag, contain = _contain(folder, cgroup)
     tls_args, env = [], dict(environment(os.environ, extra), **more_env)
+    env.update({CONTAIN_ENV: contain.env(), CLUSTER_ENV: tag})
     malloc.users_environ(env)  # not a value Dask left in os.environ
     if tls:
         tls_args = ['--tls-ca-file', tls['tls_ca_file'], '--tls-cert',
@@ -310,7 +356,9 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
             # interface otherwise.
             '--dashboard-address', _with_port(host, 0),
             '--local-directory', str(folder / 'worker-space'),
-            *tls_args), logs / 'worker.log', env, umask))
+            *tls_args), logs / 'worker.log', env, umask,
+            # its jobs' keepers stop them within their grace first
+            grace=max_grace(env) + GRACE))
         client = connect(address, security_from(**tls) if tls else None)
         with client:
             wait_for(lambda: worker_info(client) or None, timeout,
@@ -324,20 +372,28 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
              'pids': [p.pid for p in processes],
              'created': [p.created for p in processes],
              'resources': resources, 'host': host, 'tls': tls,
-             'started': time.time(), **extra}
+             'started': time.time(), 'tag': tag,
+             'contain': dataclasses.asdict(contain), **extra}
     _write_state(state, folder)
     return state
 
 
 def cluster_status(address=None):
-    """Scheduler address, dashboard and workers with their resources."""
+    """Scheduler address, dashboard and workers with their resources;
+    for the recorded cluster, how its jobs are kept and its rules."""
     with connect(address) as client:
         workers = {addr: {'name': w.get('name'),
                           'resources': w.get('resources', {}),
                           'threads': w.get('nthreads')}
                    for addr, w in worker_info(client).items()}
-        return {'scheduler': client.scheduler.address,
-                'dashboard': client.dashboard_link, 'workers': workers}
+        found = {'scheduler': client.scheduler.address,
+                 'dashboard': client.dashboard_link, 'workers': workers}
+    state = read_state()
+    if state and state.get('scheduler') == found['scheduler'] and \
+            state.get('contain'):
+        found['contain'] = Containment(**state['contain']).words()
+        found['rules'] = rules(environment({}, state))
+    return found
 
 
 def stop_cluster(folder=None):
@@ -353,6 +409,7 @@ def stop_cluster(folder=None):
     if state is None:
         raise ClusterError('no cluster is recorded; nothing to stop')
     alive = running(state)
+    grace = float(state.get('max_grace') or MAX_GRACE)
     if alive:
         try:
             security = security_from(**state['tls']) if state.get('tls') \
@@ -363,6 +420,11 @@ def stop_cluster(folder=None):
         except ClusterError:
             pass  # not answering; the signals below end it
         for pid, created in alive:
-            kill(pid, created)
+            kill(pid, created, grace + GRACE + 5)
+    # Whatever a job left, wherever it went: its cgroup, its marker.
+    contain = state.get('contain')
+    if state.get('tag'):
+        end_all(Containment(**contain) if contain else None,
+                f"{state['tag']}/")
     state_path(folder).unlink(missing_ok=True)
     return dict(state, stale=not alive)

@@ -18,11 +18,12 @@ from dasktrain.errors import UserError
 GRACE = 5.0  # s between a stop's SIGTERM and its SIGKILL
 
 
-def spawn(argv, log_path, env=None, umask=-1):
+def spawn(argv, log_path, env=None, umask=-1, grace=GRACE):
     """Start ``argv`` in the background under its keeper, their output
     appended to ``log_path``, in the folder above that log's folder, with
-    ``env`` (None: this process's) and ``umask`` (-1: this one's). The
-    keeper's ``Popen``, with ``created``, its start time."""
+    ``env`` (None: this process's) and ``umask`` (-1: this one's), given
+    ``grace`` seconds to stop. The keeper's ``Popen``, with ``created``,
+    its start time."""
     import psutil
     with open(log_path, 'ab') as log:
         # The cluster outlives the command that started it, and a Ctrl-C
@@ -30,7 +31,7 @@ def spawn(argv, log_path, env=None, umask=-1):
         # cluster's own folder: nothing where `cluster start` ran is
         # importable (dasktrain.spawn).
         process = keeper.start(
-            argv, dict(os.environ) if env is None else env, GRACE,
+            argv, dict(os.environ) if env is None else env, grace,
             stdout=log, cwd=str(log_path.parent.parent), outlives=True,
             umask=umask).process
     # With the pid, what tells this process from a later one that the

@@ -46,6 +46,10 @@ DEFAULT = '/var/lib/dasktrain'
 # every job.
 SERVE_ENV = 'DASKTRAIN_SHARED_SERVE'
 OWNER_ENV = 'DASKTRAIN_SHARED_OWNER'
+# The Dask web routes a shared scheduler serves: its metrics, health and
+# dashboard, not ``info`` (workers' logs, call stacks) nor ``proxy``.
+HTTP_ROUTES = ['distributed.http.scheduler.prometheus',
+               'distributed.http.health', 'distributed.http.statics']
 NEEDS_ROOT = ('a shared cluster runs each job as its submitter, which needs '
               'root: start it with sudo, or leave out --shared for a '
               'cluster of your own')
@@ -101,7 +105,8 @@ def check_install(env=None, problem=_ASK):
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     dasktrain.cluster.local.ClusterError: other users cannot run ... \
-`sudo /opt/dasktrain/bin/dasktrain cluster start --shared`
+`sudo dasktrain cluster start --shared` (install-shared links it into \
+/usr/local/bin, on sudo's PATH)
     """
     env = os.environ if env is None else env
     if env.get(PRIVATE_PYTHON_ENV) == '1':
@@ -114,8 +119,9 @@ def check_install(env=None, problem=_ASK):
             f'{problem}, and a shared cluster runs each training job as its '
             'submitter with it: install dasktrain for every user (`sudo '
             'make install-shared PREFIX=/opt/dasktrain` in its clone, '
-            'docs/security.md) and start that one: `sudo '
-            '/opt/dasktrain/bin/dasktrain cluster start --shared`')
+            'docs/security.md) and start that one: `sudo dasktrain '
+            'cluster start --shared` (install-shared links it into '
+            '/usr/local/bin, on sudo\'s PATH)')
 
 
 def owner_uid(env=None):
@@ -209,11 +215,14 @@ def start_shared(root=None, **start):
     env = {SERVE_ENV: str(where.root), HOME_ENV: str(where.private),
            SHARED_ENV: str(where.root),
            # the jobs layer's $DASKTRAIN_JOBS_DIR: the monitor's job board
-           'DASKTRAIN_JOBS_DIR': str(where.jobs)}
+           'DASKTRAIN_JOBS_DIR': str(where.jobs),
+           # No Dask page that shows logs, stacks or proxies: the
+           # dashboard is every user's, without a login.
+           'DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES': repr(HTTP_ROUTES)}
     if owner is not None:
         env[OWNER_ENV] = str(owner)
     state = start_cluster(folder=where.private, env=env, umask=0o077,
-                          **start)
+                          shared=True, **start)
     try:
         _wait_for_door(where, start.get('timeout', 60))
         write_record(where, state, owner)

@@ -13,9 +13,39 @@ stays fast.
 """
 import argparse
 import dataclasses
+import re
 
 from dasktrain.commands.options import add_arguments
 from dasktrain.config import ConfigError, TrainConfig
+
+# Characters a terminal acts on: C0 controls, DEL, C1 controls (ESC and
+# CSI start escape sequences: titles, clearing, colours, cursor moves),
+# and Unicode's line separators and bidirectional overrides (text that
+# reads otherwise than it is).
+_CONTROL = re.compile('[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e'
+                      '\u2066-\u2069]')
+
+
+def printable(text, keep=''):
+    r"""``text`` (anything: ``str()`` of it) with every character a
+    terminal would act on written as an escape, ``\x1b`` or ``\u202e``,
+    but those in ``keep`` (``'\n\t'`` for a whole output): a job's name,
+    command, user or error never draws on another user's terminal.
+
+    >>> printable('x\x1b]0;TITLE\x07\x1b[2J')
+    'x\\x1b]0;TITLE\\x07\\x1b[2J'
+    >>> printable('a\tb\nc', keep='\n'), printable(None)
+    ('a\\x09b\nc', 'None')
+    """
+    text = str(text)
+
+    def escape(found):
+        c = found.group()
+        if c in keep:
+            return c
+        return f'\\x{ord(c):02x}' if ord(c) < 0x100 else \
+            f'\\u{ord(c):04x}'
+    return _CONTROL.sub(escape, text)
 
 
 class Command:

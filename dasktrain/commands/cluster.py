@@ -2,7 +2,13 @@
 with the links to its dashboard, jobs page and metrics; a cluster of
 your own, or (``--shared``, as root) one queue for every user of the
 machine (:mod:`dasktrain.cluster.shared`)."""
-from dasktrain.commands import Command, Parser, add_jobs_dir, add_scheduler
+from dasktrain.commands import (
+    Command,
+    Parser,
+    add_jobs_dir,
+    add_scheduler,
+    printable,
+)
 
 
 def _add_shared_arguments(parser, what):
@@ -69,6 +75,36 @@ class Cluster(Command):
                        help='GPUs one user\'s jobs may hold at once; the '
                             'others wait, "user limit reached" (default: '
                             'no limit)')
+        p.add_argument('--max-grace', type=float, default=None,
+                       metavar='S',
+                       help='the longest a stopped job gets between SIGTERM '
+                            'and SIGKILL, whatever it asked (default: 30)')
+        p.add_argument('--pids-per-job', type=int, default=None,
+                       metavar='N',
+                       help='processes one job may have at once (pids.max '
+                            'of its cgroup; default: no limit)')
+        p.add_argument('--cgroup', default=None, metavar='PATH',
+                       help='the cgroup v2 folder its jobs\' cgroups go '
+                            'under, e.g. a systemd unit\'s delegated one '
+                            '(default: one beside this command\'s own)')
+        p.add_argument('--notify-allow', action='append', default=None,
+                       metavar='RULE',
+                       help='where job notifications may go (repeatable): '
+                            'public, mailto, any, a network (10.0.0.0/8) '
+                            'or a URL prefix (default with --shared: '
+                            'public and mailto; else any)')
+        p.add_argument('--keep-finished', default=None, metavar='DURATION',
+                       help='purge a job (its folder, outputs included) '
+                            'this long after it ended; never to keep all '
+                            '(default with --shared: 30d; else never)')
+        p.add_argument('--max-queued-per-user', type=int, default=None,
+                       metavar='N',
+                       help='with --shared: jobs one user may have queued '
+                            'or running at once (default: 1000)')
+        p.add_argument('--max-bytes-per-user', default=None, metavar='SIZE',
+                       help='with --shared: bytes of one user\'s job files '
+                            'the queue keeps for them, environments and '
+                            'copied files (default: 256M)')
         _add_tls_arguments(p)
         add_jobs_dir(p)
         _add_shared_arguments(p, 'one queue for every user of this machine, '
@@ -126,7 +162,8 @@ class Cluster(Command):
                 cpu_slots=args.cpu_slots, tls_ca_file=args.tls_ca_file,
                 tls_cert=args.tls_cert, tls_key=args.tls_key,
                 insecure=args.insecure, dashboard_host=args.dashboard_host,
-                notify=args.notify, busy_mib=args.busy_mib, **more)
+                notify=args.notify, busy_mib=args.busy_mib,
+                cgroup=args.cgroup, limits=self.limits(args), **more)
             from dasktrain.jobs.scheduler.metrics import links
             tls = ', '.join(state['tls'].values()) if state['tls'] else \
                 'none (--insecure)'
@@ -135,8 +172,10 @@ class Cluster(Command):
             for what, link in links(state['dashboard']).items():
                 print(f'{what}: {link}')
             where = state.get('shared')
+            from dasktrain.containment import Containment
             print(f"worker resources: {state['resources']}\n"
-                  f'TLS: {tls}\nrecorded in '
+                  f"jobs kept in: {Containment(**state['contain']).words()}"
+                  f'\nTLS: {tls}\nrecorded in '
                   f'{where.record if where else cluster.state_path()}')
             if where:
                 print(f'shared: every user submits through {where.socket}; '
@@ -159,13 +198,17 @@ class Cluster(Command):
             for address, worker in status['workers'].items():
                 resources = ', '.join(f'{k}={v:g}' for k, v in
                                       worker['resources'].items())
-                print(f"worker {address} ({worker['name']}): "
-                      f"{resources or 'no resources'}, "
-                      f"{worker['threads']} threads")
+                print(printable(f"worker {address} ({worker['name']}): "
+                                f"{resources or 'no resources'}, "
+                                f"{worker['threads']} threads"))
+            if status.get('contain'):
+                print(printable(f"jobs kept in: {status['contain']}"))
+            for line in status.get('rules') or ():
+                print(printable(line))
             if door is not None:
-                print(f'shared: front door {door.path}, owners '
-                      f"{', '.join(status['owners'])}; you are "
-                      f"{status['you']}")
+                print(printable(f'shared: front door {door.path}, owners '
+                                f"{', '.join(status['owners'])}; you are "
+                                f"{status['you']}"))
         else:
             state = self.stop(cluster, args)
             if state['stale']:
@@ -175,8 +218,34 @@ class Cluster(Command):
             else:
                 print(f"stopped the cluster at {state['scheduler']}")
             for job_id, job_state in state['jobs'].items():
-                print(f'job {job_id}: {job_state}')
+                print(printable(f'job {job_id}: {job_state}'))
         return 0
+
+    @staticmethod
+    def limits(args):
+        """The settings of ``cluster start``'s limits, from its flags
+        (a usage error for a wrong one, before anything starts)."""
+        from dasktrain.errors import UserError
+        from dasktrain.jobs.request import parse_size, parse_time
+        if not args.shared:
+            for flag in ('max_queued_per_user', 'max_bytes_per_user'):
+                if getattr(args, flag) is not None:
+                    args.command_parser.error(
+                        f'--{flag.replace("_", "-")} needs --shared: a '
+                        'cluster of your own runs your jobs only')
+        try:
+            keep = None if args.keep_finished is None else float('inf') \
+                if args.keep_finished == 'never' else \
+                parse_time(args.keep_finished, 'keep_finished')
+            size = None if args.max_bytes_per_user is None else \
+                parse_size(args.max_bytes_per_user, 'max_bytes_per_user')
+        except UserError as e:
+            args.command_parser.error(str(e))
+        return {'max_grace': args.max_grace,
+                'pids_per_job': args.pids_per_job,
+                'notify_allow': args.notify_allow,
+                'max_queued_per_user': args.max_queued_per_user,
+                'max_bytes_per_user': size, 'keep_finished': keep}
 
     @staticmethod
     def recover(state, jobs_dir, max_gpus_per_user=None):
@@ -192,9 +261,12 @@ class Cluster(Command):
                 set_user_limit(client, max_gpus_per_user)
                 print(f'GPUs one user\'s jobs may hold at once: '
                       f'{max_gpus_per_user}')
-            for job in recover(client, jobs_dir,
-                               anyone=bool(state.get('shared'))):
+            requeued, failed = recover(client, jobs_dir,
+                                       anyone=bool(state.get('shared')))
+            for job in requeued:
                 print(f'requeued job {job.id} (its cluster had gone)')
+            for job, why in failed:
+                print(printable(f'job {job.id} not requeued: {why}'))
 
     @staticmethod
     def stop(cluster, args):

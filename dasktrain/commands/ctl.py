@@ -11,7 +11,8 @@ import socket
 import time
 from pathlib import Path
 
-from dasktrain.commands import Command, add_jobs_dir
+from dasktrain.commands import Command, add_jobs_dir, printable
+from dasktrain.errors import plural
 
 ACTIONS = {'snapshot': 'take_snapshot', 'set': 'adjust_hyperparams',
            'stop': 'stop'}
@@ -55,7 +56,7 @@ def describe(name, answer, out):
     """What the run did, in words, from its ``answer`` (a response)."""
     when = answer.get('executed_at', '')[11:19]
     where = (f"at iteration {answer.get('iteration')} "
-             f"({answer.get('epoch')} epochs done), {when}")
+             f"({plural(answer.get('epoch'), 'epoch')} done), {when}")
     body = answer.get('body') or {}
     if name == 'take_snapshot':
         return (f"snapshot {body.get('path')} {where}; until the next "
@@ -132,7 +133,7 @@ class Ctl(Command):
             message = (answer.get('body') or {}).get('message') or \
                 'no reason given'
             raise JobError(f'{args.target}: {what} refused: {message}')
-        print(f'{args.target}: {describe(name, answer, out)}')
+        print(printable(f'{args.target}: {describe(name, answer, out)}'))
         if name == 'stop' and job is not None:
             self.wait_end(job, args.timeout)
         return 0

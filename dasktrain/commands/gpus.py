@@ -5,7 +5,12 @@ busy); on workers without GPUs, their CPU slots and the jobs holding
 them. The readings are :mod:`dasktrain.jobs.worker.gpu_use`'s (workers'
 heartbeats),
 the jobs those the scheduler's monitor and the jobs dir know."""
-from dasktrain.commands import Command, add_jobs_dir, add_scheduler
+from dasktrain.commands import (
+    Command,
+    add_jobs_dir,
+    add_scheduler,
+    printable,
+)
 
 
 class Gpus(Command):
@@ -77,6 +82,7 @@ class Gpus(Command):
                              'outside the queue unknown')
         if len(rows) == 1:
             return 'no workers'
+        rows = [tuple(printable(c) for c in r) for r in rows]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
                  for r in rows]

@@ -10,6 +10,7 @@ from dasktrain.commands import (
     Command,
     add_jobs_dir,
     add_scheduler,
+    printable,
     train_config,
 )
 
@@ -34,11 +35,13 @@ class Submit(Command):
         parser.add_argument('--env', action='append', metavar='KEY=VALUE',
                             help='a program: a variable added to your '
                                  'environment as it is now (repeatable)')
-        parser.add_argument('--grace', type=float, default=30.0,
+        parser.add_argument('--grace', type=float, default=None,
                             metavar='SECONDS',
                             help='a program: seconds between a cancel\'s '
-                                 'SIGTERM and its SIGKILL (default: '
-                                 '%(default)s)')
+                                 'SIGTERM and its SIGKILL, at most the '
+                                 'cluster\'s `cluster start --max-grace` '
+                                 '(default: that longest, 30 unless the '
+                                 'cluster says otherwise)')
         parser.add_argument('--requeue', action='store_true',
                             help='a program: start it again if its worker '
                                  'dies (it resumes by itself); else it '
@@ -63,6 +66,11 @@ class Submit(Command):
                             metavar='DURATION',
                             help='how long it may run: stopped (failed) '
                                  'once past')
+        parser.add_argument('--mem', default=None, metavar='SIZE',
+                            help='memory its processes may use together '
+                                 '(512M, 8G): past it the kernel kills '
+                                 'them (memory.max of its cgroup; refused '
+                                 'where the cluster cannot cap memory)')
         add_jobs_dir(parser)
         parser.add_argument('train_args', nargs=argparse.REMAINDER,
                             help='after --: options of `dasktrain train`, '
@@ -87,11 +95,13 @@ class Submit(Command):
                                                'dasktrain submit --'))
         request = JobRequest.of(program, args.gpus, args.name, args.notify,
                                 args.after, args.after_any, args.time,
-                                args.time_limit)
+                                args.time_limit, args.mem)
         print(queue_request(request, scheduler=args.scheduler,
                             path=args.jobs_dir).id)
         return 0
 
+
+PER_PAGE = 100  # as dasktrain.jobs.status.PER_PAGE (not imported at start)
 
 # Seconds between asking the scheduler whether a job it should hold is
 # still there (`logs --follow`, `result --wait`): cheap, and a lost job is
@@ -117,7 +127,8 @@ def estimate_words(state, view):
         start = view.get('start')
         return (f'#{view["position"]}, start ~{_when(start)}' if start
                 else f'#{view["position"]}, start unknown')
-    if state == 'running' and 'end' in view:
+    # a job the queue started before its worker says so: already its end
+    if state in ('queued', 'running') and 'end' in view:
         end = view.get('end')
         if end is None:
             return 'end unknown'
@@ -128,10 +139,22 @@ def estimate_words(state, view):
 
 class Jobs(Command):
     name = 'jobs'
-    help = 'list every job with its state, GPUs, progress and times'
+    help = ('list the queued and running jobs, and those that ended in the '
+            'last day, with their state, GPUs, progress and times')
 
     def add_arguments(self, parser):
         add_jobs_dir(parser)
+        parser.add_argument('--all', '-a', action='store_true',
+                            help='every job the queue keeps, however long '
+                                 'ago it ended: the history')
+        who = parser.add_mutually_exclusive_group()
+        who.add_argument('--user', '-u', default=None,
+                         help="this user's jobs only")
+        who.add_argument('--mine', action='store_true',
+                         help='your jobs only')
+        parser.add_argument('--page', type=int, default=1,
+                            help=f'which page of {PER_PAGE} rows '
+                                 '(default: %(default)s)')
         parser.add_argument('--watch', '-w', action='store_true',
                             help='refresh the table until Ctrl-C')
         parser.add_argument('--interval', type=float, default=2.0,
@@ -142,19 +165,25 @@ class Jobs(Command):
         if args.interval <= 0:
             args.command_parser.error(
                 f'--interval must be > 0, got {args.interval:g}')
+        if args.page < 1:
+            args.command_parser.error(f'--page must be >= 1, got '
+                                      f'{args.page}')
         from dasktrain.jobs.client.route import rows
+        from dasktrain.jobs.job import current_user
         from dasktrain.jobs.scheduler.query import (
             SchedulerPoller,
             ask_scheduler,
         )
+        cut = {'everything': args.all, 'page': args.page,
+               'user': current_user() if args.mine else args.user}
         if not args.watch:
-            print(self.table(*rows(args.jobs_dir, ask_scheduler)))
+            print(self.table(*rows(args.jobs_dir, ask_scheduler, **cut)))
             return 0
         clear = '\x1b[H\x1b[2J' if sys.stdout.isatty() else '\n'
         poller = SchedulerPoller(args.interval)
         try:
             while True:
-                table = self.table(*rows(args.jobs_dir, poller.ask))
+                table = self.table(*rows(args.jobs_dir, poller.ask, **cut))
                 sys.stdout.write(f"{clear}every {args.interval:g} s, Ctrl-C "
                                  f"to stop; {time.strftime('%H:%M:%S')}\n"
                                  f'{table}\n')
@@ -165,12 +194,14 @@ class Jobs(Command):
             return 0
 
     @staticmethod
-    def table(rows, unreadable=()):
+    def table(rows, unreadable=(), counts=None):
         """The jobs table of ``rows`` (as
-        :func:`dasktrain.jobs.status.job_rows` gives them: a cluster of
+        :func:`dasktrain.jobs.status.shown` gives them: a cluster of
         your own's job folders and scheduler, or a shared cluster's
         socket); a job folder that cannot be read is one row 'unreadable'
-        and a line with its reason below, never an error."""
+        and a line with its reason below, never an error; every field
+        :func:`~dasktrain.commands.printable`; ``counts``: which page of
+        how many, and the ended jobs left out."""
         lines = [('ID', 'NAME', 'USER', 'STATE', 'GPUS', 'PROGRESS',
                   'ACCURACY', 'SUBMITTED', 'STARTED', 'ENDED', 'SCHEDULER',
                   'ESTIMATE', 'REASON')]
@@ -185,13 +216,24 @@ class Jobs(Command):
                 estimate_words(r['state'], view), view.get('reason') or '-'))
         lines += [(job_id, '-', '-', 'unreadable') + ('-',) * 9
                   for job_id, _ in unreadable]
+        lines = [tuple(printable(c) for c in r) for r in lines]
         widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
         text = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
                 for r in lines]
-        text += [f'unreadable: {reason}' for _, reason in unreadable]
+        text += [f'unreadable: {printable(reason)}'
+                 for _, reason in unreadable]
         if any(r[11] != '-' for r in lines[1:]):
             text.append('ESTIMATE: the queue\'s estimate (#position in '
                         'line), from --time and measured epoch times')
+        counts = counts or {}
+        if counts.get('pages', 1) > 1:
+            text.append(f"page {counts['page']} of {counts['pages']} "
+                        f"({counts['total']} jobs): --page "
+                        f"{counts['page'] % counts['pages'] + 1} for "
+                        'another')
+        if counts.get('older'):
+            text.append(f"{counts['older']} job(s) that ended more than a "
+                        'day ago not shown: --all lists them')
         return '\n'.join(text)
 
 
@@ -215,21 +257,32 @@ class Logs(_JobCommand):
         super().add_arguments(parser)
         parser.add_argument('--follow', '-f', action='store_true',
                             help='keep printing until the job ends')
+        parser.add_argument('--raw', action='store_true',
+                            help='print its output as written, control '
+                                 'characters and all (by default they are '
+                                 'escaped, but newlines, tabs and carriage '
+                                 'returns)')
 
     def run(self, args):
         from dasktrain.jobs.job import DONE, JobError
         from dasktrain.jobs.scheduler.query import ask_scheduler
         job = self.job(args)
-        offset, checked = 0, time.monotonic()
+        offset, checked, last = 0, time.monotonic(), '\n'
         while True:
             done = job.status()['state'] in DONE
             while True:  # all there is now, a chunk at a time
                 text, offset = job.read_log(offset)
-                sys.stdout.write(text)
+                sys.stdout.write(text if args.raw else
+                                 printable(text, keep='\n\t\r'))
                 sys.stdout.flush()
                 if not text:
                     break
+                last = text[-1]
             if done or not args.follow:
+                # A last line cut short (a process killed mid-line, a
+                # progress bar's \r) ends here, not in the shell's prompt.
+                if last != '\n' and not args.raw:
+                    print()
                 return 0
             if time.monotonic() - checked > LOST_CHECK:
                 checked = time.monotonic()
@@ -245,20 +298,30 @@ class Cancel(_JobCommand):
 
     def add_arguments(self, parser):
         super().add_arguments(parser)
-        parser.add_argument('--timeout', type=float, default=30.0,
+        parser.add_argument('--timeout', type=float, default=60.0,
                             metavar='S', help='seconds to wait for a running'
-                            ' job to stop (default: %(default)s)')
+                            ' job to stop: its grace, then SIGKILL (at most '
+                            'the cluster\'s --max-grace) (default: '
+                            '%(default)s)')
 
     def run(self, args):
-        from dasktrain.jobs.job import DONE
+        from dasktrain.jobs.job import DONE, JobError
+
+        def state_now(told=None):
+            # A job whose files cannot be read: what the cancel answered.
+            try:
+                state = job.status()['state']
+            except JobError:
+                state = 'unreadable'
+            return told if state == 'unreadable' and told else state
         job = self.job(args)
-        was = job.status()['state']
-        job.cancel()
+        was = state_now()
+        told = job.cancel()  # a shared cluster's answer: its state now
         deadline = time.monotonic() + args.timeout
-        state = job.status()['state']
+        state = state_now(told)
         while state not in DONE and time.monotonic() < deadline:
             time.sleep(0.2)  # a running job stops within a second or so
-            state = job.status()['state']
+            state = state_now(told)
         if was in DONE:
             print(f'{job.id}: already {was}')
         elif state in DONE:
@@ -313,11 +376,12 @@ class Result(_JobCommand):
         from dasktrain.jobs.job import DONE, JobError
         from dasktrain.jobs.scheduler.query import ask_scheduler
         job = self.job(args)
+        job.spec()  # yours to read, or one line saying whose it is
         status = job.status()
         if status['state'] not in DONE and not args.wait:
             raise JobError(f"job {job.id} is {status['state']} (epoch "
-                           f"{status['epoch']}/{status['epochs']}); pass "
-                           '--wait to wait for it')
+                           f"{status.get('epoch')}/{status.get('epochs')});"
+                           ' pass --wait to wait for it')
         while status['state'] not in DONE:
             reason = job.lost_reason(ask_scheduler)
             if reason:
@@ -333,7 +397,7 @@ class Result(_JobCommand):
                            f"{summary['out']}/log is missing or damaged; "
                            f"its outputs: {summary['out']}")
         for key, value in summary['final'].items():
-            print(f'{key}: {value:.6g}' if isinstance(value, float)
-                  else f'{key}: {value}')
-        print(f"outputs: {summary['out']}")
+            print(printable(f'{key}: {value:.6g}' if isinstance(value, float)
+                            else f'{key}: {value}'))
+        print(f"outputs: {printable(summary['out'])}")
         return 0

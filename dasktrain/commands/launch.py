@@ -30,7 +30,8 @@ class Launch(Command):
                                  'started and stopped here)')
         parser.add_argument('--out', default=None, metavar='DIR',
                             help="the ranks' logs (rank0.log, ...); "
-                                 'default: launch-YYYYmmdd-HHMMSS')
+                                 'default: a new runs/launch-YYYYmmdd-'
+                                 'HHMMSS')
         parser.add_argument('--timeout', type=float, default=300.0,
                             metavar='SECONDS',
                             help='how long a collective waits for a peer '

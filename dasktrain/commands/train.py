@@ -18,6 +18,7 @@ from dasktrain.commands.options import (
     add_data_arguments,
     given_fields,
 )
+from dasktrain.errors import plural
 
 
 class Download(Command):
@@ -115,8 +116,8 @@ class Train(Command):
         final, stop = summary['final'], summary.get('stopped_by_request')
         if stop:
             print(f"stopped by request at iteration {stop['iteration']} "
-                  f"({stop['epoch']} epochs done); `dasktrain train --resume "
-                  f"--out {config.out}` continues from "
+                  f"({plural(stop['epoch'], 'epoch')} done); `dasktrain train "
+                  f"--resume --out {config.out}` continues from "
                   f"{stop['checkpoint']}")
         if final is None and stop:
             return 0
@@ -135,7 +136,7 @@ class Train(Command):
     def curves(out):
         """OUT/curves.png, where matplotlib is installed."""
         try:
-            from dasktrain.results import save_curves
+            from dasktrain.training.curves import save_curves
             path = save_curves(out)
         except ImportError:
             print('curves: `pip install matplotlib` (or dasktrain'

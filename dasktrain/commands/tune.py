@@ -6,6 +6,7 @@ from dasktrain.commands import (
     Command,
     add_jobs_dir,
     add_scheduler,
+    printable,
     train_config,
 )
 
@@ -64,8 +65,8 @@ class Tune(Command):
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # ours instead
         if args.status:
             study = tuning.load(args.status, args.jobs_dir, args.storage)
-            print(trials_table(study).to_text())
-            print(trials.describe_best(study))
+            print(printable(trials_table(study).to_text(), keep='\n'))
+            print(printable(trials.describe_best(study), keep='\n'))
             return 0
         if not args.space:
             args.command_parser.error('give --space FILE, or --status STUDY')

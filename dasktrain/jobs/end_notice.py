@@ -15,13 +15,12 @@ never delays the job's end nor changes it.
 Delivering it is :mod:`dasktrain.notify`'s. It reads a job's files as
 plain JSON and never writes them.
 """
-import json
 import logging
 import os
 from pathlib import Path
 
 from dasktrain.cluster.local import read_state
-from dasktrain.files import read_regular
+from dasktrain.files import read_json
 from dasktrain.notify import ENV, send_later
 
 logger = logging.getLogger(__name__)
@@ -85,11 +84,16 @@ def message(spec, status, rows=()):
     >>> message(spec, {'state': 'failed', 'started': 0, 'ended': 30,
     ...                'exit_code': 3, 'error': 'exit 3'})
     'job x-1 (resnet) of ann failed after 30 s: exit code 3'
+    >>> message(spec, {'state': 'finished', 'ending': 'stopped by request',
+    ...                'started': 0, 'ended': 60})
+    'job x-1 (resnet) of ann finished (stopped by request) after 1 min'
     >>> message(spec, {'state': 'cancelled', 'started': None, 'ended': 9})
     'job x-1 (resnet) of ann cancelled before it started'
     """
     head = f"job {spec.get('id')} ({spec.get('name')}) of " \
         f"{spec.get('user') or '?'} {status['state']}"
+    if status.get('ending'):  # finished (stopped by request)
+        head += f" ({status['ending']})"
     started, ended = status.get('started'), status.get('ended')
     if started is None:
         return f'{head} before it started'
@@ -118,16 +122,19 @@ def ended(folder, before, status):
         return None
     try:
         folder = Path(folder)
-        spec = json.loads((folder / 'job.json').read_text())
-        where = target(spec)
-        if not where:
+        spec = read_json(folder / 'job.json', limit=16 * 2 ** 20)
+        if not isinstance(spec, dict):
             return None
-        try:  # a shared cluster's out/ is its user's: no symlink followed
-            uid = spec.get('uid')
-            rows = json.loads(read_regular(folder / 'out' / 'log',
-                                           uid if type(uid) is int else None,
-                                           limit=2 ** 26))
-            rows = rows if isinstance(rows, list) else []
+        where = target(spec)
+        if not where or not isinstance(where, str):
+            return None
+        try:  # a shared cluster's out/ is its user's: no symlink followed,
+            uid = spec.get('uid')  # bounded, its rows checked
+            rows = read_json(folder / 'out' / 'log',
+                             uid if type(uid) is int else None,
+                             limit=8 * 2 ** 20)
+            rows = [r for r in rows if isinstance(r, dict)] \
+                if isinstance(rows, list) else []
         except (OSError, ValueError):
             rows = []
         return send_later(where, message(spec, status, rows))

@@ -26,6 +26,7 @@ from pathlib import Path
 from dasktrain.errors import argument
 from dasktrain.files import write_json
 from dasktrain.jobs.job import (
+    NEW_STATUS,
     JobError,
     current_host,
     new_job_id,
@@ -72,7 +73,8 @@ def create(root, request, who, scheduler):
             'workers': request.workers, 'scheduler': scheduler,
             'submitted': time.time(), 'notify': request.notify,
             'after': list(request.after), 'after_any': request.after_any,
-            'time': request.time, 'time_limit': request.time_limit}
+            'time': request.time, 'time_limit': request.time_limit,
+            'mem': request.mem, 'rlimits': dict(request.rlimits)}
     if who.shared:
         spec.update(uid=who.uid, gid=who.gid)
     more, files = program.spec(folder, request.gpus)
@@ -91,10 +93,7 @@ def _write(root, folder, spec, files, env, who):
             _new_file(tmp / name, data)
         _new_file(tmp / ENV_FILE, json.dumps(env).encode())
         write_json(tmp / 'job.json', spec, mode=0o600)
-        write_json(tmp / 'status.json', {
-            'state': 'queued', 'attempts': 0, 'gpus': None,
-            'worker': None, 'started': None, 'ended': None,
-            'error': None}, mode=0o600)
+        write_json(tmp / 'status.json', NEW_STATUS, mode=0o600)
         if who.shared:
             _hand_over(tmp, files, who)
         os.rename(tmp, folder)

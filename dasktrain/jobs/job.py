@@ -25,7 +25,7 @@ planted, only a regular file of theirs (a shared cluster's root reads
 them).
 """
 import dataclasses
-import json
+import math
 import os
 import pwd
 import re
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from dasktrain.cluster.local import connect, home
 from dasktrain.errors import UserError
-from dasktrain.files import decode_upto, read_regular, write_json
+from dasktrain.files import decode_upto, read_json, read_regular, write_json
 from dasktrain.jobs import end_notice
 
 KEY_PREFIX = 'dasktrain-job-'  # + the job's id: its Dask task's key
@@ -106,6 +106,11 @@ def jobs_dir(path=None):
     return Path(path or os.environ.get(JOBS_ENV) or home() / 'jobs')
 
 
+# A new job's status.json.
+NEW_STATUS = {'state': 'queued', 'attempts': 0, 'gpus': None,
+              'worker': None, 'started': None, 'ended': None, 'error': None}
+
+
 def update_status(folder, **changes):
     """Change keys of a job's ``status.json`` (atomically: a reader sees
     the old file or the new one); returns the new status. A change to an
@@ -118,52 +123,193 @@ def update_status(folder, **changes):
     {'state': 'cancelled', 'attempts': 0, ...}
     """
     path = Path(folder) / 'status.json'
-    status = json.loads(path.read_text())
+    try:
+        status = _read(folder, 'status.json')
+    except JobError:  # damaged: written whole again, with these changes
+        status = dict(NEW_STATUS)
     before = status.get('state')
     status.update(changes)
-    # As private as it was (0600 in a shared cluster's 0711 folder).
-    write_json(path, status, mode=stat.S_IMODE(os.stat(path).st_mode))
+    try:  # as private as it was (0600 in a shared cluster's 0711 folder)
+        found = os.lstat(path)
+        mode = stat.S_IMODE(found.st_mode) if stat.S_ISREG(found.st_mode) \
+            else 0o600
+    except FileNotFoundError:
+        mode = 0o600
+    write_json(path, status, mode=mode)
     end_notice.ended(folder, before, status)  # --notify: in the background
     return status
 
 
-# What every reader of a job's files needs from them.
-_NEEDS = {'job.json': ('submitted',), 'status.json': ('state',)}
+# Bounds of the job files every reader holds to: whoever wrote them (a
+# damaged disk, a user's own cluster, a user's out/ in a shared one), a
+# reader gets a dict it can use or one line saying why not.
+SPEC_LIMIT = 16 * 2 ** 20  # job.json: a request is at most 4 MiB, escaped
+STATUS_LIMIT = 2 ** 20     # status.json
+ENV_LIMIT = 4 * 2 ** 20    # env.json
+LOG_LIMIT = 8 * 2 ** 20    # out/log: ~20,000 rows of ChainerUI's format
+DEPTH = 16                 # nesting of any of them
+
+_NUMBER = 'a number'
+# job.json's keys that readers use: key -> (what it must be, required).
+_SPEC = {'submitted': (_NUMBER, True), 'name': (str, False),
+         'user': (str, False), 'host': (str, False), 'gpus': (int, True),
+         'workers': (int, False), 'scheduler': (str, False),
+         'notify': (str, False), 'after': (list, False),
+         'after_any': (bool, False), 'time': (_NUMBER, False),
+         'time_limit': (_NUMBER, False), 'uid': (int, False),
+         'gid': (int, False), 'command': (list, False), 'cwd': (str, False),
+         'grace': (_NUMBER, False), 'requeue': (bool, False),
+         'config': (dict, False), 'child': (str, False),
+         'mem': (int, False), 'rlimits': (dict, False)}
+_STATUS = {'state': (str, True), 'attempts': (int, False),
+           'gpus': (list, False), 'worker': (str, False),
+           'started': (_NUMBER, False), 'ended': (_NUMBER, False),
+           'error': (str, False), 'exit_code': (int, False),
+           'ending': (str, False)}
+
+
+def _is(value, kind):
+    if kind is _NUMBER:
+        return isinstance(value, (int, float)) and \
+            not isinstance(value, bool) and math.isfinite(value)
+    if kind is int:
+        return type(value) is int
+    return isinstance(value, kind)
+
+
+def _checked(data, fields, where, more=lambda data: []):
+    """``data`` if it is a dict whose ``fields`` are what they must be
+    (None for one not required); JobError naming every key missing (those
+    required, and ``more(data)``), else the first that is wrong."""
+    if not isinstance(data, dict):
+        raise JobError(f'{where} is not a JSON object')
+    missing = [key for key, (_, required) in fields.items()
+               if required and data.get(key) is None] + more(data)
+    if missing:
+        raise JobError(f'{where} lacks {", ".join(missing)}')
+    for key, (kind, _) in fields.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        if not _is(value, kind):
+            what = 'a time in seconds' if key == 'submitted' else \
+                kind if kind is _NUMBER else \
+                f'{"an" if kind.__name__[0] in "aeiou" else "a"} ' \
+                f'{kind.__name__}'
+            raise JobError(f'{where} has {key}={_short(value)}, not {what}')
+    return data
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + '...'
+
+
+def check_spec(data, where='job.json'):
+    """``data`` if it is a ``job.json`` every reader can use (see
+    :data:`_SPEC`): something to run, ``gpus`` >= 0, ``after`` job ids,
+    a command of strings, a config with its epochs; JobError in one line
+    otherwise.
+
+    >>> check_spec({'submitted': 1.0, 'gpus': 0, 'command': ['true']})
+    {'submitted': 1.0, 'gpus': 0, 'command': ['true']}
+    >>> check_spec({'submitted': 'x', 'gpus': 0, 'command': ['true']})
+    Traceback (most recent call last):
+    ...
+    dasktrain.jobs.job.JobError: job.json has submitted='x', not a time in \
+seconds
+    """
+    _checked(data, _SPEC, where, more=lambda data: [] if 'command' in data
+             or 'config' in data else ['config'])
+    if data['gpus'] < 0 or (data.get('workers') is not None and
+                            data['workers'] < 1):
+        raise JobError(f'{where} has gpus={data["gpus"]}, workers='
+                       f'{data.get("workers")}')
+    if 'command' in data and not (data['command'] and all(
+            isinstance(a, str) for a in data['command'])):
+        raise JobError(f'{where} has a command that is not strings')
+    if 'config' in data and type(data['config'].get('epochs')) is not int:
+        raise JobError(f'{where} lacks config.epochs')
+    if not all(isinstance(a, str) for a in data.get('after') or ()):
+        raise JobError(f'{where} has after that is not job ids')
+    return data
+
+
+def check_status(data, where='status.json'):
+    """``data`` if it is a ``status.json`` every reader can use (see
+    :data:`_STATUS`); JobError in one line otherwise.
+
+    >>> check_status({'state': 'queued', 'attempts': 0})['state']
+    'queued'
+    """
+    _checked(data, _STATUS, where)
+    if data['state'] not in STATES:
+        raise JobError(f'{where} has state={_short(data["state"])}, not '
+                       f'one of {", ".join(STATES)}')
+    if not all(isinstance(g, str) for g in data.get('gpus') or ()):
+        raise JobError(f'{where} has gpus that are not GPU ids')
+    return data
+
+
+def log_rows_of(rows):
+    """The rows of a log (``out/log``: ChainerUI's list of dicts) every
+    reader can use: each a dict of scalars (finite numbers, strings of at
+    most 1,000 characters, booleans; anything else left out) with an
+    ``epoch`` (an int >= 0); ``[]`` for anything else.
+
+    >>> log_rows_of([{'epoch': 1, 'main/loss': 0.5, 'x': [1]}])
+    [{'epoch': 1, 'main/loss': 0.5}]
+    >>> log_rows_of([{'epoch': '1'}]), log_rows_of({'epoch': 1})
+    ([], [])
+    """
+    if not isinstance(rows, list):
+        return []
+    clean = []
+    for row in rows:
+        if not isinstance(row, dict) or type(row.get('epoch')) is not int \
+                or row['epoch'] < 0:
+            return []
+        clean.append({k: v for k, v in row.items() if isinstance(k, str) and (
+            _is(v, _NUMBER) or type(v) is bool or
+            isinstance(v, str) and len(v) <= 1000)})
+    return clean
+
+
+def row_number(row, key):
+    """``row[key]`` if it is a finite number (not a bool), else None.
+
+    >>> row_number({'a': 1.5, 'b': True}, 'a'), row_number({'b': True}, 'b')
+    (1.5, None)
+    """
+    value = (row or {}).get(key)
+    return value if _is(value, _NUMBER) else None
+
+
+def read_file(folder, name, limit=STATUS_LIMIT, owner=None, cached=True):
+    """The JSON in a job's file ``name`` (bounded, never through a symlink,
+    never a FIFO: :func:`dasktrain.files.read_json`); JobError in one
+    line naming the job and what is wrong."""
+    try:
+        return read_json(Path(folder) / name, owner, limit, DEPTH,
+                         cached=cached)
+    except OSError as e:
+        raise JobError(f'job {Path(folder).name}: cannot read {name} '
+                       f'({e.strerror or e})') from None
+    except ValueError as e:
+        raise JobError(f'job {Path(folder).name}: {e}') from None
 
 
 def _read(folder, name):
-    """A job file as a dict; JobError saying what is wrong with it (a
-    truncated file, an empty one, ``{}``) in one line."""
-    path = folder / name
+    """A job's ``job.json`` or ``status.json`` as a dict (a copy),
+    checked; JobError saying what is wrong with it in one line."""
+    folder = Path(folder)
+    data = read_file(folder, name, SPEC_LIMIT if name == 'job.json'
+                     else STATUS_LIMIT)
     try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise JobError(f'job {folder.name}: cannot read {name} '
-                       f'({e.strerror})') from None
-    except ValueError as e:
-        raise JobError(f'job {folder.name}: {name} is not valid JSON '
-                       f'({e})') from None
-    needs = _NEEDS[name]
-    missing = [k for k in needs
-               if not isinstance(data, dict) or k not in data]
-    if name == 'job.json' and isinstance(data, dict) and \
-            not {'command', 'config'} & set(data):  # nothing to run
-        missing.append('config')
-    if not missing and name == 'job.json' and 'config' in data and not (
-            isinstance(data['config'], dict) and 'epochs' in data['config']):
-        missing = ['config.epochs']
-    if missing:
-        raise JobError(f'job {folder.name}: {name} lacks '
-                       f'{", ".join(missing)}')
-    if name == 'job.json' and (isinstance(data['submitted'], bool) or
-                               not isinstance(data['submitted'],
-                                              (int, float))):
-        raise JobError(f'job {folder.name}: {name} has submitted='
-                       f'{data["submitted"]!r}, not a time in seconds')
-    if name == 'status.json' and data['state'] not in STATES:
-        raise JobError(f'job {folder.name}: {name} has state='
-                       f'{data["state"]!r}, not one of {", ".join(STATES)}')
-    return data
+        (check_spec if name == 'job.json' else check_status)(data, name)
+    except JobError as e:
+        raise JobError(f'job {folder.name}: {e}') from None
+    return dict(data)
 
 
 @dataclasses.dataclass
@@ -199,57 +345,68 @@ class Job:
 
     def owner(self):
         """The uid the job runs as (a shared cluster's ``job.json``), or
-        None (a cluster of your own: yours)."""
+        None (a cluster of your own: yours; a ``job.json`` that cannot be
+        read: nobody's)."""
         try:
-            uid = json.loads((self.folder / 'job.json').read_text()).get('uid')
-        except (OSError, ValueError, AttributeError):
+            return self.spec().get('uid')
+        except JobError:
             return None
-        return uid if type(uid) is int else None
 
-    def log_rows(self):
-        """The rows of ``out/log`` (none while it is missing or damaged,
-        or not a regular file of the job's user)."""
+    def log_rows(self, stale=0.0):
+        """The rows of ``out/log`` (:func:`log_rows_of`: none while it is
+        missing or damaged, over :data:`LOG_LIMIT`, or not a regular file
+        of the job's user)."""
         try:
-            rows = json.loads(read_regular(self.folder / 'out' / 'log',
-                                           self.owner(), limit=2 ** 26))
+            rows = read_json(self.folder / 'out' / 'log', self.owner(),
+                             LOG_LIMIT, DEPTH, cached=True, stale=stale)
         except (OSError, ValueError):
             return []
-        ok = isinstance(rows, list) and all(
-            isinstance(r, dict) and 'epoch' in r for r in rows)
-        return rows if ok else []
+        return log_rows_of(rows)
+
+    def recorded(self):
+        """``status.json`` as the queue recorded it (nothing of the job's
+        own files read); JobError if it cannot be read."""
+        return _read(self.folder, 'status.json')
 
     def status(self):
         """State, GPUs, times, attempts, and progress from the job's log;
         JobError if its files cannot be read."""
         status = _read(self.folder, 'status.json')
+        spec = self.spec()
         rows = self.log_rows()
         status['epoch'] = rows[-1]['epoch'] if rows else 0
-        status['epochs'] = self.spec().get('config', {}).get('epochs')
-        accuracy = rows[-1].get('validation/main/accuracy') if rows else None
+        status['epochs'] = (spec.get('config') or {}).get('epochs')
         # a log someone edited by hand: no number, no accuracy
-        status['accuracy'] = accuracy if isinstance(accuracy, (int, float)) \
-            and not isinstance(accuracy, bool) else None
+        status['accuracy'] = row_number(rows[-1] if rows else None,
+                                        'validation/main/accuracy')
         return status
 
-    def summary(self):
+    def summary(self, rows=True):
         """What the monitor keeps of a job: its request, its status and
-        the last row of its log (all msgpack-able, for a Dask event);
-        JobError if its files cannot be read."""
+        the last row of its log (all msgpack-able, for a Dask event; with
+        ``rows`` False, no log read: no row); JobError if its files cannot
+        be read."""
         spec = self.spec()
         status = _read(self.folder, 'status.json')
-        rows = self.log_rows()
+        rows = self.log_rows() if rows else []
         # The last epoch's wall time: elapsed_time runs on across resumes.
-        epoch_seconds = rows[-1]['elapsed_time'] - (
-            rows[-2]['elapsed_time'] if len(rows) > 1 else 0.0) \
-            if rows else None
+        last = row_number(rows[-1], 'elapsed_time') if rows else None
+        before = row_number(rows[-2], 'elapsed_time') if len(rows) > 1 \
+            else 0.0
+        epoch_seconds = last - before if last is not None and \
+            before is not None else None
         return {'id': self.id, 'folder': str(self.folder),
-                'name': spec['name'], 'user': spec.get('user', ''),
+                'name': spec.get('name') or self.id,
+                'user': spec.get('user') or '',
                 'gpus': spec['gpus'], 'workers': spec.get('workers'),
-                'epochs': spec.get('config', {}).get('epochs'),
+                'epochs': (spec.get('config') or {}).get('epochs'),
                 'submitted': spec['submitted'], 'state': status['state'],
-                'held': status['gpus'] or [], 'worker': status['worker'],
-                'started': status['started'], 'ended': status['ended'],
-                'error': status['error'], 'attempts': status['attempts'],
+                'held': status.get('gpus') or [],
+                'worker': status.get('worker'),
+                'started': status.get('started'),
+                'ended': status.get('ended'), 'error': status.get('error'),
+                'attempts': status.get('attempts') or 0,
+                'ending': status.get('ending'), 'uid': spec.get('uid'),
                 'row': rows[-1] if rows else None,
                 'epoch_seconds': epoch_seconds}
 
@@ -265,8 +422,8 @@ class Job:
                 'user': '', 'gpus': 0, 'workers': None, 'epochs': 0,
                 'submitted': when, 'state': 'unreadable', 'held': [],
                 'worker': None, 'started': None, 'ended': None,
-                'error': str(reason), 'attempts': 0, 'row': None,
-                'epoch_seconds': None}
+                'error': str(reason), 'attempts': 0, 'ending': None,
+                'uid': None, 'row': None, 'epoch_seconds': None}
 
     def announce(self, client=None):
         """Send :meth:`summary` to the scheduler as an event (for the
@@ -397,3 +554,27 @@ def list_jobs(path=None):
         except (JobError, TypeError, ValueError):
             return job.folder.stat().st_mtime
     return sorted(jobs, key=submitted)
+
+
+def purge_ended(path, keep, now=None):
+    """Remove the folder of every job in the jobs dir ``path`` that ended
+    more than ``keep`` seconds before ``now`` (``cluster start
+    --keep-finished``: its outputs too); the ids removed. A job whose
+    files cannot be read is left for its owners to look at. Never
+    through a symlink a user planted (``shutil.rmtree`` works on the
+    folders' descriptors)."""
+    import shutil
+    now = time.time() if now is None else now
+    purged = []
+    for job in list_jobs(path):
+        try:
+            status = job.recorded()
+        except JobError:
+            continue
+        ended = status.get('ended')
+        if status['state'] in DONE and ended is not None and \
+                ended < now - keep:
+            shutil.rmtree(job.folder, ignore_errors=True)
+            if not job.folder.exists():
+                purged.append(job.id)
+    return purged

@@ -28,11 +28,14 @@ import os
 import re
 from pathlib import Path
 
-from dasktrain.errors import argument
+from dasktrain.errors import argument, plural
 from dasktrain.jobs.job import CHILD, JobError
+from dasktrain.keeper import RLIMITS, own_rlimits
 from dasktrain.notify import check_target
 
 MAX_TEXT = 4 * 1024 * 1024  # characters of one field (a request's bound)
+MAX_ENV = 256 * 1024  # bytes of a submitter's environment a job keeps
+MAX_MEM = 2 ** 50  # bytes: a --mem beyond any machine is a typo
 FILES = {'model': 'model', 'dataset': 'data'}  # request key -> folder
 _ID = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}')
 _ENV = re.compile(r'[A-Za-z_][A-Za-z0-9_]{0,199}')
@@ -90,14 +93,33 @@ def job_id(value):
 
 
 def environment(env):
-    """``env`` if it is a dict of variable names to strings."""
+    """``env`` if it is a dict of variable names to strings, at most
+    :data:`MAX_ENV` bytes in all."""
     if not isinstance(env, dict) or len(env) > 65536:
         fail('env must be a JSON object of strings')
     for key, value in env.items():
         if not _ENV.fullmatch(key):
             fail(f'env: not a variable name: {key!r}'[:200])
         text(value, f'env {key}', MAX_TEXT)
+    size = sum(len(k) + len(v) + 2 for k, v in env.items())
+    if size > MAX_ENV:
+        fail(f'env is {size / 1024:.0f} KiB; a job keeps at most '
+             f'{MAX_ENV // 1024} KiB of your environment (largest: '
+             f'{max(env, key=lambda k: len(env[k]))}): unset what it '
+             'does not need')
     return dict(env)
+
+
+def rlimits(value):
+    """``value`` if it is ``{name: [soft, hard]}`` of
+    :data:`dasktrain.keeper.RLIMITS`, ints >= -1 (-1: unlimited)."""
+    if not isinstance(value, dict) or set(value) - set(RLIMITS):
+        fail(f'rlimits takes {", ".join(RLIMITS)} only')
+    for name, pair in value.items():
+        if not (isinstance(pair, list) and len(pair) == 2 and
+                all(type(v) is int and v >= -1 for v in pair)):
+            fail(f'rlimits.{name} must be [soft, hard], ints >= -1')
+    return {k: list(v) for k, v in value.items()}
 
 
 def folder(value):
@@ -137,6 +159,27 @@ def parse_time(value, name='time'):
     return total
 
 
+_SIZES = {'': 1, 'k': 2 ** 10, 'm': 2 ** 20, 'g': 2 ** 30, 't': 2 ** 40}
+
+
+def parse_size(value, name='mem'):
+    """Bytes in ``value`` (``512M``, ``1.5G``: binary units, as Slurm's
+    ``--mem``; an int: bytes); JobError naming ``name`` otherwise.
+
+    >>> parse_size('8G'), parse_size('512m'), parse_size(4096)
+    (8589934592, 536870912, 4096)
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    found = re.fullmatch(r'(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?',
+                         str(value).strip().lower())
+    size = int(float(found[1]) * _SIZES[found[2]]) if found else 0
+    if size <= 0:
+        raise JobError(f'{argument(name)} takes a size such as 512M, 8G or '
+                       f'1.5G, got {value!r}')
+    return size
+
+
 def after_ids(after):
     """``after`` (job ids, or ``'ID,ID'``) as a list of ids.
 
@@ -153,17 +196,18 @@ def after_ids(after):
 @dataclasses.dataclass(frozen=True)
 class Program:
     """Any program: ``command`` (argv, no shell) run in ``cwd`` with
-    ``env``; ``grace`` seconds between a stop's SIGTERM and its SIGKILL;
+    ``env``; ``grace`` seconds between a stop's SIGTERM and its SIGKILL
+    (None: the cluster's longest, ``cluster start --max-grace``);
     ``requeue``: start it again if its worker dies (it resumes by itself),
     else it ends ``lost``."""
     command: list
     cwd: str
     env: dict
-    grace: float = 30.0
+    grace: float | None = None
     requeue: bool = False
 
     @classmethod
-    def of(cls, argv, env=None, cwd=None, grace=30.0, requeue=False):
+    def of(cls, argv, env=None, cwd=None, grace=None, requeue=False):
         """The program ``argv`` as its submitter runs it now: their
         folder (``cwd``, default the working directory, made absolute)
         and environment, plus ``env``. JobError naming the argument."""
@@ -171,7 +215,8 @@ class Program:
                 not all(isinstance(a, str) for a in argv):
             raise JobError(f'a command job needs a program and its '
                            f'arguments as a list of strings, got {argv!r}')
-        if not (isinstance(grace, (int, float)) and grace >= 0):
+        if grace is not None and not (
+                isinstance(grace, (int, float)) and grace >= 0):
             raise JobError(f'{argument("grace")} must be seconds >= 0, got '
                            f'{grace!r}')
         cwd = os.path.abspath(cwd or os.getcwd())
@@ -179,7 +224,7 @@ class Program:
             raise JobError(f'the job would run in {cwd}, which is not a '
                            'folder')
         return cls(list(argv), cwd, dict(os.environ, **(env or {})),
-                   float(grace), bool(requeue))
+                   None if grace is None else float(grace), bool(requeue))
 
     kind = 'program'  # its key on the wire
     workers = None
@@ -211,8 +256,7 @@ class Program:
         return cls([text(a, 'command', MAX_TEXT) for a in command],
                    folder(message.get('cwd')),
                    environment(message.get('env')),
-                   seconds(message.get('grace', 30.0), 'grace',
-                           optional=False, zero=True),
+                   seconds(message.get('grace'), 'grace', zero=True),
                    flag(message.get('requeue', False), 'requeue'))
 
 
@@ -362,7 +406,7 @@ def check_devices(config, gpus):
     >>> check_devices(TrainConfig(devices=('@cupy:0',)), gpus=0)
     Traceback (most recent call last):
     ...
-    dasktrain.jobs.job.JobError: devices 0 names 1 GPU(s) but 0 were...
+    dasktrain.jobs.job.JobError: devices 0 names 1 GPU but 0 were...
     """
     from dasktrain.parallel.gpus import GpuError, place_devices
     if config.workers is not None and \
@@ -406,6 +450,10 @@ class JobRequest:
     time, time_limit : float, optional
         Seconds it is expected to run (its estimated end), and may run
         (stopped, failed, once past).
+    mem : int, optional
+        Bytes its processes may use together (its cgroup's ``memory.max``).
+    rlimits : dict
+        Its submitter's resource limits, ``{name: [soft, hard]}``.
 
     Examples
     --------
@@ -422,11 +470,17 @@ class JobRequest:
     after_any: bool = False
     time: float | None = None
     time_limit: float | None = None
+    mem: int | None = None
+    rlimits: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if type(self.gpus) is not int or not 0 <= self.gpus <= 4096:
             raise JobError(f'{argument("gpus")} must be an int >= 0, got '
                            f'{self.gpus!r}')
+        if self.mem is not None and not (type(self.mem) is int and
+                                         0 < self.mem <= MAX_MEM):
+            raise JobError(f'{argument("mem")} must be bytes > 0, got '
+                           f'{self.mem!r}')
         if self.after_any and not self.after:
             raise JobError(f'{argument("after_any")} needs '
                            f'{argument("after")} ID[,ID]')
@@ -434,15 +488,18 @@ class JobRequest:
 
     @classmethod
     def of(cls, program, gpus=1, name=None, notify=None, after=None,
-           after_any=False, time=None, time_limit=None):
+           after_any=False, time=None, time_limit=None, mem=None):
         """A request from a submitter's arguments (``after`` a list or
-        ``'ID,ID'``; durations as seconds or words such as ``2h``), each
-        checked; JobError naming the argument."""
+        ``'ID,ID'``; durations as seconds or words such as ``2h``; ``mem``
+        bytes or words such as ``8G``), each checked, with this process's
+        resource limits; JobError naming the argument."""
         return cls(program, gpus, name, check_target(notify),
                    after_ids(after), bool(after_any),
                    None if time is None else parse_time(time, 'time'),
                    None if time_limit is None else
-                   parse_time(time_limit, 'time_limit'))
+                   parse_time(time_limit, 'time_limit'),
+                   None if mem is None else parse_size(mem, 'mem'),
+                   own_rlimits())
 
     @property
     def label(self):
@@ -458,6 +515,7 @@ class JobRequest:
         return {'gpus': self.gpus, 'name': self.name, 'notify': self.notify,
                 'after': list(self.after), 'after_any': self.after_any,
                 'time': self.time, 'time_limit': self.time_limit,
+                'mem': self.mem, 'rlimits': dict(self.rlimits),
                 self.program.kind: self.program.wire()}
 
     @classmethod
@@ -486,7 +544,8 @@ class JobRequest:
                    [job_id(a) for a in after],
                    flag(message.get('after_any', False), 'after_any'),
                    seconds(message.get('time'), 'time'),
-                   seconds(message.get('time_limit'), 'time_limit'))
+                   seconds(message.get('time_limit'), 'time_limit'),
+                   message.get('mem'), rlimits(message.get('rlimits') or {}))
 
     def check_after(self, root):
         """JobError unless every job ``after`` names is in the jobs dir
@@ -505,7 +564,7 @@ class JobRequest:
 
 
 FIELDS = ('gpus', 'name', 'notify', 'after', 'after_any', 'time',
-          'time_limit', *PROGRAMS)
+          'time_limit', 'mem', 'rlimits', *PROGRAMS)
 
 
 def check_fits(resources, workers, gpus):
@@ -520,22 +579,22 @@ def check_fits(resources, workers, gpus):
     """
     resource = 'GPU' if gpus else 'CPU'
     need = max(gpus, 1)
+    what = plural(gpus, 'GPU') if gpus else 'a CPU slot'
     have = {addr: r.get(resource, 0) for addr, r in resources.items()}
     if workers is not None:
         able = sum(1 for n in have.values() if n >= gpus)
         if able < workers:
-            each = f'{gpus} GPUs' if gpus else 'a CPU slot'
             raise JobError(f'{argument("workers")} {workers} needs as '
-                           f'many Dask workers with {each}; the cluster has '
-                           f'{able}; add workers or lower '
-                           f'{argument("workers")}')
+                           f'many Dask workers with {what}; the cluster has '
+                           f'{able}; add workers or lower it')
     elif not have or max(have.values()) < need:
         largest = max(have.values(), default=0)
         slots = sum(r.get('CPU', 0) for r in resources.values())
-        instead = (f'pass {argument("gpus")} 0 to take one of the {slots:g} '
-                   f'CPU slot{"s" * (slots != 1)} the workers offer, '
+        offer = 'the' if slots == 1 else f'one of the {slots:g}'
+        instead = (f'pass {argument("gpus")} 0 to take {offer} CPU '
+                   f'slot{"s" * (slots != 1)} the workers offer, '
                    if gpus and slots else 'ask for fewer, ')
-        raise JobError(f'no worker has {need} {resource} (largest: '
-                       f'{largest:g} among {len(have)} workers); '
+        raise JobError(f'no worker has {what} (largest: '
+                       f'{largest:g} among {plural(len(have), "worker")}); '
                        f'{instead}or add a worker with `dask worker '
                        f'ADDRESS --resources {resource}={need}`')

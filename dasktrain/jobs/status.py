@@ -6,9 +6,18 @@ cluster of your own and for a shared cluster's socket alike. It changes
 nothing, and asks no one: the answer is given to it (``ask``, see
 :func:`dasktrain.jobs.scheduler.query.ask_scheduler`).
 """
-from dasktrain.jobs.job import DONE, JobError, list_jobs
+import time
+
+from dasktrain.jobs.job import DONE, JobError, list_jobs, row_number
 
 HELD = 'held'  # the task state of a job the queue holds (no Dask task yet)
+RECENT = 86400.0  # s: `jobs` shows the jobs that ended this recently
+PER_PAGE = 100    # rows of one page of `jobs`
+# What anyone may see of anyone's job; the rest (progress, accuracy, its
+# error: what its program wrote or said) is its owner's and the
+# cluster's owners'.
+PUBLIC = ('id', 'name', 'user', 'state', 'ending', 'gpus', 'submitted',
+          'started', 'ended', 'seen', 'view')
 
 
 def scheduler_view(state, task):
@@ -78,6 +87,74 @@ def job_rows(jobs_dir=None, ask=None):
                                                  view.get('task')),
             'view': {k: v for k, v in view.items() if k != 'task'}})
     return rows, unreadable
+
+
+def summary_rows(summaries, known=None):
+    """The jobs table's rows (as :func:`job_rows` gives them, with each
+    job's ``uid``) from the job board's ``summaries``, and ``[(id,
+    reason)]`` of the jobs whose files cannot be read; ``known`` as
+    :func:`job_rows`' ``ask`` answers (None: unreachable)."""
+    rows, unreadable = [], []
+    for s in summaries:
+        if s['state'] == 'unreadable':
+            unreadable.append((s['id'], s.get('error') or 'unreadable'))
+            continue
+        view = (known or {}).get('dasktrain-job-' + s['id']) or {}
+        row = s.get('row') or {}
+        epochs = s.get('epochs')
+        rows.append({
+            'id': s['id'], 'name': s['name'], 'user': s['user'],
+            'uid': s.get('uid'), 'state': s['state'],
+            'ending': s.get('ending'),
+            'gpus': ','.join(s['held']) if s['held'] else str(s['gpus']),
+            'progress': f"{row.get('epoch', 0)}/{epochs}" if epochs
+            else '-',
+            'accuracy': row_number(row, 'validation/main/accuracy'),
+            'submitted': s['submitted'], 'started': s['started'],
+            'ended': s['ended'],
+            'seen': '-' if s['state'] in DONE else 'unreachable'
+            if known is None else scheduler_view(s['state'],
+                                                 view.get('task')),
+            'view': {k: v for k, v in view.items() if k != 'task'}})
+    return rows, unreadable
+
+
+def public_row(row):
+    """What anyone may see of a row of the jobs table (:data:`PUBLIC`).
+
+    >>> public_row({'id': 'a', 'state': 'failed', 'progress': '3/9',
+    ...             'accuracy': 0.9})['progress']
+    '-'
+    """
+    return dict({k: row.get(k) for k in PUBLIC}, progress='-',
+                accuracy=None)
+
+
+def shown(rows, unreadable, everything=False, user=None, page=1,
+          per_page=PER_PAGE, now=None):
+    """The rows ``jobs`` shows: live jobs and those that ended in the last
+    :data:`RECENT` seconds (``everything``: every job kept), of ``user``
+    only where given, page ``page`` of ``per_page``; ``(rows, unreadable,
+    counts)``, counts ``{'total', 'page', 'pages', 'older'}`` (``older``:
+    ended jobs left out for their age).
+
+    >>> rows = [{'id': str(i), 'user': 'a', 'state': 'finished',
+    ...          'ended': 0.0} for i in range(3)]
+    >>> shown(rows, [], now=10.0, per_page=2)[2]
+    {'total': 3, 'page': 1, 'pages': 2, 'older': 0}
+    >>> shown(rows, [], now=1e6)[2]['older']
+    3
+    """
+    now = time.time() if now is None else now
+    picked = [r for r in rows if user is None or r.get('user') == user]
+    recent = [r for r in picked if everything or r['state'] not in DONE or
+              r.get('ended') is None or r['ended'] >= now - RECENT]
+    pages = max(1, -(-len(recent) // per_page))
+    page = min(max(page, 1), pages)
+    return (recent[(page - 1) * per_page:page * per_page],
+            [] if user is not None else list(unreadable),
+            {'total': len(recent), 'page': page, 'pages': pages,
+             'older': len(picked) - len(recent)})
 
 
 def running_jobs(jobs_dir, address, board):

@@ -103,7 +103,8 @@ def refusal(job, user, owner_names, verb='cancel'):
 
 
 _FIELDS = {  # op -> the fields it takes beyond op (and `cli`)
-    'ping': (), 'cluster': (), 'jobs': (), 'gpus': (),
+    'ping': (), 'cluster': (), 'gpus': (),
+    'jobs': ('all', 'user', 'page', 'per_page'),
     'status': ('id',), 'result': ('id',), 'cancel': ('id',),
     'requeue': ('id',), 'logs': ('id', 'offset'), 'submit': ('request',)}
 
@@ -131,6 +132,20 @@ def check_request(message):
     checked = {'op': op}
     if 'id' in allowed:
         checked['id'] = job_id(message.get('id'))
+    if op == 'jobs':
+        if not isinstance(message.get('all', False), bool):
+            raise ProtocolError('all must be true or false')
+        user = message.get('user')
+        if user is not None and not (isinstance(user, str) and
+                                     0 < len(user) <= 256):
+            raise ProtocolError('user must be a user name')
+        for key, most in (('page', 10 ** 9), ('per_page', 1000)):
+            value = message.get(key, 1)
+            if not (type(value) is int and 1 <= value <= most):
+                raise ProtocolError(f'{key} must be an int from 1 to '
+                                    f'{most}')
+        checked.update({k: message[k] for k in _FIELDS['jobs']
+                        if k in message})
     if op == 'logs':
         offset = message.get('offset', 0)
         if not (type(offset) is int and offset >= 0):

@@ -16,7 +16,7 @@ import traceback
 import chainer
 import numpy as np
 
-from dasktrain.errors import UserError
+from dasktrain.errors import UserError, plural
 
 
 class DeviceError(UserError, ValueError):
@@ -82,7 +82,7 @@ def resolve_devices(devices):
                 else '@numpy' if d == 'cpu' else d)
         if spec not in available:
             why = reason if spec.startswith('@cupy') and reason else \
-                f'this process sees {count} GPU(s)' \
+                f'this process sees {plural(count, "GPU")}' \
                 if spec.startswith('@cupy') else 'no such device'
             raise DeviceError(f'device {d!r} is not available ({why}); '
                               f'available: {", ".join(available)}')
@@ -361,13 +361,13 @@ def unused_gpus_message(smi_lines, visible_count, reason):
 
     >>> unused_gpus_message(['GPU 0: NVIDIA H100 (UUID: GPU-1)'], 0,
     ...                     "No module named 'cupy'")
-    "nvidia-smi sees 1 GPU(s) that Chainer cannot use: No module named 'cupy'"
+    "nvidia-smi sees 1 GPU that Chainer cannot use: No module named 'cupy'"
     """
     gpus = [s for s in smi_lines if s.startswith('GPU ')]
     if not gpus or visible_count or reason is None:
         return None
-    return (f'nvidia-smi sees {len(gpus)} GPU(s) that Chainer cannot use: '
-            f'{reason}')
+    return (f'nvidia-smi sees {plural(len(gpus), "GPU")} that Chainer '
+            f'cannot use: {reason}')
 
 
 def nvidia_smi_lines():

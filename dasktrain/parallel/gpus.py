@@ -25,7 +25,7 @@ import collections
 import os
 import threading
 
-from dasktrain.errors import UserError, argument
+from dasktrain.errors import UserError, argument, plural
 
 VISIBLE = 'CUDA_VISIBLE_DEVICES'
 
@@ -144,7 +144,8 @@ def place_devices(devices, indices):
         flag = argument('devices')
         raise GpuError(
             f'{flag} {",".join(str(i) for i in named)} names '
-            f'{len(named)} GPU(s) but {len(indices)} were reserved; the '
+            f'{plural(len(named), "GPU")} but {len(indices)} were '
+            'reserved; the '
             f'cluster picks the GPUs: pass {argument("gpus")} '
             f'{len(named)}, or drop {flag} to use the reserved ones')
     mapping = dict(zip(named, indices))
@@ -243,7 +244,7 @@ class GpuPool:
             free = wanted if want and len(wanted) == count == len(want) \
                 else free[:count]
             if len(free) < count:  # the scheduler's accounting forbids it
-                raise GpuError(f'{count} GPU(s) asked, free here: '
+                raise GpuError(f'{plural(count, "GPU")} asked, free here: '
                                f'{[g.id for g in free]} of {entries}')
             cls.used.update(g.id for g in free)
         return free

@@ -45,7 +45,7 @@ from dasktrain import keeper
 from dasktrain.cluster.guard import signals_raise
 from dasktrain.cluster.local import connect, restore_default_scheduler
 from dasktrain.cluster.workers import local_device_workers
-from dasktrain.errors import UserError, argument
+from dasktrain.errors import UserError, argument, plural
 from dasktrain.parallel.comm.rendezvous import (
     LISTEN,
     SIZE,
@@ -63,6 +63,7 @@ from dasktrain.run.driver import (
     Stop,
     blame,
 )
+from dasktrain.training.outdir import launch_folder
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,8 @@ def parse_devices(devices, n):
                           f'like 0,1; got {devices!r}') from None
     if len(ids) != n or len(set(ids)) != n or min(ids) < 0:
         raise LaunchError(f'{argument("devices")} {devices} names '
-                          f'{len(set(ids))} distinct GPU(s) for {n} ranks: '
-                          'one GPU per rank')
+                          f'{plural(len(set(ids)), "distinct GPU")} for '
+                          f'{n} ranks: one GPU per rank')
     return ids
 
 
@@ -124,8 +125,9 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
         A running cluster's scheduler; default: local workers, started and
         stopped here.
     out : str, optional
-        The output folder (``rank{r}.log``); default
-        ``launch-YYYYmmdd-HHMMSS``.
+        The output folder (``rank{r}.log``); default a new
+        ``runs/launch-YYYYmmdd-HHMMSS``
+        (:func:`~dasktrain.training.outdir.launch_folder`).
     timeout : float
         Seconds a collective waits for a peer (``DASKTRAIN_TIMEOUT``).
     grace : float
@@ -160,7 +162,7 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
     if scheduler is None and client is None and \
             shutil.which(argv[0]) is None:
         raise LaunchError(f'cannot start {argv[0]}: no such program')
-    out = Path(out or time.strftime('launch-%Y%m%d-%H%M%S')).absolute()
+    out = Path(out).absolute() if out else launch_folder()
     out.mkdir(parents=True, exist_ok=True)
     echo = echo or (lambda stream, text: None)
     local = scheduler is None and client is None  # workers started here

@@ -45,7 +45,13 @@ from dasktrain.config import TrainConfig
 from dasktrain.data.datasets import resolve_spec
 from dasktrain.data.datasets import spec_file as dataset_file
 from dasktrain.data.download import CIFAR100, download_cifar10
-from dasktrain.errors import UserError, argument, flag_names, naming_flags
+from dasktrain.errors import (
+    UserError,
+    argument,
+    flag_names,
+    naming_flags,
+    plural,
+)
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
 from dasktrain.parallel.comm.base import Communicator
 from dasktrain.parallel.devices import (
@@ -152,15 +158,31 @@ def train(config=None, callbacks=(), client=None, placed=None, **overrides):
     if placement.where == PER_DEVICE:
         # A missing GPU is one line, before any worker process starts.
         resolve_devices(placement.devices)
-        progress.say(f'training on {placement.ranks} worker processes, one '
-                     f'per device ({argument("in_process")} trains them all '
-                     'in this process instead)')
+        progress.say(per_device_line(placement.devices))
         ranks = Ranks(placement.ranks, len(gpu_ids(placement.rank_devices)),
                       placement.rank_devices)
         with local_device_workers(placement.devices, rank_threads(
                 placement.ranks, os.cpu_count())) as client:
             return _job(config, ranks, callbacks, client, progress)
     return _job(config, None, callbacks, client, progress, placed)
+
+
+def per_device_line(devices):
+    """What :func:`train` says before it starts one worker process for
+    each of ``devices``; under the ``dasktrain`` command it names the
+    flag that keeps them in one process.
+
+    Examples
+    --------
+    >>> per_device_line(('cpu', 'cpu'))
+    'training on 2 devices (cpu, cpu), each in a worker process of its own'
+    """
+    line = (f'training on {plural(len(devices), "device")} '
+            f'({", ".join(map(str, devices))}), each in a worker process of '
+            'its own')
+    if naming_flags():
+        line += '; --in-process trains them all in this one process'
+    return line
 
 
 def _job(config, ranks, callbacks, client, progress, placed=None):

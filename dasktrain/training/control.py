@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from dasktrain.errors import argument
+from dasktrain.errors import argument, plural
 from dasktrain.training.checkpoint import CHECKPOINT, keep_as, save_checkpoint
 from dasktrain.training.commandfile import FAILURE, SUCCESS, snapshot_name
 from dasktrain.training.hyperparams import Hyperparameters
@@ -186,6 +186,6 @@ class RunControl:
         done = self.state['epoch']
         why = ('stopped by request' if self.stop else
                'early stopping' if stopped_early else
-               f'its {epochs} epochs done')
+               f'its {plural(epochs, "epoch")} done')
         self.steer.finish(done if not self.stop else self.stop['epoch'],
                           self.model.iteration, why, self.elapsed())

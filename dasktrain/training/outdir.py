@@ -1,4 +1,5 @@
-"""A run's output folder (``--out``): checked, locked, cleaned up.
+"""A run's output folder (``--out``): checked, locked, cleaned up; a
+launch's new folder for its rank logs (:func:`launch_folder`).
 
 :func:`claim` is the first thing a run does, before any data is loaded:
 it creates the folder, makes sure it can be written, and takes an
@@ -14,11 +15,13 @@ hyperparameters a command changed to its history.
 """
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 from dasktrain.errors import UserError, argument
@@ -179,3 +182,17 @@ def record_steering(out, epoch, iteration, changed):
         write_json(path, args)
     except OSError:  # a full disk: the run goes on, the log has it
         pass
+
+
+def launch_folder(root='runs', now=None):
+    """A new ``root/launch-YYYYmmdd-HHMMSS`` for a launch's rank logs
+    (``-2``, ``-3``... for another launch of that second): under ``runs/``,
+    where runs' outputs go (git-ignored in a checkout), not the cwd."""
+    base = Path(root).absolute() / time.strftime(
+        'launch-%Y%m%d-%H%M%S', time.localtime(now))
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        with contextlib.suppress(FileExistsError):
+            folder = base.with_name(base.name + (f'-{n}' if n > 1 else ''))
+            folder.mkdir()
+            return folder

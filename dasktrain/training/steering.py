@@ -36,6 +36,7 @@ import json
 import time
 from pathlib import Path
 
+from dasktrain.errors import plural
 from dasktrain.files import write_json
 from dasktrain.training.commandfile import (
     COMMANDS,
@@ -130,7 +131,8 @@ def when(command, epoch, iteration):
         return 'later'
     if kind == 'epoch':
         return (f'epoch {value} ended before the run read this command (it '
-                f'had completed {epoch} epochs, iteration {iteration})')
+                f'had completed {plural(epoch, "epoch")}, iteration '
+                f'{iteration})')
     return (f'iteration {value} passed before the run read this command (it '
             f'was at iteration {iteration})')
 

@@ -355,7 +355,7 @@ def test_mistakes_are_one_line(tmp_path):
     cases = [(['-n', '0', '--', 'true'], '-n must be >= 1'),
              (['-n', '2'], 'give the program after --'),
              (['-n', '2', '--devices', '0', '--', 'true'],
-              '--devices 0 names 1 distinct GPU(s) for 2 ranks'),
+              '--devices 0 names 1 distinct GPU for 2 ranks'),
              (['-n', '2', '--', 'no-such-program-xyz'],
               'cannot start no-such-program-xyz: no such program')]
     for args, words in cases:
@@ -457,3 +457,16 @@ def test_the_same_accuracy_curve_as_chainermn_under_mpiexec(tmp_path,
     for key in two:
         np.testing.assert_allclose(two[key], mpi_params[key], rtol=0,
                                    atol=1e-10, err_msg=key)
+
+
+def test_launch_logs_go_to_a_new_folder_under_runs(tmp_path, monkeypatch):
+    from dasktrain.training.outdir import launch_folder
+    monkeypatch.chdir(tmp_path)
+    first, second = launch_folder(now=0.0), launch_folder(now=0.0)
+    stamp = time.strftime('launch-%Y%m%d-%H%M%S', time.localtime(0.0))
+    # under runs/, not loose in the working folder; a launch of the same
+    # second gets a folder of its own, never the other's rank logs
+    assert first == tmp_path / 'runs' / stamp
+    assert second == tmp_path / 'runs' / f'{stamp}-2'
+    assert first.is_dir() and second.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['runs']

@@ -98,7 +98,8 @@ def test_a_shared_start_from_a_private_python_is_one_line(tmp_path):
     assert done.stderr.count('\n') == 1, done.stderr
     assert done.stderr.startswith('dasktrain cluster: error: other users '
                                   f'cannot run {sys.executable}: ')
-    assert 'sudo /opt/dasktrain/bin/dasktrain cluster start --shared' in \
+    # the plain command: install-shared puts it on sudo's PATH
+    assert 'start that one: `sudo dasktrain cluster start --shared` ' in \
         done.stderr
     assert not (tmp_path / 'q').exists()  # nothing started, nothing made
 

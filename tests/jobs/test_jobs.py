@@ -2,10 +2,12 @@
 127.0.0.1: CPU workers labelled with fake GPU resources, jobs that train
 on the CPU; `dasktrain submit`, `jobs`, `logs`, `cancel` and `result`."""
 import importlib.util
+import json
 import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from distributed import Client
@@ -238,7 +240,8 @@ def test_a_failing_job_is_marked_failed_and_others_finish(
                       'cut': 'unreadable', 'blank': 'unreadable'}
     assert 'unreadable: job cut: status.json is not valid JSON' in \
         '\n'.join(lines)
-    assert 'unreadable: job blank: job.json lacks submitted, config' in lines
+    assert 'unreadable: job blank: job.json lacks submitted, gpus, config' \
+        in lines
     for command, job_id, reason in [
             ('result', 'cut', 'status.json is not valid JSON'),
             ('logs', 'blank', 'job.json lacks submitted'),
@@ -278,6 +281,25 @@ def test_submit_time_errors(cluster, data_dir, tmp_path, monkeypatch,
         not any((tmp_path / 'jobs').iterdir())
 
 
+def test_the_refusal_of_a_job_that_fits_no_worker_counts_in_words():
+    from dasktrain.jobs.request import check_fits
+
+    def refusal(resources, gpus, workers=None):
+        with pytest.raises(JobError) as e:
+            check_fits(resources, workers, gpus)
+        return str(e.value)
+    said = refusal({'w': {'CPU': 1}}, 2)
+    assert said.startswith('no worker has 2 GPUs (largest: 0 among 1 '
+                           'worker); pass gpus 0 to take the CPU slot the '
+                           'workers offer, or add a worker with '), said
+    said = refusal({'a': {'GPU': 1, 'CPU': 1}, 'b': {'CPU': 2}}, 3)
+    assert said.startswith('no worker has 3 GPUs (largest: 1 among 2 '
+                           'workers); pass gpus 0 to take one of the 3 CPU '
+                           'slots'), said
+    assert refusal({'a': {'GPU': 2}}, 1, workers=2).startswith(
+        'workers 2 needs as many Dask workers with 1 GPU; the cluster has 1')
+
+
 def test_without_gpus_submit_says_that_gpus_0_takes_a_cpu_slot(
         cluster, tmp_path, capsys):
     cluster.worker(gpus=0, resources='CPU=2')
@@ -311,7 +333,32 @@ def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
     assert list((tmp_path / 'worker-cwd').iterdir()) == []
     assert main(['logs', job_id, '--follow', '--jobs-dir',
                  str(tmp_path / 'jobs')]) == 0
-    assert 'done: epoch 1' in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert 'done: epoch 1' in said
+    # its curves, as a local run draws them
+    curves = Path(job.spec()['config']['out']) / 'curves.png'
+    assert f'curves: {curves}' in said
+    assert curves.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_logs_of_a_job_killed_mid_line_end_with_a_newline(tmp_path,
+                                                          capsys):
+    folder = tmp_path / 'jobs' / 'cut-1'
+    folder.mkdir(parents=True)
+    (folder / 'job.json').write_text(json.dumps(
+        {'submitted': 1.0, 'gpus': 0, 'command': ['true']}))
+    (folder / 'status.json').write_text(json.dumps(
+        {'state': 'failed', 'attempts': 1, 'error': 'killed'}))
+    (folder / 'output.log').write_bytes(b'epoch 1\nepoch 2 [####  ]\r')
+    assert main(['logs', 'cut-1', '--jobs-dir', str(tmp_path / 'jobs')]) == 0
+    assert capsys.readouterr().out == 'epoch 1\nepoch 2 [####  ]\r\n'
+    # --raw: the bytes as written, nothing added
+    assert main(['logs', 'cut-1', '--raw', '--jobs-dir',
+                 str(tmp_path / 'jobs')]) == 0
+    assert capsys.readouterr().out == 'epoch 1\nepoch 2 [####  ]\r'
+    (folder / 'output.log').write_bytes(b'done\n')
+    assert main(['logs', 'cut-1', '--jobs-dir', str(tmp_path / 'jobs')]) == 0
+    assert capsys.readouterr().out == 'done\n'
 
 
 def test_former_child_modules_map_to_todays():

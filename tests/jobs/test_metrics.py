@@ -416,3 +416,128 @@ def test_cuda_devices_are_matched_to_nvml_by_uuid_not_by_index():
     assert [g['index'] for g in match_cuda_devices(
         same, entries=['1'])] == [1]  # one model: fastest first is PCI
     assert indices(entries=['GPU-ffff']) == []
+
+
+def _page_server(board, queue):
+    """The jobs page's routes on a tornado server of their own, in a
+    daemon thread: its base URL."""
+    import asyncio
+
+    import tornado.web
+
+    from dasktrain.jobs.scheduler.page import add_routes
+    ready = []
+
+    def serve():
+        asyncio.set_event_loop(asyncio.new_event_loop())
+        app = tornado.web.Application()
+        add_routes(app, board, queue)
+        server = app.listen(0, '127.0.0.1')
+        ready.append(next(iter(server._sockets.values())).getsockname()[1])
+        asyncio.get_event_loop().run_forever()
+    threading.Thread(target=serve, daemon=True).start()
+    wait_until(lambda: ready, 10, 'the page server')
+    return f'http://127.0.0.1:{ready[0]}'
+
+
+def _in_chromium(url, expression, profile, width=1400, height=900):
+    """The value of ``expression`` in ``url`` loaded in a headless
+    Chromium of ``width`` x ``height`` (DevTools protocol: the page's own
+    CSP lets no other script run), once it is truthy."""
+    import asyncio
+
+    from tornado.websocket import websocket_connect
+
+    async def measure():
+        ws = await websocket_connect(next(
+            p for p in json.load(urllib.request.urlopen(
+                f'http://127.0.0.1:{port}/json/list', timeout=10))
+            if p['type'] == 'page')['webSocketDebuggerUrl'])
+        calls = iter(range(1, 10 ** 6))
+
+        async def call(method, **params):
+            n = next(calls)
+            await ws.write_message(json.dumps(
+                {'id': n, 'method': method, 'params': params}))
+            while True:
+                msg = json.loads(await ws.read_message())
+                if msg.get('id') == n:
+                    return msg['result']
+        await call('Page.navigate', url=url)
+        for _ in range(300):
+            value = (await call('Runtime.evaluate', expression=expression,
+                                returnByValue=True))['result'].get('value')
+            if value:
+                return value
+            await asyncio.sleep(0.1)
+        raise AssertionError(f'{expression} never held in {url}')
+    browser = subprocess.Popen(
+        [_chromium(), '--headless', '--no-sandbox', '--disable-gpu',
+         '--hide-scrollbars', f'--window-size={width},{height}',
+         f'--user-data-dir={profile}', '--remote-debugging-port=0',
+         'about:blank'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        active = Path(profile) / 'DevToolsActivePort'
+        wait_until(lambda: active.exists() and '\n' in active.read_text(),
+                   30, 'Chromium')
+        port = active.read_text().split()[0]
+        return asyncio.run(asyncio.wait_for(measure(), 60))
+    finally:
+        browser.kill()
+        browser.wait()
+
+
+@pytest.mark.skipif(_chromium() is None, reason=(
+    'no chromium to load the jobs page in: apt-get install chromium (make '
+    'test does, where it runs as root)'))
+def test_the_jobs_page_fits_a_1400_px_window_and_says_how_jobs_ended(
+        tmp_path):
+    import types
+
+    from dasktrain.jobs.scheduler.board import JobBoard
+    now = time.time()
+
+    def job(name, spec, status):
+        folder = tmp_path / 'jobs' / name
+        (folder / 'out').mkdir(parents=True)
+        (folder / 'job.json').write_text(json.dumps(
+            {'submitted': now - len(name), 'user': 'alice-longname',
+             'name': name, **spec}))
+        (folder / 'status.json').write_text(json.dumps(
+            {'attempts': 1, **status}))
+    worker = 'tcp://192.168.100.123:45678'
+    job('train-resnet20-cifar10-sweep-lr-0.05',
+        {'gpus': 2, 'config': {'epochs': 20}},
+        {'state': 'running', 'gpus': ['0', '1'], 'worker': worker,
+         'started': now - 50})
+    job('command', {'gpus': 0, 'command': ['python', 'prep.py']},
+        {'state': 'running', 'worker': worker, 'started': now - 20})
+    job('stopped', {'gpus': 1, 'config': {'epochs': 500}},
+        {'state': 'finished', 'ending': 'stopped by request',
+         'started': now - 90, 'ended': now - 10})
+    job('big', {'gpus': 4, 'config': {'epochs': 20}}, {'state': 'queued'})
+    queue = types.SimpleNamespace(view={
+        'big': {'position': 1, 'start': now + 3600,
+                'reason': 'needs 4 GPUs on one worker; none has as many'},
+        'command': {'end': now + 3000, 'overdue': False},
+        'train-resnet20-cifar10-sweep-lr-0.05': {'end': now + 600,
+                                                 'overdue': False}})
+    base = _page_server(JobBoard(tmp_path / 'jobs'), queue)
+    got = _in_chromium(base + '/dasktrain/jobs', """
+        document.querySelectorAll('#queue tbody tr').length === 4 && (() => {
+          const box = document.getElementById('table-box');
+          const row = id => document.querySelector(`tr[data-job="${id}"]`);
+          return {page: document.documentElement.scrollWidth,
+                  window: innerWidth, table: box.scrollWidth,
+                  box: box.clientWidth,
+                  command: row('command').cells[5].textContent,
+                  bars: row('command').querySelectorAll('.bar').length,
+                  stopped: row('stopped').cells[3].textContent};
+        })()""", tmp_path / 'profile')
+    # Nothing wider than the window; the table fits its box (a wider
+    # one would scroll inside it, not the page).
+    assert got['page'] <= got['window'] == 1400, got
+    assert got['table'] <= got['box'], got
+    # A job of no epochs shows no epoch progress.
+    assert (got['command'], got['bars']) == ('-', 0)
+    assert got['stopped'] == 'finished (stopped by request)'

@@ -31,11 +31,13 @@ class Hook:
     def __init__(self, codes=(200,), hang=False):
         self.codes, self.hang = list(codes), hang
         self.posts, self.released = [], threading.Event()
+        self.posters = []  # the uid of each POST's process, where known
         hook = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers['Content-Length']))
+                hook.posters.append(poster(self.client_address))
                 hook.posts.append((self.headers['Content-Type'],
                                    json.loads(body)))
                 if hook.hang:
@@ -61,6 +63,20 @@ class Hook:
         self.released.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+def poster(address):
+    """The uid of the process at the other end of a connection to a
+    server here from ``address`` (psutil: all of them as root), or None."""
+    import psutil
+    try:
+        for c in psutil.net_connections('tcp'):
+            if c.laddr and tuple(c.laddr)[:2] == tuple(address)[:2] and \
+                    c.pid:
+                return psutil.Process(c.pid).uids().real
+    except (psutil.Error, OSError):
+        pass
+    return None
 
 
 @pytest.fixture
@@ -98,6 +114,12 @@ def test_the_message_says_job_user_state_time_and_result():
                    [{'epoch': 30, 'validation/main/accuracy': 0.93456}])
     assert text == ('job j-1 (resnet) of ann finished after 3 h 01 min: '
                     'epoch 30, test accuracy 0.9346')
+    # a stop command's end says so, as the jobs table and page do
+    assert message(spec, {'state': 'finished', 'started': 100.0,
+                          'ended': 160.0, 'ending': 'stopped by request'},
+                   [{'epoch': 3, 'validation/main/accuracy': 0.5}]) == (
+        'job j-1 (resnet) of ann finished (stopped by request) after 1 min: '
+        'epoch 3, test accuracy 0.5000')
     program = dict(spec, kind='program')
     assert message(program, {'state': 'failed', 'started': 0, 'ended': 5,
                              'exit_code': -9, 'error': 'killed by SIGKILL'}

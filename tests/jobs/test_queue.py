@@ -421,6 +421,9 @@ def test_a_running_jobs_end_from_its_epoch_times_or_its_time(tmp_path):
     # no epoch yet: its --time after its start
     assert estimated_end(job, spec, {'started': 100.0}, now=200.0) == 3700.0
     assert estimated_end(job, {}, {'started': 100.0}, now=200.0) is None
+    # its first seconds, before its worker records its start: from now
+    assert estimated_end(job, spec, {'state': 'queued'}, now=150.0) == \
+        3750.0
     # 4 epochs in 40 s: 6 more take 60 s from the log's last write
     (folder / 'out' / 'log').write_text(json.dumps(
         [{'epoch': e, 'elapsed_time': 10.0 * e} for e in range(1, 5)]))
@@ -437,6 +440,9 @@ def test_the_jobs_table_labels_its_estimates():
         '#1, start unknown'
     assert estimate_words('queued', {'position': 2, 'start': 3600.0}) \
         .startswith('#2, start ~')
+    # started by the queue, its worker not yet running it: its end
+    assert estimate_words('queued', {'end': 3600.0, 'overdue': False}) \
+        .startswith('end ~')
     assert estimate_words('running', {'end': None, 'overdue': False}) == \
         'end unknown'
     assert estimate_words('running', {'end': 1.0, 'overdue': True}) \

@@ -144,7 +144,7 @@ def test_damaged_job_files_are_one_row_and_everything_else_stays_up(
     assert b'dasktrain_jobs{state="finished"} 1.0' in metrics
     assert b'dasktrain_jobs{state="unreadable"} 2.0' in metrics
     capsys.readouterr()
-    assert main(['jobs']) == 0
+    assert main(['jobs', '--all']) == 0  # their times: 1970's
     out = capsys.readouterr().out
     assert 'good' in out and out.count('unreadable: job ') == 2
     assert main(['result', 'good']) == 0
@@ -169,7 +169,7 @@ def test_result_of_a_job_whose_log_is_gone_is_one_line(home, capsys):
          'validation/main/accuracy': 'high'}]))
     assert main(['result', 'nolog']) == 0
     assert 'validation/main/accuracy: high' in capsys.readouterr().out
-    assert main(['jobs']) == 0
+    assert main(['jobs', '--all']) == 0  # their times: 1970's
     row, = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith('nolog')]
     assert row.split()[5:7] == ['1/1', '-']  # PROGRESS, ACCURACY

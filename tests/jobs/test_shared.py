@@ -74,6 +74,11 @@ for package in ('dasktrain.commands', 'dasktrain.cluster', 'dasktrain.jobs'):
         importlib.import_module(found.name)
 for module in filter(None, os.environ.pop('PRELOAD', '').split(',')):
     __import__(module)
+import resource
+for spec in filter(None, os.environ.pop('RLIMITS', '').split(',')):
+    what, soft, hard = spec.split(':')  # the user's shell's `ulimit`s
+    resource.setrlimit(getattr(resource, 'RLIMIT_' + what.upper()),
+                       (int(soft), int(hard)))
 name = sys.argv[1]
 if name != 'root':
     entry = pwd.getpwnam(name)
@@ -129,7 +134,7 @@ def _training(**fields):
 
 def test_every_field_of_a_request_is_checked():
     request = check_request(_program())['request']
-    assert request.program.grace == 30.0 and request.gpus == 0
+    assert request.program.grace is None and request.gpus == 0
     assert request.program.env == {'A': '1'}
     train = check_request(_training(files={'model': {
         'name': 'net.py', 'data': 'eCA9IDE='}}))['request']
@@ -251,7 +256,7 @@ def test_a_users_job_gets_their_identity_not_the_clusters():
                 'USER': 'ann-at-submit'}
     queue = {'PYTHONUNBUFFERED': '1', 'CUDA_VISIBLE_DEVICES': '',
              'OMP_NUM_THREADS': '2', 'OPENBLAS_NUM_THREADS': '2',
-             'MKL_NUM_THREADS': '2'}
+             'MKL_NUM_THREADS': '2', 'LANG': 'C.UTF-8'}  # LANG: allowed
     assert job_environment(recorded, [], 2, ann) == dict(
         recorded, USER='ann', HOME='/home/ann', LOGNAME='ann', **queue)
     assert job_environment(recorded, [], 2) == dict(recorded, **queue)
@@ -366,8 +371,11 @@ class Lab:
                     process.kill()
 
 
-@pytest.fixture(scope='module')
-def lab():
+@contextlib.contextmanager
+def started_lab(*flags, **env):
+    """A :class:`Lab` whose cluster root started (``cluster start --shared
+    FLAGS``, ``env`` added to root's shell), its owner ann (she ran sudo);
+    stopped, its users removed, when the block is left."""
     if os.geteuid() != 0:
         pytest.skip('only root can start a shared cluster and create Unix '
                     'users')
@@ -378,17 +386,26 @@ def lab():
         for who in ('ann', 'bob', 'eve'):
             lab.add_user(who)
         # ann ran `sudo dasktrain cluster start --shared`: its owner.
+        lab.flags = ['--port', '0', '--dashboard-port', '0', '--gpus', '0',
+                     '--cpu-slots', '3', *flags]
         with child([str(CONSOLE), 'cluster', 'start', '--shared',
-                    '--shared-dir', str(lab.where.root), '--port', '0',
-                    '--dashboard-port', '0', '--gpus', '0', '--cpu-slots',
-                    '3'], env=lab.env(SUDO_UID=str(lab.uid('ann')),
-                                      OWNER_MARK='root-shell')) as c:
+                    '--shared-dir', str(lab.where.root), *lab.flags],
+                   env=lab.env(SUDO_UID=str(lab.uid('ann')),
+                               OWNER_MARK='root-shell', **env)) as c:
             assert c.wait(120) == 0, c.stderr()
         lab.state = json.loads((lab.where.private / 'cluster.json')
                                .read_text())
         yield lab
     finally:
         lab.close()
+
+
+@pytest.fixture(scope='module')
+def lab():
+    # The webhooks of these tests listen on 127.0.0.1: allowed here.
+    with started_lab('--notify-allow', 'public', '--notify-allow',
+                     '127.0.0.0/8') as lab:
+        yield lab
 
 
 def test_the_shared_place_keeps_every_user_to_their_own(lab):
@@ -708,10 +725,12 @@ def test_the_queue_works_for_every_user(lab):
     # bob's job, eve's after it; `jobs` shows both with their times to
     # anyone; eve is told when hers ends; logs --follow, result --wait,
     # gpus and requeue for a user.
-    hook = Hook()
+    hook = Hook()  # posted by nobody, not root
     try:
+        go = lab.homes['bob'] / 'go'  # it runs until the test says go
         first = lab.submit('bob', '--time', '1h', '--', 'sh', '-c',
-                           'echo started; sleep 8; echo done')
+                           f'echo started; while [ ! -e {go} ]; do sleep '
+                           '0.2; done; echo done')
         second = lab.submit('eve', '--after', first, '--notify', hook.url,
                             '--', 'sh', '-c', 'exit 3')
         lab.wait_for(first, ('running',))
@@ -724,12 +743,14 @@ def test_the_queue_works_for_every_user(lab):
         code, out, err = lab.run('bob', 'gpus')
         assert code == 0, err
         assert f'{first} (sh)' in out and lab.names['bob'] in out
+        go.touch()
         code, out, err = lab.run('bob', 'logs', '--follow', first)
         assert (code, out.splitlines()[1:]) == (0, ['started', 'done']), err
         code, _, err = lab.run('eve', 'result', '--wait', second)
         assert (code, err) == (1, f'dasktrain result: error: job {second} '
                                   'failed: exit 3\n')
         wait_until(lambda: hook.posts, 30, 'the webhook')
+        assert hook.posters == [pwd.getpwnam('nobody').pw_uid]
         text = hook.posts[0][1]['text']
         assert text.startswith(f"job {second} (sh) of {lab.names['eve']} "
                                'failed after ')
@@ -789,3 +810,48 @@ def test_a_stopped_shared_cluster_brings_back_every_users_jobs(lab):
     lab.wait_for(job_id, ('running',))
     assert lab.run('ann', 'cancel', job_id)[:2] == (0, f'{job_id}: '
                                                        'cancelled\n')
+
+
+def test_a_running_job_is_steered_by_its_submitter_only(lab):
+    # root's training job (a user's needs a Python every user can run):
+    # 500 epochs of 5 iterations, stopped by request long before.
+    net = lab.root / 'steered.py'
+    net.write_text('import chainer, chainer.links as L\n'
+                   'class Net(chainer.Chain):\n'
+                   '    def __init__(self, n_classes=10):\n'
+                   '        super().__init__()\n'
+                   '        with self.init_scope():\n'
+                   '            self.l = L.Linear(None, n_classes)\n'
+                   '    def forward(self, x):\n'
+                   '        return self.l(x)\n')
+    data = lab.data('steered-data', seed=5)
+    job_id = lab.submit('root', '--', '--model', f'{net}:Net', '--epochs',
+                        '500', '--batch-size', '40', '--train-size', '200',
+                        '--test-size', '40', '--devices', 'cpu',
+                        '--optimizer', 'momentum-sgd', '--data-dir',
+                        str(data), preload='chainer,'
+                        'dasktrain.training.models')
+    job = lab.job(job_id)
+    wait_until(lambda: len(job.log_rows()) >= 1, 120, 'an epoch')
+    code, out, err = lab.run('eve', 'ctl', job_id, 'stop')
+    assert (code, out) == (1, ''), err
+    assert err == f'dasktrain ctl: error: job {job_id} belongs to root; ' \
+        "only root or the cluster's owner (root, " \
+        f"{lab.names['ann']}) can read it\n"
+    # The cluster's owner reads it and may cancel it, but steers only
+    # jobs of her own: the job's owner alone changes how it trains.
+    code, out, err = lab.run('ann', 'ctl', job_id, 'snapshot')
+    assert (code, out) == (1, ''), err
+    assert err == f'dasktrain ctl: error: job {job_id} was submitted by ' \
+        f"root; only root can steer it (you are {lab.names['ann']})\n"
+    code, out, err = lab.run('root', 'ctl', job_id, 'set', 'lr=0.02')
+    assert code == 0 and out.startswith(f'{job_id}: lr 0.05 -> 0.02 '), err
+    code, out, err = lab.run('root', 'ctl', job_id, 'stop')
+    assert code == 0, err
+    assert out.splitlines()[-1] == \
+        f'job {job_id}: finished (stopped by request)'
+    assert job.status()['epoch'] < 500
+    assert any(r.get('lr') == 0.02 for r in job.log_rows())
+    code, out, err = lab.run('eve', 'jobs', '--all')
+    line = next(x for x in out.splitlines() if x.startswith(job_id))
+    assert 'finished (stopped by request)' in line, out

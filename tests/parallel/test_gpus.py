@@ -57,7 +57,7 @@ def test_pool_hands_out_ordinals_with_their_entries(pool):
     assert first == [Gpu(0, '2')] and second == [Gpu(1, '3')]
     # a rank on the second uses @cupy:1, never the invalid @cupy:3
     assert place_devices(None, [g.index for g in second]) == ('@cupy:1',)
-    with pytest.raises(GpuError, match=r'1 GPU\(s\) asked'):
+    with pytest.raises(GpuError, match='1 GPU asked'):
         pool.acquire(1, total=2, env=env)
     pool.release(first)
     assert pool.acquire(1, total=2, env=env) == [Gpu(0, '2')]
@@ -100,7 +100,7 @@ def test_devices_are_renumbered_onto_the_given_gpus(devices, given,
 
 
 def test_devices_naming_other_gpus_than_reserved_are_refused():
-    with pytest.raises(GpuError, match=r'devices 2,3,4 names 3 GPU\(s\) '
+    with pytest.raises(GpuError, match=r'devices 2,3,4 names 3 GPUs '
                                        r'but 2 were reserved'):
         place_devices(('@cupy:2', '@cupy:3', '@cupy:4'), [0, 1])
     with pytest.raises(JobError, match='names 2 GPU'):
@@ -173,7 +173,7 @@ def test_unused_gpus_are_explained_in_chainers_words():
     smi = ['GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)',
            'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)']
     line = unused_gpus_message(smi, 0, 'libcublas.so.12: cannot open')
-    assert line == ('nvidia-smi sees 2 GPU(s) that Chainer cannot use: '
+    assert line == ('nvidia-smi sees 2 GPUs that Chainer cannot use: '
                     'libcublas.so.12: cannot open')
     assert unused_gpus_message(smi, 2, None) is None     # all in use
     assert unused_gpus_message(smi, 0, None) is None     # hidden on purpose

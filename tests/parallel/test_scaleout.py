@@ -129,6 +129,33 @@ def test_ranks_summing_different_arrays_fail_instead_of_mixing(dask_client):
     assert all('out of step' in r for r in results), results
 
 
+def _one_bcast_then(name, rank, size):
+    comm = DaskComm.rendezvous(name, rank, size, timeout=30)
+    try:
+        comm.bcast('x' if rank == 0 else None)
+        if rank == 0:
+            return 'left'  # its connections close in finally
+        try:
+            comm.allgather(rank)
+        except CollectiveError as e:
+            return str(e)
+        return 'gathered'
+    finally:
+        comm.close()
+
+
+def test_a_lost_rank_is_named_with_the_collective_not_a_count(dask_client):
+    workers = sorted(dask_client.scheduler_info()['workers'])
+    left, said = dask_client.gather([
+        dask_client.submit(_one_bcast_then, 'lost-test', r, 2, workers=[w],
+                           pure=False) for r, w in enumerate(workers)])
+    assert left == 'left'
+    # The user called one bcast and one allgather: no message count.
+    assert said.startswith('rank 0 closed its connection during an '
+                           'allgather: '), said
+    assert '#' not in said
+
+
 def test_a_missing_rank_fails_the_rendezvous_after_the_timeout(dask_client):
     began = time.monotonic()
     future = dask_client.submit(

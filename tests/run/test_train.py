@@ -13,7 +13,7 @@ import pytest
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 from dasktrain.parallel.comm import CollectiveError
-from dasktrain.run.train import ScaleOutError, train
+from dasktrain.run.train import ScaleOutError, per_device_line, train
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
              'comm_time'}
@@ -294,3 +294,14 @@ def test_workers_train_in_the_dtype_of_each_run(data_dir, tmp_path,
                     if w.dtype.kind == 'f'} == {np.dtype(dtype)}, dtype
     finally:
         chainer.global_config.dtype = before
+
+
+def test_the_line_before_one_process_per_device_is_a_plain_sentence():
+    from dasktrain.errors import flag_names
+    # A job's log (Python's names) shows no argument name as a word.
+    assert per_device_line((0, 1)) == ('training on 2 devices (0, 1), each '
+                                       'in a worker process of its own')
+    with flag_names():  # the dasktrain command: what keeps them in one
+        assert per_device_line(('cpu', 'cpu')) == (
+            'training on 2 devices (cpu, cpu), each in a worker process of '
+            'its own; --in-process trains them all in this one process')

@@ -341,7 +341,7 @@ def test_ctl_steers_a_run_folder_and_says_what_was_done(data_dir, tmp_path,
         said = capsys.readouterr().out
         assert said.startswith(f'{out}: lr 0.01 -> 0.04, momentum 0.9 -> '
                                '0.8 (MomentumSGD) at iteration 20 (1 '
-                               'epochs done), ')
+                               'epoch done), ')
         assert main(['ctl', str(out), 'stop', '--at', 'epoch=3']) == 0
         assert 'stop at epoch 3 requested' in capsys.readouterr().out
     finally:

@@ -21,7 +21,7 @@ from dasktrain.cluster.local import state_path
 from dasktrain.cluster.shared import read_record
 from dasktrain.jobs.client.socket_client import SocketClient
 from dasktrain.jobs.job import Job
-from dasktrain.jobs.status import job_rows
+from dasktrain.jobs.status import PER_PAGE, job_rows, shown
 
 QUEUE_ENV = 'DASKTRAIN_QUEUE'
 
@@ -73,9 +73,15 @@ def find(job_id, jobs_dir=None):
         Job.find(job_id, jobs_dir)
 
 
-def rows(jobs_dir=None, ask=None):
-    """The jobs table's ``(rows, unreadable)`` wherever the queue is:
-    the shared cluster's, or :func:`~dasktrain.jobs.status.job_rows` of
-    the jobs dir with ``ask`` (a scheduler's answer)."""
+def rows(jobs_dir=None, ask=None, everything=False, user=None, page=1,
+         per_page=PER_PAGE):
+    """The jobs table's ``(rows, unreadable, counts)`` wherever the queue
+    is, as :func:`~dasktrain.jobs.status.shown` cuts it (``everything``:
+    every job kept, not only live and recent ones; ``user``'s only;
+    ``page`` of ``per_page``): the shared cluster's, or
+    :func:`~dasktrain.jobs.status.job_rows` of the jobs dir with ``ask``
+    (a scheduler's answer)."""
     door = shared_queue(None, jobs_dir)
-    return door.rows() if door is not None else job_rows(jobs_dir, ask)
+    if door is not None:
+        return door.rows(everything, user, page, per_page)
+    return shown(*job_rows(jobs_dir, ask), everything, user, page, per_page)

@@ -88,11 +88,18 @@ class SocketClient:
         answer = self.ask('status', id=job_id)
         return SharedJob(job_id, Path(answer['folder']), door=self)
 
-    def rows(self):
-        """``(rows, unreadable)`` as :func:`~dasktrain.jobs.status.job_rows`
-        returns them, everyone's."""
-        answer = self.ask('jobs')
-        return answer['rows'], [tuple(u) for u in answer['unreadable']]
+    def rows(self, everything=False, user=None, page=1, per_page=None):
+        """``(rows, unreadable, counts)`` as
+        :func:`~dasktrain.jobs.status.shown` returns them, everyone's
+        (what others may not see of a job left out by the server)."""
+        fields = {'all': bool(everything), 'page': page}
+        if user is not None:
+            fields['user'] = user
+        if per_page is not None:
+            fields['per_page'] = per_page
+        answer = self.ask('jobs', **fields)
+        return (answer['rows'], [tuple(u) for u in answer['unreadable']],
+                answer.get('counts') or {})
 
     def gpus(self):
         """``{'seen': ..., 'running': [...]}``: what ``dasktrain gpus``
@@ -101,12 +108,14 @@ class SocketClient:
         return self.ask('gpus')
 
     def cluster(self):
-        """The scheduler's address, its dashboard, and its workers."""
+        """The scheduler's address, its dashboard, its workers, how its
+        jobs are kept (``contain``, in words) and its rules (lines)."""
         answer = self.ask('cluster')
         return {'scheduler': answer['scheduler'],
                 'dashboard': answer.get('dashboard'),
                 'workers': answer['workers'], 'owners': answer['owners'],
-                'you': answer['you']}
+                'you': answer['you'], 'contain': answer.get('contain'),
+                'rules': list(answer.get('rules') or ())}
 
     def requeue(self, job_id):
         """Hand the job ``job_id`` to the running cluster again; the
@@ -126,6 +135,12 @@ class SharedJob(Job):
     def status(self):
         return self.door.ask('status', id=self.id)['status']
 
+    def result(self, timeout=None, poll=0.5):
+        """As :meth:`Job.result`, for its owners only: anyone else is
+        told whose it is in one line, whatever state it is in."""
+        self.spec()  # the server's check: its submitter or an owner
+        return super().result(timeout, poll)
+
     def owner(self):
         return None
 
@@ -144,5 +159,5 @@ class SharedJob(Job):
 
     def cancel(self, client=None):
         """Cancel the job (its submitter, root, or the cluster's owner
-        only: JobError otherwise, in one line)."""
-        self.door.ask('cancel', id=self.id)
+        only: JobError otherwise, in one line); the state it has now."""
+        return self.door.ask('cancel', id=self.id).get('state')

@@ -17,7 +17,8 @@ the socket): :class:`~dasktrain.jobs.job.Job`.
 import os
 import re
 
-from dasktrain.cluster.local import connect, worker_info
+from dasktrain.cluster.local import connect, read_state, worker_info
+from dasktrain.containment import Containment
 from dasktrain.errors import argument
 from dasktrain.jobs.client.route import shared_queue
 from dasktrain.jobs.folder import create, me
@@ -28,7 +29,7 @@ from dasktrain.jobs.scheduler.dispatch import queue
 
 def submit(config, gpus=1, name=None, client=None, scheduler=None,
            path=None, check=True, notify=None, after=None, after_any=False,
-           time=None, time_limit=None, module=None, extra=None):
+           time=None, time_limit=None, module=None, extra=None, mem=None):
     """Queue a training job; returns at once with its
     :class:`~dasktrain.jobs.job.Job`.
 
@@ -71,6 +72,10 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         flags it overdue.
     time_limit : str or float, optional
         How long it may run: stopped (and failed) once past.
+    mem : str or int, optional
+        Memory its processes may use together (``'8G'``, bytes): the
+        ``memory.max`` of its cgroup, refused where the cluster cannot
+        cap memory (``dasktrain cluster status`` says).
     module, extra : optional
         The ``dasktrain`` module the job's program runs (``python -m
         MODULE FOLDER``; default :data:`dasktrain.jobs.job.CHILD`) and
@@ -89,7 +94,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     program = Training.of(config, module=module or Training.module,
                           extra=extra)
     request = JobRequest.of(program, gpus, name, notify, after, after_any,
-                            time, time_limit)
+                            time, time_limit, mem)
     return queue_request(request, client, scheduler, path, check)
 
 
@@ -109,10 +114,10 @@ def parse_env(items):
     return env
 
 
-def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
+def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=None,
                    requeue=False, client=None, scheduler=None, path=None,
                    notify=None, after=None, after_any=False, time=None,
-                   time_limit=None):
+                   time_limit=None, mem=None):
     """Queue a program; returns at once with its
     :class:`~dasktrain.jobs.job.Job`.
 
@@ -137,12 +142,14 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
         Variables added to the submitter's environment as it is now.
     cwd : str, optional
         Where it runs; default the working directory, made absolute.
-    grace : float, default 30
-        Seconds between a cancel's SIGTERM and its SIGKILL.
+    grace : float, optional
+        Seconds between a cancel's SIGTERM and its SIGKILL; default the
+        cluster's longest (``cluster start --max-grace``, default 30). A
+        cluster refuses more than its longest.
     requeue : bool, default False
         Start it again if its worker dies (for programs that resume
         themselves); otherwise it ends ``lost``.
-    notify, after, after_any, time, time_limit, client, scheduler, path
+    notify, after, after_any, time, time_limit, mem, client, scheduler, path
         As :func:`submit`'s.
 
     Examples
@@ -154,7 +161,7 @@ def submit_command(argv, gpus=0, name=None, env=None, cwd=None, grace=30.0,
     """
     program = Program.of(argv, env, cwd, grace, requeue)
     request = JobRequest.of(program, gpus, name, notify, after, after_any,
-                            time, time_limit)
+                            time, time_limit, mem)
     return queue_request(request, client, scheduler, path)
 
 
@@ -174,6 +181,7 @@ def queue_request(request, client=None, scheduler=None, path=None,
     client = client or connect(scheduler)
     try:
         check_owner(client)
+        check_limits(client, request)
         if check:
             check_resources(client, request)
         job_id, folder, spec = create(root.resolve(), request, me(),
@@ -188,6 +196,21 @@ def queue_request(request, client=None, scheduler=None, path=None,
             client.close()
 
 
+def check_limits(client, request):
+    """Refuse a job asking for a memory limit (``mem``) that the recorded
+    cluster of ``client`` cannot enforce (no cgroup v2 memory
+    controller): a limit nobody holds to is worse than none."""
+    if request.mem is None:
+        return
+    state = read_state()
+    if not state or state.get('scheduler') != client.scheduler.address or \
+            not state.get('contain'):
+        return  # not the recorded cluster: its worker says
+    problem = Containment(**state['contain']).limit_problem(mem=request.mem)
+    if problem:
+        raise JobError(f'{argument("mem")}: {problem}')
+
+
 def check_resources(client, request):
     """Refuse a job no worker of ``client``'s cluster can ever run (see
     :meth:`~dasktrain.jobs.request.JobRequest.check_fits`).
@@ -195,7 +218,7 @@ def check_resources(client, request):
     Examples
     --------
     >>> check_resources(client, request)  # doctest: +SKIP
-    JobError: no worker has 3 GPU (largest: 2 among 1 workers); ...
+    JobError: no worker has 3 GPUs (largest: 2 among 1 worker); ...
     """
     request.check_fits({addr: w.get('resources', {})
                         for addr, w in worker_info(client).items()})

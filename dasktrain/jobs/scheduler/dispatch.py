@@ -25,9 +25,16 @@ in their submission order.
 
 It also ends what must end: a job whose ``--after`` dependency failed
 (without ``--after-any``) fails with one line, and a job past its
-``--time-limit`` is stopped (its worker's cancel path, with the reason).
+``--time-limit`` is stopped (its worker's cancel path, with the reason);
+and every :data:`PURGE` seconds, in a thread, it removes the jobs that
+ended longer ago than the cluster keeps them (``--keep-finished``).
+
+A job whose files cannot be read (whatever they hold: see
+:mod:`dasktrain.files`) is left out of the plan, held, and said once in
+the log, not at every tick; the others are planned as if it were not
+there.
 """
-import json
+import asyncio
 import logging
 import os
 import time
@@ -35,6 +42,7 @@ from pathlib import Path
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dasktrain.cluster.settings import keep_finished
 from dasktrain.errors import argument
 from dasktrain.jobs.job import (
     DONE,
@@ -42,6 +50,9 @@ from dasktrain.jobs.job import (
     KEY_PREFIX,
     Job,
     JobError,
+    jobs_dir,
+    purge_ended,
+    row_number,
     update_status,
 )
 from dasktrain.jobs.scheduler.outside_use import busy_outside, worker_ids
@@ -54,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 NAME = 'dasktrain-queue'
 TICK = 1.0  # seconds between two plans (and at once after a submit)
+# A running job's out/log (its user's) is read again at most this often.
+LOG_STALE = 10.0
+PURGE = 60.0  # s between two purges of ended jobs
 
 
 def enqueue(dask_scheduler, folder):
@@ -132,6 +146,19 @@ class Dispatcher(SchedulerPlugin):
         self.folders, self.running, self.view = {}, {}, {}
         self.scheduler = self.client = self.callback = None
         self.ticking = False
+        self.told = {}  # {job id or '': the last complaint logged}
+        self.purged_at, self.purging = time.monotonic(), None
+
+    def complain(self, job_id, error):
+        """Log ``error`` about ``job_id`` ('' for the queue itself) once,
+        not once per tick: again only when it changes. None clears it."""
+        if error is None:
+            self.told.pop(job_id, None)
+            return
+        if self.told.get(job_id) != error:
+            self.told[job_id] = error
+            logger.warning('dasktrain queue: %s%s', f'{job_id}: ' if job_id
+                           else '', error)
 
     async def start(self, scheduler):
         self.attach(scheduler)
@@ -165,12 +192,40 @@ class Dispatcher(SchedulerPlugin):
         self.ticking = True
         try:
             await self._tick()
-        except Exception:  # a damaged file must not stop the queue
-            logger.exception('dasktrain queue: planning failed')
+            self.complain('', None)
+        except Exception as e:  # never expected: logged once, not per tick
+            if self.told.get('') != repr(e):
+                logger.exception('dasktrain queue: planning failed')
+            self.told[''] = repr(e)
         finally:
             self.ticking = False
 
+    def purge(self):
+        """Start removing the jobs ended longer ago than the cluster keeps
+        them, in a thread (one purge at a time)."""
+        keep = keep_finished()
+        if keep is None or self.purging is not None or \
+                time.monotonic() - self.purged_at < min(PURGE, keep / 4):
+            return
+        self.purged_at = time.monotonic()
+        roots = {jobs_dir()} | {Path(f).parent for f in self.folders.values()}
+
+        def purge():
+            return [i for root in roots for i in purge_ended(root, keep)]
+
+        def done(future):
+            self.purging = None
+            if future.exception() is not None:
+                self.complain('', f'purging ended jobs: {future.exception()}')
+            elif future.result():
+                logger.info('dasktrain queue: purged %d ended job(s): %s',
+                            len(future.result()),
+                            ', '.join(future.result()[:20]))
+        self.purging = asyncio.ensure_future(asyncio.to_thread(purge))
+        self.purging.add_done_callback(done)
+
     async def _tick(self):
+        self.purge()
         now = time.time()
         queued, states = self._queued()
         self._unpin()
@@ -194,74 +249,85 @@ class Dispatcher(SchedulerPlugin):
 
     def _queued(self):
         """The held jobs still queued, in submission order, as the planner
-        wants them, and the states of the jobs they run after."""
+        wants them, and the states of the jobs they run after. A job whose
+        files cannot be read is left out of this plan (logged once) and
+        stays held: the others are planned as if it were not there."""
         queued, states = [], {}
         for job_id, folder in list(self.folders.items()):
             job = Job(job_id, Path(folder))
             try:
-                spec, status = job.spec(), job.status()
-            except JobError as e:
-                logger.warning('dasktrain queue: dropped %s: %s', job_id, e)
-                del self.folders[job_id]
-                continue
-            if status['state'] != 'queued' or \
-                    (job.folder / 'cancel').exists():
-                del self.folders[job_id]
-                continue
-            after = list(spec.get('after') or ())
-            for dep in after:
-                states.setdefault(dep, _state(job.folder.parent / dep))
-            queued.append({'id': job_id, 'user': spec.get('user', ''),
-                           'gpus': spec['gpus'], 'after': after,
-                           'ranks': spec.get('workers'),
-                           'after_any': bool(spec.get('after_any')),
-                           'time': spec.get('time'),
-                           'submitted': spec['submitted']})
+                spec, status = job.spec(), job.recorded()
+                if status['state'] != 'queued' or \
+                        (job.folder / 'cancel').exists():
+                    del self.folders[job_id]
+                    self.complain(job_id, None)
+                    continue
+                after = list(spec.get('after') or ())
+                for dep in after:
+                    states.setdefault(dep, _state(job.folder.parent / dep))
+                queued.append({'id': job_id, 'user': spec.get('user', ''),
+                               'gpus': spec['gpus'], 'after': after,
+                               'ranks': spec.get('workers'),
+                               'after_any': bool(spec.get('after_any')),
+                               'time': spec.get('time'),
+                               'submitted': spec['submitted']})
+                self.complain(job_id, None)
+            except Exception as e:  # JobError: its files; anything else
+                self.complain(job_id, f'left out of the plan: {e}')
         queued.sort(key=lambda j: j['submitted'])
         return queued, {k: v for k, v in states.items() if v is not None}
 
     def _running(self, now, workers):
         running = []
-        for job_id, (folder, placed) in list(self.running.items()):
-            job = Job(job_id, Path(folder))
+        for job_id in list(self.running):
             try:
-                spec, status = job.spec(), job.status()
-            except JobError:
-                continue
-            task = self.scheduler.tasks.get(KEY_PREFIX + job_id)
-            over = task is None or task.state in ('memory', 'erred',
-                                                  'forgotten')
-            # Its GPUs are free once its task is over and it ended (a
-            # cancelled task is forgotten at once, its program may take
-            # --grace seconds to stop), or its task failed, or its worker
-            # is gone.
-            where = status.get('worker') or placed[0][0]
-            if over and (status['state'] in DONE or task is not None and
-                         task.state == 'erred' or
-                         where not in self.scheduler.workers):
-                del self.running[job_id]
-                continue
-            started = status.get('started')
-            limit = spec.get('time_limit')
-            common = {
-                'id': job_id, 'user': spec.get('user', ''),
-                'gpus': spec['gpus'],
-                'end': estimated_end(job, spec, status, now),
-                'due': started + spec['time'] if started and spec.get('time')
-                else None,
-                'limit': started + limit if started and limit else None}
-            if spec.get('workers'):  # a gang: its ranks hold what it planned
-                running += [dict(common, worker=w, held=held, ranks=True)
-                            for w, held in placed]
-                continue
-            ids = status.get('gpus') or []
-            # Its GPUs as the worker names them, where the queue knows
-            # those names; else as the queue planned them.
-            known = workers.get(where, {}).get('gpus', ())
-            if not ids or not set(ids) <= set(known):
-                ids = placed[0][1]
-            running.append(dict(common, worker=where, held=ids))
+                running += self._holding(job_id, now, workers)
+                self.complain(job_id, None)
+            except Exception as e:  # still holds what it was given
+                self.complain(job_id, f'its files cannot be read ({e}); '
+                                      'it keeps what it was given')
+                folder, placed = self.running[job_id]
+                running += [{'id': job_id, 'user': '', 'worker': w,
+                             'held': list(g), 'gpus': len(g), 'end': None,
+                             'ranks': len(placed) > 1}
+                            for w, g in placed]
         return running
+
+    def _holding(self, job_id, now, workers):
+        """What the running job ``job_id`` holds, for the planner ([] once
+        it holds nothing)."""
+        folder, placed = self.running[job_id]
+        job = Job(job_id, Path(folder))
+        spec, status = job.spec(), job.recorded()
+        task = self.scheduler.tasks.get(KEY_PREFIX + job_id)
+        over = task is None or task.state in ('memory', 'erred', 'forgotten')
+        # Its GPUs are free once its task is over and it ended (a cancelled
+        # task is forgotten at once, its program may take its grace to
+        # stop), or its task failed, or its worker is gone.
+        where = status.get('worker') or placed[0][0]
+        if over and (status['state'] in DONE or task is not None and
+                     task.state == 'erred' or
+                     where not in self.scheduler.workers):
+            del self.running[job_id]
+            return []
+        started = status.get('started')
+        limit = spec.get('time_limit')
+        common = {
+            'id': job_id, 'user': spec.get('user', ''), 'gpus': spec['gpus'],
+            'end': estimated_end(job, spec, status, now),
+            'due': started + spec['time'] if started and spec.get('time')
+            else None,
+            'limit': started + limit if started and limit else None}
+        if spec.get('workers'):  # a gang: its ranks hold what it planned
+            return [dict(common, worker=w, held=held, ranks=True)
+                    for w, held in placed]
+        ids = status.get('gpus') or []
+        # Its GPUs as the worker names them, where the queue knows those
+        # names; else as the queue planned them.
+        known = workers.get(where, {}).get('gpus', ())
+        if not ids or not set(ids) <= set(known):
+            ids = placed[0][1]
+        return [dict(common, worker=where, held=ids)]
 
     def _workers(self):
         """The workers' GPUs by the ids jobs get, and the GPUs busy
@@ -343,6 +409,10 @@ class Dispatcher(SchedulerPlugin):
         # Held until handed over: a failure above leaves it queued here.
         del self.folders[job_id]
         self.running[job_id] = (folder, placed)
+        # Its end from now on, not from the next plan: its --time counts
+        # from now until its worker records its start.
+        self.view[job_id] = {'end': job['time'] and time.time() + job['time'],
+                             'overdue': False, 'reason': None}
         logger.info('dasktrain queue: %s starts on %s', job_id, ', '.join(
             f'{w} (GPUs {",".join(g) or "none"})' for w, g in placed))
 
@@ -384,8 +454,8 @@ def client_security(security):
 
 def _state(folder):
     try:
-        return json.loads((Path(folder) / 'status.json').read_text())['state']
-    except (OSError, ValueError, KeyError, TypeError):
+        return Job(Path(folder).name, Path(folder)).recorded()['state']
+    except JobError:
         return None
 
 
@@ -393,7 +463,8 @@ def estimated_end(job, spec, status, now):
     """When a running job is expected to end (seconds since the epoch;
     None: unknown): a training job from its measured epoch times (mean
     over the epochs logged, from the log's last write), any job from its
-    ``--time`` after its start otherwise.
+    ``--time`` after its start otherwise (after ``now`` while its worker
+    has not yet recorded its start).
 
     Examples
     --------
@@ -401,16 +472,15 @@ def estimated_end(job, spec, status, now):
     ...               now=200.0)  # doctest: +SKIP
     3700.0
     """
-    rows = job.log_rows()
+    rows = job.log_rows(stale=LOG_STALE)
     epochs = (spec.get('config') or {}).get('epochs')
-    if rows and epochs and rows[-1].get('elapsed_time'):
-        per_epoch = rows[-1]['elapsed_time'] / max(rows[-1]['epoch'], 1)
+    elapsed = row_number(rows[-1], 'elapsed_time') if rows else None
+    if epochs and elapsed:
+        per_epoch = elapsed / max(rows[-1]['epoch'], 1)
         try:  # never a symlink's target (a user's out/ in a shared cluster)
             written = os.lstat(job.folder / 'out' / 'log').st_mtime
         except OSError:
             written = now
         return written + per_epoch * max(epochs - rows[-1]['epoch'], 0)
-    started, planned = status.get('started'), spec.get('time')
-    if started and planned:
-        return started + planned
-    return None
+    planned = spec.get('time')
+    return (status.get('started') or now) + planned if planned else None

@@ -5,7 +5,12 @@ iterations, losses, accuracies, images/s, data-wait and communication
 shares, GPUs held; per worker its process CPU and memory (what Dask's
 heartbeats carry) and, per GPU, NVML's utilisation, memory, temperature
 and power (:func:`~dasktrain.jobs.worker.gpu_use.gpu_readings`, on the
-workers' heartbeats).
+workers' heartbeats). A ``private`` collector (a shared cluster's: the
+metrics are anyone's who reaches the port) leaves out every series
+made of a job's output (epoch, iterations, losses, accuracies, rates):
+:data:`PRIVATE_FAMILIES` only. Whatever a job's files held, a scrape
+answers: a job that cannot be measured is left out of the series it
+breaks, never the scrape.
 
 :class:`Collector` builds them at each scrape from the
 :class:`~dasktrain.jobs.scheduler.board.JobBoard` and the workers' last
@@ -87,6 +92,12 @@ _JOB_SAMPLES = (
 )
 
 
+# What a private collector says of each job: the queue's, not the job's.
+PRIVATE_FAMILIES = ('dasktrain_job_gpus',
+                    'dasktrain_job_start_timestamp_seconds',
+                    'dasktrain_job_end_timestamp_seconds')
+
+
 def _share(job, seconds):
     epoch = job['epoch_seconds']
     if not _finite(seconds) or not _finite(epoch) or epoch <= 0:
@@ -106,8 +117,8 @@ class Collector:
     """dasktrain's series for ``prometheus_client``, built at each scrape
     from the :class:`JobBoard` and the workers' last heartbeats."""
 
-    def __init__(self, scheduler, board):
-        self.scheduler, self.board = scheduler, board
+    def __init__(self, scheduler, board, private=False):
+        self.scheduler, self.board, self.private = scheduler, board, private
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
@@ -126,19 +137,26 @@ class Collector:
                                                          else ()))
                     for name, (doc, extra) in _JOB_FAMILIES.items()}
         for job in jobs:
-            labels = [job['id'], job['name'], job['user']]
-            row = job['row']
-            state.add_metric(labels + [job['state']], 1)
-            if row:
+            labels = [str(job.get(k)) for k in ('id', 'name', 'user')]
+            row = None if self.private else job.get('row')
+            state.add_metric(labels + [str(job.get('state'))], 1)
+            if row and _finite(row.get('iteration')):
                 iterations.add_metric(labels, row['iteration'])
             for name, extra, value in _JOB_SAMPLES:
-                v = value(job, row)
+                if self.private and name not in PRIVATE_FAMILIES:
+                    continue
+                try:
+                    v = value(job, row)
+                except (KeyError, TypeError, ValueError):  # not measured
+                    continue
                 if _finite(v):
                     families[name].add_metric(
                         labels + ([extra] if extra else []), v)
         yield state
-        yield iterations
-        yield from families.values()
+        if not self.private:
+            yield iterations
+        yield from (f for name, f in families.items()
+                    if not self.private or name in PRIVATE_FAMILIES)
         yield from self._workers()
 
     def _workers(self):
@@ -183,16 +201,17 @@ class Collector:
 _installed = {}  # the collector on prometheus_client's registry, if any
 
 
-def register(scheduler, board):
+def register(scheduler, board, private=False):
     """The :class:`Collector` of ``scheduler``'s ``board`` on
-    ``prometheus_client``'s registry. One registry per process: a later
-    scheduler here takes it over."""
+    ``prometheus_client``'s registry (``private``: see the module). One
+    registry per process: a later scheduler here takes it over."""
     from prometheus_client import REGISTRY
     collector = _installed.get('collector')
     if collector is None:
         collector = _installed['collector'] = Collector(scheduler, board)
         REGISTRY.register(collector)
     collector.scheduler, collector.board = scheduler, board
+    collector.private = private
     return collector
 
 

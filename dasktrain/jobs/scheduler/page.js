@@ -5,9 +5,19 @@ const SVG = 'http://www.w3.org/2000/svg';
 const CARDS = 12;  // curves shown: running jobs first, then the newest
 const logs = {};   // job id -> {epoch: last row's epoch fetched, rows}
 
+// Control characters (C0, DEL, C1, bidirectional overrides) shown as
+// escapes, as `dasktrain jobs` prints them: a name reads as it is.
+const CONTROL = /[\u0000-\u001f\u007f-\u009f\u2028\u2029\u202a-\u202e\u2066-\u2069]/g;
+function printable(text) {
+  return String(text).replace(CONTROL, c => {
+    const n = c.charCodeAt(0);
+    return n < 0x100 ? '\\x' + n.toString(16).padStart(2, '0')
+                     : '\\u' + n.toString(16).padStart(4, '0');
+  });
+}
 function el(tag, text, cls) {
   const e = document.createElement(tag);
-  if (text !== undefined && text !== null) e.textContent = String(text);
+  if (text !== undefined && text !== null) e.textContent = printable(text);
   if (cls) e.className = cls;
   return e;
 }
@@ -30,14 +40,14 @@ function gpus(job) {
   return job.workers ? job.gpus + ' x ' + job.workers : String(job.gpus);
 }
 
-function estimate(job) {  // the queue's estimate, labelled as one
+function estimate(job) {  // the queue's, in a column named estimate
   if (job.state === 'queued' && job.position) {
     return '#' + job.position + (job.start ? ', start ~' + when(job.start)
-                                 : ', start unknown') + ' (estimate)';
+                                 : ', start unknown');
   }
-  if (job.state === 'running' && job.end) {
-    return 'end ~' + when(job.end) + ' (estimate)' +
-      (job.overdue ? ' OVERDUE' : '');
+  // a job the queue started before its worker says so: already its end
+  if ((job.state === 'running' || job.state === 'queued') && job.end) {
+    return 'end ~' + when(job.end) + (job.overdue ? ' OVERDUE' : '');
   }
   return '-';
 }
@@ -61,22 +71,34 @@ function table(jobs) {
     const tr = el('tr');
     tr.dataset.job = job.id;
     const progress = el('td');
-    const bar = el('span', null, 'bar');
-    const fill = el('i');
-    fill.style.width = (100 * (r.epoch || 0) / (job.epochs || 1)) + '%';
-    bar.append(fill);
-    progress.append(bar, (r.epoch || 0) + '/' + job.epochs);
-    const state = el('td');
+    if (job.epochs) {  // a job of no epochs (a command's): no progress
+      const bar = el('span', null, 'bar');
+      const fill = el('i');
+      fill.style.width = (100 * Math.min(r.epoch || 0, job.epochs) /
+                          job.epochs) + '%';
+      bar.append(fill);
+      progress.append(bar, (r.epoch || 0) + '/' + job.epochs);
+    } else {
+      progress.append('-');
+    }
+    const state = el('td', null, 'text');
     const badge = el('span', job.state, 'state ' + job.state);
-    if (job.error) badge.title = job.error;  // why it failed, on hover
+    if (job.error) badge.title = printable(job.error);  // why, on hover
     state.append(badge);
-    tr.append(el('td', job.id), el('td', job.name), el('td', job.user),
-              state, el('td', gpus(job)), progress,
+    // how it ended, where that says more: finished (stopped by request)
+    if (job.ending) state.append(' ', el('span', '(' + job.ending + ')',
+                                         'ending'));
+    // long text wraps: the table fits the window, else scrolls in its box
+    tr.append(el('td', job.id, 'text'), el('td', job.name, 'text'),
+              el('td', job.user, 'text'), state, el('td', gpus(job)),
+              progress,
               el('td', num(r['validation/main/accuracy'], 4), 'num'),
               el('td', num(r['main/loss'], 4), 'num'),
               el('td', num(r.images_per_sec, 0), 'num'),
-              el('td', job.worker || '-'), el('td', when(job.submitted)),
-              el('td', estimate(job)), el('td', job.reason || '-'));
+              el('td', job.worker || '-', 'text'),
+              el('td', when(job.submitted)),
+              el('td', estimate(job), 'text'),
+              el('td', job.reason || '-', 'text'));
     body.append(tr);
   }
 }
@@ -165,14 +187,17 @@ async function fetchLogs(jobs) {
 async function refresh() {
   try {
     const reply = await fetch('api/jobs');
-    const jobs = (await reply.json()).jobs;
+    const answer = await reply.json();
+    const jobs = answer.jobs;
     summary(jobs);
     table(jobs);
-    const shown = pick(jobs);
-    await fetchLogs(shown);
+    const shown = answer.private ? [] : pick(jobs);
+    if (shown.length) await fetchLogs(shown);
     cards(shown);
     document.getElementById('updated').textContent =
-      'updated ' + new Date().toLocaleTimeString() + ', every {poll} ms';
+      'updated ' + new Date().toLocaleTimeString() + ', every {poll} ms' +
+      (answer.private ? '; progress, accuracy, curves and errors: their ' +
+       'owners see them with `dasktrain jobs`' : '');
   } catch (e) {
     document.getElementById('updated').textContent =
       'cannot reach the scheduler: ' + e;

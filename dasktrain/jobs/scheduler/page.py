@@ -14,8 +14,16 @@ The page itself is package data: ``page.html``, whose ``{script}`` is
 
 Nothing here acts on a job: any other method is refused (405). The page
 holds no data when served; its script puts every job's fields into the
-document as text (``textContent``, never HTML), and a per-response nonce in
-its Content-Security-Policy keeps any other script from running.
+document as text (``textContent``, never HTML), control characters
+escaped, and a per-response nonce in its Content-Security-Policy keeps
+any other script from running.
+
+Whoever reaches the dashboard's port sees the page, without a login. So
+a ``private`` one (a shared cluster's) shows what anyone may see of any
+job (:data:`PRIVATE_FIELDS`: id, name, user, state, GPUs, worker,
+times, the queue's estimates), nothing of its output: no progress,
+accuracy, curves (the log route answers 404) nor error; each user sees
+those of their own jobs with ``dasktrain jobs``, ``logs`` and ``result``.
 """
 import functools
 import json
@@ -31,26 +39,31 @@ from dasktrain.jobs.job import Job
 POLL_MS = 2000
 CURVE_KEYS = ('epoch', 'main/loss', 'validation/main/loss', 'main/accuracy',
               'validation/main/accuracy')
-PUBLIC = ('id', 'name', 'user', 'state', 'gpus', 'workers', 'held',
-          'worker', 'epochs', 'submitted', 'started', 'ended', 'error',
-          'attempts', 'row')
+PUBLIC = ('id', 'name', 'user', 'state', 'ending', 'gpus', 'workers',
+          'held', 'worker', 'epochs', 'submitted', 'started', 'ended',
+          'error', 'attempts', 'row')
 PATH = '/dasktrain/jobs'
+# What a private page shows of every job.
+PRIVATE_FIELDS = ('id', 'name', 'user', 'state', 'ending', 'gpus',
+                  'workers', 'held', 'worker', 'submitted', 'started',
+                  'ended', 'attempts')
 QUEUE = ('position', 'reason', 'start', 'end', 'overdue')  # the queue's
 
 
-def add_routes(application, board, queue=None):
+def add_routes(application, board, queue=None, private=False):
     """Serve the page and its data from ``application`` (a tornado
     Application: the scheduler's ``http_application``); ``board`` holds
     the jobs' summaries (``summaries()`` and ``jobs``, by id); ``queue``
     (a :class:`~dasktrain.jobs.scheduler.dispatch.Dispatcher`, optional)
     what the queue last decided of each job (``view``: position, waiting
-    reason, estimated start or end).
+    reason, estimated start or end); ``private``: show nothing of a
+    job's output (see the module).
 
     Examples
     --------
     >>> add_routes(scheduler.http_application, board)  # doctest: +SKIP
     """
-    args = {'board': board, 'queue': queue}
+    args = {'board': board, 'queue': queue, 'private': private}
     application.add_handlers(r'.*$', [
         (PATH, PageHandler, args),
         (r'/dasktrain/api/jobs', JobsHandler, args),
@@ -80,8 +93,8 @@ def _clean(value):
 
 
 class _Handler(RequestHandler):
-    def initialize(self, board, queue=None):
-        self.board, self.queue = board, queue
+    def initialize(self, board, queue=None, private=False):
+        self.board, self.queue, self.private = board, queue, private
 
     def set_default_headers(self):
         self.set_header('Cache-Control', 'no-store')
@@ -94,18 +107,21 @@ class _Handler(RequestHandler):
 
 
 class JobsHandler(_Handler):
-    def get(self):
+    async def get(self):
         view = self.queue.view if self.queue is not None else {}
-        self.send_json({'jobs': [
-            {**{k: job.get(k) for k in PUBLIC},
+        fields = PRIVATE_FIELDS if self.private else PUBLIC
+        fresh = getattr(self.board, 'fresh', None)
+        jobs = await fresh() if fresh else self.board.summaries()
+        self.send_json({'private': self.private, 'jobs': [
+            {**{k: job.get(k) for k in fields},
              **{k: view.get(job['id'], {}).get(k) for k in QUEUE}}
-            for job in self.board.summaries()]})
+            for job in jobs]})
 
 
 class LogHandler(_Handler):
     def get(self, job_id):
         job = self.board.jobs.get(job_id)
-        if job is None:
+        if job is None or self.private:
             raise HTTPError(404)
         # Not trained an epoch yet, mid-rename, or not a regular file of
         # the job's user (a symlink planted in a shared cluster): none.

@@ -22,6 +22,8 @@ applies its answer.
 import collections
 import math
 
+from dasktrain.errors import plural
+
 Plan = collections.namedtuple('Plan', 'starts reasons estimates ends')
 Plan.__doc__ = """What :func:`plan` decided: ``starts`` a list of
 ``(job id, worker, [GPU ids])`` to start now, in order (a gang: one per
@@ -33,10 +35,6 @@ met, a time limit passed)."""
 
 FAILED = ('failed', 'cancelled', 'pruned', 'lost')  # a dependency that
 # will not finish: only --after-any runs after it
-
-
-def _plural(n, what):
-    return f'{n:g} {what}{"s" * (n != 1)}'
 
 
 def _need(job):
@@ -136,7 +134,7 @@ def _wait_reason(job, pool, workers, busy):
     else the count."""
     gpus, _ = _need(job)
     if _ranks(job) > 1:
-        each = _plural(gpus, 'GPU') if gpus else 'a CPU slot'
+        each = plural(gpus, 'GPU') if gpus else 'a CPU slot'
         able = sum(pool.fits(w, job) for w in pool.order)
         return f'needs {_ranks(job)} workers with {each} free, {able} have'
     if not gpus:
@@ -149,8 +147,8 @@ def _wait_reason(job, pool, workers, busy):
             return f'GPU {gpu} busy outside the queue (by {who})'
     if gpus > max((len(workers[w].get('gpus', ())) for w in pool.order),
                   default=0):
-        return f'needs {_plural(gpus, "GPU")} on one worker; none has as many'
-    return f'needs {_plural(gpus, "GPU")}, {pool.most_free(job):g} free'
+        return f'needs {plural(gpus, "GPU")} on one worker; none has as many'
+    return f'needs {plural(gpus, "GPU")}, {pool.most_free(job):g} free'
 
 
 def _dependency(job, states):
@@ -191,7 +189,7 @@ def _step(queued, running, workers, now, busy, limit, states):
                 held[job['user']] + job['gpus'] * _ranks(job) > limit:
             reasons[job['id']] = (f'user limit reached ({job["user"]} holds '
                                   f'{held[job["user"]]:g} of '
-                                  f'{_plural(limit, "GPU")})')
+                                  f'{plural(limit, "GPU")})')
             continue
         able = [w for w in pool.order if pool.fits(w, job)]
         if first is not None:

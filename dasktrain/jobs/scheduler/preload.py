@@ -12,8 +12,10 @@ runs): it installs the queue in the scheduler process.
   submits through (:mod:`~dasktrain.jobs.scheduler.socket_server`);
 * the Prometheus metrics (:mod:`~dasktrain.jobs.scheduler.metrics`) and
   the read-only jobs page (:mod:`~dasktrain.jobs.scheduler.page`), as
-  routes of the dashboard's web server, wherever it binds.
+  routes of the dashboard's web server, wherever it binds; a shared
+  cluster's private: nothing of any job's output.
 """
+import logging
 import os
 
 from dasktrain.cluster.shared import OWNER_ENV, SERVE_ENV
@@ -25,19 +27,34 @@ from dasktrain.jobs.scheduler.page import add_routes
 from dasktrain.jobs.scheduler.socket_server import SocketServer
 
 
+def _log_as_dask():
+    """The queue's own lines (who queued or cancelled what, what was
+    purged) in the scheduler's log, at INFO, formatted as Dask's."""
+    ours = logging.getLogger('dasktrain')
+    handlers = logging.getLogger('distributed').handlers
+    if handlers and not ours.handlers:
+        for handler in handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 def dask_setup(scheduler):
     """Dask's preload hook."""
+    _log_as_dask()
     board = JobBoard()
     scheduler.add_plugin(board)
     queue = Dispatcher()
     scheduler.add_plugin(queue, name=queue.name)
-    if os.environ.get(SERVE_ENV) and os.geteuid() == 0:  # a shared cluster
+    shared = bool(os.environ.get(SERVE_ENV)) and os.geteuid() == 0
+    if shared:
         owner = os.environ.get(OWNER_ENV, '')
         scheduler.add_plugin(SocketServer(
             os.environ[SERVE_ENV], int(owner) if owner.isdigit() else None,
             gpu_use=cluster_use))
-    register(scheduler, board)
-    add_routes(scheduler.http_application, board, queue)
+    # A shared cluster's page and metrics show nothing of a job's output.
+    register(scheduler, board, private=shared)
+    add_routes(scheduler.http_application, board, queue, private=shared)
 
 
 def dask_teardown(scheduler):

@@ -38,7 +38,7 @@ def live_jobs(path=None, scheduler=None, anyone=False):
     found, me = [], current_user()
     for job in list_jobs(path):
         try:
-            spec, state = job.spec(), job.status()['state']
+            spec, state = job.spec(), job.recorded()['state']
         except JobError:
             continue
         if state in DONE or not (anyone or spec.get('user') == me):
@@ -55,7 +55,11 @@ def orphans(jobs, ask=ask_scheduler):
     scheduler)."""
     by_address = {}
     for job in jobs:
-        by_address.setdefault(job.spec().get('scheduler'), []).append(job)
+        try:
+            address = job.spec().get('scheduler')
+        except JobError:  # damaged meanwhile: not ours to requeue
+            continue
+        by_address.setdefault(address, []).append(job)
     lost = []
     for address, group in by_address.items():
         known = ask([j.key for j in group], address) if address else None
@@ -76,7 +80,7 @@ def reset(job, address):
     """``job``'s files made queued anew on the scheduler at ``address``
     (what :func:`requeue` and a shared cluster's socket server hand to
     the queue); its spec. JobError for a finished job."""
-    status = job.status()
+    status = job.recorded()
     if status['state'] == 'finished':
         raise JobError(f'job {job.id} finished; nothing to requeue')
     spec = dict(job.spec(), scheduler=address)
@@ -91,11 +95,16 @@ def reset(job, address):
 def recover(client, path=None, ask=ask_scheduler, anyone=False):
     """Requeue on ``client``'s cluster every live job of this user (of
     every user with ``anyone``: a shared cluster's) in the jobs dir
-    ``path`` that its scheduler lost; returns them."""
-    lost = orphans(live_jobs(path, anyone=anyone), ask)
-    for job in lost:
-        requeue(job, client)
-    return lost
+    ``path`` that its scheduler lost; returns ``(requeued, [(job,
+    why not)])``: a job whose files cannot be read is left as it is."""
+    lost, failed = orphans(live_jobs(path, anyone=anyone), ask), []
+    for job in list(lost):
+        try:
+            requeue(job, client)
+        except JobError as e:
+            lost.remove(job)
+            failed.append((job, str(e)))
+    return lost, failed
 
 
 def settle(jobs, policy, timeout=None, poll=0.5):
@@ -111,11 +120,11 @@ def settle(jobs, policy, timeout=None, poll=0.5):
                          f'{policy!r}')
     if policy == 'wait':
         deadline = None if timeout is None else time.monotonic() + timeout
-        while any(j.status()['state'] not in DONE for j in jobs):
+        while any(_state(j) in ('queued', 'running') for j in jobs):
             if deadline is not None and time.monotonic() > deadline:
                 break
             time.sleep(poll)
-        return {j.id: j.status()['state'] for j in jobs}
+        return {j.id: _state(j) for j in jobs}
     for job in jobs:
         if policy == 'cancel':
             update_status(job.folder, state='cancelled', ended=time.time(),
@@ -125,7 +134,17 @@ def settle(jobs, policy, timeout=None, poll=0.5):
             update_status(job.folder, state='queued', gpus=None,
                           worker=None, error='the cluster was stopped; '
                           'requeued at the next `dasktrain cluster start`')
-    return {j.id: j.status()['state'] for j in jobs}
+    return {j.id: _state(j) for j in jobs}
+
+
+def _state(job):
+    """``job``'s recorded state ('unreadable' where its files cannot be
+    read: a state it never leaves by waiting)."""
+    try:
+        return job.recorded()['state']
+    except JobError:
+        return 'unreadable'
+
 
 
 def lost_reason(job, ask=ask_scheduler):

@@ -11,17 +11,37 @@ asks is the kernel's ``SO_PEERCRED`` of the connection, never a field:
 a submitted job is the asker's (their uid, primary gid and name from the
 password database, :func:`dasktrain.jobs.folder.submitter`), and only
 its submitter, root or the cluster's owner (who ran ``sudo dasktrain
-cluster start --shared``) may cancel or requeue it, or read its logs and
-results; everyone sees the jobs table, a job's state and ``dasktrain
-gpus``. Everything a user sends that names a file was read by their own
-client: root opens no path a request names.
+cluster start --shared``) may cancel or requeue it, or read its logs,
+results, progress and error; everyone sees every job's id, name, user,
+state, GPUs and times (:data:`~dasktrain.jobs.status.PUBLIC`: the jobs
+table, a job's state, ``dasktrain gpus``). Everything a user sends that
+names a file was read by their own client: root opens no path a request
+names.
 
-The answers are built on the scheduler's loop, in process: the queue's
-:class:`~dasktrain.jobs.scheduler.dispatch.Dispatcher` takes a new job at
-once, the jobs table asks it directly.
+No user can use it up for others: each may hold :data:`PER_USER`
+connections at once (all users :data:`CONNECTIONS`; one over is
+answered with one line and closed at once), and may have at most the
+cluster's ``--max-queued-per-user`` jobs queued or running and
+``--max-bytes-per-user`` of job files kept
+(:mod:`dasktrain.cluster.settings`); a job's grace may not exceed
+``--max-grace``, its ``--mem`` needs a cluster that caps memory, its
+``--notify`` a target the cluster allows (a literal address here; the
+name's addresses when it is sent).
+
+The answers are built on the scheduler's loop, in process, from what is
+in memory: the queue's :class:`~dasktrain.jobs.scheduler.dispatch.
+Dispatcher` takes a new job at once; the jobs table is the job board's
+(read from the job files again at most every
+:data:`~dasktrain.jobs.scheduler.board.FRESH` seconds, in a thread),
+cut into pages, its rows kept :data:`ROWS_FRESH` seconds: a thousand
+jobs cost an asker nothing more than ten. What reads a job's own files
+(its status with progress, result, logs) reads them in a thread.
 """
 import asyncio
+import collections
 import contextlib
+import inspect
+import ipaddress
 import json
 import logging
 import os
@@ -29,11 +49,19 @@ import shutil
 import socket
 import struct
 import time
+from urllib.parse import urlsplit
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dasktrain.cluster.settings import (
+    max_bytes,
+    max_grace,
+    max_queued,
+    rules,
+)
 from dasktrain.cluster.shared import layout
-from dasktrain.errors import Error, flag_names
+from dasktrain.containment import Containment
+from dasktrain.errors import Error, argument, flag_names, plural
 from dasktrain.jobs.folder import create, submitter
 from dasktrain.jobs.job import (
     DONE,
@@ -44,8 +72,14 @@ from dasktrain.jobs.job import (
     user_name,
 )
 from dasktrain.jobs.scheduler.dispatch import answer, installed
+from dasktrain.jobs.scheduler.outside_use import BOARD
 from dasktrain.jobs.scheduler.recovery import reset
-from dasktrain.jobs.status import job_rows, running_jobs
+from dasktrain.jobs.status import (
+    public_row,
+    running_jobs,
+    shown,
+    summary_rows,
+)
 from dasktrain.jobs.wire import (
     LOG_CHUNK,
     MAX_REQUEST,
@@ -58,13 +92,23 @@ from dasktrain.jobs.wire import (
     peer_credentials,
     refusal,
 )
+from dasktrain.notify import refusal as notify_refusal
+from dasktrain.notify import rules_of
 
 logger = logging.getLogger(__name__)
 
 NAME = 'dasktrain-socket-server'
 READ_TIMEOUT = 10.0  # seconds a client has to send its request
 WRITE_TIMEOUT = 30.0  # seconds a client has to take its answer
+PER_USER = 16  # connections one user may hold open at once
+CONNECTIONS = 1024  # connections open at once, all users
+ROWS_FRESH = 1.0  # s: the jobs table's rows are built again at most this often
 _CRED = struct.calcsize('3i')
+# What anyone may see of a job's status (the rest: its owner's).
+PUBLIC_STATUS = ('state', 'ending', 'gpus', 'worker', 'started', 'ended',
+                 'attempts')
+PUBLIC_SUMMARY = ('id', 'name', 'user', 'state', 'gpus', 'workers', 'held',
+                  'worker', 'started', 'ended', 'submitted')
 
 
 class SocketServer(SchedulerPlugin):
@@ -80,6 +124,9 @@ class SocketServer(SchedulerPlugin):
         self.owners = {0} | ({owner} if owner is not None else set())
         self.gpu_use = gpu_use
         self.scheduler = self.server = None
+        self.open = collections.Counter()  # {uid: connections open}
+        self.rows = (-1.0, [], [])  # (when, rows, unreadable): the table
+        self.sizes = {}  # {job id: bytes of root's files for it}
 
     async def start(self, scheduler):
         self.scheduler = scheduler
@@ -99,19 +146,37 @@ class SocketServer(SchedulerPlugin):
         with contextlib.suppress(OSError):
             os.unlink(self.where.socket)
 
+    def crowded(self, peer):
+        """Why ``peer`` may not open one more connection, or None."""
+        if self.open[peer.uid] >= PER_USER:
+            return (f'you have {self.open[peer.uid]} connections open to '
+                    f'the shared queue (at most {PER_USER} per user); let '
+                    'them finish, then ask again')
+        if sum(self.open.values()) >= CONNECTIONS:
+            return ('the shared queue has too many connections open; ask '
+                    'again in a moment')
+        return None
+
     async def handle(self, reader, writer):
         """One connection: its request, its answer, closed."""
         try:
+            raw = writer.get_extra_info('socket').getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED)
+            peer = peer_credentials(raw)
+        except Exception:  # no one to answer
+            writer.close()
+            return
+        crowded = self.crowded(peer)
+        if crowded:  # answered at once, never read: costs nothing more
+            with contextlib.suppress(Exception):
+                writer.write(encode({'ok': False, 'error': crowded}))
+            writer.close()
+            return
+        self.open[peer.uid] += 1
+        try:
             try:
-                raw = writer.get_extra_info('socket').getsockopt(
-                    socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED)
-                peer = peer_credentials(raw)
                 message = decode(await self.read(reader))
-                # The CLI's user is told of flags (--gpus), not arguments.
-                with flag_names() if message.get('cli') is True else \
-                        contextlib.nullcontext():
-                    reply = dict(self.serve(peer, check_request(message)),
-                                 ok=True)
+                reply = dict(await self.serve(peer, message), ok=True)
             except Error as e:  # the asker's mistake, or a refusal
                 reply = {'ok': False, 'error': str(e)}
             except Exception:  # ours: logged, and one line for the asker
@@ -124,6 +189,9 @@ class SocketServer(SchedulerPlugin):
         except Exception:  # the asker went away: nothing to tell
             pass
         finally:
+            self.open[peer.uid] -= 1
+            if self.open[peer.uid] <= 0:
+                del self.open[peer.uid]
             writer.close()
 
     @staticmethod
@@ -139,13 +207,21 @@ class SocketServer(SchedulerPlugin):
             raise ProtocolError(f'a request is at most '
                                 f'{MAX_REQUEST // 2 ** 20} MiB') from None
 
-    def serve(self, peer, request):
-        """The answer to one checked ``request`` of ``peer`` (a dict)."""
-        op = request['op']
-        if op in ('ping', 'cluster', 'jobs', 'gpus', 'submit'):
-            return getattr(self, f'op_{op}')(peer, request)
-        job = self.job(request['id'])
-        return getattr(self, f'op_{op}')(peer, request, job)
+    async def serve(self, peer, message):
+        """The answer to one request ``message`` of ``peer`` (a dict),
+        checked first. What an operation says of an argument names the
+        flag where the asker is the CLI (its synchronous part: the
+        setting is the process's)."""
+        with flag_names() if message.get('cli') is True else \
+                contextlib.nullcontext():
+            request = check_request(message)
+            op = request['op']
+            if op in ('ping', 'cluster', 'jobs', 'gpus', 'submit'):
+                answer = getattr(self, f'op_{op}')(peer, request)
+            else:
+                job = self.job(request['id'])
+                answer = getattr(self, f'op_{op}')(peer, request, job)
+        return await answer if inspect.isawaitable(answer) else answer
 
     # ------------------------------------------------------ the operations
 
@@ -160,15 +236,20 @@ class SocketServer(SchedulerPlugin):
             dashboard = json.loads(self.where.record.read_text())['dashboard']
         except (OSError, ValueError, KeyError):
             dashboard = None
+        contain = Containment.of_env()
         return {'scheduler': self.scheduler.address, 'dashboard': dashboard,
                 'workers': workers, 'you': user_name(peer.uid),
-                'owners': [user_name(u) for u in sorted(self.owners)]}
+                'owners': [user_name(u) for u in sorted(self.owners)],
+                'contain': contain.words() if contain else None,
+                'rules': rules() + [f'per user: at most {PER_USER} '
+                                    'connections to the front door']}
 
     def op_submit(self, peer, request):
         who = submitter(peer.uid)
         asked = request['request']
         if asked.workers is not None:
             raise JobError(NO_WORKERS)
+        self.check_limits(peer, asked)
         asked.check_fits({a: dict(ws.resources) for a, ws in
                           list(self.scheduler.workers.items())})
         asked.check_after(self.where.jobs)
@@ -180,44 +261,141 @@ class SocketServer(SchedulerPlugin):
         except BaseException:  # not queued: nothing is left behind
             shutil.rmtree(folder, ignore_errors=True)
             raise
+        self.sizes[job_id] = _stored(folder)
         self.announce(job)
         logger.info('dasktrain shared queue: %s queued %s', who.user, job_id)
         return {'id': job_id, 'folder': str(folder)}
 
-    def op_jobs(self, peer, request):
-        rows, unreadable = job_rows(self.where.jobs, self.ask)
-        return {'rows': rows, 'unreadable': unreadable}
+    def check_limits(self, peer, asked):
+        """JobError in one line where ``asked`` (a submit of ``peer``) is
+        over one of the cluster's limits."""
+        grace = getattr(asked.program, 'grace', None)
+        if grace is not None and grace > max_grace():
+            raise JobError(f'{argument("grace")} {grace:g}: this cluster '
+                           f'stops a job within {max_grace():g} s of its '
+                           'SIGTERM (cluster start --max-grace)')
+        contain = Containment.of_env()
+        problem = contain.limit_problem(mem=asked.mem) if contain else \
+            None if asked.mem is None else \
+            "this cluster cannot cap a job's memory"
+        if problem:
+            raise JobError(f'{argument("mem")}: {problem}')
+        if asked.notify and not asked.notify.startswith('mailto:'):
+            host = urlsplit(asked.notify).hostname or ''
+            literal = ['127.0.0.1'] if host == 'localhost' else None
+            try:  # a name is resolved when it is sent, not here
+                literal = literal or [str(ipaddress.ip_address(host))]
+            except ValueError:
+                pass
+            why = literal and notify_refusal(asked.notify, rules_of(),
+                                             literal)
+            if why:
+                raise JobError(why)
+        elif asked.notify:
+            why = notify_refusal(asked.notify, rules_of())
+            if why:
+                raise JobError(why)
+        board = self.board()
+        mine = [j for j in (board.jobs.values() if board else ())
+                if j.get('uid') == peer.uid]
+        limit = max_queued()
+        live = sum(j['state'] in ('queued', 'running') for j in mine)
+        if limit is not None and live >= limit:
+            raise JobError(f'you have {plural(live, "job")} queued or '
+                           'running, the '
+                           f'most this cluster takes from one user '
+                           '(cluster start --max-queued-per-user); submit '
+                           'more once some have ended')
+        limit = max_bytes()
+        if limit is not None:
+            kept = sum(self.stored(j['id']) for j in mine)
+            if kept + len(encode(asked.wire())) > limit:
+                raise JobError(
+                    f'your jobs\' files take {kept / 2 ** 20:.1f} MiB of the '
+                    f'queue\'s own disk, the most it keeps for one user is '
+                    f'{limit / 2 ** 20:g} MiB (cluster start '
+                    '--max-bytes-per-user): smaller environments and '
+                    'commands, or wait until ended jobs are purged')
+
+    def stored(self, job_id):
+        """Bytes of root's files for the job ``job_id`` (cached)."""
+        if job_id not in self.sizes:
+            self.sizes[job_id] = _stored(self.where.jobs / job_id)
+        return self.sizes[job_id]
+
+    async def op_jobs(self, peer, request):
+        when, rows, unreadable = self.rows
+        if time.monotonic() - when > ROWS_FRESH:
+            board = self.board()
+            summaries = await board.fresh() if board else []
+            live = ['dasktrain-job-' + s['id'] for s in summaries
+                    if s['state'] not in DONE]
+            rows, unreadable = summary_rows(summaries, self.ask(live))
+            self.rows = (time.monotonic(), rows, unreadable)
+        user = request.get('user')
+        page, hidden, counts = shown(
+            rows, unreadable, request.get('all', False), user,
+            request.get('page', 1), request.get('per_page') or 100)
+        owner = peer.uid in self.owners
+        page = [{k: v for k, v in (
+            r if owner or r.get('uid') == peer.uid else public_row(r)
+        ).items() if k != 'uid'} for r in page]
+        hidden = [(i, why if owner else f'job {i}: its files cannot be '
+                   "read; the cluster's owner can see why")
+                  for i, why in hidden]
+        return {'rows': page, 'unreadable': hidden, 'counts': counts}
 
     def op_gpus(self, peer, request):
         if self.gpu_use is None:
             raise JobError('this scheduler reads no GPU use (no '
                            'dasktrain.jobs.scheduler.preload)')
         seen = self.gpu_use(self.scheduler)
-        return {'seen': seen, 'running': running_jobs(
-            self.where.jobs, self.scheduler.address, seen['jobs'])}
+        running = running_jobs(self.where.jobs, self.scheduler.address,
+                               seen['jobs'])
+        if peer.uid not in self.owners:
+            running = [j if j.get('uid') == peer.uid else
+                       {k: j.get(k) for k in PUBLIC_SUMMARY}
+                       for j in running]
+        return {'seen': seen, 'running': running}
 
-    def op_status(self, peer, request, job):
-        status = job.status()
-        lost = None if status['state'] in DONE else job.lost_reason(self.ask)
+    async def op_status(self, peer, request, job):
+        mine = self.may(peer, job)
+        try:
+            status = await asyncio.to_thread(job.status if mine else
+                                             job.recorded)
+            lost = None if status['state'] in DONE else \
+                job.lost_reason(self.ask)
+        except JobError as e:  # damaged: one state, why to its owners
+            status, lost = {'state': 'unreadable', 'error': str(e)}, None
+        if not mine:
+            status = {k: status.get(k) for k in PUBLIC_STATUS}
         return {'folder': str(job.folder), 'status': status, 'lost': lost}
 
-    def op_result(self, peer, request, job):
+    async def op_result(self, peer, request, job):
         self.check(peer, job, 'read')
-        return {'spec': job.spec(), 'rows': job.log_rows(),
-                'status': job.status()}
 
-    def op_logs(self, peer, request, job):
+        def read():
+            return {'spec': job.spec(), 'rows': job.log_rows(),
+                    'status': job.status()}
+        return await asyncio.to_thread(read)
+
+    async def op_logs(self, peer, request, job):
         self.check(peer, job, 'read')
-        text, offset = job.read_log(request['offset'], LOG_CHUNK)
+        text, offset = await asyncio.to_thread(
+            job.read_log, request['offset'], LOG_CHUNK)
         return {'text': text, 'offset': offset}
 
     def op_cancel(self, peer, request, job):
         self.check(peer, job, 'cancel')
-        status = job.status()
-        if status['state'] in DONE:
-            return {'state': status['state']}
+        try:
+            state = job.recorded()['state']
+        except JobError:  # damaged: its owners may still stop it
+            state = 'unreadable'
+        if state in DONE:
+            return {'state': state}
         (job.folder / 'cancel').touch()  # the worker stops it on this
-        if status['state'] == 'queued':
+        if state in ('queued', 'unreadable') and \
+                job.key not in self.scheduler.tasks:
             update_status(job.folder, state='cancelled', ended=time.time())
             self.announce(job)
         if job.key in self.scheduler.tasks:  # handed to Dask: dropped there
@@ -230,11 +408,11 @@ class SocketServer(SchedulerPlugin):
                                  job.id)
         logger.info('dasktrain shared queue: %s cancelled %s',
                     user_name(peer.uid), job.id)
-        return {'state': job.status()['state']}
+        return {'state': job.recorded()['state']}
 
     def op_requeue(self, peer, request, job):
         self.check(peer, job, 'requeue')
-        state = job.status()['state']
+        state = job.recorded()['state']
         if state in ('queued', 'running') and not job.lost_reason(self.ask):
             raise JobError(f'job {job.id} is {state} on its scheduler '
                            f'({self.scheduler.address}); nothing to requeue')
@@ -245,18 +423,32 @@ class SocketServer(SchedulerPlugin):
 
     # ------------------------------------------------------------- helpers
 
+    def board(self):
+        """The scheduler's job board, if it has one."""
+        return self.scheduler.plugins.get(BOARD)
+
     def job(self, job_id):
         folder = self.where.jobs / job_id
-        if not (folder / 'job.json').exists():
+        if not (folder / 'job.json').exists() and \
+                not (folder / 'job.json').is_symlink():
             raise JobError(f'no job {job_id!r} in the shared queue; '
                            '`dasktrain jobs` lists them')
         return Job(job_id, folder)
 
+    def may(self, peer, job):
+        """Whether ``peer`` may act on ``job`` and read what is its (its
+        submitter, the cluster's owners; a job whose files cannot be read:
+        its owners alone)."""
+        return may_act(peer.uid, job.owner(), self.owners)
+
     def check(self, peer, job, verb):
         """JobError in one line unless ``peer`` may ``verb`` ``job``."""
-        spec = job.spec()
-        if not may_act(peer.uid, spec.get('uid'), self.owners):
-            raise JobError(refusal(job.id, spec.get('user', '?'), [
+        if not self.may(peer, job):
+            try:
+                user = job.spec().get('user', '?')
+            except JobError:
+                user = 'nobody known (its files cannot be read)'
+            raise JobError(refusal(job.id, user, [
                 user_name(u) for u in sorted(self.owners)], verb))
 
     def ask(self, keys, address=None):
@@ -271,3 +463,15 @@ class SocketServer(SchedulerPlugin):
             self.scheduler.log_event(EVENTS, job.summary())
         except Exception:  # monitoring never stops the queue
             pass
+
+
+def _stored(folder):
+    """Bytes of the files root keeps for a job in ``folder`` (its request,
+    status and environment); 0 where they are gone."""
+    total = 0
+    for name in ('job.json', 'status.json', 'env.json'):
+        try:
+            total += os.lstat(os.path.join(folder, name)).st_size
+        except OSError:
+            pass
+    return total

@@ -16,11 +16,17 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 from dasktrain.config import TrainConfig
-from dasktrain.errors import Error
-from dasktrain.jobs.job import PRUNED, RANKS_ENV, STOPPED, Pruned
+from dasktrain.errors import Error, plural
+from dasktrain.jobs.job import (
+    PRUNED,
+    RANKS_ENV,
+    SPEC_LIMIT,
+    STOPPED,
+    Pruned,
+    read_file,
+)
 from dasktrain.parallel.gpus import VISIBLE, place_devices
 
 
@@ -40,7 +46,7 @@ def read_spec(folder, argv=()):
     ``--spec-stdin`` (a shared cluster's job), else from ``folder``."""
     if list(argv) == ['--spec-stdin']:
         return json.load(sys.stdin)
-    return json.loads((Path(folder) / 'job.json').read_text())
+    return read_file(folder, 'job.json', SPEC_LIMIT)
 
 
 def run_child(folder, callbacks=(), spec=None):
@@ -80,11 +86,29 @@ def run_child(folder, callbacks=(), spec=None):
     final, stop = summary['final'], summary.get('stopped_by_request')
     if stop:
         print(f"stopped by request at iteration {stop['iteration']} "
-              f"({stop['epoch']} epochs done)", flush=True)
+              f"({plural(stop['epoch'], 'epoch')} done)", flush=True)
     if final:
         print(f"done: epoch {final['epoch']}, test accuracy "
               f"{final['validation/main/accuracy']:.4f}", flush=True)
+        _curves(summary['out'])
     return STOPPED if stop else 0
+
+
+def _curves(out):
+    """OUT/curves.png, as ``dasktrain train`` draws it, where matplotlib
+    is installed; the job's result stands without it."""
+    try:
+        from dasktrain.training.curves import save_curves
+        path = save_curves(out)
+    except ImportError:
+        print('curves: not drawn (no matplotlib where the job ran); open '
+              'OUT/log in ChainerUI', flush=True)
+        return
+    except OSError as e:
+        print(f'curves: not drawn ({e})', flush=True)
+        return
+    if path is not None:
+        print(f'curves: {path}', flush=True)
 
 
 if __name__ == '__main__':

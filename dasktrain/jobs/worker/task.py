@@ -9,9 +9,15 @@ worker holds them), records the attempt, starts the program in its
 folder (a training job's: the job folder) with its environment
 (:func:`~dasktrain.jobs.worker.environment.job_environment`: its
 submitter's, never the worker's), as its submitter in a shared cluster
-(:mod:`~dasktrain.jobs.worker.runas`), its output into ``output.log``;
-stops it when its ``cancel`` flag appears (SIGTERM to every process of
-it, SIGKILL after its grace), and records the end: ``finished`` (exit
+(:mod:`~dasktrain.jobs.worker.runas`), its output into ``output.log``,
+in a cgroup of its own (:mod:`dasktrain.containment`: ``job-ID-N``
+under this worker's folder of the cluster's subtree, with its
+``--mem`` and the cluster's ``--pids-per-job``; else found by its
+marker) with its submitter's resource limits; stops it when its
+``cancel`` flag appears (SIGTERM to every process of it, SIGKILL after
+its grace, at most the cluster's ``--max-grace``), waits until no
+process of it is left (only then are its GPUs free), and records the
+end and what really ended it: ``finished`` (exit
 0; a training program's :data:`~dasktrain.jobs.job.STOPPED` too, its
 ``ending`` 'stopped by request'), ``pruned`` (a training program's
 :data:`~dasktrain.jobs.job.PRUNED`), else ``failed``, with the training
@@ -22,13 +28,17 @@ change is announced to the scheduler
 (:meth:`~dasktrain.jobs.job.Job.announce`).
 """
 import json
+import logging
 import os
 import signal
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-from dasktrain import keeper
+from dasktrain import containment, keeper
+from dasktrain.cluster.settings import job_pids, max_grace
+from dasktrain.errors import plural
+from dasktrain.files import read_regular
 from dasktrain.jobs.job import (
     CHILD,
     DONE,
@@ -39,7 +49,11 @@ from dasktrain.jobs.job import (
     JobError,
     update_status,
 )
-from dasktrain.jobs.worker.environment import job_environment, job_threads
+from dasktrain.jobs.worker.environment import (
+    job_environment,
+    job_threads,
+    submitted_env,
+)
 from dasktrain.jobs.worker.runas import job_user, last_line, open_output
 from dasktrain.parallel.gpus import GpuPool
 from dasktrain.spawn import python
@@ -98,7 +112,10 @@ def job_program(spec, folder, user):
                       json.dumps(spec) if user else None, True)
 
 
+logger = logging.getLogger(__name__)
+
 _children = {}  # {pid: job id} of the jobs' keepers running here
+ANNOUNCE = 2.0  # s between two announcements of a job's epochs, at least
 
 
 def job_children():
@@ -117,8 +134,11 @@ def run_job(folder, gpus=None, ranks=None):
     from distributed import get_worker
     folder = Path(folder)
     job = Job(folder.name, folder)
-    spec = json.loads((folder / 'job.json').read_text())
-    status = json.loads((folder / 'status.json').read_text())
+    try:
+        spec, status = job.spec(), job.recorded()
+    except JobError as e:  # its files are damaged: nothing runs
+        logger.warning('dasktrain job %s not run: %s', folder.name, e)
+        return 'unreadable'
     if (folder / 'cancel').exists() or status['state'] in DONE:
         return status['state']
     # (A folder of an earlier version without `requeue` is a training
@@ -147,15 +167,41 @@ def run_job(folder, gpus=None, ranks=None):
         GpuPool.release(held)
 
 
+def contained(job_id, attempt, spec, where=None, mark=None, pids=None,
+              controllers=()):
+    """How the attempt ``attempt`` of the job ``job_id`` (its ``job.json``
+    is ``spec``) is kept (:func:`dasktrain.keeper.start`'s ``contain``):
+    its cgroup in ``where`` (this worker's folder of the cluster's
+    subtree; None: no cgroup), its marker under the cluster's ``mark``,
+    its ``--mem`` and the cluster's ``pids`` limit where those
+    ``controllers`` are enabled, its submitter's rlimits.
+
+    >>> c = contained('j-1', 2, {'mem': 2 ** 30}, Path('/cg/worker-7'),
+    ...               mark='c1', pids=512, controllers=('memory',))
+    >>> c['cgroup'], c['mark'], c['mem'], c['pids']
+    ('/cg/worker-7/job-j-1-2', 'c1/j-1/2', 1073741824, None)
+    """
+    return {'cgroup': str(where / f'job-{job_id}-{attempt}')
+            if where is not None else None,
+            'mark': f'{mark or "dasktrain"}/{job_id}/{attempt}',
+            'mem': spec.get('mem') if 'memory' in controllers else None,
+            'pids': pids if 'pids' in controllers else None,
+            'rlimits': spec.get('rlimits')}
+
+
 def _attempt(job, spec, status, program, user, held, worker, ranks):
     folder = job.folder
     ids = [g.id for g in held]  # the worker's CUDA_VISIBLE_DEVICES entries
-    attempt = status['attempts'] + 1
+    attempt = status.get('attempts', 0) + 1
     update_status(folder, state='running', attempts=attempt, gpus=ids,
                   worker=worker.address,
-                  started=status['started'] or time.time())
+                  started=status.get('started') or time.time())
     job.announce()
-    env = job_environment(_recorded(folder), held, job_threads(
+    try:
+        recorded = submitted_env(folder)
+    except JobError as e:
+        return _failed(folder, str(e), job)
+    env = job_environment(recorded, held, job_threads(
         os.sched_getaffinity(0), len(held), worker.state.total_resources),
         user)
     if ranks:
@@ -164,30 +210,63 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
     begins = f'resuming after epoch {rows[-1]["epoch"]}' if rows else \
         f'in {program.cwd}: {" ".join(program.argv)}' \
         if not program.ours else 'starting'
-    grace, cancelled = float(spec.get('grace', 30.0)), None
+    asked = spec.get('grace')  # None: the cluster's longest
+    grace = max_grace() if asked is None else min(float(asked), max_grace())
+    cancelled = None
+    kept_in = containment.in_force()
+    where = containment.jobs_folder()
+    problem = kept_in.limit_problem(mem=spec.get('mem')) if where else \
+        None if spec.get('mem') is None else \
+        "this worker cannot cap a job's memory: it has no cgroup"
+    if problem:
+        return _failed(folder, f'--mem: {problem}', job)
+    contain = contained(job.id, attempt, spec, where,
+                        containment.cluster_mark(), job_pids(),
+                        kept_in.controllers if where else ())
     with open_output(folder, user) as log:
         log.write(f'=== attempt {attempt} on {worker.address}, GPUs '
                   f'{",".join(ids) or "none"} (CUDA_VISIBLE_DEVICES='
                   f'{env["CUDA_VISIBLE_DEVICES"]!r}), {begins} ===\n'
                   .encode())
+        if asked is not None and grace < asked:
+            log.write(f'=== grace {asked:g} s asked; this cluster stops a '
+                      f'job within {grace:g} s (--max-grace) ===\n'.encode())
         log.flush()
         # Under its keeper: nothing the program starts outlives it.
         kept = keeper.start(program.argv, env, grace, stdout=log,
                             user=user, cwd=program.cwd,
-                            stdin=program.stdin)
+                            stdin=program.stdin, contain=contain)
         _children[kept.pid] = job.id
         try:
-            seen = _mtime(folder / 'out' / 'log')
+            seen, told = _mtime(folder / 'out' / 'log'), time.monotonic()
             while kept.poll() is None:
                 if cancelled is None and (folder / 'cancel').exists():
                     cancelled = kept.stop(grace)
                     log.write(f'=== cancelled: {cancelled} ===\n'.encode())
-                if _mtime(folder / 'out' / 'log') != seen:  # an epoch
-                    seen = _mtime(folder / 'out' / 'log')   # ended: tell
-                    job.announce()                          # the monitor
+                if _mtime(folder / 'out' / 'log') != seen and \
+                        time.monotonic() - told > ANNOUNCE:  # an epoch
+                    seen = _mtime(folder / 'out' / 'log')  # ended: tell
+                    told = time.monotonic()                 # the monitor
+                    job.announce()
                 time.sleep(0.2)
         finally:
             _children.pop(kept.pid, None)
+            left = finish(contain)  # only then are its GPUs free
+        for note in kept.notes():
+            log.write(f'=== {note} ===\n'.encode())
+        end = kept.ending() or {}
+        if left:
+            left = plural(left, 'process', 'processes')
+            log.write(f'=== {left} the job left were killed '
+                      'after its keeper ended ===\n'.encode())
+        elif end.get('left') and cancelled is None:
+            left = plural(end['left'], 'process', 'processes')
+            log.write(f'=== it ended; the {left} it left running were '
+                      'killed by SIGKILL after its grace ===\n'.encode())
+        if end.get('oom'):
+            oom = plural(end['oom'], 'process', 'processes')
+            log.write(f"=== {oom} killed for memory (--mem "
+                      f"{spec.get('mem')} bytes) ===\n".encode())
         error = kept.start_error()
         if error is not None:  # no such program; its folder not enterable
             return _failed(folder, error, job, log)
@@ -203,6 +282,8 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
         state, error, more = 'finished', None, {'ending': 'stopped by request'}
     else:
         words = exit_words(code)[len('failed ('):-1]
+        if end.get('oom') and code == -signal.SIGKILL:
+            words = f'out of memory (--mem): {words}'
         state = 'failed'
         error = (last_line(folder, user) if program.ours else None) or words
     # Recorded before the GPUs are free: the next job starts after it.
@@ -212,13 +293,19 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
     return state
 
 
-def _recorded(folder):
-    """The submitter's environment as recorded (a folder of an earlier
-    version without one: nothing of it)."""
-    try:
-        return json.loads((Path(folder) / 'env.json').read_text())
-    except FileNotFoundError:
-        return {}
+def finish(contain):
+    """Make sure no process of the job ``contain`` describes is left
+    (its keeper ends them; a keeper that was killed does not): its cgroup
+    killed and removed, else a sweep by its marker. How many were left."""
+    if contain.get('cgroup'):
+        box = containment.Cgroup(contain['cgroup'])
+        left = len(box.pids())
+        try:
+            box.end()
+        except OSError as e:
+            logger.warning('dasktrain job: %s', e)
+        return left
+    return containment.sweep(contain.get('mark'))
 
 
 def _failed(folder, error, job, log=None):
@@ -255,7 +342,8 @@ def stopped_state(folder, how):
     the queue wrote into the flag (its time limit passed); ``how`` it
     was stopped, in words, if known."""
     try:
-        reason = (Path(folder) / 'cancel').read_text().strip()
+        reason = read_regular(Path(folder) / 'cancel', limit=4096).decode(
+            'utf-8', 'replace').strip()
     except OSError:
         reason = ''
     if not reason:

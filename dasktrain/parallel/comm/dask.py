@@ -330,9 +330,13 @@ class DaskComm(Communicator):
         async def read(peer):
             msg = await self._comms[peer].read()
             if msg.get('tag') != tag:
+                ours = collective_name(tag)
+                theirs = collective_name(msg.get('tag'))
+                if theirs == ours:  # the same kind, another call of it
+                    theirs = 'an earlier or later ' + ours.split(' ', 1)[1]
                 raise CollectiveError(
-                    f'rank {peer} is out of step: it sent {msg.get("tag")!r} '
-                    f'while rank {self.rank} expected {tag!r}')
+                    f'rank {peer} is out of step: it is in {theirs} while '
+                    f'rank {self.rank} is in {ours}')
             return msg['data']
 
         reads = {asyncio.ensure_future(read(p)): p for p in receive}
@@ -351,14 +355,15 @@ class DaskComm(Communicator):
         for task, error in errors:
             if isinstance(error, (CommClosedError, OSError)):
                 raise PeerLost(
-                    f'rank {tasks[task]} closed its connection during {tag}: '
+                    f'rank {tasks[task]} closed its connection during '
+                    f'{collective_name(tag)}: '
                     'its worker died or its training failed') from None
             if error is not None:
                 raise error
         if pending:
             raise CollectiveError(
                 f'no answer from rank(s) {sorted({tasks[t] for t in pending})}'
-                f' within {self.timeout:g} s during {tag} '
+                f' within {self.timeout:g} s during {collective_name(tag)} '
                 '(collective_timeout): a worker hangs or is unreachable')
         return {peer: task.result() for task, peer in reads.items()}
 
@@ -497,6 +502,28 @@ class DaskComm(Communicator):
     def _others(self):
         return [p for p in range(self.size) if p != self.rank]
 
+
+
+def collective_name(tag):
+    """How a message names the collective of the message tag ``tag``: its
+    kind, without the tag's count (which runs over every collective, the
+    library's own among them, so it means nothing to a user).
+
+    Examples
+    --------
+    >>> collective_name('bcast#5'), collective_name('allgather#2')
+    ('a bcast', 'an allgather')
+    >>> collective_name('send0>1#3'), collective_name('hosts/alltoall#1')
+    ('a send from rank 0 to rank 1', 'an alltoall among hosts')
+    """
+    text = str(tag).rsplit('#', 1)[0]
+    group, _, kind = text.rpartition('/')
+    if kind.startswith('send') and '>' in kind:
+        source, dest = kind[4:].split('>', 1)
+        name = f'a send from rank {source} to rank {dest}'
+    else:
+        name = f'{"an" if kind[:1] in "aeiou" else "a"} {kind}'
+    return name + (f' among {group}' if group else '')
 
 
 def host_groups(hosts):
