@@ -136,6 +136,7 @@ def test_a_job_across_workers_holds_its_gpus_on_every_rank(cluster,
 
 
 @pytest.mark.equivalence
+@pytest.mark.processes
 def test_a_killed_worker_resumes_the_job_from_its_checkpoint(
         cluster, data_dir, tmp_path, capsys, float64):
     config = job_config(data_dir, epochs=6, train_size=500)

@@ -63,6 +63,7 @@ def npz(path):
 # ------------------------------------------------------------ equivalence
 
 @pytest.mark.equivalence
+@pytest.mark.processes
 @pytest.mark.parametrize('mode,model,local,extra', [
     ('dg', 'cifar10', 1, {}),                 # dropout: per-replica masks
     ('ipm', 'resnet20', 2, {'mix_every': 3,   # BatchNorm, 2 x 2 replicas
@@ -112,6 +113,7 @@ def _pids(client):
 
 
 @pytest.mark.equivalence
+@pytest.mark.processes
 def test_several_devices_train_as_one_worker_process_each(data_dir,
                                                           tmp_path, float64):
     # `dasktrain train --devices cpu:2`: two single-threaded worker
@@ -132,6 +134,7 @@ def test_several_devices_train_as_one_worker_process_each(data_dir,
 
 
 @pytest.mark.equivalence
+@pytest.mark.processes
 def test_float16_and_double_buffered_communication(data_dir, tmp_path,
                                                    float64):
     both = dict(devices=('@numpy',) * 2, epochs=2)

@@ -375,6 +375,7 @@ def _wait_for_request(out, timeout=60):
 # ------------------------------------------------------------ ranks
 
 @pytest.mark.equivalence
+@pytest.mark.processes
 @pytest.mark.parametrize('kw', [
     dict(model='cifar10'),  # dropout: per-replica streams, reseeded
     # a sum always in flight between steps: the ranks poll at epoch ends
