@@ -174,8 +174,10 @@ def choice_rows(args):
         'sealed, 1 stream': (False, 1, DEFAULT_RECORD),
         'sealed, 4 streams': (False, 4, DEFAULT_RECORD),
         'sealed, 16 KiB records (TLS\'s)': (False, STREAMS, 16384),
+        'sealed, 4 MiB records': (False, STREAMS, 4 << 20),
         'plain, defaults': (True, STREAMS, DEFAULT_RECORD),
-        'plain, 1 stream': (True, 1, DEFAULT_RECORD)}
+        'plain, 1 stream': (True, 1, DEFAULT_RECORD),
+        'plain, 4 MiB records': (True, STREAMS, 4 << 20)}
     got = {w: [] for w in ways}
     if args.before:
         got['before: Dask comms (TLS)'] = []
