@@ -814,7 +814,7 @@ def test_a_stopped_shared_cluster_brings_back_every_users_jobs(lab):
 
 def test_a_running_job_is_steered_by_its_submitter_only(lab):
     # root's training job (a user's needs a Python every user can run):
-    # 500 epochs of 5 iterations, stopped by request long before.
+    # 2,000 epochs of 5 iterations, stopped by request long before.
     net = lab.root / 'steered.py'
     net.write_text('import chainer, chainer.links as L\n'
                    'class Net(chainer.Chain):\n'
@@ -826,7 +826,7 @@ def test_a_running_job_is_steered_by_its_submitter_only(lab):
                    '        return self.l(x)\n')
     data = lab.data('steered-data', seed=5)
     job_id = lab.submit('root', '--', '--model', f'{net}:Net', '--epochs',
-                        '500', '--batch-size', '40', '--train-size', '200',
+                        '2000', '--batch-size', '40', '--train-size', '200',
                         '--test-size', '40', '--devices', 'cpu',
                         '--optimizer', 'momentum-sgd', '--data-dir',
                         str(data), preload='chainer,'
@@ -850,7 +850,7 @@ def test_a_running_job_is_steered_by_its_submitter_only(lab):
     assert code == 0, err
     assert out.splitlines()[-1] == \
         f'job {job_id}: finished (stopped by request)'
-    assert job.status()['epoch'] < 500
+    assert job.status()['epoch'] < 2000
     assert any(r.get('lr') == 0.02 for r in job.log_rows())
     code, out, err = lab.run('eve', 'jobs', '--all')
     line = next(x for x in out.splitlines() if x.startswith(job_id))
