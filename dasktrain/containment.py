@@ -320,13 +320,7 @@ class Cgroup:
 
     def signal(self, signum):
         """``signum`` to every process in it; their pids."""
-        found = set(self.pids())
-        for pid in found:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-        return found
+        return send(set(self.pids()), signum)
 
     def kill(self):
         """SIGKILL to every process in it at once (``cgroup.kill``)."""
@@ -369,7 +363,7 @@ class Cgroup:
 
 # ------------------------------------------------------------ a sweep
 
-def _table():
+def process_table():
     """``{pid: (parent, state, group, session)}`` of every process, from
     ``/proc``."""
     table = {}
@@ -388,7 +382,7 @@ def _table():
 
 def descendants(root, table=None):
     """The pids of every live (not zombie) descendant of ``root``."""
-    table = _table() if table is None else table
+    table = process_table() if table is None else table
     children = {}
     for pid, (parent, *_) in table.items():
         children.setdefault(parent, []).append(pid)
@@ -405,7 +399,7 @@ def marked(mark, table=None):
     """The pids of the live processes whose environment holds
     :data:`MARK_ENV` = ``mark`` (``mark`` ending in ``/``: any marker
     that starts with it, a whole cluster's)."""
-    table = _table() if table is None else table
+    table = process_table() if table is None else table
     want = f'{MARK_ENV}={mark}'.encode()
     prefix = mark.endswith('/')
     found = []
@@ -430,7 +424,7 @@ def job_processes(mark=None, keeper=None, table=None):
     those started (a session holds only processes its first one
     started: a fork loop's new pids are found by it, even those that
     were born after the scan saw the loop's last one)."""
-    table = _table() if table is None else table
+    table = process_table() if table is None else table
     found = set(marked(mark, table)) if mark else set()
     if keeper is not None:
         found.update(descendants(keeper, table))
@@ -446,7 +440,7 @@ def signal_job(signum, mark=None, keeper=None):
     and to the whole process group of each (a group's signal reaches
     every member at once, also one forked meanwhile), but the keeper's
     own; their pids."""
-    table = _table()
+    table = process_table()
     found = job_processes(mark, keeper, table)
     own = os.getpgid(0)
     groups = {table[p][2] for p in found if p in table} - {own, 0, 1}
@@ -455,12 +449,18 @@ def signal_job(signum, mark=None, keeper=None):
             os.killpg(group, signum)
         except (ProcessLookupError, PermissionError):
             pass
-    for pid in found:
+    return send(found, signum)
+
+
+def send(pids, signum):
+    """``signum`` to each of ``pids`` (those gone meanwhile passed
+    over); ``pids``."""
+    for pid in pids:
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
-    return found
+    return pids
 
 
 def sweep(mark=None, keeper=None, timeout=30.0, reap=None):

@@ -48,6 +48,8 @@ from dasktrain.containment import (
     Cgroup,
     job_processes,
     own_folder,
+    process_table,
+    send,
     signal_job,
 )
 from dasktrain.spawn import die_with_parent
@@ -308,17 +310,9 @@ def processes(root):
     >>> os.getpid() in processes(os.getppid()) or True
     True
     """
-    table = {}
-    for entry in os.listdir('/proc'):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f'/proc/{entry}/stat', 'rb') as f:
-                fields = f.read().rsplit(b')', 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if fields[0] != b'Z':  # a zombie is gone, only not reaped yet
-            table[int(entry)] = (int(fields[1]), int(fields[3]))
+    # (a zombie is gone, only not reaped yet)
+    table = {pid: (parent, session) for pid, (parent, state, _, session)
+             in process_table().items() if state != b'Z'}
     children = {}
     for pid, (parent, _) in table.items():
         children.setdefault(parent, []).append(pid)
@@ -335,13 +329,7 @@ def processes(root):
 
 def signal_all(root, signum):
     """``signum`` to every process :func:`processes` finds; how many."""
-    pids = processes(root)
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-    return len(pids)
+    return len(send(processes(root), signum))
 
 
 class _User:
