@@ -145,7 +145,7 @@ class Dispatcher(SchedulerPlugin):
         self.limit = max_gpus_per_user
         self.folders, self.running, self.view = {}, {}, {}
         self.scheduler = self.client = self.callback = None
-        self.ticking = False
+        self.ticking = self.again = False
         self.told = {}  # {job id or '': the last complaint logged}
         self.purged_at, self.purging = time.monotonic(), None
 
@@ -187,11 +187,15 @@ class Dispatcher(SchedulerPlugin):
             self.scheduler.loop.add_callback(self.tick)
 
     async def tick(self):
-        if self.ticking:
+        if self.ticking:  # a submit meanwhile: planned again at once
+            self.again = True
             return
         self.ticking = True
         try:
-            await self._tick()
+            self.again = True
+            while self.again:
+                self.again = False
+                await self._tick()
             self.complain('', None)
         except Exception as e:  # never expected: logged once, not per tick
             if self.told.get('') != repr(e):
@@ -227,7 +231,18 @@ class Dispatcher(SchedulerPlugin):
     async def _tick(self):
         self.purge()
         now = time.time()
-        queued, states = self._queued()
+        # The queued jobs' files are read in a thread: with thousands
+        # queued, reading them on the scheduler's loop held every other
+        # request (another user's ping, a worker's heartbeat) for 0.1 s
+        # each second.
+        folders = dict(self.folders)
+        queued, states, gone, told = await asyncio.to_thread(
+            _queued, folders)
+        for job_id in gone:  # unless queued again meanwhile
+            if self.folders.get(job_id) == folders[job_id]:
+                del self.folders[job_id]
+        for job_id, error in told.items():
+            self.complain(job_id, error)
         self._unpin()
         workers, busy = self._workers()
         running = self._running(now, workers)
@@ -246,36 +261,6 @@ class Dispatcher(SchedulerPlugin):
             placed.setdefault(job_id, []).append((worker, gpus))
         for job_id, ranks in placed.items():
             await self._start(job_id, ranks, queued)
-
-    def _queued(self):
-        """The held jobs still queued, in submission order, as the planner
-        wants them, and the states of the jobs they run after. A job whose
-        files cannot be read is left out of this plan (logged once) and
-        stays held: the others are planned as if it were not there."""
-        queued, states = [], {}
-        for job_id, folder in list(self.folders.items()):
-            job = Job(job_id, Path(folder))
-            try:
-                spec, status = job.spec(), job.recorded()
-                if status['state'] != 'queued' or \
-                        (job.folder / 'cancel').exists():
-                    del self.folders[job_id]
-                    self.complain(job_id, None)
-                    continue
-                after = list(spec.get('after') or ())
-                for dep in after:
-                    states.setdefault(dep, _state(job.folder.parent / dep))
-                queued.append({'id': job_id, 'user': spec.get('user', ''),
-                               'gpus': spec['gpus'], 'after': after,
-                               'ranks': spec.get('workers'),
-                               'after_any': bool(spec.get('after_any')),
-                               'time': spec.get('time'),
-                               'submitted': spec['submitted']})
-                self.complain(job_id, None)
-            except Exception as e:  # JobError: its files; anything else
-                self.complain(job_id, f'left out of the plan: {e}')
-        queued.sort(key=lambda j: j['submitted'])
-        return queued, {k: v for k, v in states.items() if v is not None}
 
     def _running(self, now, workers):
         running = []
@@ -450,6 +435,39 @@ def client_security(security):
     return Security(tls_ca_file=security.tls_ca_file, tls_client_cert=cert,
                     tls_client_key=security.tls_scheduler_key,
                     require_encryption=True)
+
+
+def _queued(folders):
+    """The jobs of ``folders`` ({id: folder}) still queued, in submission
+    order, as the planner wants them; the states of the jobs they run
+    after; the ids no longer queued; ``{id: complaint or None}``. A job
+    whose files cannot be read is left out of this plan (logged once) and
+    stays held: the others are planned as if it were not there. Reads
+    files only (it runs in a thread)."""
+    queued, states, gone, told = [], {}, [], {}
+    for job_id, folder in folders.items():
+        job = Job(job_id, Path(folder))
+        try:
+            spec, status = job.spec(), job.recorded()
+            told[job_id] = None
+            if status['state'] != 'queued' or \
+                    (job.folder / 'cancel').exists():
+                gone.append(job_id)
+                continue
+            after = list(spec.get('after') or ())
+            for dep in after:
+                states.setdefault(dep, _state(job.folder.parent / dep))
+            queued.append({'id': job_id, 'user': spec.get('user', ''),
+                           'gpus': spec['gpus'], 'after': after,
+                           'ranks': spec.get('workers'),
+                           'after_any': bool(spec.get('after_any')),
+                           'time': spec.get('time'),
+                           'submitted': spec['submitted']})
+        except Exception as e:  # JobError: its files; anything else
+            told[job_id] = f'left out of the plan: {e}'
+    queued.sort(key=lambda j: j['submitted'])
+    return (queued, {k: v for k, v in states.items() if v is not None},
+            gone, told)
 
 
 def _state(folder):
