@@ -66,6 +66,7 @@ import dasktrain.jobs.request, dasktrain.jobs.scheduler.outside_use
 import dasktrain.jobs.scheduler.query, dasktrain.jobs.scheduler.recovery
 import dasktrain.jobs.status, dasktrain.jobs.worker.gpu_use
 import dasktrain.data.datasets, dasktrain.userspec, dasktrain.config
+import dasktrain.training.commandfile, dasktrain.training.outdir
 # Every command's modules, imported as root: a checkout only root may
 # read (a clone in a 0700 folder) serves the users all the same.
 for package in ('dasktrain.commands', 'dasktrain.cluster', 'dasktrain.jobs'):
