@@ -59,13 +59,8 @@ ENDS = ('finished', 'failed', 'cancelled', 'lost')
 # A user's client: loaded as root, then that user (see the module).
 AS_USER = """
 import importlib, os, pkgutil, pwd, sys
-import dasktrain.cli, dasktrain.cluster.shared, dasktrain.commands.gpus
-import dasktrain.commands.jobs, dasktrain.commands.tune, dasktrain.notify
-import dasktrain.jobs.client.route, dasktrain.jobs.client.submit
-import dasktrain.jobs.request, dasktrain.jobs.scheduler.outside_use
-import dasktrain.jobs.scheduler.query, dasktrain.jobs.scheduler.recovery
-import dasktrain.jobs.status, dasktrain.jobs.worker.gpu_use
-import dasktrain.data.datasets, dasktrain.userspec, dasktrain.config
+import dasktrain.cli, dasktrain.notify, dasktrain.data.datasets
+import dasktrain.userspec, dasktrain.config
 import dasktrain.training.commandfile, dasktrain.training.outdir
 # Every command's modules, imported as root: a checkout only root may
 # read (a clone in a 0700 folder) serves the users all the same.
@@ -664,17 +659,22 @@ def test_a_users_files_are_read_by_their_client_never_by_root(lab):
     assert sorted(os.listdir(lab.where.jobs)) == before
 
 
+# A user's own model: one linear layer.
+LINEAR = """import chainer, chainer.links as L
+class Net(chainer.Chain):
+    def __init__(self, n_classes=10):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(None, n_classes)
+    def forward(self, x):
+        return self.l(x)
+"""
+
+
 def test_a_training_job_through_the_shared_queue(lab):
     data = lab.data('data', seed=5)
     net = lab.root / 'net.py'
-    net.write_text('import chainer, chainer.links as L\n'
-                   'class Net(chainer.Chain):\n'
-                   '    def __init__(self, n_classes=10):\n'
-                   '        super().__init__()\n'
-                   '        with self.init_scope():\n'
-                   '            self.l = L.Linear(None, n_classes)\n'
-                   '    def forward(self, x):\n'
-                   '        return self.l(x)\n')
+    net.write_text(LINEAR)
     train = ['--', '--model', f'{net}:Net', '--epochs', '1',
              '--batch-size', '40', '--train-size', '200', '--test-size',
              '40', '--devices', 'cpu', '--data-dir', str(data)]
@@ -817,14 +817,7 @@ def test_a_running_job_is_steered_by_its_submitter_only(lab):
     # root's training job (a user's needs a Python every user can run):
     # 2,000 epochs of 5 iterations, stopped by request long before.
     net = lab.root / 'steered.py'
-    net.write_text('import chainer, chainer.links as L\n'
-                   'class Net(chainer.Chain):\n'
-                   '    def __init__(self, n_classes=10):\n'
-                   '        super().__init__()\n'
-                   '        with self.init_scope():\n'
-                   '            self.l = L.Linear(None, n_classes)\n'
-                   '    def forward(self, x):\n'
-                   '        return self.l(x)\n')
+    net.write_text(LINEAR)
     data = lab.data('steered-data', seed=5)
     job_id = lab.submit('root', '--', '--model', f'{net}:Net', '--epochs',
                         '2000', '--batch-size', '40', '--train-size', '200',

@@ -71,7 +71,6 @@ class JobBoard(SchedulerPlugin):
 
     def __init__(self, jobs_dir=None):
         self.jobs_dir = jobs_dir
-        self.jobs = {}
         self.read_at, self.reading = 0.0, None
         self.heard = {}  # {id: summary} told while a reading is under way
         self.jobs = self._read({})
