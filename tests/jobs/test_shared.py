@@ -15,6 +15,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import socket
 import stat
 import struct
@@ -358,13 +359,27 @@ class Lab:
     def kill_users_processes(self):
         """What a failed test left running as this lab's users (a
         program's grandchild outlives its worker: only the job's own
-        child dies with it), by pid: userdel refuses a user in use."""
+        child dies with it): userdel refuses a user in use. By process
+        group as well as by pid, until several scans in a row find none:
+        a fork loop's next pid is born after any one scan."""
         import psutil
         uids = {self.uid(who) for who in self.names}
-        for process in psutil.process_iter(['uids']):
-            with contextlib.suppress(psutil.Error):
-                if process.info['uids'].real in uids:
-                    process.kill()
+        clean, deadline = 0, time.monotonic() + 30
+        while clean < 3 and time.monotonic() < deadline:
+            found = []
+            for process in psutil.process_iter(['uids', 'status']):
+                with contextlib.suppress(psutil.Error, OSError):
+                    if process.info['uids'].real in uids and \
+                            process.info['status'] != psutil.STATUS_ZOMBIE:
+                        found.append(process.pid)
+                        process.kill()
+                        group = os.getpgid(process.pid)
+                        # a group the users lead (never this test's own)
+                        if group != os.getpgid(0) and psutil.Process(
+                                group).uids().real in uids:
+                            os.killpg(group, signal.SIGKILL)
+            clean = 0 if found else clean + 1
+            time.sleep(0.05)
 
 
 @contextlib.contextmanager
