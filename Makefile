@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 ARGS ?=
 PYTEST_ARGS ?=
+# Test files run in this many processes (pytest-xdist; 0: one process).
+# Most tests wait on processes, clusters and servers of their own, so two
+# fill two cores: the suite takes about a quarter less wall time than in
+# one process. A file's tests stay together (module fixtures start once).
+TEST_PROCS ?= 2
 # auto: CuPy for the NVIDIA driver's CUDA version (nvidia-smi), none without
 # one; or none, 12, 13 (tools/cuda_extra.py decides, tests hold it).
 CUDA ?= auto
@@ -84,10 +89,11 @@ train: $(STAMP)
 KERNELS ?= Prescott
 
 test: $(STAMP) browser lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCS) --dist loadfile $(PYTEST_ARGS)
 	@for kernel in $(KERNELS); do \
 	  echo "equivalence tests under OPENBLAS_CORETYPE=$$kernel"; \
 	  OPENBLAS_CORETYPE=$$kernel $(BIN)/python -m pytest -q \
+	    -n $(TEST_PROCS) --dist loadfile \
 	    -m 'equivalence and not processes' \
 	    -p no:cacheprovider $(PYTEST_ARGS) || exit 1; \
 	done

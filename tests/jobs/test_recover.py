@@ -38,7 +38,13 @@ def home(tmp_path, monkeypatch):
         stop_cluster()
 
 
-def long_job(data_dir, name, epochs=40):
+# Long enough to be running when the cluster is killed or stopped (an
+# epoch of 200 images takes about half a second here), short enough that
+# waiting for its end is not most of the test.
+EPOCHS = 15
+
+
+def long_job(data_dir, name, epochs=EPOCHS):
     with connect() as client:
         return submit(job_config(data_dir, epochs=epochs, train_size=200),
                       gpus=0, name=name, client=client)
@@ -73,7 +79,7 @@ def test_a_killed_cluster_s_job_ends_its_waiters_and_resumes_on_restart(
     assert f'requeued job {job.id} (its cluster had gone)' in \
         capsys.readouterr().out
     result = job.result(timeout=240)
-    assert [r['epoch'] for r in result['log']] == list(range(1, 41))
+    assert [r['epoch'] for r in result['log']] == list(range(1, EPOCHS + 1))
     assert job.status()['attempts'] == 2
     resumed = int(job.logs().split('resuming after epoch ')[1].split()[0])
     assert resumed >= done_before
@@ -101,7 +107,7 @@ def test_cluster_stop_records_its_jobs_and_requeue_runs_them_again(
     assert f'job {queued.id}: queued' in capsys.readouterr().out
     assert main(START) == 0
     assert f'requeued job {queued.id}' in capsys.readouterr().out
-    assert queued.result(timeout=240)['final']['epoch'] == 40
+    assert queued.result(timeout=240)['final']['epoch'] == EPOCHS
     # a job that still runs on its scheduler is not requeued twice
     assert main(['requeue', queued.id]) == 1
     assert 'finished; nothing to requeue' in capsys.readouterr().err
