@@ -374,8 +374,8 @@ def fill_rows(model, iterations, device='@cupy:0'):
     import chainer
     import cupy
 
-    import dasktrain.parallel.flat as flat_module
-    from dasktrain.parallel.buckets import parameters
+    import dasktrain.parallel.exchange.flat as flat_module
+    from dasktrain.parallel.exchange.buckets import parameters
     from dasktrain.training.models import get_model
     link = get_model(model)
     where = chainer.get_device(device)

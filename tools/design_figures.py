@@ -33,7 +33,8 @@ RUN = [
     ('loader', 10.6, 9.0, 'data/loader.py', 'EpochLoader: the shards'),
     ('gradient', 10.6, 7.6, 'parallel/gradient.py',
      'GPUDistributedGradient'),
-    ('exchange', 10.6, 6.2, 'parallel/exchange.py', 'gradient buckets'),
+    ('exchange', 10.6, 6.2, 'parallel/exchange/gradients.py',
+     'gradient buckets'),
     ('comm', 10.6, 5.0, 'parallel/comm/', 'Solo | DaskComm | NcclComm'),
 ]
 RUN_ARROWS = [

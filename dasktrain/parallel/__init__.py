@@ -3,8 +3,9 @@
 what it stands on: devices (``devices``) and GPU numbering (``gpus``), a
 model's replicas on the devices (``replicas``), the communicators among
 a job's processes (``comm``: over Dask, through shared memory on one
-machine, NCCL between GPUs) and how dg's gradients are summed between them
-(``exchange``, overlapped with ``backprop``'s backward pass).
+machine, NCCL between GPUs), how dg's gradients are summed between them
+(``exchange``, overlapped with the backward pass) and double buffering's
+stale steps (``stale``).
 
 Each name below imports its module (and Chainer) on first use.
 """

@@ -7,8 +7,8 @@ gradient, and an iterative-parameter-mixture mode.
 
 It owns the update, dg and ipm, and mixing; the replicas on their devices
 are :mod:`~dasktrain.parallel.replicas`', the sums between processes
-:mod:`~dasktrain.parallel.exchange`'s, double buffering's late steps
-:mod:`~dasktrain.parallel.stale`'s. It starts no process and writes no
+:mod:`~dasktrain.parallel.exchange.gradients`'s, double buffering's late steps
+:mod:`~dasktrain.parallel.stale.recipes`'s. It starts no process and writes no
 file (checkpoints go through ``serialize`` and ``restore``).
 """
 import copy
@@ -18,10 +18,13 @@ import numpy as np
 
 from dasktrain.parallel.comm.base import Solo
 from dasktrain.parallel.devices import Clock, resolve_devices
-from dasktrain.parallel.exchange import GradientExchange, check_exchange
+from dasktrain.parallel.exchange.gradients import (
+    GradientExchange,
+    check_exchange,
+)
 from dasktrain.parallel.passes import Passes
 from dasktrain.parallel.replicas import Replicas, load, saved_replicas
-from dasktrain.parallel.stale import StaleSteps, check_recipe
+from dasktrain.parallel.stale.recipes import StaleSteps, check_recipe
 
 MODES = ('dg', 'ipm')
 
@@ -70,21 +73,22 @@ class GPUDistributedGradient:
         cast back. None: as they are (float32).
     double_buffering : bool, default False
         dg: each step's all-reduce travels while the next step computes
-        (:mod:`~dasktrain.parallel.exchange`): the job's summed gradient
-        of a step arrives one step late.
+        (:mod:`~dasktrain.parallel.exchange.gradients`): the job's summed
+        gradient of a step arrives one step late.
     warmup : int or 'epoch', default 'epoch'
         double buffering: exact steps first ('epoch': until the first
         :meth:`end_epoch`).
     stale : {'corrected', 'predicted', 'plain'}, default 'corrected'
         double buffering: what a step does with the late sum
-        (:mod:`~dasktrain.parallel.stale`): each replica its own gradient
-        now and the late mean in its place, replicas averaged at every
+        (:mod:`~dasktrain.parallel.stale.recipes`): each replica its own
+        gradient now and the late mean in its place, replicas averaged at every
         :meth:`end_epoch`; the late mean computed one update ahead; or
         the late mean as it is (ChainerMN's).
     bucket_mb : float, default 0
         dg across processes with one replica here: all-reduce buckets of
         about this many MiB of gradients while back-propagation goes on
-        (:mod:`~dasktrain.parallel.exchange`). 0: after the backward pass.
+        (:mod:`~dasktrain.parallel.exchange.gradients`). 0: after the backward
+        pass.
     comm : dasktrain.parallel.comm.base.Communicator, optional
         Make this one replica group of a job across processes: every group
         starts from rank 0's weights, dg sums the masters' gradients over

@@ -6,14 +6,14 @@ gradients added into the master's.
 :class:`Passes` remembers the parts' sizes and the losses of the step in
 progress, which the update and the metrics read. It owns the passes and
 the merge inside this process; what crosses processes is
-:mod:`~dasktrain.parallel.exchange`'s (which the master's backward pass
-may feed bucket by bucket), the update
+:mod:`~dasktrain.parallel.exchange.gradients`'s (which the master's backward
+pass may feed bucket by bucket), the update
 :mod:`~dasktrain.parallel.gradient`'s.
 """
 import chainer
 
-from dasktrain.parallel.buckets import gradients
 from dasktrain.parallel.devices import transfer
+from dasktrain.parallel.exchange.buckets import gradients
 
 
 class Passes:
@@ -54,7 +54,7 @@ class Passes:
         """Back-propagate every replica's loss; in dg weighted by its share
         of the job's batch (the merged gradient is then that of the mean
         loss). With ``overlap`` the master's buckets leave as they are
-        ready (:meth:`~dasktrain.parallel.exchange.GradientExchange.
+        ready (:meth:`~dasktrain.parallel.exchange.gradients.GradientExchange.
         backward`, which also takes part without a loss)."""
         for i, (device, loss, size) in enumerate(zip(
                 self.group.devices, self.losses, self.sizes)):

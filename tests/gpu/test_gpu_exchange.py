@@ -203,13 +203,13 @@ def test_a_one_gpu_rank_overlapping_buckets_syncs_no_device(device_syncs):
 
 def test_a_fused_float16_fill_gives_the_array_by_array_bits(monkeypatch):
     # flat.fill on a GPU fills a float16 bucket with two kernels
-    # (dasktrain.parallel.fused): the same bits as the array-by-array
+    # (dasktrain.parallel.exchange.fused): the same bits as the array-by-array
     # path, which the CPU shares, through NaN, inf, overflow, all-zero
     # arrays and chunks that end mid-array.
     import cupy
 
-    import dasktrain.parallel.flat as flat_module
-    from dasktrain.parallel.flat import FlatBuckets
+    import dasktrain.parallel.exchange.flat as flat_module
+    from dasktrain.parallel.exchange.flat import FlatBuckets
     rng = np.random.default_rng(0)
     shapes = [(3, 5), (5000,), (7,), (64, 3, 3, 3), (4097,), (8193,)]
     arrays = [(rng.standard_normal(s) * 10.0 ** rng.integers(-6, 6))

@@ -239,7 +239,7 @@ def test_reporting_backward_on_gpu_gives_chainer_s_gradients(name):
     # either (deterministic cuDNN; dropout from the seeded CuPy stream).
     import cupy
 
-    from dasktrain.parallel.backprop import backward_reporting
+    from dasktrain.parallel.exchange.backprop import backward_reporting
     model = fresh(name)
     model.to_device('@cupy:0')
     x, t = (cupy.asarray(a) for a in batch(8))

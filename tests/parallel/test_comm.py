@@ -187,8 +187,8 @@ def test_a_flat_buffer_travels_as_itself_and_small_arrays_join():
 
 
 def test_the_flat_layout_places_each_gradient_once():
-    from dasktrain.parallel.flat import layout
-    from dasktrain.parallel.wire import ideal
+    from dasktrain.parallel.exchange.flat import layout
+    from dasktrain.parallel.exchange.wire import ideal
     f2, f4, f8 = (np.dtype(t) for t in ('float16', 'float32', 'float64'))
     counts, where = layout([f4, f8, f4, f4], [3, 2, 4, 5], [[2, 0], [1, 3]])
     assert counts == [{'<f4': 7}, {'<f8': 2, '<f4': 5}]

@@ -5,8 +5,8 @@ import chainer.links as L
 import numpy as np
 import pytest
 
-from dasktrain.parallel.backprop import backward_reporting
-from dasktrain.parallel.buckets import parameters, plan_buckets
+from dasktrain.parallel.exchange.backprop import backward_reporting
+from dasktrain.parallel.exchange.buckets import parameters, plan_buckets
 from dasktrain.training.models import get_model
 
 

@@ -702,7 +702,8 @@ def test_gradients_are_views_of_flat_buffers_made_once(options):
     wire = np.float16 if options.get('comm_dtype') else np.float32
     steps = [comm.handed[a:b] for a, b in zip([0] + ends, ends)] \
         if not stale else [[call] for call in comm.handed]
-    # float16: each array's probe travels behind its bucket (parallel.wire)
+    # float16: each array's probe travels behind its bucket
+    # (parallel.exchange.wire)
     probes = len(list(model.master.params())) if wire == np.float16 else 0
     for s in range(2, 5):  # after the first step, which finds the order
         flat = _flat(steps[s], wire)
@@ -774,7 +775,8 @@ def test_a_lazily_initialised_model_starts_equal_everywhere(mode, float64):
 def test_the_parallel_examples_hold():
     import doctest
 
-    from dasktrain.parallel import correction, flat, prediction
+    from dasktrain.parallel.exchange import flat
+    from dasktrain.parallel.stale import correction, prediction
     for module in (correction, flat, prediction):
         assert doctest.testmod(module).failed == 0, module.__name__
         assert doctest.testmod(module).attempted > 0, module.__name__

@@ -1,5 +1,5 @@
-"""float16 on the wire (dasktrain.parallel.wire): the ranks agree on each
-array's power of two inside the all-reduce that sums it, one collective
+"""float16 on the wire (dasktrain.parallel.exchange.wire): the ranks agree on
+each array's power of two inside the all-reduce that sums it, one collective
 per bucket; a jump or drop is sent again, never summed into inf."""
 import collections
 import threading
@@ -11,8 +11,8 @@ from test_parallel import Mirror, batch, fresh
 
 from dasktrain.parallel import GPUDistributedGradient
 from dasktrain.parallel.comm import Communicator
-from dasktrain.parallel.flat import FlatBuckets, largest
-from dasktrain.parallel.wire import (
+from dasktrain.parallel.exchange.flat import FlatBuckets, largest
+from dasktrain.parallel.exchange.wire import (
     GUARD,
     SLACK,
     WireScales,

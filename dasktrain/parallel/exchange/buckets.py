@@ -2,8 +2,8 @@
 parameters and gradients in a fixed order, gradient buckets, and the
 communication thread of one step.
 
-Pure bookkeeping for :mod:`~dasktrain.parallel.exchange`: it sums nothing,
-times nothing and touches no communicator.
+Pure bookkeeping for :mod:`~dasktrain.parallel.exchange.gradients`: it sums
+nothing, times nothing and touches no communicator.
 """
 import queue
 import threading

@@ -1,28 +1,28 @@
 """What a double-buffered dg step does while its sum travels: the
 ``stale`` recipes, in one place.
 
-With double buffering (:mod:`~dasktrain.parallel.exchange`) the job's mean
-gradient of a step arrives one step late. :class:`StaleSteps` holds the
+With double buffering (:mod:`~dasktrain.parallel.exchange.gradients`) the job's
+mean gradient of a step arrives one step late. :class:`StaleSteps` holds the
 recipe a run chose and calls into its pieces at the points of a step:
 
-- ``'corrected'`` (the default, :mod:`~dasktrain.parallel.correction`):
+- ``'corrected'`` (the default, :mod:`~dasktrain.parallel.stale.correction`):
   every replica keeps its own gradient before the replicas are merged,
   and updates itself with it plus the late mean in place of its last one,
   faded in after an exact warm-up; an epoch's end averages the replicas.
-- ``'predicted'`` (:mod:`~dasktrain.parallel.prediction`): the forward and
-  backward passes of a step whose sum will land one update late run at
+- ``'predicted'`` (:mod:`~dasktrain.parallel.stale.prediction`): the forward
+  and backward passes of a step whose sum will land one update late run at
   the weights one update ahead; the master applies the late mean.
 - ``'plain'``: the master applies the late mean, as ChainerMN does.
 
 Owns the choice and the calls; the maths is in those modules, the
-exchange's and the update's in :mod:`~dasktrain.parallel.exchange` and
-:mod:`~dasktrain.parallel.gradient`. Without double buffering (or in
+exchange's and the update's in :mod:`~dasktrain.parallel.exchange.gradients`
+and :mod:`~dasktrain.parallel.gradient`. Without double buffering (or in
 ipm) every method does nothing.
 """
 import contextlib
 
-from dasktrain.parallel.correction import LocalCorrection, fade_in
-from dasktrain.parallel.prediction import WeightPrediction
+from dasktrain.parallel.stale.correction import LocalCorrection, fade_in
+from dasktrain.parallel.stale.prediction import WeightPrediction
 
 RECIPES = ('corrected', 'predicted', 'plain')
 

@@ -40,8 +40,8 @@ on noticing infinities after the fact (a sum can lose bits without one).
 Every decision here is a pure function of those bits, tested on the CPU;
 :class:`WireScales` applies them for one exchange (the all-gathers they
 ask for go over its communicator). The buckets and when they travel are
-:mod:`~dasktrain.parallel.exchange`'s, the buffers and probes
-:mod:`~dasktrain.parallel.flat`'s.
+:mod:`~dasktrain.parallel.exchange.gradients`'s, the buffers and probes
+:mod:`~dasktrain.parallel.exchange.flat`'s.
 """
 import logging
 import math
@@ -264,7 +264,7 @@ def _now(work):
 
 
 class WireScales:
-    """float16's scales for one :class:`~dasktrain.parallel.exchange.
+    """float16's scales for one :class:`~dasktrain.parallel.exchange.gradients.
     GradientExchange`: each bucket's predicted exponents, by the bucket's
     parameter indices, and the two steps around its all-reduce
     (:meth:`send`, :meth:`settle`), over the exchange's communicator

@@ -13,13 +13,13 @@ every replica) is
 - **exact, overlapped** (the default with one replica per process):
   gradient *buckets* of about ``bucket_mb`` are all-reduced on a
   communication thread while back-propagation goes on, as PyTorch DDP does.
-  :func:`~dasktrain.parallel.backprop.backward_reporting` runs Chainer's
-  backward pass and reports each parameter the moment its gradient is
+  :func:`~dasktrain.parallel.exchange.backprop.backward_reporting` runs
+  Chainer's backward pass and reports each parameter the moment its gradient is
   final; a bucket leaves when all its parameters are, in a fixed order that
   every rank agrees on (the order the first step found, compared across
   ranks once). A bucket is copied once into its persistent flat buffer
-  (:mod:`~dasktrain.parallel.flat`) and summed there in place; once the
-  backward pass is over each gradient becomes its view of the sum (a
+  (:mod:`~dasktrain.parallel.exchange.flat`) and summed there in place; once
+  the backward pass is over each gradient becomes its view of the sum (a
   parameter's gradient may be the very array still flowing to earlier
   layers, so nothing is written into it before). The optimizer waits only
   for what is still in flight when the backward pass ends. Over Dask's
@@ -47,7 +47,8 @@ every replica) is
 by its own power of two (the same on every rank), so the sum cannot
 overflow and small gradients keep their bits; the ranks agree on the
 powers in the all-reduce that sums the bucket (one collective per bucket,
-a second only after a sudden jump or drop: :mod:`~dasktrain.parallel.wire`).
+a second only after a sudden jump or drop:
+:mod:`~dasktrain.parallel.exchange.wire`).
 
 On GPUs a bucket's all-reduce, and a double-buffered step's, runs on one
 non-blocking side stream that first waits for an event marking the
@@ -67,17 +68,17 @@ from typing import NamedTuple
 import numpy as np
 
 from dasktrain.errors import argument
-from dasktrain.parallel.backprop import backward_reporting
-from dasktrain.parallel.buckets import (
+from dasktrain.parallel.comm.base import CollectiveError
+from dasktrain.parallel.devices import SideStream, mark
+from dasktrain.parallel.exchange.backprop import backward_reporting
+from dasktrain.parallel.exchange.buckets import (
     Courier,
     gradients,
     parameters,
     plan_buckets,
 )
-from dasktrain.parallel.comm.base import CollectiveError
-from dasktrain.parallel.devices import SideStream, mark
-from dasktrain.parallel.flat import FlatBuckets, largest
-from dasktrain.parallel.wire import WireScales
+from dasktrain.parallel.exchange.flat import FlatBuckets, largest
+from dasktrain.parallel.exchange.wire import WireScales
 
 
 def check_exchange(comm_dtype, bucket_mb, warmup):

@@ -3,10 +3,11 @@ it is final.
 
 Chainer 7 keeps every parameter's gradient in its table until the whole
 graph is back-propagated; an all-reduce that should start while the earlier
-layers are still being differentiated (:mod:`dasktrain.parallel.exchange`)
-needs them earlier. :func:`backward_reporting` is Chainer 7.8.1's own backward
-code for a scalar loss with that one change, so the gradients are the same
-bits as ``loss.backward()``'s.
+layers are still being differentiated
+(:mod:`dasktrain.parallel.exchange.gradients`) needs them earlier.
+:func:`backward_reporting` is Chainer 7.8.1's own backward code for a scalar
+loss with that one change, so the gradients are the same bits as
+``loss.backward()``'s.
 """
 import heapq
 

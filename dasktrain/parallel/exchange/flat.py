@@ -14,9 +14,10 @@ holding the unscaled sum (one copy out). Two copies where there were four
 gradient).
 
 In float16 each bucket's buffer ends with one *probe* per array (each
-rank's largest magnitude at its scale, :mod:`~dasktrain.parallel.wire`),
-summed in the same all-reduce: the ranks agree on the next scales, and on
-whether this sum stands, without a collective of their own.
+rank's largest magnitude at its scale,
+:mod:`~dasktrain.parallel.exchange.wire`), summed in the same all-reduce: the
+ranks agree on the next scales, and on whether this sum stands, without a
+collective of their own.
 
 A parameter's gradient is such a view from :meth:`~FlatBuckets.bind` to
 the next ``cleargrads()``; the next step's backward pass makes new
@@ -32,8 +33,8 @@ import contextlib
 import chainer
 import numpy as np
 
-from dasktrain.parallel.fused import FusedFill, fusable
-from dasktrain.parallel.wire import TINY
+from dasktrain.parallel.exchange.fused import FusedFill, fusable
+from dasktrain.parallel.exchange.wire import TINY
 
 
 def layout(dtypes, sizes, plan, wire=None):
@@ -73,11 +74,11 @@ def layout(dtypes, sizes, plan, wire=None):
 
 class FlatBuckets:
     """The persistent buffers of one bucket ``plan`` of ``params`` (the
-    master's parameters in :func:`~dasktrain.parallel.buckets.parameters`'
-    order) on ``device``, in the dtype ``wire`` (None: each gradient's
-    own), with ``probes`` (float16's scaled wire: one per array, behind the
-    bucket's arrays in its one buffer). Allocated once, here; every step
-    reuses them.
+    master's parameters in
+    :func:`~dasktrain.parallel.exchange.buckets.parameters`' order) on
+    ``device``, in the dtype ``wire`` (None: each gradient's own), with
+    ``probes`` (float16's scaled wire: one per array, behind the bucket's
+    arrays in its one buffer). Allocated once, here; every step reuses them.
 
     Attributes
     ----------
@@ -125,8 +126,8 @@ class FlatBuckets:
         into its buffers, each times its scale (a list, or one for all),
         and with ``probes`` (a factor per array) each one's largest
         magnitude times its factor into the bucket's probe (at least
-        :data:`~dasktrain.parallel.wire.TINY` where the array is not all
-        zero; NaN stays NaN); returns the buffers. A value beyond the
+        :data:`~dasktrain.parallel.exchange.wire.TINY` where the array is not
+        all zero; NaN stays NaN); returns the buffers. A value beyond the
         wire's range becomes inf (what the probes reveal), quietly."""
         scales = scales if isinstance(scales, list) else \
             [scales] * len(grads)
@@ -152,7 +153,8 @@ class FlatBuckets:
 
     def _fill_fused(self, k, grads, scales, probes):
         """:meth:`fill` of float32 gradients into a float16 bucket on a
-        GPU: two kernels for the bucket (:mod:`~dasktrain.parallel.fused`),
+        GPU: two kernels for the bucket
+        (:mod:`~dasktrain.parallel.exchange.fused`),
         the same bits."""
         import cupy
         with chainer.using_device(self.device):

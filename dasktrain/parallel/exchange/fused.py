@@ -1,7 +1,7 @@
 """A float16 gradient bucket filled in one pass on a GPU.
 
-:meth:`~dasktrain.parallel.flat.FlatBuckets.fill` writes each gradient of a
-bucket into the bucket's float16 buffer times its power of two, and each
+:meth:`~dasktrain.parallel.exchange.flat.FlatBuckets.fill` writes each gradient
+of a bucket into the bucket's float16 buffer times its power of two, and each
 one's largest magnitude into the bucket's probe. Array by array that is
 about six kernels per gradient (a multiply, a max, a min, a negation,
 their maximum, a scaling), launched from the communication thread: for
@@ -15,8 +15,8 @@ a whole bucket:
    place in the buffer; the chunk's largest magnitude (NaN kept) into a
    partial;
 2. one thread per gradient: the largest of its chunks' partials times its
-   probe factor, raised to :data:`~dasktrain.parallel.wire.TINY` where not
-   zero (NaN kept), rounded to float16, into its probe.
+   probe factor, raised to :data:`~dasktrain.parallel.exchange.wire.TINY` where
+   not zero (NaN kept), rounded to float16, into its probe.
 
 The same bits as the array-by-array path (a GPU test compares them), for
 float32 gradients; others take that path. Per step only the gradients'
@@ -25,7 +25,7 @@ stream the kernels run on.
 """
 import numpy as np
 
-from dasktrain.parallel.wire import TINY
+from dasktrain.parallel.exchange.wire import TINY
 
 #: Elements per block of the first kernel: 16 per thread of 256.
 CHUNK = 4096

@@ -43,16 +43,16 @@ its own noise until the epoch's end), and the stable range narrows to
 Owns each replica's kept local gradient, the corrected gradient it writes
 into the replica's parameters and the replicas' own updates (their
 optimizers take the master's state after exact steps and follow its
-hyperparameters); the all-reduce is :mod:`~dasktrain.parallel.exchange`'s,
-when a step is stale and the epoch's mix
-:mod:`~dasktrain.parallel.gradient`'s.
+hyperparameters); the all-reduce is
+:mod:`~dasktrain.parallel.exchange.gradients`'s, when a step is stale and the
+epoch's mix :mod:`~dasktrain.parallel.gradient`'s.
 """
 import chainer
 import numpy as np
 from chainer.serializers import DictionarySerializer, NpzDeserializer
 
-from dasktrain.parallel.buckets import gradients, parameters
 from dasktrain.parallel.devices import transfer
+from dasktrain.parallel.exchange.buckets import gradients, parameters
 
 
 def fade_in(iteration, stale_from):
@@ -141,8 +141,9 @@ class LocalCorrection:
     def correct(self, summed, weight=1.0):
         """Write into every replica's gradients its kept gradient of this
         step, plus ``weight`` times ``summed`` (the job's mean gradients of
-        the last step, in :func:`~dasktrain.parallel.buckets.parameters`'
-        order on the master's device; None when none arrived) minus its
+        the last step, in
+        :func:`~dasktrain.parallel.exchange.buckets.parameters`' order on the
+        master's device; None when none arrived) minus its
         kept gradient of the last step: l(t) + w (G(t-1) - l(t-1))."""
         lists, devices = self._lists(), self.replicas.devices
         master, moved = devices[0], {}
