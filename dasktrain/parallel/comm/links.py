@@ -130,9 +130,17 @@ class _Call:
         self.arrived, self.summed = {}, set()
         self.left, self.error = jobs, None
         self.heads = 0  # headers sent
+        self.heard = 0  # headers read (matching or not)
 
     def head(self):
         self.heads += 1
+
+    def hear(self, error=None):
+        """A peer's header was read; ``error``: it said the ranks are out
+        of step (the call's error from now on)."""
+        if error is not None:
+            self.error = _first(self.error, error)
+        self.heard += 1
 
     def arrive(self, key):
         self.arrived[key] = self.arrived.get(key, 0) + 1
@@ -186,7 +194,7 @@ class Links:
         for peer, socks in outgoing.items():
             self._out[peer] = [
                 Stream(s, keys and keys['out'][peer][i],
-                        f'dasktrain-link-{rank}>{peer}.{i}', self._fail)
+                        f'dasktrain-link-{rank}>{peer}.{i}', self._failed_send)
                 for i, s in enumerate(socks)]
         for peer, socks in incoming.items():
             self._in[peer] = [
@@ -214,9 +222,23 @@ class Links:
         for streams in list(self._out.values()) + list(self._in.values()):
             yield from streams
 
+    def _failed_send(self, error):
+        """An outgoing stream's job failed. A peer that found the ranks out
+        of step closes its links once it has sent its headers, which can
+        break this rank's sending before its receivers have read them:
+        they read them first (2 s at most), so that this rank too says
+        what is out of step rather than that a link was lost."""
+        call = self._call
+        if call is not None:
+            with contextlib.suppress(CollectiveError):
+                call.wait(lambda: call.heard == len(self._in) * self.streams,
+                          time.monotonic() + 2.0, 'the headers')
+        self._fail(error)
+
     def _fail(self, error):
         """A stream's job failed: the call raises it, every link closes
-        (peers waiting on this rank fail at once)."""
+        (peers waiting on this rank fail at once). Ranks out of step is
+        the error told, before any lost link it caused."""
         if isinstance(error, TimeoutError):
             error = CollectiveError('a link waited past the collective_'
                                     'timeout: a peer died or hangs')
@@ -225,11 +247,11 @@ class Links:
             error = LinkLost(f'a link failed ({error}): its peer died or '
                              'the network is down')
         with self._lock:
-            if self._error is None:
-                self._error = error
+            self._error = _first(self._error, error)
         call = self._call
         if call is not None:
-            call.mark(lambda: setattr(call, 'error', call.error or error))
+            call.mark(lambda: setattr(call, 'error',
+                                      _first(call.error, error)))
         self.close()
 
     def close(self):
@@ -328,8 +350,11 @@ class Links:
                 with contextlib.suppress(CollectiveError):
                     call.wait(lambda: call.heads == len(self._out) * streams,
                               time.monotonic() + 2.0, 'the headers')
-                raise _out_of_step(peer, self.rank, HEADER.unpack(theirs),
-                                   HEADER.unpack(header))
+                error = _out_of_step(peer, self.rank, HEADER.unpack(theirs),
+                                     HEADER.unpack(header))
+                call.mark(lambda: call.hear(error))  # the error first
+                raise error
+            call.mark(call.hear)
             for n, (f, parts, mine, scratch) in enumerate(plan):
                 into, lo = scratch[peer], parts[me][0]
                 for a, b in mine[i::streams]:
@@ -364,8 +389,21 @@ class Links:
                     call.mark(lambda key=(n, a): call.summed.add(key))
 
 
+class OutOfStep(CollectiveError):
+    """The ranks called an all-reduce of different arrays."""
+
+
+def _first(before, error):
+    """The error a call raises: the first one, unless ``error`` says the
+    ranks are out of step, which caused the others."""
+    if before is None or (isinstance(error, OutOfStep)
+                          and not isinstance(before, OutOfStep)):
+        return error
+    return before
+
+
 def _out_of_step(peer, rank, theirs, mine):
-    return CollectiveError(
+    return OutOfStep(
         f'rank {peer} sums {theirs[2]} arrays ({theirs[1]} bytes) where '
         f'rank {rank} sums {mine[2]} ({mine[1]} bytes), or of other dtypes '
         'or sizes: the ranks are out of step (different models or '
