@@ -8,6 +8,8 @@ PYTEST_ARGS ?=
 # Most tests wait on processes, clusters and servers of their own, so two
 # fill two cores: the suite takes about a quarter less wall time than in
 # one process. A file's tests stay together (module fixtures start once).
+# (The short equivalence pass below runs in one: two would start slower
+# than they save.)
 TEST_PROCS ?= 2
 # auto: CuPy for the NVIDIA driver's CUDA version (nvidia-smi), none without
 # one; or none, 12, 13 (tools/cuda_extra.py decides, tests hold it).
@@ -93,7 +95,6 @@ test: $(STAMP) browser lint
 	@for kernel in $(KERNELS); do \
 	  echo "equivalence tests under OPENBLAS_CORETYPE=$$kernel"; \
 	  OPENBLAS_CORETYPE=$$kernel $(BIN)/python -m pytest -q \
-	    -n $(TEST_PROCS) --dist loadfile \
 	    -m 'equivalence and not processes' \
 	    -p no:cacheprovider $(PYTEST_ARGS) || exit 1; \
 	done
