@@ -167,6 +167,19 @@ def test_ranks_out_of_step_fail_instead_of_mixing():
     assert all('out of step' in g for g in got), got
 
 
+def test_out_of_step_is_the_error_told_before_a_lost_link_it_caused():
+    # The rank that finds the headers differ closes its links; the other
+    # rank's lost link is an effect, its mismatch the cause.
+    lost = S.LinkLost('a link failed ([Errno 32] Broken pipe)')
+    step = L.OutOfStep('rank 1 sums 1 arrays where rank 0 sums 1')
+    other = L.OutOfStep('rank 2 sums 2 arrays where rank 0 sums 1')
+    assert L._first(None, lost) is lost
+    assert L._first(lost, step) is step
+    assert L._first(step, lost) is step
+    assert L._first(step, other) is step  # the first of its kind stays
+    assert L._first(lost, S.LinkLost('another')) is lost
+
+
 def test_a_lost_peer_fails_the_others_at_once():
     def body(r):
         if r == 1:
