@@ -121,6 +121,33 @@ def _write_job(folder, job_json, status=None):
         'started': 1.0, 'ended': 2.0, 'error': None}))
 
 
+@pytest.mark.parametrize('policy', ['cancel', 'requeue'])
+def test_a_stop_leaves_jobs_that_ended_or_went_meanwhile_as_they_are(
+        tmp_path, policy):
+    from dasktrain.jobs.scheduler.recovery import settle
+    spec = json.dumps({'id': 'x', 'user': 'ann', 'scheduler': 'tcp://s'})
+    running = {'state': 'running', 'attempts': 1, 'gpus': [],
+               'worker': 'tcp://w', 'started': 1.0, 'ended': None,
+               'error': None}
+    jobs = {}
+    for name, status in (('on', running), ('ended', running),
+                         ('purged', running)):
+        _write_job(tmp_path / name, spec, status)
+        jobs[name] = Job(name, tmp_path / name)
+    # listed live by the stop, then: one finishes, one is purged
+    _write_job(tmp_path / 'ended2', spec)
+    os.replace(tmp_path / 'ended2' / 'status.json',
+               tmp_path / 'ended' / 'status.json')
+    for f in (tmp_path / 'purged').iterdir():
+        f.unlink()
+    (tmp_path / 'purged').rmdir()
+    told = settle(list(jobs.values()), policy)
+    assert told == {'on': 'cancelled' if policy == 'cancel' else 'queued',
+                    'ended': 'finished'}
+    assert jobs['ended'].recorded()['ended'] == 2.0  # its own end kept
+    assert not (tmp_path / 'purged').exists()  # nothing written back
+
+
 def test_damaged_job_files_are_one_row_and_everything_else_stays_up(
         home, capsys):
     jobs = home / 'jobs'

@@ -114,7 +114,9 @@ def settle(jobs, policy, timeout=None, poll=0.5):
     :func:`recover` s them), 'wait' returns once they ended (or after
     ``timeout`` seconds, None: no limit). Call 'cancel' and 'requeue'
     once the cluster's processes are gone (a dying worker must not write
-    after). Returns {job id: state}."""
+    after). A job that ended meanwhile keeps its end, and one whose folder
+    is gone meanwhile (a finished job purged, ``--keep-finished``) is left
+    out. Returns {job id: state}."""
     if policy not in STOP_POLICIES:
         raise ValueError(f'policy must be one of {STOP_POLICIES}, got '
                          f'{policy!r}')
@@ -126,15 +128,22 @@ def settle(jobs, policy, timeout=None, poll=0.5):
             time.sleep(poll)
         return {j.id: _state(j) for j in jobs}
     for job in jobs:
-        if policy == 'cancel':
-            update_status(job.folder, state='cancelled', ended=time.time(),
-                          error='the cluster was stopped (`dasktrain '
-                                f'requeue {job.id}` runs it again)')
-        else:
-            update_status(job.folder, state='queued', gpus=None,
-                          worker=None, error='the cluster was stopped; '
-                          'requeued at the next `dasktrain cluster start`')
-    return {j.id: _state(j) for j in jobs}
+        if _state(job) not in ('queued', 'running'):
+            continue  # it ended while the cluster stopped: as it ended
+        try:
+            if policy == 'cancel':
+                update_status(job.folder, state='cancelled',
+                              ended=time.time(),
+                              error='the cluster was stopped (`dasktrain '
+                                    f'requeue {job.id}` runs it again)')
+            else:
+                update_status(job.folder, state='queued', gpus=None,
+                              worker=None, error='the cluster was stopped; '
+                              'requeued at the next `dasktrain cluster '
+                              'start`')
+        except FileNotFoundError:  # purged meanwhile
+            continue
+    return {j.id: _state(j) for j in jobs if j.folder.is_dir()}
 
 
 def _state(job):
