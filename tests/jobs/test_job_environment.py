@@ -13,6 +13,7 @@ import sys
 import pytest
 from children import child
 from test_cluster import Processes, wait_until
+from test_shared import LINEAR
 
 from dasktrain.jobs.job import DONE, Job
 from dasktrain.jobs.worker.environment import job_threads
@@ -22,16 +23,8 @@ KEYS = ('SUBMITTER_MARK', 'OWNER_MARK', 'WORKER_MARK', 'OMP_NUM_THREADS',
         'PYTHONUNBUFFERED')
 SHOW = (f'import json, os; print("ENV " + json.dumps({{k: os.environ.get(k) '
         f'for k in {KEYS!r}}}), flush=True)')
-NET = SHOW + '''
-import chainer, chainer.links as L
-class Net(chainer.Chain):
-    def __init__(self, n_classes=10):
-        super().__init__()
-        with self.init_scope():
-            self.l = L.Linear(None, n_classes)
-    def forward(self, x):
-        return self.l(x)
-'''
+# The shared queue's one-layer test model, which first says its environment.
+NET = SHOW + '\n' + LINEAR
 
 
 @pytest.fixture(scope='module')
