@@ -552,8 +552,14 @@ def list_jobs(path=None):
         try:
             return float(job.spec()['submitted'])
         except (JobError, TypeError, ValueError):
+            pass
+        try:
             return job.folder.stat().st_mtime
-    return sorted(jobs, key=submitted)
+        except OSError:  # purged while the folder was read: left out
+            return None
+    when = {job.id: submitted(job) for job in jobs}
+    return sorted((job for job in jobs if when[job.id] is not None),
+                  key=lambda job: when[job.id])
 
 
 def purge_ended(path, keep, now=None):

@@ -15,7 +15,7 @@ from test_cluster import Processes, job_config, wait_until
 
 from dasktrain.cli import main
 from dasktrain.jobs.client.submit import submit
-from dasktrain.jobs.job import Job, JobError
+from dasktrain.jobs.job import Job, JobError, list_jobs
 from dasktrain.jobs.worker.task import FORMER_CHILDREN, child_module
 from dasktrain.run.train import train
 
@@ -387,3 +387,23 @@ def test_a_job_folder_naming_a_former_child_module_still_runs(
     assert job.spec()['child'] == 'dasktrain.cluster.jobs'
     assert job.result(timeout=120)['final']['epoch'] == 1
     assert 'done: epoch 1' in job.logs()
+
+
+def test_a_job_purged_while_the_jobs_are_listed_is_left_out(tmp_path,
+                                                            monkeypatch):
+    # The queue purges ended jobs while `jobs` lists them: a folder gone
+    # between its listing and its reading is no longer a job, not an error.
+    for when, name in enumerate(('a', 'b', 'c'), start=1):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / 'job.json').write_text('{}')  # unreadable: by its time
+        (folder / 'status.json').write_text('{}')
+        os.utime(folder, (when, when))
+    spec = Job.spec
+
+    def purged_meanwhile(job):
+        if job.id == 'b':
+            shutil.rmtree(job.folder)
+        return spec(job)
+    monkeypatch.setattr(Job, 'spec', purged_meanwhile)
+    assert [job.id for job in list_jobs(tmp_path)] == ['a', 'c']

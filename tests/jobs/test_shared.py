@@ -314,7 +314,12 @@ class Lab:
                    env=self.env(PRELOAD=preload, **env),
                    cwd=cwd or self.homes.get(who, self.root)) as c:
             code = c.wait(timeout)
-            return code, ''.join(c.lines), c.stderr()
+            out, err = ''.join(c.lines), c.stderr()
+        if "scheduler's log" in err:  # the queue's own failure: its why
+            log = self.where.private / 'logs' / 'scheduler.log'
+            err += '\n--- the scheduler log ends:\n' + '\n'.join(
+                log.read_text(errors='replace').splitlines()[-60:])
+        return code, out, err
 
     def submit(self, who, *args, **kw):
         code, out, err = self.run(who, 'submit', '--gpus', '0', *args, **kw)
