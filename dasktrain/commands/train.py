@@ -113,6 +113,8 @@ class Train(Command):
         else:
             config = self.first_run(config, given_fields(args.argv[1:]))
         summary = train(config)
+        if summary.get('rank'):  # a rank of a launch: rank 0 tells
+            return 0
         final, stop = summary['final'], summary.get('stopped_by_request')
         if stop:
             print(f"stopped by request at iteration {stop['iteration']} "
@@ -193,6 +195,8 @@ class Train(Command):
 
 def _where(summary):
     devices = ', '.join(summary['devices'])
+    if 'ranks' in summary:
+        return f"{summary['ranks']} launched ranks ({devices} each)"
     if 'workers' not in summary:
         return devices
     attempts = summary['attempts']

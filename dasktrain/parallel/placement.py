@@ -1,13 +1,15 @@
 """Where a run trains: the decisions, without processes or CUDA.
 
-A run trains in one of three placements (:func:`place`):
+A run trains in one of four placements (:func:`place`):
 
 * ``here``: every replica in this process, on its devices (one device,
   ``in_process``, or devices one process each cannot serve);
 * ``per-device``: one new local worker process per device, each a rank of
   one job (several CPU replicas, or several distinct GPUs);
 * ``ranks``: ``workers`` ranks on a Dask cluster, each on the devices its
-  worker gives it.
+  worker gives it;
+* ``launched``: this process is one rank of ``dasktrain launch`` (its
+  environment says so), on the devices :func:`launched_devices` gives it.
 
 For ranks on a cluster, :func:`gpus_per_rank`, :func:`able_workers` and
 :func:`rank_resources` decide what each rank holds and which workers can
@@ -22,12 +24,13 @@ from typing import NamedTuple
 
 from dasktrain.parallel.gpus import gpu_ids
 
-HERE, PER_DEVICE, RANKS = 'here', 'per-device', 'ranks'
+HERE, PER_DEVICE, RANKS, LAUNCHED = ('here', 'per-device', 'ranks',
+                                    'launched')
 
 
 class Placement(NamedTuple):
     """Where a run trains (see :func:`place`)."""
-    where: str                   # HERE, PER_DEVICE or RANKS
+    where: str                   # HERE, PER_DEVICE, RANKS or LAUNCHED
     devices: tuple | None     # here: this process's devices; per-device:
     #                              one per worker process; ranks: each
     #                              rank's as named (None: its worker's)
@@ -77,9 +80,11 @@ def per_device_plan(devices):
     return None
 
 
-def place(config, available=None):
-    """Where ``config`` trains: ranks on a cluster with ``config.workers``;
-    else on ``config.devices`` (default :func:`default_devices` of
+def place(config, available=None, launched=False):
+    """Where ``config`` trains: one rank of a launch where ``launched``
+    (devices: the named ones, else None: see :func:`launched_devices`);
+    ranks on a cluster with ``config.workers``; else on
+    ``config.devices`` (default :func:`default_devices` of
     ``available``), one process per device where
     :func:`per_device_plan` allows it and ``config.in_process`` is off,
     else here.
@@ -97,7 +102,11 @@ def place(config, available=None):
     'here'
     >>> place(TrainConfig(workers=3, devices=('@cupy:0',)))[:3]
     ('ranks', ('@cupy:0',), 3)
+    >>> place(TrainConfig(), launched=True)[:2]
+    ('launched', None)
     """
+    if launched:
+        return Placement(LAUNCHED, config.devices and tuple(config.devices))
     if config.workers is not None:
         return Placement(RANKS, config.devices, config.workers)
     devices = tuple(config.devices or default_devices(available))
@@ -106,6 +115,37 @@ def place(config, available=None):
         return Placement(HERE, devices)
     workers, device = plan
     return Placement(PER_DEVICE, devices, workers, (device,))
+
+
+def launched_devices(named, gpus, intra_rank, intra_size):
+    """The devices of one rank of ``dasktrain launch``: those ``named``
+    (as this process sees them), else its own GPU, else one CPU replica.
+
+    ``gpus``: how many GPUs this process sees; ``intra_rank`` of
+    ``intra_size``: its place among the job's ranks on this machine.
+    Launch shows each rank the GPUs of its machine's ranks in rank order
+    (as ``mpiexec`` leaves them, and a queue's job its own GPUs), so a
+    rank's own GPU is the one at its place; ValueError where there are
+    GPUs, but fewer than ranks.
+
+    Examples
+    --------
+    >>> launched_devices(None, 2, 1, 2)
+    ('@cupy:1',)
+    >>> launched_devices(None, 0, 1, 2)
+    ('@numpy',)
+    >>> launched_devices(('@numpy',) * 2, 4, 0, 1)
+    ('@numpy', '@numpy')
+    """
+    if named:
+        return tuple(named)
+    if not gpus:
+        return ('@numpy',)
+    if gpus < intra_size:
+        raise ValueError(f'{intra_size} ranks on this machine see {gpus} '
+                         'GPUs: launch one GPU per rank, or name each '
+                         "rank's devices")
+    return (f'@cupy:{intra_rank}',)
 
 
 def default_bucket_mb(devices):

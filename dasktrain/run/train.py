@@ -29,6 +29,7 @@ and after a lost worker the new ranks resume from it.
 import contextlib
 import logging
 import os
+import socket
 import time
 import uuid
 from typing import NamedTuple
@@ -54,7 +55,9 @@ from dasktrain.errors import (
 )
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
 from dasktrain.parallel.comm.base import Communicator
+from dasktrain.parallel.comm.rendezvous import join, launched
 from dasktrain.parallel.devices import (
+    available_devices,
     frames_released,
     free_gpu_memory,
     resolve_devices,
@@ -68,9 +71,11 @@ from dasktrain.parallel.gpus import (
 )
 from dasktrain.parallel.placement import (
     HERE,
+    LAUNCHED,
     PER_DEVICE,
     able_workers,
     gpus_per_rank,
+    launched_devices,
     place,
     rank_resources,
     rank_threads,
@@ -150,7 +155,10 @@ def train(config=None, callbacks=(), client=None, placed=None, **overrides):
                                                 config.model_args),
                             dataset=resolve_spec(config.dataset))
     progress = Progress(config.progress, config.epochs)
-    placement = place(config)  # asks CUDA, once, when no devices are named
+    # Asks CUDA, once, when no devices are named.
+    placement = place(config, launched=launched())
+    if placement.where == LAUNCHED:
+        return _launched(config, callbacks, progress)
     if placement.where == HERE:
         with prepare_out(config):
             return run(config, devices=placement.devices,
@@ -193,17 +201,23 @@ def _job(config, ranks, callbacks, client, progress, placed=None):
     config = config.replace(out=os.path.abspath(config.out),
                             data_dir=os.path.abspath(config.data_dir))
     with prepare_out(config):  # locked here; rank 0 writes into it
-        if config.dataset in ('cifar10', 'cifar100'):  # once, not per rank
-            download_cifar10(config.data_dir, url=config.url, md5=config.md5,
-                             progress=config.progress,
-                             **({'source': CIFAR100}
-                                if config.dataset == 'cifar100' else {}))
+        _download(config)  # once, not per rank
         if client is not None:
             return _drive(client, config, ranks, callbacks, progress, placed)
         with restore_default_scheduler(always=True):
             with connect(config.scheduler) as client:
                 return _drive(client, config, ranks, callbacks, progress,
                               placed)
+
+
+def _download(config):
+    """CIFAR-10 or -100 into ``config.data_dir`` if the run names it and
+    it is not there yet, before the ranks read it."""
+    if config.dataset in ('cifar10', 'cifar100'):
+        download_cifar10(config.data_dir, url=config.url, md5=config.md5,
+                         progress=config.progress,
+                         **({'source': CIFAR100}
+                            if config.dataset == 'cifar100' else {}))
 
 
 def _send_files(client, config):
@@ -327,6 +341,21 @@ def _rank(config, name, rank, size, gpus, want=None, flags=False,
         return _rank_body(config, name, rank, size, gpus, want, devices)
 
 
+def rank_comm(host, devices, progress):
+    """The communicator a rank trains with: NCCL over ``host`` (its
+    :class:`~dasktrain.parallel.comm.dask.DaskComm`) where every rank can
+    use it on its ``devices`` (the ranks agree: one collective), else
+    ``host`` itself, with a warning on ``progress`` for a GPU rank that
+    cannot."""
+    module = _nccl_module()
+    nccl = use_nccl(devices, module)
+    if all(host.allgather(nccl)):
+        return NcclComm(host, gpu_ids(devices)[0])
+    if gpu_ids(devices) and not nccl:
+        progress.warn(nccl_problem(module))
+    return host
+
+
 def _rank_body(config, name, rank, size, gpus, want, devices):
     held = GpuPool.acquire(gpus, want=want) if gpus else []
     # The worker's free GPUs by their CUDA ordinals in this process.
@@ -336,15 +365,8 @@ def _rank_body(config, name, rank, size, gpus, want, devices):
         with Stop(name, event=False) as stop, frames_released(), \
                 DaskComm.rendezvous(name, rank, size,
                                     config.collective_timeout) as host:
-            comm = host
             progress = RankDisplay(name, relay=rank == 0)
-            # NCCL only if every rank can use it: the ranks must agree.
-            module = _nccl_module()
-            nccl = use_nccl(devices, module)
-            if all(host.allgather(nccl)):
-                comm = NcclComm(host, gpu_ids(devices)[0])
-            elif gpu_ids(devices) and not nccl:
-                progress.warn(nccl_problem(module))
+            comm = rank_comm(host, devices, progress)
             try:
                 with chainer.using_device(chainer.get_device(devices[0])):
                     summary = run(config, comm=Stoppable(comm, stop),
@@ -356,6 +378,51 @@ def _rank_body(config, name, rank, size, gpus, want, devices):
     finally:
         free_gpu_memory(gpu_ids(devices))  # before the next job gets them
         GpuPool.release(held)
+
+
+# ------------------------------------------------- a rank of a launch
+
+def _launched(config, callbacks, progress):
+    """Train as one rank of ``dasktrain launch`` (its environment says
+    who the others are): join them, train on this rank's devices
+    (:func:`~dasktrain.parallel.placement.launched_devices`), rank 0
+    holding ``config.out``, downloading the data first, showing the run
+    and calling ``callbacks``; the others train silently beside it. The
+    summary, with ``rank`` and ``ranks``."""
+    if config.workers is not None:
+        raise ScaleOutError(f'{argument("workers")} asks for ranks on Dask '
+                            'workers, and this process is already a rank '
+                            f'of dasktrain launch; leave {argument("workers")}'
+                            ' out')
+    host = join()
+    try:
+        lead = host.rank == 0
+        # Ranks of one machine, in rank order: the GPUs launch shows them.
+        hosts = host.allgather(socket.gethostname())
+        mine = [r for r, h in enumerate(hosts) if h == hosts[host.rank]]
+        seen = 0 if config.devices else len(gpu_ids(available_devices()))
+        try:
+            devices = launched_devices(config.devices, seen,
+                                       mine.index(host.rank), len(mine))
+        except ValueError as e:
+            raise ScaleOutError(f'{e} ({argument("devices")})') from None
+        display = progress if lead else Progress(False, config.epochs)
+        comm = rank_comm(host, devices, display) if host.size > 1 else host
+        try:
+            with prepare_out(config) if lead else contextlib.nullcontext():
+                if lead:
+                    _download(config)
+                host.barrier()  # the data and OUT are there for every rank
+                with chainer.using_device(chainer.get_device(devices[0])):
+                    summary = run(config, comm=comm, devices=devices,
+                                  callbacks=callbacks if lead else (),
+                                  progress=display)
+        finally:
+            if comm is not host:
+                comm.close()
+        return dict(summary, rank=host.rank, ranks=host.size)
+    finally:
+        host.close()
 
 
 # ------------------------------------------------------------ the driver

@@ -5,7 +5,9 @@ import glob
 import json
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from dasktrain.config import TrainConfig
 from dasktrain.parallel.comm import CollectiveError
 from dasktrain.run.train import ScaleOutError, per_device_line, train
 
+CONSOLE = Path(sys.executable).parent / 'dasktrain'
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
              'comm_time'}
 
@@ -104,6 +107,50 @@ def test_workers_give_the_results_of_one_process_with_as_many_replicas(
         for key in one:
             np.testing.assert_allclose(two[key], one[key], rtol=1e-9,
                                        atol=1e-12, err_msg=key)
+
+
+@pytest.mark.equivalence
+@pytest.mark.processes
+@pytest.mark.parametrize('mode', ['dg', 'ipm'])
+def test_train_under_launch_gives_the_results_of_one_process(
+        data_dir, tmp_path, mode, float64, capfd):
+    # `dasktrain launch -n 2 -- dasktrain train`: two programs, one CPU
+    # replica each, joined by launch's environment; the same rows and
+    # weights as both replicas in one process.
+    extra = {'mix_every': 3} if mode == 'ipm' else {}
+    common = config(data_dir, tmp_path, mode=mode, batch_size=4,
+                    train_size=40, test_size=16, **extra)
+    one = train(common.replace(out=str(tmp_path / 'one'),
+                               devices=('@numpy',) * 2, in_process=True))
+    two = tmp_path / 'two'
+    assert main(['launch', '-n', '2', '--out', str(tmp_path / 'ranks'), '--',
+                 str(CONSOLE), 'train', '--model', 'tiny', '--mode', mode,
+                 '--epochs', '2', '--batch-size', '4', '--lr', '0.01',
+                 '--train-size', '40', '--test-size', '16', '--data-dir',
+                 str(data_dir), '--out', str(two), '--no-progress',
+                 *(['--mix-every', '3'] if extra else [])]) == 0
+    assert_same_logs(one['log'], log(two))
+    for key, value in npz(tmp_path / 'one' / 'model_final.npz').items():
+        np.testing.assert_allclose(npz(two / 'model_final.npz')[key], value,
+                                   rtol=1e-9, atol=1e-12, err_msg=key)
+    # Rank 0 tells the run (relayed by launch); the other rank says nothing
+    # of it, and only rank 0 wrote OUT.
+    out = capfd.readouterr().out
+    assert 'on 2 launched ranks (@numpy each)' in out and \
+        out.count('done: epoch 2') == 1
+    assert 'done:' not in (tmp_path / 'ranks' / 'rank1.log').read_text()
+
+
+def test_train_under_launch_refuses_workers_in_one_line(data_dir, tmp_path,
+                                                         capfd):
+    code = main(['launch', '-n', '2', '--out', str(tmp_path / 'ranks'), '--',
+                 str(CONSOLE), 'train', '--model', 'tiny', '--workers', '2',
+                 '--data-dir', str(data_dir), '--out', str(tmp_path / 'x'),
+                 '--no-progress'])
+    assert code == 1
+    err = capfd.readouterr().err
+    assert 'already a rank of dasktrain launch; leave --workers out' in err
+    assert 'Traceback' not in err and not (tmp_path / 'x').exists()
 
 
 # ------------------------------------------------------------ failures
