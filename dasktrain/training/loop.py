@@ -217,9 +217,9 @@ def _say_devices(progress, model, named):
     """The devices a run trains on, first thing: a GPU server training on
     its CPU must not go unnoticed (with nvidia-smi's GPUs and Chainer's
     reason why it cannot use them)."""
-    workers = model.comm.size
+    ranks = model.comm.size
     progress.say(describe_devices(model.devices, named) +
-                 (f', on each of {workers} workers' if workers > 1 else ''))
+                 (f', on each of {ranks} ranks' if ranks > 1 else ''))
     if all(d.xp is np for d in model.devices):
         count, reason = gpu_count()
         line = unused_gpus_message(nvidia_smi_lines(), count, reason)
