@@ -64,7 +64,8 @@ def job_rows(jobs_dir=None, ask=None):
         try:
             jobs.append((job, job.spec(), job.status()))
         except JobError as e:
-            unreadable.append((job.id, str(e)))
+            if job.folder.is_dir():  # else purged meanwhile: gone
+                unreadable.append((job.id, str(e)))
     live = [(j, spec) for j, spec, s in jobs if s['state'] not in DONE]
     known = {}
     if live and ask is not None:

@@ -16,6 +16,8 @@ from test_cluster import Processes, job_config, wait_until
 from dasktrain.cli import main
 from dasktrain.jobs.client.submit import submit
 from dasktrain.jobs.job import Job, JobError, list_jobs
+from dasktrain.jobs.scheduler.board import JobBoard
+from dasktrain.jobs.status import job_rows
 from dasktrain.jobs.worker.task import FORMER_CHILDREN, child_module
 from dasktrain.run.train import train
 
@@ -389,21 +391,34 @@ def test_a_job_folder_naming_a_former_child_module_still_runs(
     assert 'done: epoch 1' in job.logs()
 
 
-def test_a_job_purged_while_the_jobs_are_listed_is_left_out(tmp_path,
-                                                            monkeypatch):
-    # The queue purges ended jobs while `jobs` lists them: a folder gone
-    # between its listing and its reading is no longer a job, not an error.
+
+@pytest.mark.parametrize('purged_at', [1, 2])
+def test_a_job_purged_while_the_jobs_are_listed_is_left_out(
+        tmp_path, monkeypatch, purged_at):
+    # The queue purges ended jobs while `jobs`, the job board and the jobs
+    # table read them: a folder gone between its listing (the first read
+    # of its job.json, to sort) and its reading (the second) is no longer
+    # a job, neither an error nor a damaged row.
     for when, name in enumerate(('a', 'b', 'c'), start=1):
         folder = tmp_path / name
         folder.mkdir()
         (folder / 'job.json').write_text('{}')  # unreadable: by its time
         (folder / 'status.json').write_text('{}')
         os.utime(folder, (when, when))
-    spec = Job.spec
+    spec, calls = Job.spec, []
 
     def purged_meanwhile(job):
-        if job.id == 'b':
+        calls.append(job.id)
+        if job.id == 'b' and calls.count('b') == purged_at:
             shutil.rmtree(job.folder)
         return spec(job)
     monkeypatch.setattr(Job, 'spec', purged_meanwhile)
-    assert [job.id for job in list_jobs(tmp_path)] == ['a', 'c']
+    if purged_at == 1:
+        assert [job.id for job in list_jobs(tmp_path)] == ['a', 'c']
+        return
+    assert [s['id'] for s in JobBoard(tmp_path).summaries()] == ['a', 'c']
+    (tmp_path / 'b').mkdir()
+    (tmp_path / 'b' / 'status.json').write_text('{}')
+    calls.clear()
+    rows, unreadable = job_rows(tmp_path)
+    assert [i for i, _ in unreadable] == ['a', 'c']

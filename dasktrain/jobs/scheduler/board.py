@@ -100,6 +100,8 @@ class JobBoard(SchedulerPlugin):
                 summary['row'] = before.get('row')
                 summary['epoch_seconds'] = before.get('epoch_seconds')
             except JobError as e:  # damaged: one row that says why
+                if not os.path.lexists(job.folder):  # purged meanwhile
+                    continue
                 summary = job.damaged(e)
             except Exception as e:  # never a reason to lose the others
                 summary = job.damaged(f'{type(e).__name__}: {e}')
