@@ -21,12 +21,16 @@ import threading
 import time
 from typing import NamedTuple
 
+from dasktrain.parallel.comm.base import ECHO_PHRASES
+
 logger = logging.getLogger(__name__)
 
 POLL = 0.1  # s between looks at the ranks' tasks and events
 SETTLE = 1.0  # s after a first failure for the root one to show
 PATIENCE = 5.0  # s an echo of a lost peer waits for its cause
-ECHOES = ('PeerLost', 'CollectiveError', 'CommClosedError', 'StreamClosed')
+# A failure for a lost peer, by its class in a traceback or its words.
+ECHOES = ('PeerLost', 'CollectiveError', 'CommClosedError',
+          'StreamClosed') + ECHO_PHRASES
 
 
 class Outcome(NamedTuple):
@@ -64,6 +68,12 @@ def blame(failures):
     >>> b = Failure(1, None, {'last': 'ValueError: x'}, 2.0)
     >>> blame([a, b]).rank
     1
+    >>> c = Failure(1, None, {'last': 'dasktrain train: error: rank 0 '
+    ...             'closed its connection during a barrier: its worker '
+    ...             'died or its training failed'}, 1.0)
+    >>> d = Failure(0, None, {'last': 'error: OUT holds a run'}, 2.0)
+    >>> blame([c, d]).rank  # the one line of a rank whose peer went
+    0
     """
     return min(failures, key=lambda f: (f.echo(), f.seen))
 

@@ -139,6 +139,13 @@ def test_train_under_launch_gives_the_results_of_one_process(
     assert 'on 2 launched ranks (@numpy each)' in out and \
         out.count('done: epoch 2') == 1
     assert 'done:' not in (tmp_path / 'ranks' / 'rank1.log').read_text()
+    # Again without --resume: rank 0's refusal is the one told, not its
+    # peer's lost connection (which may end first).
+    assert main(['launch', '-n', '2', '--out', str(tmp_path / 'again'), '--',
+                 str(CONSOLE), 'train', '--model', 'tiny', '--data-dir',
+                 str(data_dir), '--out', str(two), '--no-progress']) == 1
+    err = capfd.readouterr().err
+    assert 'rank 0 failed (exit 1)' in err and '--resume' in err, err
 
 
 def test_train_under_launch_refuses_workers_in_one_line(data_dir, tmp_path,

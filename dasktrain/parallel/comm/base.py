@@ -28,6 +28,14 @@ import numpy as np
 
 from dasktrain.errors import Error
 
+# How a rank's error says that a peer went away or never answered: a
+# launch tells a rank that failed for a peer (an echo) from the cause by
+# these, in a traceback and in the one line `dasktrain train` prints alike.
+PEER_GONE = 'its worker died or its training failed'
+PEER_DOWN = 'its peer died or the network is down'
+PEER_SILENT = 'a peer died or hangs'
+ECHO_PHRASES = (PEER_GONE, PEER_DOWN, PEER_SILENT)
+
 
 class CollectiveError(Error, RuntimeError):
     """A peer died, hung past the timeout, or fell out of step."""
@@ -339,5 +347,5 @@ def poll(check, deadline, what, abort):
         if now > deadline:
             abort()
             raise CollectiveError(f'{what} did not finish within the '
-                                  'collective_timeout: a peer died or hangs')
+                                  f'collective_timeout: {PEER_SILENT}')
         time.sleep(pause(now - began))

@@ -47,6 +47,7 @@ import numpy as np
 
 from dasktrain.parallel.comm import mesh
 from dasktrain.parallel.comm.base import (
+    PEER_GONE,
     CollectiveError,
     Communicator,
     batches,
@@ -357,7 +358,7 @@ class DaskComm(Communicator):
                 raise PeerLost(
                     f'rank {tasks[task]} closed its connection during '
                     f'{collective_name(tag)}: '
-                    'its worker died or its training failed') from None
+                    f'{PEER_GONE}') from None
             if error is not None:
                 raise error
         if pending:

@@ -50,7 +50,11 @@ import time
 import numpy as np
 
 from dasktrain.parallel.comm import streams as one_way
-from dasktrain.parallel.comm.base import CollectiveError
+from dasktrain.parallel.comm.base import (
+    PEER_DOWN,
+    PEER_SILENT,
+    CollectiveError,
+)
 from dasktrain.parallel.comm.streams import KEY, LinkLost, Stream
 
 #: Streams each way between two ranks, unless told.
@@ -157,7 +161,7 @@ class _Call:
                 if left <= 0:
                     raise CollectiveError(
                         f'{what} did not arrive within the collective_'
-                        'timeout: a peer died or hangs')
+                        f'timeout: {PEER_SILENT}')
                 self.cond.wait(min(left, 1.0))
 
     def mark(self, update):
@@ -241,11 +245,10 @@ class Links:
         the error told, before any lost link it caused."""
         if isinstance(error, TimeoutError):
             error = CollectiveError('a link waited past the collective_'
-                                    'timeout: a peer died or hangs')
+                                    f'timeout: {PEER_SILENT}')
         elif isinstance(error, OSError) and not isinstance(
                 error, CollectiveError):
-            error = LinkLost(f'a link failed ({error}): its peer died or '
-                             'the network is down')
+            error = LinkLost(f'a link failed ({error}): {PEER_DOWN}')
         with self._lock:
             self._error = _first(self._error, error)
         call = self._call

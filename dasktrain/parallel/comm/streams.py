@@ -14,7 +14,7 @@ import queue
 import socket
 import threading
 
-from dasktrain.parallel.comm.base import CollectiveError
+from dasktrain.parallel.comm.base import PEER_GONE, CollectiveError
 
 #: Bytes of one record: the unit a stream sends, seals and sums.
 RECORD = DEFAULT_RECORD = 1 << 20
@@ -121,8 +121,7 @@ class Stream:
         while view:
             got = self.sock.recv_into(view)
             if not got:
-                raise LinkLost('a peer closed its link: its worker died '
-                               'or its training failed')
+                raise LinkLost(f'a peer closed its link: {PEER_GONE}')
             view = view[got:]
 
     def close(self):
