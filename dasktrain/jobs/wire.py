@@ -28,15 +28,6 @@ LOG_CHUNK = 1024 * 1024           # bytes of output.log per `logs` answer
 OPS = ('ping', 'cluster', 'submit', 'jobs', 'status', 'result', 'logs',
        'cancel', 'requeue', 'gpus')
 
-# A job across workers would need its ranks to reach Dask, which only
-# root may in a shared cluster.
-NO_WORKERS = ('a shared cluster runs no job across workers (--workers): its '
-              'ranks would need Dask, which only the cluster\'s owner '
-              'reaches. Ask for the GPUs of one machine instead (`dasktrain '
-              'submit --gpus 4 -- --devices 0,1,2,3`), or run one rank per '
-              'GPU of the job (`dasktrain submit --gpus 2 -- dasktrain '
-              'launch -n 2 -- dasktrain train`)')
-
 Peer = collections.namedtuple('Peer', 'pid uid gid')
 Peer.__doc__ = 'Who is at the other end of a Unix socket, as the kernel says.'
 

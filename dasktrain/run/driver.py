@@ -35,8 +35,9 @@ ECHOES = ('PeerLost', 'CollectiveError', 'CommClosedError',
 
 class Outcome(NamedTuple):
     """How a job of ranks ended: ``kind`` 'done' (``value``: each rank's
-    result), 'lost' (the addresses of its workers that are gone) or
-    'failed' (the :class:`Failure` to blame)."""
+    result), 'lost' (the addresses of its workers that are gone),
+    'failed' (the :class:`Failure` to blame) or 'interrupted' (its
+    driver was told to stop them)."""
     kind: str
     value: object
 
@@ -189,14 +190,18 @@ class Driver:
                 return
             self.relay(event)
 
-    def watch(self, failed=None):
+    def watch(self, failed=None, interrupt=None):
         """Relay the ranks' events until their tasks end; an
         :class:`Outcome`. ``failed(result)``: whether a rank that returned
-        ``result`` failed (default: none that returns does)."""
+        ``result`` failed (default: none that returns does);
+        ``interrupt()``: whether to stop watching now (the ranks are the
+        caller's to stop)."""
         from dasktrain.cluster.local import worker_info
         failures, first = {}, None
         while True:
             self.relay_events()
+            if interrupt is not None and interrupt():
+                return Outcome('interrupted', None)
             states = [f.status for f in self.futures]
             now = time.monotonic()
             for rank, future in enumerate(self.futures):

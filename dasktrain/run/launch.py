@@ -446,8 +446,8 @@ def _run_here(argv, n, out, timeout, grace, echo, extra):
     environ.update({k: environ.get(k, '1') for k in _BLAS})
     ended = threading.Event()  # set whenever a rank ends
     children = []
-    with _throwaway_tls() as tls:
-        port = _free_port()
+    with throwaway_tls() as tls:
+        port = free_port()
         address = f'tls://127.0.0.1:{port}'
         try:
             for rank in range(n):
@@ -455,7 +455,7 @@ def _run_here(argv, n, out, timeout, grace, echo, extra):
                     rank, n, address, job, 'tls://127.0.0.1', tls, timeout))
                 children.append(_Child(argv, env, rank, out, echo, ended,
                                        grace))
-            with _scheduler_here(port, tls):
+            with scheduler_here(port, tls):
                 return _watch_here(children, ended, grace, echo)
         finally:
             for child in children:
@@ -463,30 +463,30 @@ def _run_here(argv, n, out, timeout, grace, echo, extra):
 
 
 @contextlib.contextmanager
-def _throwaway_tls():
-    """(ca, cert, key) of a CA and certificate made for this launch alone
-    (127.0.0.1), in a private folder removed on exit."""
+def throwaway_tls(host='127.0.0.1'):
+    """(ca, cert, key) of a CA and certificate made for one job of ranks
+    alone (``host``), in a private folder removed on exit."""
     from dasktrain.cluster.tls import ensure_certificates
     folder = tempfile.mkdtemp(prefix='dasktrain-launch-')  # 0700
     try:
-        files = ensure_certificates(folder)
+        files = ensure_certificates(folder, host)
         yield files['tls_ca_file'], files['tls_cert'], files['tls_key']
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _free_port():
-    """A port of 127.0.0.1 free now, for the scheduler the ranks are
+def free_port(host='127.0.0.1'):
+    """A port of ``host`` free now, for the scheduler the ranks are
     told of before it starts."""
     import socket
     with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 @contextlib.contextmanager
-def _scheduler_here(port, tls):
-    """A scheduler in this process on 127.0.0.1:``port`` (TLS, no
+def scheduler_here(port, tls, host='127.0.0.1'):
+    """A scheduler in this process on ``host``:``port`` (TLS, no
     dashboard, no workers), for the ranks' rendezvous."""
     from distributed import LocalCluster
     from distributed.security import Security
@@ -496,13 +496,13 @@ def _scheduler_here(port, tls):
                         tls_scheduler_key=key, require_encryption=True)
     try:
         cluster = LocalCluster(
-            n_workers=0, processes=False, host='127.0.0.1', protocol='tls',
+            n_workers=0, processes=False, host=host, protocol='tls',
             scheduler_port=port, security=security,
-            dashboard_address='127.0.0.1:0',
+            dashboard_address=f'{host}:0',
             scheduler_kwargs={'dashboard': False})
     except OSError as e:
         raise LaunchError(f'the ranks\' rendezvous cannot listen on '
-                          f'127.0.0.1:{port} ({e}); launch again') from None
+                          f'{host}:{port} ({e}); launch again') from None
     with cluster:
         yield
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -41,7 +42,6 @@ from dasktrain.jobs.client.route import route, shared_queue
 from dasktrain.jobs.client.socket_client import SocketClient
 from dasktrain.jobs.job import Job
 from dasktrain.jobs.wire import (
-    NO_WORKERS,
     ProtocolError,
     RequestError,
     check_request,
@@ -603,11 +603,87 @@ def test_root_reads_no_file_a_user_planted_in_their_outputs(lab):
     assert lab.run('bob', 'cancel', job_id)[0] == 0
 
 
-def test_scale_out_is_refused_in_one_line(lab):
-    code, out, err = lab.run('bob', 'submit', '--gpus', '0', '--',
-                             '--model', 'tiny', '--workers', '2')
-    assert (code, out, err) == (1, '', f'dasktrain submit: error: '
-                                       f'{NO_WORKERS}\n')
+@contextlib.contextmanager
+def second_worker(lab, slots=2):
+    """A worker joined to the lab's cluster by hand, as root, as on a
+    second machine (security.md): the cluster's keys, its preload."""
+    tls = lab.state['tls']
+    env = dict(os.environ, DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION='1')
+    with child([sys.executable, '-m', 'distributed.cli.dask_worker',
+                lab.state['scheduler'], '--preload',
+                'dasktrain.jobs.worker.preload', '--nthreads',
+                str(slots + 1), '--resources', f'CPU={slots}', '--host',
+                '127.0.0.1', '--dashboard-address', '127.0.0.1:0',
+                '--local-directory', str(lab.root / 'second-worker'),
+                '--tls-ca-file', tls['tls_ca_file'], '--tls-cert',
+                tls['tls_cert'], '--tls-key', tls['tls_key']],
+               env=env) as worker:
+        from dasktrain.cluster.local import connect, security_from
+        with connect(lab.state['scheduler'], security_from(**tls)) as c:
+            c.wait_for_workers(2, timeout=60)
+        yield worker
+
+
+def test_a_job_across_workers_runs_its_ranks_as_its_submitter(
+        lab, tmp_path, float64):
+    # Scale-out on a shared cluster: the ranks are the job's program, as
+    # its submitter, on two workers (the second joined by hand), joined
+    # through a rendezvous of their own; the results of the same two
+    # replicas in one process.
+    import psutil
+
+    from dasktrain.config import TrainConfig
+    from dasktrain.run.train import train
+    who = 'bob' if python_runs_as(lab, 'bob') else 'root'
+    data = lab.data('gang-data', seed=8)
+    args = ['--model', 'tiny', '--epochs', '2', '--batch-size', '4',
+            '--lr', '0.01', '--train-size', '40', '--test-size', '16',
+            '--mode', 'ipm', '--mix-every', '3', '--data-dir', str(data)]
+    here = train(TrainConfig(model='tiny', epochs=2, batch_size=4, lr=0.01,
+                             train_size=40, test_size=16, mode='ipm',
+                             mix_every=3, data_dir=str(data),
+                             devices=('@numpy',) * 2, in_process=True,
+                             out=str(tmp_path / 'here'), progress=False))
+    with second_worker(lab):
+        job_id = lab.submit(who, '--', *args, '--workers', '2',
+                            '--devices', 'cpu', preload='chainer')
+        status = lab.wait_for(job_id, timeout=240)
+        # A long one, cancelled: every rank stops, on both workers.
+        long = lab.submit(who, '--', *args[:2], '--epochs', '500',
+                          *args[4:], '--workers', '2', '--devices', 'cpu',
+                          preload='chainer')
+        folder = lab.job(long).folder
+        wait_until(lambda: 'epoch' in (folder / 'out' / 'log').read_text()
+                   if (folder / 'out' / 'log').exists() else False, 120,
+                   'its first epoch')
+        assert lab.run(who, 'cancel', long)[0] == 0
+        assert lab.wait_for(long, timeout=60)['state'] == 'cancelled'
+        wait_until(lambda: not [p for p in psutil.process_iter(['cmdline'])
+                                if str(folder) in ' '.join(
+                                    p.info['cmdline'] or ())], 30,
+                   'no rank left')
+        # A rank's mistake fails the job with that rank's one line.
+        bad = lab.submit(who, '--', *args[:8], '--train-size', '1',
+                         *args[10:], '--workers', '2', '--devices', 'cpu',
+                         preload='chainer')
+        failed = lab.wait_for(bad, timeout=120)
+        assert failed['state'] == 'failed'
+        assert re.fullmatch(r'rank [01]: error: 2 replicas need at least as '
+                            r'many training images, got train_size 1',
+                            failed['error']), failed['error']
+    job = lab.job(job_id)
+    assert status['state'] == 'finished', job.logs()
+    rows = json.loads((job.folder / 'out' / 'log').read_text())
+    assert len(rows) == len(here['log']) == 2
+    for mine, theirs in zip(here['log'], rows):
+        for key in ('main/loss', 'validation/main/loss',
+                    'validation/main/accuracy'):
+            assert theirs[key] == pytest.approx(mine[key], rel=1e-9), key
+    uid = lab.uid(who)
+    assert (job.folder / 'out' / 'log').stat().st_uid == uid
+    assert (job.folder / 'rank1.log').stat().st_uid == uid
+    assert 'rank 1 of 2' in (job.folder / 'rank1.log').read_text()
+    assert '2 ranks on' in job.logs()
 
 
 def python_runs_as(lab, who):

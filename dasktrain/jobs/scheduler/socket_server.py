@@ -83,7 +83,6 @@ from dasktrain.jobs.status import (
 from dasktrain.jobs.wire import (
     LOG_CHUNK,
     MAX_REQUEST,
-    NO_WORKERS,
     ProtocolError,
     check_request,
     decode,
@@ -247,8 +246,6 @@ class SocketServer(SchedulerPlugin):
     def op_submit(self, peer, request):
         who = submitter(peer.uid)
         asked = request['request']
-        if asked.workers is not None:
-            raise JobError(NO_WORKERS)
         self.check_limits(peer, asked)
         asked.check_fits({a: dict(ws.resources) for a, ws in
                           list(self.scheduler.workers.items())})

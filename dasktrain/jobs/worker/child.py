@@ -27,6 +27,7 @@ from dasktrain.jobs.job import (
     Pruned,
     read_file,
 )
+from dasktrain.parallel.comm.rendezvous import launched
 from dasktrain.parallel.gpus import VISIBLE, place_devices
 
 
@@ -61,7 +62,11 @@ def run_child(folder, callbacks=(), spec=None):
         spec = read_spec(folder)
     config = TrainConfig.from_json(json.dumps(spec['config']))
     placed = None
-    if config.workers is not None:
+    if launched():
+        # A rank of a gang (jobs.worker.gang): its peers are launch's.
+        config = config.replace(workers=None, scheduler=None,
+                                gpus_per_worker=None)
+    elif config.workers is not None:
         # Across workers: its ranks where the queue placed them (each
         # taking the GPUs planned for it on its worker).
         config = config.replace(scheduler=spec['scheduler'])
@@ -83,6 +88,8 @@ def run_child(folder, callbacks=(), spec=None):
     except Exception:
         traceback.print_exc()
         return 1
+    if summary.get('rank'):  # a gang's rank r > 0: rank 0 tells the run
+        return 0
     final, stop = summary['final'], summary.get('stopped_by_request')
     if stop:
         print(f"stopped by request at iteration {stop['iteration']} "

@@ -59,10 +59,11 @@ def open_output(folder, user):
     return os.fdopen(fd, 'ab')
 
 
-def last_line(folder, user, size=8192):
-    """The last line of the job's ``output.log`` ('' if none), read from
-    its end only (a user may have made it huge)."""
-    path = os.path.join(folder, 'output.log')
+def last_line(folder, user, size=8192, name='output.log'):
+    """The last line of the job's ``output.log`` (or another of its logs,
+    ``name``; '' if none), read from its end only (a user may have made
+    it huge)."""
+    path = os.path.join(folder, name)
     try:
         length = os.lstat(path).st_size
         data = read_regular(path, None if user is None else user.uid,

@@ -27,6 +27,7 @@ training job; a command with ``requeue``), else ends ``lost``. Every
 change is announced to the scheduler
 (:meth:`~dasktrain.jobs.job.Job.announce`).
 """
+import contextlib
 import json
 import logging
 import os
@@ -125,6 +126,17 @@ def job_children():
     return dict(_children)
 
 
+@contextlib.contextmanager
+def kept_for(kept, job_id):
+    """Within: the keeper ``kept`` is known as the job ``job_id``'s to
+    :func:`job_children`."""
+    _children[kept.pid] = job_id
+    try:
+        yield
+    finally:
+        _children.pop(kept.pid, None)
+
+
 def run_job(folder, gpus=None, ranks=None):
     """The task body: one attempt of the job in ``folder``; the state it
     ended in. ``gpus``: the ids of this worker's GPUs the queue planned
@@ -220,6 +232,10 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
         "this worker cannot cap a job's memory: it has no cgroup"
     if problem:
         return _failed(folder, f'--mem: {problem}', job)
+    if ranks and user is not None and program.ours:
+        # A shared cluster's training job across workers: its ranks are
+        # its program, each as its submitter (jobs.worker.gang).
+        return _gang(job, spec, ranks, grace, attempt, user)
     contain = contained(job.id, attempt, spec, where,
                         containment.cluster_mark(), job_pids(),
                         kept_in.controllers if where else ())
@@ -287,6 +303,33 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
         state = 'failed'
         error = (last_line(folder, user) if program.ours else None) or words
     # Recorded before the GPUs are free: the next job starts after it.
+    update_status(folder, state=state, error=error, ended=time.time(),
+                  exit_code=code, **more)
+    job.announce()
+    return state
+
+
+def _gang(job, spec, ranks, grace, attempt, user):
+    """Run the gang ``job`` on ``ranks`` and record how it ended."""
+    from dasktrain.jobs.worker.gang import run_gang
+    folder = job.folder
+    with open_output(folder, user) as log:
+        log.write(f'=== attempt {attempt}: {len(ranks)} ranks on '
+                  f'{", ".join(w for w, _ in ranks)}; rank 0 writes here, '
+                  'rank r to rank{r}.log ===\n'.encode())
+    code, how, rank = run_gang(job, spec, ranks, grace, attempt)
+    more = {}
+    if code is None:
+        state, error = stopped_state(folder, how)
+    elif code == 0:
+        state, error = 'finished', None
+    elif code == PRUNED:
+        state, error = 'pruned', None
+    elif code == STOPPED:
+        state, error, more = 'finished', None, {
+            'ending': 'stopped by request'}
+    else:
+        state, error = 'failed', f'rank {rank}: {how}'
     update_status(folder, state=state, error=error, ended=time.time(),
                   exit_code=code, **more)
     job.announce()

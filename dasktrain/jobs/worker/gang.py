@@ -1,0 +1,201 @@
+"""A training job across workers on a shared cluster (a gang): its ranks
+are its training program, one per worker the queue placed them on, each
+started as the job's submitter under its keeper, as every job is.
+
+The ranks never reach the cluster's Dask (only root does): they join as
+the ranks of ``dasktrain launch`` do
+(:mod:`dasktrain.parallel.comm.rendezvous`), through a scheduler of their
+own that the gang's task hosts in its worker process for the attempt,
+with a CA and certificate made for it alone (each rank's copy written
+0600 for the submitter, removed when the rank ends), and then talk to
+each other peer to peer. Rank 0 writes the job's ``out/`` and
+``output.log``; rank r > 0 its ``rank{r}.log``.
+
+The gang's task (:func:`run_gang`, root's, holding nothing) starts one
+task per rank (:func:`gang_rank`, holding the rank's GPUs or CPU slot
+on its worker) with :class:`~dasktrain.run.driver.Driver`, the driver
+of every job of ranks, and watches them: the job ends when every rank
+has (its end is rank 0's), when a rank fails (the others are stopped;
+the job's error is that rank's last line), when a rank's worker dies
+(as a job whose worker died: it resumes from its checkpoint once
+requeued), or when it is cancelled (every rank stopped within its
+grace).
+"""
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from dasktrain import containment, keeper
+from dasktrain.cluster.local import worker_info
+from dasktrain.cluster.settings import job_pids
+from dasktrain.jobs.job import PRUNED, STOPPED, Job
+from dasktrain.jobs.worker.environment import (
+    job_environment,
+    job_threads,
+    submitted_env,
+)
+from dasktrain.jobs.worker.runas import job_user, last_line, open_output
+from dasktrain.parallel.comm.rendezvous import rank_environment
+from dasktrain.parallel.gpus import GpuPool
+from dasktrain.parallel.placement import rank_resources
+from dasktrain.run.driver import Driver, Stop
+from dasktrain.run.launch import free_port, scheduler_here, throwaway_tls
+
+POLL = 0.2  # s between two looks at a rank's program
+ENDS = (0, STOPPED, PRUNED)  # how a rank's program ends well
+
+
+def run_gang(job, spec, placed, grace, attempt):
+    """Run the gang ``job`` (its ``job.json`` is ``spec``) on ``placed``
+    (``[(worker address, [GPU ids])]``, one per rank) until it ends:
+    ``(code, how, rank)``: rank 0's exit code where every rank ended,
+    else the failed rank's (``how``: why, in words; ``rank``: which),
+    or ``(None, how, None)`` once cancelled."""
+    from distributed import get_worker, worker_client
+    from distributed.comm.addressing import get_address_host
+    worker = get_worker()
+    host = get_address_host(worker.address)
+    name = f'dasktrain-gang-{job.id}-{attempt}'
+    timeout = float((spec.get('config') or {}).get('collective_timeout')
+                    or 300.0)
+    with throwaway_tls(host) as tls, worker_client() as client:
+        pems = [Path(p).read_text() for p in tls]
+        port = free_port(host)
+        with scheduler_here(port, tls, host):
+            rendezvous = f'tls://{host}:{port}'
+            infos = worker_info(client)
+            with Driver(client, name, lambda event: None) as driver:
+                driver.start(gang_rank, [
+                    (str(job.folder), rank, len(placed), list(ids),
+                     rendezvous, name, pems, grace, timeout, attempt)
+                    for rank, (_, ids) in enumerate(placed)],
+                    [w for w, _ in placed],
+                    [rank_resources(spec['gpus'], infos.get(w, {}))
+                     for w, _ in placed])
+                outcome = driver.watch(
+                    failed=lambda result: result['code'] not in ENDS,
+                    interrupt=lambda: (job.folder / 'cancel').exists())
+                driver.stop(grace + 10)
+    if outcome.kind == 'interrupted':
+        return None, f'every rank stopped (grace {grace:g} s)', None
+    if outcome.kind == 'done':
+        return outcome.value[0]['code'], None, 0
+    if outcome.kind == 'lost':
+        rank = [w for w, _ in placed].index(outcome.value[0])
+        return -9, f'rank {rank} lost its worker ({outcome.value[0]})', rank
+    failure = outcome.value
+    result = failure.result or {}
+    how = result.get('why') or result.get('last') or failure.why or \
+        f'{type(failure.error).__name__}: {failure.error}'
+    return result.get('code', 1) or 1, how, failure.rank
+
+
+@contextlib.contextmanager
+def user_tls(pems, user):
+    """The rendezvous' CA, certificate and key (``pems``, PEM texts) as
+    files only ``user`` (None: this process's) may read, removed on
+    exit: ``(ca, cert, key)`` paths."""
+    folder = tempfile.mkdtemp(prefix='dasktrain-gang-')  # 0700
+    try:
+        paths = []
+        for name, text in zip(('ca.pem', 'cert.pem', 'key.pem'), pems):
+            path = os.path.join(folder, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, 'w') as f:
+                f.write(text)
+            if user is not None:
+                os.chown(path, user.uid, user.gid)
+            paths.append(path)
+        if user is not None:
+            os.chown(folder, user.uid, user.gid)
+        yield tuple(paths)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rank_log(folder, rank, user):
+    """Rank 0's output: the job's ``output.log``; rank r's:
+    ``rank{r}.log`` beside it (the user's, 0600, made anew)."""
+    if rank == 0:
+        return open_output(folder, user)
+    path = os.path.join(folder, f'rank{rank}.log')
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o600)
+    if user is not None:
+        os.fchown(fd, user.uid, user.gid)
+    return os.fdopen(fd, 'ab')
+
+
+def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
+              timeout, attempt):
+    """The task of rank ``rank`` of ``size``: the job's training program
+    as its submitter, holding the GPUs ``ids`` of this worker (none: a
+    CPU slot), joined to the others through ``rendezvous``; stopped when
+    the driver says (the job's cancel, another rank's failure). Returns
+    ``{'rank', 'code', 'last', 'why'}``."""
+    from distributed import get_worker
+    from distributed.comm.addressing import get_address_host
+
+    from dasktrain.jobs.worker.task import (
+        contained,
+        finish,
+        job_program,
+        kept_for,
+    )
+    folder = Path(folder)
+    job = Job(folder.name, folder)
+    spec = job.spec()
+    user = job_user(spec)
+    program = job_program(spec, folder, user)
+    worker = get_worker()
+    kept_in = containment.in_force()
+    where = containment.jobs_folder()
+    contain = contained(job.id, f'{attempt}-rank{rank}', spec, where,
+                        containment.cluster_mark(), job_pids(),
+                        kept_in.controllers if where else ())
+    held = GpuPool.acquire(spec['gpus'], want=ids) if spec['gpus'] else []
+    try:
+        env = job_environment(submitted_env(folder), held, job_threads(
+            os.sched_getaffinity(0), len(held),
+            worker.state.total_resources), user)
+        with Stop(name) as stop, user_tls(pems, user) as tls, \
+                _rank_log(folder, rank, user) as log:
+            env.update(rank_environment(
+                rank, size, rendezvous, name,
+                f'tls://{get_address_host(worker.address)}', tls, timeout))
+            log.write(f'=== rank {rank} of {size} on {worker.address}, GPUs '
+                      f'{",".join(g.id for g in held) or "none"} ===\n'
+                      .encode())
+            log.flush()
+            kept = keeper.start(program.argv, env, grace, stdout=log,
+                                user=user, cwd=program.cwd,
+                                stdin=program.stdin, contain=contain)
+            stopped = False
+            with kept_for(kept, job.id):
+                try:
+                    while kept.poll() is None:
+                        if stop.is_set() and not stopped:
+                            kept.stop(grace)
+                            stopped = True
+                        time.sleep(POLL)
+                finally:
+                    finish(contain)
+            error = kept.start_error()
+    finally:
+        GpuPool.release(held)
+    if error is not None:
+        return {'rank': rank, 'code': keeper.CANNOT_START, 'last': None,
+                'why': error}
+    code = 0 if stopped else kept.returncode
+    return {'rank': rank, 'code': code, 'why': None,
+            'last': _last_line(folder, rank, user)}
+
+
+def _last_line(folder, rank, user):
+    return last_line(folder, user, name='output.log' if rank == 0
+                     else f'rank{rank}.log')
