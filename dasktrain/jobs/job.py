@@ -50,9 +50,6 @@ STOPPED = 4  # exit code of a job child a `stop` command ended: finished
 EVENTS = 'dasktrain-jobs'  # the Dask event topic of jobs' summaries
 # The program a training job runs: ``python -m CHILD FOLDER``.
 CHILD = 'dasktrain.jobs.worker.child'
-# Where the queue placed a job's ranks, for its program: JSON [[worker
-# address, [GPU ids]], ...] (a job across workers).
-RANKS_ENV = 'DASKTRAIN_RANKS'
 
 
 class Pruned(Exception):

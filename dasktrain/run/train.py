@@ -115,7 +115,7 @@ class Ranks(NamedTuple):
                               progress=False)
 
 
-def train(config=None, callbacks=(), client=None, placed=None, **overrides):
+def train(config=None, callbacks=(), client=None, **overrides):
     """Train as ``config`` says, where it says; return the summary.
 
     Parameters
@@ -130,11 +130,6 @@ def train(config=None, callbacks=(), client=None, placed=None, **overrides):
     client : distributed.Client, optional
         The cluster of ``workers=N``; default: connect to
         ``config.scheduler``, else the recorded cluster.
-    placed : list, optional
-        For ``workers=N``: where a queue placed the ranks, ``[(worker
-        address, [GPU ids])]`` one per rank (its first attempt; default:
-        the first able workers, their free GPUs).
-
     Returns
     -------
     dict
@@ -172,7 +167,7 @@ def train(config=None, callbacks=(), client=None, placed=None, **overrides):
         with local_device_workers(placement.devices, rank_threads(
                 placement.ranks, os.cpu_count())) as client:
             return _job(config, ranks, callbacks, client, progress)
-    return _job(config, None, callbacks, client, progress, placed)
+    return _job(config, None, callbacks, client, progress)
 
 
 def per_device_line(devices):
@@ -193,7 +188,7 @@ def per_device_line(devices):
     return line
 
 
-def _job(config, ranks, callbacks, client, progress, placed=None):
+def _job(config, ranks, callbacks, client, progress):
     """Run the job's ranks on ``client``'s cluster (default:
     ``config.scheduler``'s, else the recorded one); ``ranks`` as decided
     (None: ``config.workers`` on that cluster, decided here)."""
@@ -203,11 +198,10 @@ def _job(config, ranks, callbacks, client, progress, placed=None):
     with prepare_out(config):  # locked here; rank 0 writes into it
         _download(config)  # once, not per rank
         if client is not None:
-            return _drive(client, config, ranks, callbacks, progress, placed)
+            return _drive(client, config, ranks, callbacks, progress)
         with restore_default_scheduler(always=True):
             with connect(config.scheduler) as client:
-                return _drive(client, config, ranks, callbacks, progress,
-                              placed)
+                return _drive(client, config, ranks, callbacks, progress)
 
 
 def _download(config):
@@ -331,14 +325,12 @@ def _nccl_module():
     return nccl
 
 
-def _rank(config, name, rank, size, gpus, want=None, flags=False,
-          devices=None):
+def _rank(config, name, rank, size, gpus, flags=False, devices=None):
     """The task body of rank ``rank``: join the others, train, report;
-    ``want``: the GPU ids of its worker planned for it, if any; ``flags``:
-    its messages name command-line flags, as the driver's (the
+    ``flags``: its messages name command-line flags, as the driver's (the
     ``dasktrain`` command's) do; ``devices``: the rank's (Ranks.devices)."""
     with flag_names() if flags else contextlib.nullcontext():
-        return _rank_body(config, name, rank, size, gpus, want, devices)
+        return _rank_body(config, name, rank, size, gpus, devices)
 
 
 def rank_comm(host, devices, progress):
@@ -356,8 +348,8 @@ def rank_comm(host, devices, progress):
     return host
 
 
-def _rank_body(config, name, rank, size, gpus, want, devices):
-    held = GpuPool.acquire(gpus, want=want) if gpus else []
+def _rank_body(config, name, rank, size, gpus, devices):
+    held = GpuPool.acquire(gpus) if gpus else []
     # The worker's free GPUs by their CUDA ordinals in this process.
     devices = place_devices(devices, [g.index for g in held]) \
         if held else devices or ('@numpy',)
@@ -448,10 +440,9 @@ def _relay(progress, callbacks):
     return relay
 
 
-def _drive(client, config, ranks, callbacks, progress, placed=None):
+def _drive(client, config, ranks, callbacks, progress):
     """Run the job's ranks until they end, again from the checkpoint after
-    a lost worker; the summary of rank 0. ``placed``: where a queue placed
-    the ranks, for the first attempt."""
+    a lost worker; the summary of rank 0."""
     _send_files(client, config)
     if ranks is None:  # decided here, once: the cluster's workers say
         ranks = Ranks(config.workers, gpus_per_rank(
@@ -462,21 +453,14 @@ def _drive(client, config, ranks, callbacks, progress, placed=None):
     patience, attempt = config.collective_timeout, 0
     while True:
         attempt += 1
-        alive = set(worker_info(client))
-        if attempt == 1 and placed and \
-                all(w in alive for w, _ in placed[:ranks.count]):
-            workers = [w for w, _ in placed[:ranks.count]]
-            want = [list(ids) for _, ids in placed[:ranks.count]]
-        else:
-            workers = _choose(client, ranks, wanted, minimum, patience)
-            want = [None] * len(workers)
+        workers = _choose(client, ranks, wanted, minimum, patience)
         name = f'dasktrain-{job}-{attempt}'
         each = ranks.config(config, attempt)
         infos = worker_info(client)
         with Driver(client, name, _relay(progress, callbacks),
                     [f'rank{r}' for r in range(len(workers))]) as driver:
             driver.start(
-                _rank, [(each, name, r, len(workers), ranks.gpus, want[r],
+                _rank, [(each, name, r, len(workers), ranks.gpus,
                          naming_flags(), ranks.devices)
                         for r in range(len(workers))],
                 workers, [rank_resources(ranks.gpus, infos[w])

@@ -21,7 +21,6 @@ from dasktrain.config import TrainConfig
 from dasktrain.errors import Error, plural
 from dasktrain.jobs.job import (
     PRUNED,
-    RANKS_ENV,
     SPEC_LIMIT,
     STOPPED,
     Pruned,
@@ -61,16 +60,12 @@ def run_child(folder, callbacks=(), spec=None):
     if spec is None:
         spec = read_spec(folder)
     config = TrainConfig.from_json(json.dumps(spec['config']))
-    placed = None
     if launched():
         # A rank of a gang (jobs.worker.gang): its peers are launch's.
         config = config.replace(workers=None, scheduler=None,
                                 gpus_per_worker=None)
-    elif config.workers is not None:
-        # Across workers: its ranks where the queue placed them (each
-        # taking the GPUs planned for it on its worker).
+    elif config.workers is not None:  # its ranks driven from here
         config = config.replace(scheduler=spec['scheduler'])
-        placed = json.loads(os.environ.get(RANKS_ENV) or 'null')
     from dasktrain.run.train import train  # Chainer: the child only
     try:
         if spec['gpus'] and config.workers is None:
@@ -78,7 +73,7 @@ def run_child(folder, callbacks=(), spec=None):
             config = config.replace(devices=place_devices(
                 config.devices, range(spec['gpus'])))
         _log_devices(config.devices if spec['gpus'] else None)
-        summary = train(config, callbacks=callbacks, placed=placed)
+        summary = train(config, callbacks=callbacks)
     except Pruned as e:
         print(f'pruned: {e}', flush=True)
         return PRUNED

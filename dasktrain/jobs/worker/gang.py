@@ -79,6 +79,13 @@ def run_gang(job, spec, placed, grace, attempt):
                     failed=lambda result: result['code'] not in ENDS,
                     interrupt=lambda: (job.folder / 'cancel').exists())
                 driver.stop(grace + 10)
+                first = driver.futures[0]
+                if outcome.kind == 'failed' and outcome.value.echo() and \
+                        first.status == 'finished' and \
+                        first.result()['code'] in ENDS:
+                    # Rank 0 ended the run (pruned, stopped): the others
+                    # lost it as a peer.
+                    return first.result()['code'], None, 0
     if outcome.kind == 'interrupted':
         return None, f'every rank stopped (grace {grace:g} s)', None
     if outcome.kind == 'done':

@@ -44,7 +44,6 @@ from dasktrain.jobs.job import (
     CHILD,
     DONE,
     PRUNED,
-    RANKS_ENV,
     STOPPED,
     Job,
     JobError,
@@ -141,8 +140,8 @@ def run_job(folder, gpus=None, ranks=None):
     """The task body: one attempt of the job in ``folder``; the state it
     ended in. ``gpus``: the ids of this worker's GPUs the queue planned
     for it (see :class:`~dasktrain.parallel.gpus.GpuPool`); ``ranks``: a
-    job across workers, ``[(worker, [GPU ids])]`` where the queue placed
-    its ranks, told to its program (:data:`~dasktrain.jobs.job.RANKS_ENV`)."""
+    training job across workers, ``[(worker, [GPU ids])]`` where the
+    queue placed its ranks: its gang (:mod:`~dasktrain.jobs.worker.gang`)."""
     from distributed import get_worker
     folder = Path(folder)
     job = Job(folder.name, folder)
@@ -216,8 +215,6 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
     env = job_environment(recorded, held, job_threads(
         os.sched_getaffinity(0), len(held), worker.state.total_resources),
         user)
-    if ranks:
-        env[RANKS_ENV] = json.dumps([[w, list(ids)] for w, ids in ranks])
     rows = job.log_rows()
     begins = f'resuming after epoch {rows[-1]["epoch"]}' if rows else \
         f'in {program.cwd}: {" ".join(program.argv)}' \
@@ -232,9 +229,9 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
         "this worker cannot cap a job's memory: it has no cgroup"
     if problem:
         return _failed(folder, f'--mem: {problem}', job)
-    if ranks and user is not None and program.ours:
-        # A shared cluster's training job across workers: its ranks are
-        # its program, each as its submitter (jobs.worker.gang).
+    if ranks and program.ours:
+        # A training job across workers: its ranks are its program, each
+        # under its keeper, as its submitter (jobs.worker.gang).
         return _gang(job, spec, ranks, grace, attempt, user)
     contain = contained(job.id, attempt, spec, where,
                         containment.cluster_mark(), job_pids(),
