@@ -168,6 +168,8 @@ def ending_words(end):
     'SIGTERM ignored for 30 s: killed by SIGKILL'
     >>> ending_words({'status': 0, 'after': 40.2, 'killed': False})
     'ended by itself (exit 0) 40 s after SIGTERM'
+    >>> ending_words({'status': 143 << 8, 'after': 0.1, 'killed': False})
+    'stopped by SIGTERM'
     """
     status = end.get('status')
     if end.get('killed') or end.get('left'):
@@ -179,6 +181,11 @@ def ending_words(end):
         signum = os.WTERMSIG(status)
         verb = 'stopped' if signum == signal.SIGTERM else 'killed'
         return f'{verb} by {_signame(signum)}'
+    if os.WEXITSTATUS(status) == 128 + signal.SIGTERM:
+        # A shell's word for its program stopped by SIGTERM (`sh -c`
+        # waits for it, then exits so): the SIGTERM reached the program
+        # before the shell.
+        return f'stopped by {_signame(signal.SIGTERM)}'
     after = end.get('after')
     when = f' {after:.0f} s after SIGTERM' if after is not None else ''
     return f'ended by itself (exit {os.WEXITSTATUS(status)}){when}'

@@ -194,8 +194,8 @@ class Driver:
         """Relay the ranks' events until their tasks end; an
         :class:`Outcome`. ``failed(result)``: whether a rank that returned
         ``result`` failed (default: none that returns does);
-        ``interrupt()``: whether to stop watching now (the ranks are the
-        caller's to stop)."""
+        ``interrupt()``, called at every look: whether to stop watching
+        now (the ranks are the caller's to stop)."""
         from dasktrain.cluster.local import worker_info
         failures, first = {}, None
         while True:

@@ -18,7 +18,7 @@ from dasktrain.jobs.client.submit import submit
 from dasktrain.jobs.job import Job, JobError, list_jobs
 from dasktrain.jobs.scheduler.board import JobBoard
 from dasktrain.jobs.status import job_rows
-from dasktrain.jobs.worker.task import FORMER_CHILDREN, child_module
+from dasktrain.jobs.worker.program import FORMER_CHILDREN, child_module
 from dasktrain.run.train import train
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',

@@ -37,6 +37,13 @@ from dasktrain.jobs.worker.environment import (
     job_threads,
     submitted_env,
 )
+from dasktrain.jobs.worker.program import (
+    Epochs,
+    contained,
+    finish,
+    job_program,
+    kept_for,
+)
 from dasktrain.jobs.worker.runas import job_user, last_line, open_output
 from dasktrain.parallel.comm.rendezvous import rank_environment
 from dasktrain.parallel.gpus import GpuPool
@@ -75,9 +82,14 @@ def run_gang(job, spec, placed, grace, attempt):
                     [w for w, _ in placed],
                     [rank_resources(spec['gpus'], infos.get(w, {}))
                      for w, _ in placed])
+                epochs = Epochs(job)
+
+                def cancelled():  # at every look: the epochs told too
+                    epochs.tell()
+                    return (job.folder / 'cancel').exists()
                 outcome = driver.watch(
                     failed=lambda result: result['code'] not in ENDS,
-                    interrupt=lambda: (job.folder / 'cancel').exists())
+                    interrupt=cancelled)
                 driver.stop(grace + 10)
                 first = driver.futures[0]
                 if outcome.kind == 'failed' and outcome.value.echo() and \
@@ -92,7 +104,9 @@ def run_gang(job, spec, placed, grace, attempt):
         return outcome.value[0]['code'], None, 0
     if outcome.kind == 'lost':
         rank = [w for w, _ in placed].index(outcome.value[0])
-        return -9, f'rank {rank} lost its worker ({outcome.value[0]})', rank
+        return -9, (f'its worker ({outcome.value[0]}) died; `dasktrain '
+                    f'requeue {job.id}` resumes the job from its last '
+                    'checkpoint'), rank
     failure = outcome.value
     result = failure.result or {}
     how = result.get('why') or result.get('last') or failure.why or \
@@ -148,12 +162,6 @@ def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
     from distributed import get_worker
     from distributed.comm.addressing import get_address_host
 
-    from dasktrain.jobs.worker.task import (
-        contained,
-        finish,
-        job_program,
-        kept_for,
-    )
     folder = Path(folder)
     job = Job(folder.name, folder)
     spec = job.spec()

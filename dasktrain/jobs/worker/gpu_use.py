@@ -31,7 +31,7 @@ import os
 
 from dasktrain.cluster.settings import BUSY_ENV, BUSY_MIB
 from dasktrain.jobs.job import user_name
-from dasktrain.jobs.worker.task import job_children
+from dasktrain.jobs.worker.program import job_children
 from dasktrain.parallel.gpus import visible_gpus
 from dasktrain.parallel.nvml import (
     driver_view,

@@ -27,21 +27,17 @@ training job; a command with ``requeue``), else ends ``lost``. Every
 change is announced to the scheduler
 (:meth:`~dasktrain.jobs.job.Job.announce`).
 """
-import contextlib
-import json
 import logging
 import os
 import signal
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 from dasktrain import containment, keeper
 from dasktrain.cluster.settings import job_pids, max_grace
 from dasktrain.errors import plural
 from dasktrain.files import read_regular
 from dasktrain.jobs.job import (
-    CHILD,
     DONE,
     PRUNED,
     STOPPED,
@@ -54,86 +50,18 @@ from dasktrain.jobs.worker.environment import (
     job_threads,
     submitted_env,
 )
+from dasktrain.jobs.worker.program import (
+    Epochs,
+    contained,
+    finish,
+    job_program,
+    kept_for,
+)
 from dasktrain.jobs.worker.runas import job_user, last_line, open_output
 from dasktrain.parallel.gpus import GpuPool
-from dasktrain.spawn import python
-
-# Child modules that job folders written by earlier versions name, and
-# what runs them now: such a folder still runs (or resumes) as it was meant.
-FORMER_CHILDREN = {
-    'dasktrain.jobs': CHILD,
-    'dasktrain.cluster.jobs': CHILD,
-    'dasktrain.jobs.worker': CHILD,
-    'dasktrain.trials': 'dasktrain.tuning.trials',
-}
-
-
-def child_module(spec):
-    """The module a training job's program runs, from its ``job.json``:
-    its ``child`` (a former name mapped to today's), else
-    :data:`~dasktrain.jobs.job.CHILD`.
-
-    Examples
-    --------
-    >>> child_module({})
-    'dasktrain.jobs.worker.child'
-    >>> child_module({'child': 'dasktrain.cluster.jobs'})
-    'dasktrain.jobs.worker.child'
-    >>> child_module({'child': 'dasktrain.tuning.trials'})
-    'dasktrain.tuning.trials'
-    """
-    module = spec.get('child') or CHILD
-    return FORMER_CHILDREN.get(module, module)
-
-
-class JobProgram(NamedTuple):
-    """What a job runs: ``argv`` in ``cwd``, given ``stdin`` (text or
-    None); ``ours``: dasktrain's own training program, which prints its
-    one-line error last and exits :data:`~dasktrain.jobs.job.PRUNED`
-    when pruned."""
-    argv: list
-    cwd: str
-    stdin: str | None
-    ours: bool
-
-
-def job_program(spec, folder, user):
-    """The program of the job ``spec`` (its ``job.json``) in ``folder``,
-    run as ``user``: its command, or its training program. JobError for a
-    module that is not dasktrain's (``job.json`` names code)."""
-    if spec.get('command'):
-        return JobProgram(list(spec['command']), spec['cwd'], None, False)
-    module = child_module(spec)
-    if not module.startswith('dasktrain.'):
-        raise JobError(f'{module!r} is not ours')
-    # Its submitter cannot read root's job.json: the spec comes on stdin.
-    return JobProgram(python(module, folder) +
-                      (['--spec-stdin'] if user else []), str(folder),
-                      json.dumps(spec) if user else None, True)
-
 
 logger = logging.getLogger(__name__)
 
-_children = {}  # {pid: job id} of the jobs' keepers running here
-ANNOUNCE = 2.0  # s between two announcements of a job's epochs, at least
-
-
-def job_children():
-    """``{pid: job id}`` of the jobs' keepers running in this worker
-    process now (each its job's session leader): who uses a GPU is told
-    by them (:mod:`~dasktrain.jobs.worker.gpu_use`)."""
-    return dict(_children)
-
-
-@contextlib.contextmanager
-def kept_for(kept, job_id):
-    """Within: the keeper ``kept`` is known as the job ``job_id``'s to
-    :func:`job_children`."""
-    _children[kept.pid] = job_id
-    try:
-        yield
-    finally:
-        _children.pop(kept.pid, None)
 
 
 def run_job(folder, gpus=None, ranks=None):
@@ -176,28 +104,6 @@ def run_job(folder, gpus=None, ranks=None):
                         ranks)
     finally:
         GpuPool.release(held)
-
-
-def contained(job_id, attempt, spec, where=None, mark=None, pids=None,
-              controllers=()):
-    """How the attempt ``attempt`` of the job ``job_id`` (its ``job.json``
-    is ``spec``) is kept (:func:`dasktrain.keeper.start`'s ``contain``):
-    its cgroup in ``where`` (this worker's folder of the cluster's
-    subtree; None: no cgroup), its marker under the cluster's ``mark``,
-    its ``--mem`` and the cluster's ``pids`` limit where those
-    ``controllers`` are enabled, its submitter's rlimits.
-
-    >>> c = contained('j-1', 2, {'mem': 2 ** 30}, Path('/cg/worker-7'),
-    ...               mark='c1', pids=512, controllers=('memory',))
-    >>> c['cgroup'], c['mark'], c['mem'], c['pids']
-    ('/cg/worker-7/job-j-1-2', 'c1/j-1/2', 1073741824, None)
-    """
-    return {'cgroup': str(where / f'job-{job_id}-{attempt}')
-            if where is not None else None,
-            'mark': f'{mark or "dasktrain"}/{job_id}/{attempt}',
-            'mem': spec.get('mem') if 'memory' in controllers else None,
-            'pids': pids if 'pids' in controllers else None,
-            'rlimits': spec.get('rlimits')}
 
 
 def _attempt(job, spec, status, program, user, held, worker, ranks):
@@ -249,21 +155,17 @@ def _attempt(job, spec, status, program, user, held, worker, ranks):
         kept = keeper.start(program.argv, env, grace, stdout=log,
                             user=user, cwd=program.cwd,
                             stdin=program.stdin, contain=contain)
-        _children[kept.pid] = job.id
         try:
-            seen, told = _mtime(folder / 'out' / 'log'), time.monotonic()
-            while kept.poll() is None:
-                if cancelled is None and (folder / 'cancel').exists():
-                    cancelled = kept.stop(grace)
-                    log.write(f'=== cancelled: {cancelled} ===\n'.encode())
-                if _mtime(folder / 'out' / 'log') != seen and \
-                        time.monotonic() - told > ANNOUNCE:  # an epoch
-                    seen = _mtime(folder / 'out' / 'log')  # ended: tell
-                    told = time.monotonic()                 # the monitor
-                    job.announce()
-                time.sleep(0.2)
+            with kept_for(kept, job.id):
+                epochs = Epochs(job)
+                while kept.poll() is None:
+                    if cancelled is None and (folder / 'cancel').exists():
+                        cancelled = kept.stop(grace)
+                        log.write(f'=== cancelled: {cancelled} ===\n'
+                                  .encode())
+                    epochs.tell()
+                    time.sleep(0.2)
         finally:
-            _children.pop(kept.pid, None)
             left = finish(contain)  # only then are its GPUs free
         for note in kept.notes():
             log.write(f'=== {note} ===\n'.encode())
@@ -333,21 +235,6 @@ def _gang(job, spec, ranks, grace, attempt, user):
     return state
 
 
-def finish(contain):
-    """Make sure no process of the job ``contain`` describes is left
-    (its keeper ends them; a keeper that was killed does not): its cgroup
-    killed and removed, else a sweep by its marker. How many were left."""
-    if contain.get('cgroup'):
-        box = containment.Cgroup(contain['cgroup'])
-        left = len(box.pids())
-        try:
-            box.end()
-        except OSError as e:
-            logger.warning('dasktrain job: %s', e)
-        return left
-    return containment.sweep(contain.get('mark'))
-
-
 def _failed(folder, error, job, log=None):
     """Record that the job in ``folder`` failed before its program ran,
     with ``error`` (also written to its output ``log``, when given), and
@@ -389,10 +276,3 @@ def stopped_state(folder, how):
     if not reason:
         return 'cancelled', how
     return 'failed', f'{reason}: {how}' if how else reason
-
-
-def _mtime(path):
-    try:  # a symlink's own time: its target may be anyone's
-        return os.lstat(path).st_mtime_ns
-    except OSError:
-        return None
