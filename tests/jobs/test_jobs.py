@@ -97,6 +97,30 @@ def test_a_submitted_job_across_two_cpu_workers(cluster, data_dir,
     assert 'done: epoch 2' in job.logs()
 
 
+def test_a_gang_goes_on_with_the_ranks_left_when_a_worker_dies(
+        cluster, data_dir, tmp_path):
+    # on_worker_loss continue (the default): the job's ranks on the
+    # workers left resume from the last checkpoint; it ends as asked.
+    for _ in range(2):
+        cluster.spawn('worker', cluster.address, '--no-nanny', '--nthreads',
+                      '2', '--resources', 'CPU=1', '--host', '127.0.0.1',
+                      '--local-directory', str(tmp_path / 'space'))
+    with Client(cluster.address, set_as_default=False) as client:
+        client.wait_for_workers(2)
+        pids = client.run(os.getpid)
+        job = submit(job_config(data_dir, workers=2, epochs=12), gpus=0,
+                     client=client, path=tmp_path / 'jobs')
+        wait_until(lambda: len(job.log_rows()) >= 1, 120, 'the first epoch')
+        # The worker of rank 1, not the one driving the ranks.
+        other = next(a for a in pids if a != job.status()['worker'])
+        os.kill(pids[other], signal.SIGKILL)
+    result = job.result(timeout=240)
+    assert [row['epoch'] for row in result['log']] == list(range(1, 13))
+    assert job.status()['state'] == 'finished'
+    assert f'worker(s) {other} lost: going on from the last checkpoint ' \
+        'with 1 rank(s)' in job.logs()
+
+
 def test_a_job_across_workers_holds_its_gpus_on_every_rank(cluster,
                                                           data_dir,
                                                           tmp_path):

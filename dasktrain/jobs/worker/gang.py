@@ -16,10 +16,11 @@ task per rank (:func:`gang_rank`, holding the rank's GPUs or CPU slot
 on its worker) with :class:`~dasktrain.run.driver.Driver`, the driver
 of every job of ranks, and watches them: the job ends when every rank
 has (its end is rank 0's), when a rank fails (the others are stopped;
-the job's error is that rank's last line), when a rank's worker dies
-(as a job whose worker died: it resumes from its checkpoint once
-requeued), or when it is cancelled (every rank stopped within its
-grace).
+the job's error is that rank's last line), or when it is cancelled
+(every rank stopped within its grace). When a rank's worker dies, the
+ranks left go on from the last checkpoint on their workers and GPUs
+(the config's ``on_worker_loss`` 'continue', the default), else the job
+ends, to be requeued.
 """
 import contextlib
 import os
@@ -55,12 +56,38 @@ POLL = 0.2  # s between two looks at a rank's program
 ENDS = (0, STOPPED, PRUNED)  # how a rank's program ends well
 
 
-def run_gang(job, spec, placed, grace, attempt):
+def run_gang(job, spec, placed, grace, attempt, say=None):
     """Run the gang ``job`` (its ``job.json`` is ``spec``) on ``placed``
     (``[(worker address, [GPU ids])]``, one per rank) until it ends:
     ``(code, how, rank)``: rank 0's exit code where every rank ended,
     else the failed rank's (``how``: why, in words; ``rank``: which),
-    or ``(None, how, None)`` once cancelled."""
+    or ``(None, how, None)`` once cancelled. A rank's worker that dies:
+    with its config's ``on_worker_loss`` 'continue' (the default) the
+    ranks left go on from the last checkpoint, on the workers and GPUs
+    the queue gave them; with 'wait', the job ends, to be requeued.
+    ``say(line)``: how it goes, for the job's output."""
+    say = say or (lambda line: None)
+    config = spec.get('config') or {}
+    left, round_ = list(placed), 0
+    while True:
+        round_ += 1
+        code, how, rank, lost = _round(job, spec, left, grace,
+                                       f'{attempt}-{round_}')
+        if lost is None:
+            return code, how, rank
+        left = [p for p in left if p[0] not in lost]
+        if config.get('on_worker_loss', 'continue') != 'continue' or \
+                not left:
+            return code, how, rank
+        say(f'worker(s) {", ".join(lost)} lost: going on from the last '
+            f'checkpoint with {len(left)} rank(s) (on_worker_loss '
+            'continue)')
+
+
+def _round(job, spec, placed, grace, attempt):
+    """One start of the gang's ranks on ``placed`` (``attempt``: the
+    job's attempt and this start's, ``'A-R'``): as :func:`run_gang` says,
+    and the workers lost (None: none)."""
     from distributed import get_worker, worker_client
     from distributed.comm.addressing import get_address_host
     worker = get_worker()
@@ -97,21 +124,21 @@ def run_gang(job, spec, placed, grace, attempt):
                         first.result()['code'] in ENDS:
                     # Rank 0 ended the run (pruned, stopped): the others
                     # lost it as a peer.
-                    return first.result()['code'], None, 0
+                    return first.result()['code'], None, 0, None
     if outcome.kind == 'interrupted':
-        return None, f'every rank stopped (grace {grace:g} s)', None
+        return None, f'every rank stopped (grace {grace:g} s)', None, None
     if outcome.kind == 'done':
-        return outcome.value[0]['code'], None, 0
+        return outcome.value[0]['code'], None, 0, None
     if outcome.kind == 'lost':
         rank = [w for w, _ in placed].index(outcome.value[0])
         return -9, (f'its worker ({outcome.value[0]}) died; `dasktrain '
                     f'requeue {job.id}` resumes the job from its last '
-                    'checkpoint'), rank
+                    'checkpoint'), rank, outcome.value
     failure = outcome.value
     result = failure.result or {}
     how = result.get('why') or result.get('last') or failure.why or \
         f'{type(failure.error).__name__}: {failure.error}'
-    return result.get('code', 1) or 1, how, failure.rank
+    return result.get('code', 1) or 1, how, failure.rank, None
 
 
 @contextlib.contextmanager

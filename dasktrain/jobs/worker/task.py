@@ -216,7 +216,10 @@ def _gang(job, spec, ranks, grace, attempt, user):
         log.write(f'=== attempt {attempt}: {len(ranks)} ranks on '
                   f'{", ".join(w for w, _ in ranks)}; rank 0 writes here, '
                   'rank r to rank{r}.log ===\n'.encode())
-    code, how, rank = run_gang(job, spec, ranks, grace, attempt)
+    def say(line):
+        with open_output(folder, user) as log:
+            log.write(f'=== {line} ===\n'.encode())
+    code, how, rank = run_gang(job, spec, ranks, grace, attempt, say)
     more = {}
     if code is None:
         state, error = stopped_state(folder, how)
