@@ -682,6 +682,8 @@ def test_a_job_across_workers_runs_its_ranks_as_its_submitter(
     uid = lab.uid(who)
     assert (job.folder / 'out' / 'log').stat().st_uid == uid
     assert (job.folder / 'rank1.log').stat().st_uid == uid
+    # Their rendezvous ran as the submitter too, never as root.
+    assert (job.folder / 'rendezvous.log').stat().st_uid == uid
     assert 'rank 1 of 2' in (job.folder / 'rank1.log').read_text()
     assert '2 ranks on' in job.logs()
 

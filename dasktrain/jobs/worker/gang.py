@@ -5,10 +5,11 @@ started as the job's submitter under its keeper, as every job is.
 The ranks never reach the cluster's Dask (only root does): they join as
 the ranks of ``dasktrain launch`` do
 (:mod:`dasktrain.parallel.comm.rendezvous`), through a scheduler of their
-own that the gang's task hosts in its worker process for the attempt,
-with a CA and certificate made for it alone (each rank's copy written
-0600 for the submitter, removed when the rank ends), and then talk to
-each other peer to peer. Rank 0 writes the job's ``out/`` and
+own, started for the attempt as the submitter (never root: whoever holds
+its key may run code in it) on the gang's first worker, with a CA and
+certificate made for it alone (each copy written 0600 for the
+submitter, removed when its rank ends), and then talk to each other
+peer to peer. Rank 0 writes the job's ``out/`` and
 ``output.log``; rank r > 0 its ``rank{r}.log``.
 
 The gang's task (:func:`run_gang`, root's, holding nothing) starts one
@@ -50,7 +51,7 @@ from dasktrain.parallel.comm.rendezvous import rank_environment
 from dasktrain.parallel.gpus import GpuPool
 from dasktrain.parallel.placement import rank_resources
 from dasktrain.run.driver import Driver, Stop
-from dasktrain.run.launch import free_port, scheduler_here, throwaway_tls
+from dasktrain.run.launch import free_port, throwaway_tls
 
 POLL = 0.2  # s between two looks at a rank's program
 ENDS = (0, STOPPED, PRUNED)  # how a rank's program ends well
@@ -95,10 +96,13 @@ def _round(job, spec, placed, grace, attempt):
     name = f'dasktrain-gang-{job.id}-{attempt}'
     timeout = float((spec.get('config') or {}).get('collective_timeout')
                     or 300.0)
+    user = job_user(job.spec())
     with throwaway_tls(host) as tls, worker_client() as client:
         pems = [Path(p).read_text() for p in tls]
         port = free_port(host)
-        with scheduler_here(port, tls, host):
+        with user_tls(pems, user) as theirs, \
+                _rendezvous(job, spec, host, port, theirs, user, attempt,
+                            grace):
             rendezvous = f'tls://{host}:{port}'
             infos = worker_info(client)
             with Driver(client, name, lambda event: None) as driver:
@@ -142,6 +146,35 @@ def _round(job, spec, placed, grace, attempt):
 
 
 @contextlib.contextmanager
+def _rendezvous(job, spec, host, port, tls, user, attempt, grace):
+    """The ranks' scheduler on ``host``:``port`` (TLS with the attempt's
+    ``tls`` files, no dashboard) until the block ends: ``dask scheduler``
+    as the job's submitter under its keeper, never root (whoever holds
+    its key may run code in it: only as themselves), its output in the
+    job's ``rendezvous.log``."""
+    from dasktrain.spawn import python
+    env = job_environment(submitted_env(job.folder), [], 1, user)
+    env['DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION'] = '1'
+    ca, cert, key = tls
+    argv = python('distributed.cli.dask_scheduler', '--host', host,
+                  '--port', str(port), '--protocol', 'tls', '--tls-ca-file',
+                  ca, '--tls-cert', cert, '--tls-key', key, '--no-dashboard')
+    where = containment.jobs_folder()
+    contain = contained(job.id, f'{attempt}-rendezvous', spec, where,
+                        containment.cluster_mark(), job_pids(),
+                        containment.in_force().controllers if where else ())
+    with _job_log(job.folder, 'rendezvous.log', user) as log:
+        kept = keeper.start(argv, env, grace, stdout=log, user=user,
+                            cwd=str(job.folder), contain=contain)
+    try:
+        yield
+    finally:
+        if kept.poll() is None:
+            kept.stop(grace)
+        finish(contain)
+
+
+@contextlib.contextmanager
 def user_tls(pems, user):
     """The rendezvous' CA, certificate and key (``pems``, PEM texts) as
     files only ``user`` (None: this process's) may read, removed on
@@ -166,10 +199,16 @@ def user_tls(pems, user):
 
 def _rank_log(folder, rank, user):
     """Rank 0's output: the job's ``output.log``; rank r's:
-    ``rank{r}.log`` beside it (the user's, 0600, made anew)."""
+    ``rank{r}.log`` beside it (:func:`_job_log`)."""
     if rank == 0:
         return open_output(folder, user)
-    path = os.path.join(folder, f'rank{rank}.log')
+    return _job_log(folder, f'rank{rank}.log', user)
+
+
+def _job_log(folder, name, user):
+    """The job's log ``name`` for writing: the user's, 0600, made anew
+    (never through a symlink: root's folder holds it)."""
+    path = os.path.join(folder, name)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
