@@ -5,11 +5,24 @@ PCI_BUS_ID``, NVML in PCI bus order; only UUIDs (and the driver's own
 answer) match them for certain: :func:`match_cuda_devices` and
 :func:`worker_devices` decide, as pure functions of the devices' dicts.
 
+And each device's processes as NVML lists them (:func:`nvml_processes`):
+twice over, ``nvmlDeviceGetComputeRunningProcesses`` (CUDA) and
+``nvmlDeviceGetGraphicsRunningProcesses`` (graphics), entries with
+``pid`` and ``usedGpuMemory`` in bytes (``c_nvmlProcessInfo_v2_t``/v3
+also ``gpuInstanceId`` and ``computeInstanceId``, one entry per MIG
+instance). ``usedGpuMemory`` is None where the driver cannot say (pynvml
+turns ``NVML_VALUE_NOT_AVAILABLE``, 2**64-1, into None; older pynvml
+passed it through raw). The unversioned calls raise when pynvml is newer
+than the driver: the ``_v2`` calls are tried then. A process may be on
+both lists: it counts once (:func:`merge_entries`, pure).
+
 Used by the worker's preload (:mod:`dasktrain.jobs.worker.preload`: its
 GPU readings) and :mod:`dasktrain.jobs.worker.gpu_use` (who uses each
-GPU). Owns the matching only: it
-reads no metric and no process.
+GPU). Owns NVML's answers: it reads no metric, no ``/proc``, no job.
 """
+
+NOT_AVAILABLE = 2 ** 64 - 1  # NVML_VALUE_NOT_AVAILABLE_ulonglong
+NO_INSTANCE = 2 ** 32 - 1    # NVML_VALUE_NOT_AVAILABLE_uint
 
 
 def nvml_read(call, *args):
@@ -130,3 +143,75 @@ def worker_devices(gpus, entries, uuids=None, pci_order=False):
         if match:
             found[entry] = match[0]
     return found
+
+
+def entry_bytes(entry):
+    """An NVML process entry's ``usedGpuMemory`` in bytes, None where NVML
+    cannot say (None, or the raw NVML_VALUE_NOT_AVAILABLE).
+
+    >>> from types import SimpleNamespace as E
+    >>> entry_bytes(E(pid=1, usedGpuMemory=2 ** 30))
+    1073741824
+    >>> entry_bytes(E(pid=1, usedGpuMemory=2 ** 64 - 1)) is None
+    True
+    """
+    used = getattr(entry, 'usedGpuMemory', None)
+    if used is None or not isinstance(used, int) or used == NOT_AVAILABLE \
+            or used < 0:
+        return None
+    return used
+
+
+def merge_entries(*lists):
+    """NVML's process lists of one GPU (compute, graphics; None for one
+    NVML could not give) as ``[{'pid': N, 'bytes': B or None}]``, each pid
+    once, largest first; None when no list could be read.
+
+    An entry on several lists (a process using compute and graphics)
+    counts once (its largest figure); entries of one pid on distinct MIG
+    instances (``gpuInstanceId``, ``computeInstanceId``) add up.
+
+    >>> from types import SimpleNamespace as E
+    >>> merge_entries([E(pid=7, usedGpuMemory=300)],
+    ...               [E(pid=7, usedGpuMemory=300), E(pid=9,
+    ...                                               usedGpuMemory=None)])
+    [{'pid': 7, 'bytes': 300}, {'pid': 9, 'bytes': None}]
+    >>> merge_entries(None, None) is None
+    True
+    """
+    if all(entries is None for entries in lists):
+        return None
+    per_instance = {}
+    for entries in lists:
+        for entry in entries or ():
+            key = (int(entry.pid), getattr(entry, 'gpuInstanceId', None),
+                   getattr(entry, 'computeInstanceId', None))
+            used = entry_bytes(entry)
+            before = per_instance.get(key, None)
+            per_instance[key] = used if before is None else \
+                before if used is None else max(before, used)
+    by_pid = {}
+    for (pid, _, _), used in per_instance.items():
+        if pid not in by_pid or by_pid[pid] is None:
+            by_pid[pid] = used
+        elif used is not None:
+            by_pid[pid] += used
+    return sorted(({'pid': pid, 'bytes': used}
+                   for pid, used in by_pid.items()),
+                  key=lambda p: (-(p['bytes'] or 0), p['pid']))
+
+
+def nvml_processes(pynvml, handle):
+    """The processes NVML sees on the device ``handle``
+    (:func:`merge_entries`), None where it cannot list them (no
+    permission, not supported)."""
+    def listed(kind):
+        for name in (f'nvmlDeviceGet{kind}RunningProcesses',
+                     f'nvmlDeviceGet{kind}RunningProcesses_v2'):
+            call = getattr(pynvml, name, None)
+            if call is not None:
+                entries = nvml_read(call, handle)
+                if entries is not None:
+                    return list(entries)
+        return None
+    return merge_entries(listed('Compute'), listed('Graphics'))

@@ -11,21 +11,13 @@ is the process, an ancestor, or its session leader; the worker process
 itself is the queue's too); the scheduler judges from it which GPUs are
 busy outside the queue (:mod:`~dasktrain.jobs.scheduler.outside_use`).
 
-NVML (``pynvml``, nvidia-ml-py) lists a GPU's processes twice over,
-``nvmlDeviceGetComputeRunningProcesses`` (CUDA) and
-``nvmlDeviceGetGraphicsRunningProcesses`` (graphics): entries with
-``pid`` and ``usedGpuMemory`` in bytes (``c_nvmlProcessInfo_v2_t``/v3
-also ``gpuInstanceId`` and ``computeInstanceId``, one entry per MIG
-instance). ``usedGpuMemory`` is None where the driver cannot say (pynvml
-turns ``NVML_VALUE_NOT_AVAILABLE``, 2**64-1, into None; older pynvml
-passed it through raw). The unversioned calls raise when pynvml is newer
-than the driver: the ``_v2`` calls are tried then. A process may be on
-both lists: it counts once. A pid is the host's (NVML's namespace): in
-another container's namespace ``/proc`` does not know it, and its user
-reads ``?``. Every decision is a pure function of those entries and of
-``/proc`` texts, tested with scripted entries; only :func:`nvml_processes`,
-:func:`read_process`, :func:`gpu_readings` and :func:`worker_use` touch
-NVML and ``/proc``.
+NVML's process lists are read as :mod:`dasktrain.parallel.nvml` reads
+them (:func:`~dasktrain.parallel.nvml.nvml_processes`). A pid is the
+host's (NVML's namespace): in another container's namespace ``/proc``
+does not know it, and its user reads ``?``. Every decision is a pure
+function of those entries and of ``/proc`` texts, tested with scripted
+entries; only :func:`read_process`, :func:`gpu_readings` and
+:func:`worker_use` touch NVML and ``/proc``.
 """
 import os
 
@@ -37,6 +29,7 @@ from dasktrain.parallel.nvml import (
     driver_view,
     match_cuda_devices,
     nvml_gpu,
+    nvml_processes,
     nvml_read,
     worker_devices,
 )
@@ -45,12 +38,10 @@ USE_METRIC = 'dasktrain-gpu-use'  # the heartbeat's key of worker_use()
 GPU_METRIC = 'dasktrain-gpus'     # the heartbeat's key of gpu_readings()
 WORKER = 'dask worker'            # the owner of the worker's own process
 
-NOT_AVAILABLE = 2 ** 64 - 1       # NVML_VALUE_NOT_AVAILABLE_ulonglong
-NO_INSTANCE = 2 ** 32 - 1         # NVML_VALUE_NOT_AVAILABLE_uint
 MIB = 1024 * 1024
 
 
-# ----------------------------------------------- NVML's processes, pure
+# ------------------------------------------------ who a process is, pure
 
 def job_of(process, jobs):
     """The queue job (a label from ``jobs``: ``{child pid: job id}``)
@@ -96,78 +87,6 @@ def threshold(env=None):
         return float(env[BUSY_ENV])
     except (KeyError, ValueError):
         return float(BUSY_MIB)
-
-
-def entry_bytes(entry):
-    """An NVML process entry's ``usedGpuMemory`` in bytes, None where NVML
-    cannot say (None, or the raw NVML_VALUE_NOT_AVAILABLE).
-
-    >>> from types import SimpleNamespace as E
-    >>> entry_bytes(E(pid=1, usedGpuMemory=2 ** 30))
-    1073741824
-    >>> entry_bytes(E(pid=1, usedGpuMemory=2 ** 64 - 1)) is None
-    True
-    """
-    used = getattr(entry, 'usedGpuMemory', None)
-    if used is None or not isinstance(used, int) or used == NOT_AVAILABLE \
-            or used < 0:
-        return None
-    return used
-
-
-def merge_entries(*lists):
-    """NVML's process lists of one GPU (compute, graphics; None for one
-    NVML could not give) as ``[{'pid': N, 'bytes': B or None}]``, each pid
-    once, largest first; None when no list could be read.
-
-    An entry on several lists (a process using compute and graphics)
-    counts once (its largest figure); entries of one pid on distinct MIG
-    instances (``gpuInstanceId``, ``computeInstanceId``) add up.
-
-    >>> from types import SimpleNamespace as E
-    >>> merge_entries([E(pid=7, usedGpuMemory=300)],
-    ...               [E(pid=7, usedGpuMemory=300), E(pid=9,
-    ...                                               usedGpuMemory=None)])
-    [{'pid': 7, 'bytes': 300}, {'pid': 9, 'bytes': None}]
-    >>> merge_entries(None, None) is None
-    True
-    """
-    if all(entries is None for entries in lists):
-        return None
-    per_instance = {}
-    for entries in lists:
-        for entry in entries or ():
-            key = (int(entry.pid), getattr(entry, 'gpuInstanceId', None),
-                   getattr(entry, 'computeInstanceId', None))
-            used = entry_bytes(entry)
-            before = per_instance.get(key, None)
-            per_instance[key] = used if before is None else \
-                before if used is None else max(before, used)
-    by_pid = {}
-    for (pid, _, _), used in per_instance.items():
-        if pid not in by_pid or by_pid[pid] is None:
-            by_pid[pid] = used
-        elif used is not None:
-            by_pid[pid] += used
-    return sorted(({'pid': pid, 'bytes': used}
-                   for pid, used in by_pid.items()),
-                  key=lambda p: (-(p['bytes'] or 0), p['pid']))
-
-
-def nvml_processes(pynvml, handle):
-    """The processes NVML sees on the device ``handle``
-    (:func:`merge_entries`), None where it cannot list them (no
-    permission, not supported)."""
-    def listed(kind):
-        for name in (f'nvmlDeviceGet{kind}RunningProcesses',
-                     f'nvmlDeviceGet{kind}RunningProcesses_v2'):
-            call = getattr(pynvml, name, None)
-            if call is not None:
-                entries = nvml_read(call, handle)
-                if entries is not None:
-                    return list(entries)
-        return None
-    return merge_entries(listed('Compute'), listed('Graphics'))
 
 
 # ------------------------------------------------- /proc: user, lineage
