@@ -45,8 +45,7 @@ class Gpus(Command):
         :func:`~dasktrain.jobs.scheduler.outside_use.cluster_use`) and
         ``jobs``: the running
         jobs' summaries."""
-        from dasktrain.jobs.scheduler.outside_use import worker_ids
-        from dasktrain.jobs.worker.gpu_use import describe
+        from dasktrain.parallel.outside import describe, worker_ids
         rows = [('WORKER', 'GPU', 'JOB', 'USER', 'OUTSIDE THE QUEUE')]
         notes = []
         for address, worker in sorted(seen['workers'].items()):

@@ -7,9 +7,7 @@ import sys
 
 from test_cluster import wait_until
 
-from dasktrain.jobs.scheduler.outside_use import busy_from, outside_use
 from dasktrain.jobs.worker.gpu_use import (
-    job_of,
     lineage,
     parse_stat,
     parse_status,
@@ -18,6 +16,7 @@ from dasktrain.jobs.worker.gpu_use import (
     worker_use,
 )
 from dasktrain.parallel.nvml import worker_devices
+from dasktrain.parallel.outside import busy_from, job_of, outside_use
 
 
 def test_proc_texts_parse():
@@ -51,7 +50,7 @@ def test_outside_use_names_who_holds_a_gpu_outside_the_queue():
         '0': 'bob (pid 100, 9000 MiB)',
         '3': '? (pid 400, memory unknown)',
         '4': 'ann (pid 501, 1200 MiB)'}
-    assert outside_use([], jobs) == {}
+    assert outside_use([], jobs, 256) == {}
     # the nearest job wins over the worker the job runs under
     assert job_of(processes[3], jobs) == 'train-job'
     assert threshold({'DASKTRAIN_BUSY_MIB': 'x'}) == 256.0
@@ -84,8 +83,8 @@ def test_real_processes_are_matched_to_their_job_by_session_or_ancestry():
         process = {'gpu': '0', 'pid': pid, 'mib': 5000.0, 'user': 'x',
                    'session': session, 'ancestors': ancestors}
         assert job_of(process, {child.pid: 'job-1'}) == 'job-1'
-        assert outside_use([process], {child.pid: 'job-1'}) == {}
-        assert outside_use([process], {}) == \
+        assert outside_use([process], {child.pid: 'job-1'}, 256) == {}
+        assert outside_use([process], {}, 256) == \
             {'0': f'x (pid {pid}, 5000 MiB)'}
         assert job_of(dict(process, ancestors=[1]),
                       {child.pid: 'job-1'}) == 'job-1'  # reparented

@@ -9,7 +9,7 @@ MODULES = [
     'dasktrain.jobs.job', 'dasktrain.jobs.request', 'dasktrain.jobs.wire',
     'dasktrain.jobs.status', 'dasktrain.jobs.end_notice',
     'dasktrain.jobs.client.route', 'dasktrain.jobs.scheduler.policy',
-    'dasktrain.jobs.scheduler.outside_use', 'dasktrain.jobs.worker.task',
+    'dasktrain.jobs.worker.task', 'dasktrain.jobs.worker.program',
     'dasktrain.jobs.worker.environment', 'dasktrain.jobs.worker.gpu_use',
     'dasktrain.run.driver', 'dasktrain.run.launch', 'dasktrain.keeper']
 

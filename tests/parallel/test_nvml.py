@@ -61,3 +61,12 @@ def test_nvml_lists_are_read_with_the_v2_fallback_and_refusals_as_unknown():
     assert [p['pid'] for p in nvml_processes(nvml, 'h')] == [7, 8]
     assert nvml_processes(scripted_pynvml(), 'h') is None  # no permission
     assert nvml_processes(SimpleNamespace(), 'h') is None  # an old pynvml
+
+
+def test_the_examples_hold():
+    import doctest
+
+    from dasktrain.parallel import nvml, outside
+    for module in (nvml, outside):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

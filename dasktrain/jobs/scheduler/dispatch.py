@@ -55,11 +55,12 @@ from dasktrain.jobs.job import (
     row_number,
     update_status,
 )
-from dasktrain.jobs.scheduler.outside_use import busy_outside, worker_ids
+from dasktrain.jobs.scheduler.outside_use import busy_outside
 from dasktrain.jobs.scheduler.policy import plan
 from dasktrain.jobs.status import HELD
 from dasktrain.jobs.worker.gpu_use import USE_METRIC
 from dasktrain.jobs.worker.task import run_job
+from dasktrain.parallel.outside import worker_ids
 
 logger = logging.getLogger(__name__)
 

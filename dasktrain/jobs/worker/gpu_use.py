@@ -6,7 +6,8 @@ memory, temperature and power of the worker's GPUs (its
 ``CUDA_VISIBLE_DEVICES``, else all), for the metrics. :func:`worker_use`:
 the worker's GPUs by the ids jobs get (their ``CUDA_VISIBLE_DEVICES``
 entries), the processes NVML sees on them, and for each its OS user, its
-memory and the queue job it belongs to (:func:`job_of`: a job's keeper
+memory and the queue job it belongs to
+(:func:`~dasktrain.parallel.outside.job_of`: a job's keeper
 is the process, an ancestor, or its session leader; the worker process
 itself is the queue's too); the scheduler judges from it which GPUs are
 busy outside the queue (:mod:`~dasktrain.jobs.scheduler.outside_use`).
@@ -33,46 +34,13 @@ from dasktrain.parallel.nvml import (
     nvml_read,
     worker_devices,
 )
+from dasktrain.parallel.outside import WORKER, job_of
 
 USE_METRIC = 'dasktrain-gpu-use'  # the heartbeat's key of worker_use()
 GPU_METRIC = 'dasktrain-gpus'     # the heartbeat's key of gpu_readings()
-WORKER = 'dask worker'            # the owner of the worker's own process
 
 MIB = 1024 * 1024
 
-
-# ------------------------------------------------ who a process is, pure
-
-def job_of(process, jobs):
-    """The queue job (a label from ``jobs``: ``{child pid: job id}``)
-    ``process`` belongs to: its own pid, its nearest ancestor among
-    ``jobs``, else its session leader's; None outside the queue.
-
-    >>> p = {'pid': 12, 'session': 10, 'ancestors': [11, 10, 5, 1]}
-    >>> job_of(p, {10: 'job-a', 5: WORKER})
-    'job-a'
-    >>> job_of(dict(p, ancestors=[1]), {10: 'job-a'})  # its parent died
-    'job-a'
-    >>> job_of(dict(p, session=12, ancestors=[1]), {10: 'job-a'}) is None
-    True
-    """
-    for pid in [process['pid']] + list(process.get('ancestors') or ()):
-        if pid in jobs:
-            return jobs[pid]
-    return jobs.get(process.get('session'))
-
-
-def describe(process):
-    """``'user (pid N, M MiB)'``.
-
-    >>> describe({'user': 'ann', 'pid': 7, 'mib': 5120.4})
-    'ann (pid 7, 5120 MiB)'
-    >>> describe({'user': '?', 'pid': 7, 'mib': None})
-    '? (pid 7, memory unknown)'
-    """
-    mib = 'memory unknown' if process.get('mib') is None else \
-        f"{process['mib']:.0f} MiB"
-    return f"{process['user']} (pid {process['pid']}, {mib})"
 
 
 def threshold(env=None):
