@@ -68,10 +68,12 @@ JOB = [
     ('task', 7.6, 3.6, 'jobs/worker/task.py', 'one task body, every job'),
     ('env', 4.6, 3.6, 'jobs/worker/environment.py', "the submitter's env"),
     ('runas', 4.6, 2.5, 'jobs/worker/runas.py', 'as its submitter'),
+    ('gang', 13.2, 2.5, 'jobs/worker/gang.py',
+     'across workers: a task a rank'),
     ('keeper', 10.6, 3.6, 'keeper.py', 'the program, kept'),
     ('command', 7.6, 1.2, '(a command)', 'submit -- PROGRAM'),
-    ('child', 10.6, 1.2, 'jobs/worker/child.py', "a training job's program"),
-    ('trainrun', 13.2, 1.2, 'run/train.py', 'train(config)'),
+    ('child', 10.3, 1.2, 'jobs/worker/child.py', "a training job's program"),
+    ('trainrun', 13.25, 1.2, 'run/train.py', 'train(config)'),
 ]
 JOB_ARROWS = [
     ('cli', 'request', ''), ('request', 'route', ''),
@@ -81,6 +83,7 @@ JOB_ARROWS = [
     ('server', 'dispatch', ''), ('dispatch', 'policy', ''),
     ('dispatch', 'outside', ''), ('dispatch', 'task', 'a Dask task'),
     ('task', 'env', ''), ('task', 'runas', ''), ('task', 'keeper', ''),
+    ('task', 'gang', ''), ('gang', 'keeper', 'each rank'),
     ('keeper', 'command', ''), ('keeper', 'child', ''),
     ('child', 'trainrun', ''),
 ]
