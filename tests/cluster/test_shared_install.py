@@ -171,6 +171,34 @@ def test_install_shared_then_a_second_user_trains_through_the_queue():
         log = queue / 'jobs' / job / 'out' / 'log'
         assert log.stat().st_uid == entry.pw_uid  # run as its submitter
         assert json.loads(log.read_text())[-1]['epoch'] == 1
+
+        # A job across two workers (a second joined by hand, as root): its
+        # ranks, their rendezvous and their files are the submitter's.
+        state = json.loads((queue / 'private' / 'cluster.json').read_text())
+        tls = state['tls']
+        with child([str(prefix / 'bin' / 'python'), '-m',
+                    'distributed.cli.dask_worker', state['scheduler'],
+                    '--preload', 'dasktrain.jobs.worker.preload',
+                    '--nthreads', '2', '--resources', 'CPU=1', '--host',
+                    '127.0.0.1', '--dashboard-address', '127.0.0.1:0',
+                    '--local-directory', str(top / 'second'),
+                    '--tls-ca-file', tls['tls_ca_file'], '--tls-cert',
+                    tls['tls_cert'], '--tls-key', tls['tls_key']],
+                   env=dict(env, HOME='/root',
+                            DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION='1')):
+            submitted = as_user(
+                'dasktrain submit --gpus 0 -- --dataset sample --model tiny',
+                '--epochs 1 --train-size 200 --test-size 100 --devices cpu',
+                '--workers 2')
+            assert submitted.returncode == 0, submitted.stderr
+            gang = submitted.stdout.split()[-1]
+            result = as_user('dasktrain result --wait', gang)
+            assert result.returncode == 0, result.stdout + result.stderr
+        folder = queue / 'jobs' / gang
+        for path in ('out/log', 'rank1.log', 'rendezvous.log'):
+            assert (folder / path).stat().st_uid == entry.pw_uid, path
+        assert json.loads((folder / 'out' / 'log').read_text())[-1][
+            'epoch'] == 1
     finally:
         if started:
             subprocess.run([str(prefix / 'bin' / 'dasktrain'), 'cluster',
