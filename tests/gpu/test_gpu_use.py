@@ -12,7 +12,7 @@ from children import child
 from gpu_marks import needs
 
 from dasktrain.jobs.job import current_user
-from dasktrain.jobs.scheduler.outside_use import outside_use
+from dasktrain.parallel.outside import outside_use
 
 HOLD = ('import cupy, time\n'
         'a = cupy.zeros(2 ** 28, dtype=cupy.float32)  # 1 GiB\n'
