@@ -186,6 +186,9 @@ def test_install_shared_then_a_second_user_trains_through_the_queue():
                     tls['tls_cert'], '--tls-key', tls['tls_key']],
                    env=dict(env, HOME='/root',
                             DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION='1')):
+            from dasktrain.cluster.local import connect, security_from
+            with connect(state['scheduler'], security_from(**tls)) as c:
+                c.wait_for_workers(2, timeout=120)  # joined: then submit
             submitted = as_user(
                 'dasktrain submit --gpus 0 -- --dataset sample --model tiny',
                 '--epochs 1 --train-size 200 --test-size 100 --devices cpu',
