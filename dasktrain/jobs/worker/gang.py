@@ -100,7 +100,7 @@ def _round(job, spec, placed, grace, attempt):
     with throwaway_tls(host) as tls, worker_client() as client:
         pems = [Path(p).read_text() for p in tls]
         port = free_port(host)
-        with user_tls(pems, user) as theirs, \
+        with user_tls(pems, user, job.folder) as theirs, \
                 _rendezvous(job, spec, host, port, theirs, user, attempt,
                             grace):
             rendezvous = f'tls://{host}:{port}'
@@ -175,11 +175,12 @@ def _rendezvous(job, spec, host, port, tls, user, attempt, grace):
 
 
 @contextlib.contextmanager
-def user_tls(pems, user):
+def user_tls(pems, user, where):
     """The rendezvous' CA, certificate and key (``pems``, PEM texts) as
-    files only ``user`` (None: this process's) may read, removed on
-    exit: ``(ca, cert, key)`` paths."""
-    folder = tempfile.mkdtemp(prefix='dasktrain-gang-')  # 0700
+    files only ``user`` (None: this process's) may read, in a folder of
+    the job's folder ``where`` (what a killed worker leaves goes with the
+    job), removed on exit: ``(ca, cert, key)`` paths."""
+    folder = tempfile.mkdtemp(prefix='.rendezvous-tls-', dir=where)  # 0700
     try:
         paths = []
         for name, text in zip(('ca.pem', 'cert.pem', 'key.pem'), pems):
@@ -244,7 +245,7 @@ def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
         env = job_environment(submitted_env(folder), held, job_threads(
             os.sched_getaffinity(0), len(held),
             worker.state.total_resources), user)
-        with Stop(name) as stop, user_tls(pems, user) as tls, \
+        with Stop(name) as stop, user_tls(pems, user, folder) as tls, \
                 _rank_log(folder, rank, user) as log:
             env.update(rank_environment(
                 rank, size, rendezvous, name,
