@@ -27,7 +27,18 @@ dasktrain`` and ``dasktrain --help`` stay fast.
 from dasktrain import _compat
 from dasktrain._lazy import exports
 
-_compat.install()  # Chainer, whenever imported, finds NumPy patched
+
+def _after_chainer():
+    """Chainer's GPU function nodes hooked (dasktrain.kernels), unless
+    DASKTRAIN_KERNELS=off."""
+    from dasktrain import kernels
+    if kernels.wanted():
+        kernels.install()
+
+
+# Chainer, whenever imported, finds NumPy patched, and its GPU functions
+# hooked once it is.
+_compat.install(after_chainer=_after_chainer)
 
 __version__ = '0.1.0'
 

@@ -58,23 +58,73 @@ def patch():
         numpy.distutils = distutils
 
 
+class _AfterChainer:
+    """Chainer's loader, which runs the hooks given to :func:`install`
+    once Chainer's package has been executed; everything else is the
+    loader's own."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _run_after()
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+_after = []
+
+
+def _run_after():
+    """The hooks, each at most once; one that fails is logged, never
+    breaks Chainer's import."""
+    while _after:
+        hook = _after.pop(0)
+        try:
+            hook()
+        except Exception:  # (a hook is an optimisation)
+            import logging
+            logging.getLogger(__name__).warning(
+                'dasktrain: a hook after Chainer\'s import failed; Chainer '
+                'runs as it is', exc_info=True)
+
+
 class _PatchBeforeChainer:
-    """A meta path finder that finds nothing: on the first lookup of
-    ``chainer`` it patches NumPy and steps aside for the real finders."""
+    """A meta path finder: on the first lookup of ``chainer`` it patches
+    NumPy, steps aside, and hands back the real finders' spec with a
+    loader that runs the :func:`install` hooks after Chainer's import."""
 
     @classmethod
     def find_spec(cls, name, path=None, target=None):
-        if name == 'chainer':
-            uninstall()
-            patch()
-        return None
+        if name != 'chainer':
+            return None
+        uninstall()
+        patch()
+        if not _after:
+            return None
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        if spec is None or not hasattr(spec.loader, 'exec_module'):
+            return spec
+        spec.loader = _AfterChainer(spec.loader)
+        return spec
 
 
-def install():
+def install(after_chainer=None):
     """Patch NumPy before ``chainer`` is imported (at once if it already
-    is). Idempotent; cheap until Chainer's import."""
+    is), then call ``after_chainer()`` once Chainer is imported (at once if
+    it already is). Idempotent; cheap until Chainer's import."""
+    if after_chainer is not None and after_chainer not in _after:
+        _after.append(after_chainer)
     if 'chainer' in sys.modules:
         patch()
+        if getattr(sys.modules['chainer'], '__version__', None):
+            _run_after()  # imported and done (not mid-import)
     elif _PatchBeforeChainer not in sys.meta_path:
         sys.meta_path.insert(0, _PatchBeforeChainer)
 

@@ -17,6 +17,7 @@ LAYERS = [
     {'errors', 'files', 'config', '_compat', '_lazy', 'keeper', 'everyone',
      'spawn', 'userspec', 'notify', 'containment'},
     {'data'},
+    {'kernels'},
     {'parallel'},
     {'training', 'chainermn'},
     {'cluster'},
