@@ -1,6 +1,9 @@
 """The first thing to run on a GPU machine (`make gpu-check`): the GPU
-suite, then bench/gpu.py, written to one Markdown report headed by the
-machine (GPUs, driver, CUDA, CuPy, NCCL, cuDNN, Chainer, NumPy, Python).
+suite, then bench/gpu.py and bench/gpu_vs_torch.py (one GPU side by side
+with PyTorch; skipped, saying so, without PyTorch), then CuPy with the
+system's CUDA toolkit hidden (what a server with only the NVIDIA driver
+has), written to one Markdown report headed by the machine (GPUs, driver,
+CUDA, CuPy, NCCL, cuDNN, Chainer, NumPy, Python).
 
 Needs no network. Each part runs as a process of its own under a
 deadline (``--suite-timeout``, ``--bench-timeout``: seconds), so a hung
@@ -49,9 +52,15 @@ def versions():
         out.append(('NCCL', f'none ({type(e).__name__}: {e})'))
     try:
         from cupy.cuda import cudnn
-        out.append(('cuDNN', str(cudnn.getVersion())))
+        out.append(("CuPy's cuDNN", str(cudnn.getVersion())))
     except Exception as e:
-        out.append(('cuDNN', f'none ({type(e).__name__})'))
+        out.append(("CuPy's cuDNN", f'none ({type(e).__name__})'))
+    try:
+        import dasktrain.kernels as kernels
+        out.append(("dasktrain's cuDNN graphs", kernels.status()['cudnn']))
+    except Exception as e:
+        out.append(("dasktrain's cuDNN graphs",
+                    f'unusable ({type(e).__name__}: {e})'))
     try:
         import chainer
         out.append(('Chainer uses cuDNN',
@@ -125,13 +134,99 @@ def suite_rows(junit):
     return rows
 
 
-def report(machine, smi, suite, bench, args):
+# What a probe does with the toolkit hidden: each library CuPy loads from
+# its wheels ([ctk]) on a server with only the driver.
+PROBE = r"""
+import json, cupy
+out = {}
+def check(name, f):
+    try:
+        f()
+        out[name] = 'ok'
+    except Exception as e:
+        out[name] = f'{type(e).__name__}: {str(e)[:160]}'
+a = cupy.arange(64, dtype=cupy.float32).reshape(8, 8)
+check('cuBLAS (matmul)', lambda: float((a @ a).sum()))
+check('NVRTC (a new elementwise kernel)', lambda: float(cupy.ElementwiseKernel(
+    'float32 x', 'float32 y', 'y = x * 3 + 1', 'probe_kernel')(a).sum()))
+check('cuFFT', lambda: float(abs(cupy.fft.fft(a[0])).sum()))
+check('cuRAND', lambda: float(cupy.random.default_rng(0).random(4).sum()))
+check('cuSOLVER', lambda: float(cupy.linalg.inv(a + 8 * cupy.eye(8)).sum()))
+check('cuSPARSE', lambda: __import__('cupyx.scipy.sparse', fromlist=['x'])
+      .csr_matrix(a).dot(a).sum())
+cupy.cuda.Device().synchronize()
+libs = sorted({l.split()[-1] for l in open('/proc/self/maps')
+               if any(n in l for n in ('libcublas', 'libnvrtc', 'libcufft',
+                                       'libcurand', 'libcusolver',
+                                       'libcusparse', 'libcudart'))})
+out['libraries'] = libs
+print(json.dumps(out))
+"""
+TOOLKITS = ('/usr/local/cuda', '/opt/cuda', '/usr/lib/cuda')
+
+
+def hidden_toolkit_command(python, toolkits):
+    """The command that runs :data:`PROBE` in a mount namespace of its own
+    where every folder of ``toolkits`` that exists is an empty tmpfs, with
+    CUDA_PATH, CUDA_HOME and the toolkits' library folders gone from the
+    environment (``unshare -m``: root only).
+
+    >>> hidden_toolkit_command('py', ['/usr/local/cuda'])[:3]
+    ['unshare', '-m', 'sh']
+    """
+    mounts = ' && '.join(f'mount -t tmpfs none {t}' for t in toolkits)
+    return ['unshare', '-m', 'sh', '-c',
+            f'{mounts + " && " if mounts else ""}exec "$0" -c "$1"',
+            python, PROBE]
+
+
+def hidden_toolkit(timeout=120):
+    """(sentence, rows) of the probe with the toolkit hidden, or why it
+    did not run."""
+    import json
+    if os.geteuid() != 0 or shutil.which('unshare') is None:
+        return 'skipped: needs root and unshare (a mount namespace)', []
+    toolkits = [t for t in TOOLKITS if os.path.isdir(t)]
+    for t in list(toolkits):
+        real = os.path.realpath(t)
+        if real != t and os.path.isdir(real):
+            toolkits.append(real)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ('CUDA_PATH', 'CUDA_HOME')}
+    if 'LD_LIBRARY_PATH' in env:
+        env['LD_LIBRARY_PATH'] = ':'.join(
+            p for p in env['LD_LIBRARY_PATH'].split(':')
+            if not any(p.startswith(t) for t in toolkits))
+    try:
+        done = subprocess.run(hidden_toolkit_command(sys.executable,
+                                                     toolkits),
+                              capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd='/')
+    except subprocess.TimeoutExpired:
+        return f'ran out of time ({timeout} s)', []
+    if done.returncode != 0:
+        return ('failed: ' + (done.stderr or done.stdout).strip()
+                .splitlines()[-1][:300] if (done.stderr or done.stdout)
+                else f'failed: exit status {done.returncode}'), []
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    libs = found.pop('libraries')
+    hidden = ', '.join(toolkits) or 'none found'
+    return (f'toolkit folders hidden: {hidden}; CUDA_PATH, CUDA_HOME '
+            'unset', [(k, v) for k, v in found.items()] +
+            [('libraries loaded from', '<br>'.join(libs) or 'none')])
+
+
+BENCHES = (('bench/gpu.py', 'bench_timeout', 'bench_args'),
+           ('bench/gpu_vs_torch.py', 'torch_timeout', 'torch_args'))
+
+
+def report(machine, smi, suite, benches, hidden, args):
     """The report's Markdown text."""
-    (code, seconds, late, rows, log_tail), (bcode, bsec, blate, btext) = \
-        suite, bench
+    code, seconds, late, rows, log_tail = suite
     lines = [f'# GPU check, {datetime.date.today().isoformat()}', '',
-             '`make gpu-check` (bench/gpu_check.py): the GPU suite, then '
-             'bench/gpu.py.', '', '## The machine', '',
+             '`make gpu-check` (bench/gpu_check.py): the GPU suite, '
+             'bench/gpu.py, bench/gpu_vs_torch.py, then CuPy with the CUDA '
+             'toolkit hidden.', '', '## The machine', '',
              f'Host: {platform.node()}, {os.cpu_count()} CPUs, '
              f'{platform.platform()}', '', '```', smi, '```', '',
              '| software | version |', '|---|---|']
@@ -155,9 +250,17 @@ def report(machine, smi, suite, bench, args):
     if late or (code not in (0, 5) and not failed):
         lines += ['', '### The suite\'s last output', '', '```',
                   log_tail, '```']
-    bstatus = 'ran out of time' if blate else f'exit status {bcode}'
-    lines += ['', '## bench/gpu.py', '', f'{bsec:.0f} s, {bstatus}.', '',
-              btext.strip(), '']
+    for script, (bcode, bsec, blate, btext) in benches:
+        bstatus = 'ran out of time' if blate else f'exit status {bcode}'
+        lines += ['', f'## {script}', '', f'{bsec:.0f} s, {bstatus}.', '',
+                  btext.strip(), '']
+    sentence, probe = hidden
+    lines += ['', '## CuPy with the CUDA toolkit hidden', '',
+              f'{sentence}.', '']
+    if probe:
+        lines += ['| check | result |', '|---|---|']
+        lines += [f'| {k} | {v} |' for k, v in probe]
+    lines.append('')
     return '\n'.join(lines)
 
 
@@ -171,23 +274,35 @@ def main(argv=None):
     parser.add_argument('--bench-timeout', type=float, default=150,
                         help='seconds for bench/gpu.py (default: '
                              '%(default)s)')
+    parser.add_argument('--torch-timeout', type=float, default=300,
+                        help='seconds for bench/gpu_vs_torch.py (default: '
+                             '%(default)s)')
     parser.add_argument('--test-timeout', type=int, default=150,
                         help="one test's limit in seconds (default: "
                              '%(default)s)')
     parser.add_argument('--bench-args', default='',
                         help='extra arguments for bench/gpu.py')
+    parser.add_argument('--torch-args', default='',
+                        help='extra arguments for bench/gpu_vs_torch.py')
     parser.add_argument('--pytest-args', default='',
                         help='extra arguments for pytest (e.g. -k NAME)')
+    parser.add_argument('--skip', default='',
+                        help='parts to leave out, comma-separated: suite, '
+                             'gpu.py, gpu_vs_torch.py, toolkit')
     parser.add_argument('--logs', default=None,
                         help='a folder to keep the whole suite.log and '
-                             'bench.log in (default: none kept)')
+                             "the benches' logs in (default: none kept)")
     parser.add_argument('--detail-chars', type=int, default=4000,
                         help='characters of each failure shown')
     args = parser.parse_args(argv)
-    for name in ('suite_timeout', 'bench_timeout'):
+    for name in ('suite_timeout', 'bench_timeout', 'torch_timeout'):
         if getattr(args, name) <= 0:
             parser.error(f'--{name.replace("_", "-")} must be > 0 seconds, '
                          f'got {getattr(args, name)}')
+    skip = set(filter(None, args.skip.split(',')))
+    unknown = skip - {'suite', 'gpu.py', 'gpu_vs_torch.py', 'toolkit'}
+    if unknown:
+        parser.error(f'--skip: unknown parts {sorted(unknown)}')
     machine, smi = versions(), nvidia_smi()
     if not any(k == 'GPUs' and v for k, v in machine):
         print('gpu_check: no GPU here; ' + '; '.join(
@@ -197,29 +312,43 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix='gpu-check-') as work:
         work = Path(work)
         junit = work / 'suite.xml'
-        code, seconds, late = run(
-            [sys.executable, '-m', 'pytest', 'tests/gpu', '-rA', '-v',
-             '-p', 'no:cacheprovider', f'--timeout={args.test_timeout}',
-             f'--junitxml={junit}', *args.pytest_args.split()],
-            args.suite_timeout, work / 'suite.log')
+        if 'suite' in skip:
+            code, seconds, late = 5, 0.0, False
+            (work / 'suite.log').write_text('skipped (--skip suite)')
+        else:
+            code, seconds, late = run(
+                [sys.executable, '-m', 'pytest', 'tests/gpu', '-rA', '-v',
+                 '-p', 'no:cacheprovider', f'--timeout={args.test_timeout}',
+                 f'--junitxml={junit}', *args.pytest_args.split()],
+                args.suite_timeout, work / 'suite.log')
         log = (work / 'suite.log').read_text(errors='replace')
         print(log[-6000:])
         rows = suite_rows(junit) if junit.exists() else []
         suite = (code, seconds, late, rows, log[-args.detail_chars:])
-        bcode, bsec, blate = run(
-            [sys.executable, 'bench/gpu.py', *args.bench_args.split()],
-            args.bench_timeout, work / 'bench.md', work / 'bench.log')
-        btext = (work / 'bench.md').read_text(errors='replace')
-        if bcode or blate:  # what it said on the way out
-            btext += '\n```\n' + (work / 'bench.log').read_text(
-                errors='replace')[-args.detail_chars:] + '\n```\n'
-        print(btext[-6000:])
+        benches = []
+        for script, timeout, extra in BENCHES:
+            stem = Path(script).name
+            if stem in skip:
+                continue
+            out, err = work / f'{stem}.md', work / f'{stem}.log'
+            bcode, bsec, blate = run(
+                [sys.executable, script, *getattr(args, extra).split()],
+                getattr(args, timeout), out, err)
+            btext = out.read_text(errors='replace')
+            if bcode or blate:  # what it said on the way out
+                btext += '\n```\n' + err.read_text(
+                    errors='replace')[-args.detail_chars:] + '\n```\n'
+            print(btext[-6000:])
+            benches.append((script, (bcode, bsec, blate, btext)))
+        hidden = ('skipped (--skip toolkit)', []) if 'toolkit' in skip \
+            else hidden_toolkit()
+        print(hidden)
         if args.logs:
             Path(args.logs).mkdir(parents=True, exist_ok=True)
-            for name in ('suite.log', 'bench.md', 'bench.log', 'suite.xml'):
-                if (work / name).exists():
-                    shutil.copy(work / name, Path(args.logs) / name)
-    text = report(machine, smi, suite, (bcode, bsec, blate, btext), args)
+            for f in work.iterdir():
+                if f.is_file():
+                    shutil.copy(f, Path(args.logs) / f.name)
+    text = report(machine, smi, suite, benches, hidden, args)
     target = ROOT / args.report
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix='.gpu-check-')
@@ -227,8 +356,9 @@ def main(argv=None):
         f.write(text)
     os.replace(tmp, target)
     print(f'report: {target}')
-    ok = not late and code in (0, 5) and not blate and bcode == 0 and \
-        not any(r[0] in ('FAILED', 'ERROR') for r in rows)
+    ok = not late and code in (0, 5) and \
+        not any(r[0] in ('FAILED', 'ERROR') for r in rows) and \
+        all(not b[1][2] and b[1][0] in (0, 2) for b in benches)
     return 0 if ok else 1
 
 

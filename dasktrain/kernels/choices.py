@@ -198,6 +198,11 @@ class GraphCache:
     def __len__(self):
         return len(self._entries)
 
+    def entries(self):
+        """A copy of ``{key: graph or Unbuildable}``."""
+        with self._lock:
+            return dict(self._entries)
+
     def unbuildable(self):
         """``{key: reason}`` of the keys kept as unbuildable."""
         with self._lock:
