@@ -59,9 +59,9 @@ def patch():
 
 
 class _AfterChainer:
-    """Chainer's loader, which runs the hooks given to :func:`install`
-    once Chainer's package has been executed; everything else is the
-    loader's own."""
+    """Chainer's loader, which steps the finder aside and runs the hooks
+    given to :func:`install` once Chainer's package has been executed;
+    everything else is the loader's own."""
 
     def __init__(self, loader):
         self._loader = loader
@@ -70,6 +70,7 @@ class _AfterChainer:
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        uninstall()  # Chainer is being imported for real: no more lookups
         self._loader.exec_module(module)
         _run_after()
 
@@ -95,20 +96,28 @@ def _run_after():
 
 
 class _PatchBeforeChainer:
-    """A meta path finder: on the first lookup of ``chainer`` it patches
-    NumPy, steps aside, and hands back the real finders' spec with a
-    loader that runs the :func:`install` hooks after Chainer's import."""
+    """A meta path finder: on a lookup of ``chainer`` it patches NumPy and
+    hands back the real finders' spec with a loader that runs the
+    :func:`install` hooks after Chainer's import. It stays on
+    ``sys.meta_path`` until Chainer is executed (a lookup alone, e.g.
+    ``importlib.util.find_spec``, is no import), and never removes itself
+    while importlib walks that list."""
+
+    _looking = False
 
     @classmethod
     def find_spec(cls, name, path=None, target=None):
-        if name != 'chainer':
+        if name != 'chainer' or cls._looking:
             return None
-        uninstall()
         patch()
         if not _after:
             return None
         import importlib.util
-        spec = importlib.util.find_spec(name)
+        cls._looking = True  # the real finders' turn: not ours again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            cls._looking = False
         if spec is None or not hasattr(spec.loader, 'exec_module'):
             return spec
         spec.loader = _AfterChainer(spec.loader)

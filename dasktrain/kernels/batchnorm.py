@@ -42,6 +42,7 @@ parameters' dtype. Both classes take NumPy arrays too: the tests hold the
 maths against Chainer's own implementation in float64 on the CPU.
 """
 import logging
+import threading
 
 import chainer
 import numpy as np
@@ -61,50 +62,60 @@ said = SaidOnce()
 
 #: Chainer's own selector, for what is not ours (the CPU, iDeep, other
 #: axes): the default the class was defined with
-CHAINER_SELECTOR = _bn.BatchNormalization.__init__.__defaults__[-1]
+CHAINER_SELECTOR = _bn._impl_selector
 
 _gpu = {}
+_gpu_lock = threading.Lock()
 
 
 def _kernels():
     """The CuPy kernels, made on first use (compiled per dtype by CuPy)."""
-    if not _gpu:
-        import cupy
-        _gpu['sum'] = cupy.ReductionKernel(
-            'T x', 'float64 y', 'static_cast<double>(x)', 'a + b', 'y = a',
-            '0', 'dasktrain_bn_sum')
-        _gpu['sqdev'] = cupy.ReductionKernel(
-            'T x, float64 m', 'float64 y',
-            '(static_cast<double>(x) - m) * (static_cast<double>(x) - m)',
-            'a + b', 'y = a', '0', 'dasktrain_bn_sqdev')
-        _gpu['dot'] = cupy.ReductionKernel(
-            'T gy, T x, float64 m', 'float64 y',
-            'static_cast<double>(gy) * (static_cast<double>(x) - m)',
-            'a + b', 'y = a', '0', 'dasktrain_bn_dot')
-        _gpu['stats'] = cupy.ElementwiseKernel(
-            'float64 mean64, float64 var64, float64 eps',
-            'U mean, U var, U inv_std',
-            'mean = mean64; var = var64; inv_std = rsqrt(var64 + eps)',
-            'dasktrain_bn_stats')
-        _gpu['running'] = cupy.ElementwiseKernel(
-            'float64 mean, float64 var, float64 decay, float64 adjust',
-            'R r_mean, R r_var',
-            'r_mean = r_mean * decay + mean * (1 - decay);'
-            'r_var = r_var * decay + var * (1 - decay) * adjust',
-            'dasktrain_bn_running')
-        _gpu['normalize'] = cupy.ElementwiseKernel(
-            'T x, U mean, U inv_std, U gamma, U beta', 'T y',
-            'y = gamma * (x - mean) * inv_std + beta', 'dasktrain_bn_fwd')
-        _gpu['gx'] = cupy.ElementwiseKernel(
-            'T gy, T x, X mean, X inv_std, U gamma, U ggamma, U gbeta, '
-            'U inv_m', 'T gx',
-            'gx = (gamma * inv_std) * (gy - ((x - mean) * inv_std * ggamma'
-            ' + gbeta) * inv_m)', 'dasktrain_bn_bwd')
-        _gpu['var_of'] = cupy.ElementwiseKernel(
-            'U inv_std, float64 eps', 'float64 var',
-            'var = 1.0 / ((double)inv_std * (double)inv_std) - eps',
-            'dasktrain_bn_var_of')
+    if _gpu:
+        return _gpu
+    with _gpu_lock:
+        if not _gpu:
+            _gpu.update(_make_kernels())
     return _gpu
+
+
+def _make_kernels():
+    import cupy
+    k = {}
+    k['sum'] = cupy.ReductionKernel(
+        'T x', 'float64 y', 'static_cast<double>(x)', 'a + b', 'y = a',
+        '0', 'dasktrain_bn_sum')
+    k['sqdev'] = cupy.ReductionKernel(
+        'T x, float64 m', 'float64 y',
+        '(static_cast<double>(x) - m) * (static_cast<double>(x) - m)',
+        'a + b', 'y = a', '0', 'dasktrain_bn_sqdev')
+    k['dot'] = cupy.ReductionKernel(
+        'T gy, T x, float64 m', 'float64 y',
+        'static_cast<double>(gy) * (static_cast<double>(x) - m)',
+        'a + b', 'y = a', '0', 'dasktrain_bn_dot')
+    k['stats'] = cupy.ElementwiseKernel(
+        'float64 mean64, float64 var64, float64 eps',
+        'U mean, U var, U inv_std',
+        'mean = mean64; var = var64; inv_std = rsqrt(var64 + eps)',
+        'dasktrain_bn_stats')
+    k['running'] = cupy.ElementwiseKernel(
+        'float64 mean, float64 var, float64 decay, float64 adjust',
+        'R r_mean, R r_var',
+        'r_mean = r_mean * decay + mean * (1 - decay);'
+        'r_var = r_var * decay + var * (1 - decay) * adjust',
+        'dasktrain_bn_running')
+    k['normalize'] = cupy.ElementwiseKernel(
+        'T x, U mean, U inv_std, U gamma, U beta', 'T y',
+        'y = gamma * (x - mean) * inv_std + beta', 'dasktrain_bn_fwd')
+    k['gx'] = cupy.ElementwiseKernel(
+        'T gy, T x, X mean, X inv_std, U gamma, U ggamma, U gbeta, '
+        'U inv_m', 'T gx',
+        'gx = (gamma * inv_std) * (gy - ((x - mean) * inv_std * ggamma'
+        ' + gbeta) * inv_m)', 'dasktrain_bn_bwd')
+    k['var_of'] = cupy.ElementwiseKernel(
+        'U inv_std, float64 eps', 'float64 var',
+        'var = fmax(1.0 / ((double)inv_std * (double)inv_std) - eps, '
+        '0.0)', 'dasktrain_bn_var_of')
+    return k
 
 
 def _channel_sums(xp, name, *arrays):
@@ -245,10 +256,12 @@ def _cudnn_forward(x, gamma, beta, axis, eps, decay, running_mean,
     n, c, r = geometry.batchnorm_view(x.shape, gamma.ndim, axis)
     dims, per_channel = (n, c, r, 1), (1, c, 1, 1)
     device, stream, det, tf32 = _context()
+    # cuDNN's own running averages are not used (the module says why):
+    # its momentum is a constant, so that a decay changing every step
+    # (Chainer's finetune mode) builds no graph of its own
     key = ('bn', device, dims, x.dtype.name, gamma.dtype.name, float(eps),
-           float(decay), det, tf32)
-    host = {6: np.array([eps], np.float32), 7: np.array([1 - decay],
-                                                           np.float32)}
+           det, tf32)
+    host = {6: np.array([eps], np.float32), 7: np.array([0.1], np.float32)}
 
     def make(cudnn, g):
         io = frontend.data_type(cudnn, x.dtype)
@@ -280,12 +293,16 @@ def _cudnn_forward(x, gamma, beta, axis, eps, decay, running_mean,
     beta32 = cupy.ascontiguousarray(beta, f32)
     y = cupy.empty_like(x)
     mean, inv_std = cupy.empty(c, f32), cupy.empty(c, f32)
-    scratch = cupy.zeros((4, c), f32)  # cuDNN's own running averages
-    entry.run(cudnn, device, stream,
-              [x.data.ptr, gamma32.data.ptr, beta32.data.ptr,
-               scratch[0].data.ptr, scratch[1].data.ptr, None, None,
-               y.data.ptr, mean.data.ptr, inv_std.data.ptr,
-               scratch[2].data.ptr, scratch[3].data.ptr])
+    # cuDNN's own running averages, in and out: four arrays of the pool
+    # (rows of one array would start unaligned where c % 4)
+    scratch = [cupy.zeros(c, f32) for _ in range(4)]
+    if not frontend.execute(
+            cudnn, key, entry, device, stream,
+            [x.data.ptr, gamma32.data.ptr, beta32.data.ptr,
+             scratch[0].data.ptr, scratch[1].data.ptr, None, None,
+             y.data.ptr, mean.data.ptr, inv_std.data.ptr,
+             scratch[2].data.ptr, scratch[3].data.ptr]):
+        return None
     if running_mean is not None:
         var64 = _kernels()['var_of'](inv_std, float(eps))
         _update_running(cupy, mean.astype(np.float64), var64, decay,
@@ -329,9 +346,11 @@ def _cudnn_backward(gy, x, gamma, axis, mean, inv_std):
     inv32 = cupy.ascontiguousarray(inv_std, f32)
     gx = cupy.empty_like(x)
     ggamma, gbeta = cupy.empty(c, f32), cupy.empty(c, f32)
-    entry.run(cudnn, device, stream,
-              [gy.data.ptr, x.data.ptr, gamma32.data.ptr, mean32.data.ptr,
-               inv32.data.ptr, gx.data.ptr, ggamma.data.ptr, gbeta.data.ptr])
+    if not frontend.execute(
+            cudnn, key, entry, device, stream,
+            [gy.data.ptr, x.data.ptr, gamma32.data.ptr, mean32.data.ptr,
+             inv32.data.ptr, gx.data.ptr, ggamma.data.ptr, gbeta.data.ptr]):
+        return None
     return gx, ggamma.astype(gamma.dtype, copy=False), \
         gbeta.astype(gamma.dtype, copy=False)
 
@@ -375,9 +394,11 @@ def cudnn_inference(x, gamma, beta, mean, var, eps, axis):
     inv = (1 / cupy.sqrt(var.astype(np.float64) + eps)).astype(f32)
     params = [cupy.ascontiguousarray(a, f32) for a in (mean, gamma, beta)]
     y = cupy.empty_like(x)
-    entry.run(cudnn, device, stream,
-              [x.data.ptr, params[0].data.ptr, inv.data.ptr,
-               params[1].data.ptr, params[2].data.ptr, y.data.ptr])
+    if not frontend.execute(
+            cudnn, key, entry, device, stream,
+            [x.data.ptr, params[0].data.ptr, inv.data.ptr,
+             params[1].data.ptr, params[2].data.ptr, y.data.ptr]):
+        return None
     return y
 
 

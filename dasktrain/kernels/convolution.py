@@ -100,8 +100,10 @@ def run(kind, geom, dtype, image, filt, output):
     role = _OPS[kind]
     shape = getattr(geom, role)
     arrays[role] = cupy.empty(shape, dtype=dtype)
-    entry.run(cudnn, device, stream, [arrays[r].data.ptr for r in
-                                      ('image', 'filter', 'output')])
+    if not frontend.execute(cudnn, key, entry, device, stream,
+                            [arrays[r].data.ptr for r in
+                             ('image', 'filter', 'output')]):
+        return None
     return arrays[role]
 
 
@@ -111,6 +113,8 @@ def forward(fn, inputs):
         return None
     x, w = inputs[:2]
     b = inputs[2] if len(inputs) == 3 else None
+    if fn.cudnn_fast and fn.cover_all:
+        return None  # Chainer says why it cannot
     problem = conv_problem((x.dtype.name, w.dtype.name),
                            fn.input_layouts[:2], x.ndim)
     if problem:
@@ -164,9 +168,11 @@ def filter_gradient(fn, inputs):
     if cudnn_now() is None:
         return None
     x, gy = inputs
+    # x and gy come in the forward pass's layouts (a channel-last x with a
+    # channel-first W is Chainer's): only all-standard ones are NCHW here
     problem = conv_problem((x.dtype.name, gy.dtype.name,
                             np.dtype(fn.W_dtype).name),
-                           (fn.w_layout,), x.ndim)
+                           (fn.w_layout, *fn.input_layouts), x.ndim)
     if problem:
         return stay('convolution filter gradient', problem)
     geom = geometry.filter_gradient(x.shape, gy.shape, fn.W_shape,

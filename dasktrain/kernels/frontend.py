@@ -57,15 +57,23 @@ graphs = GraphCache()
 
 
 def _library_candidates():
-    """``libcudnn.so.9`` files of the nvidia-cudnn wheels on ``sys.path``
-    (``nvidia/cudnn/lib`` for cu12/cu13 wheels, ``nvidia/cu13/lib`` for
-    CUDA 13's merged layout)."""
+    """``libcudnn.so.9`` of the nvidia-cudnn wheels on ``sys.path``
+    (``nvidia/cudnn/lib``; ``nvidia/cu13/lib`` for CUDA 13's merged
+    layout), when the frontend's own search (``nvidia/cudnn/lib`` and
+    ``nvidia/cudnn_jit/lib`` under ``purelib``) finds none."""
+    import sysconfig
+    purelib = sysconfig.get_path('purelib')
+    for sub in ('nvidia/cudnn/lib', 'nvidia/cudnn_jit/lib'):
+        if glob.glob(os.path.join(purelib, sub, 'libcudnn.so.*[0-9]')):
+            return []  # the frontend loads that one itself
     found = []
     for entry in sys.path:
+        if not entry or not os.path.isabs(entry):
+            continue  # never a folder relative to where the run stands
         for sub in ('nvidia/cudnn/lib', 'nvidia/cu13/lib', 'nvidia/cu12/lib'):
-            found += sorted(glob.glob(os.path.join(entry or '.', sub,
-                                                   'libcudnn.so.9*')))
-    return [path for path in found if path.endswith('.so.9')] or found
+            found += sorted(glob.glob(os.path.join(entry, sub,
+                                                   'libcudnn.so.9')))
+    return found
 
 
 def load():
@@ -92,10 +100,13 @@ def _load():
         return None, ('nvidia-cudnn-frontend is not installed (make install '
                       "on a GPU machine brings it, or pip install "
                       "'dasktrain[cudnn13]')")
-    # Before the frontend's import, which dlopens cuDNN once.
+    # Before the frontend's import, which dlopens cuDNN once, by path
+    # under purelib or else by soname: a library loaded here (locally: its
+    # symbols stay out of the global scope, where a cuDNN 8 may live) is
+    # what that soname lookup then finds.
     for path in _library_candidates():
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(path)
             break
         except OSError:
             continue
@@ -111,14 +122,25 @@ def _load():
 
 
 def reset_after_fork():
-    """Handles belong to the process that made them: a forked child
-    starts without any (graphs' plans are rebuilt there too)."""
-    global _threads
+    """Handles and plans belong to the process that made them: a forked
+    child starts with none. Nothing is taken or freed here (another
+    thread may have held a lock at the fork; the parent's plans must not
+    be destroyed in a child): the old ones are dropped unreferenced."""
+    global _threads, graphs, _lock
     _threads = threading.local()
-    graphs.clear()
+    graphs = GraphCache()
+    _lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=reset_after_fork)
+
+
+def disable(why):
+    """Turn cuDNN off for this process (a handle or a run failed where a
+    refusal was expected): every later call runs Chainer's path."""
+    global _loaded
+    _loaded = (None, why)
+    log.warning('cuDNN graphs off for this process: %s', why)
 
 
 def handle(cudnn, device, stream):
@@ -195,6 +217,8 @@ class Graph:
         import cupy
         pointers = [self.host[uid].ctypes.data if p is None else p
                     for uid, p in zip(self.roles, pointers)]
+        # from the pool, freed on return: CuPy's pool hands it out again
+        # only to work queued after this on the same stream
         workspace = cupy.empty(self.workspace, dtype=np.uint8)
         h = handle(cudnn, device, stream)
         if self.order is not None:
@@ -203,7 +227,6 @@ class Graph:
         else:
             self.graph.execute(dict(zip(self.roles, pointers)),
                                workspace.data.ptr, handle=h)
-        return workspace  # the caller drops it after queueing more work
 
 
 def build(cudnn, key, make, dtype, deterministic, tf32, device, stream):
@@ -213,7 +236,12 @@ def build(cudnn, key, make, dtype, deterministic, tf32, device, stream):
     entry = graphs.get(key)
     if entry is not None:
         return entry
-    h = handle(cudnn, device, stream)
+    try:
+        h = handle(cudnn, device, stream)
+    except Exception as e:  # (cuDNN cannot run on this GPU at all)
+        disable(f'no cuDNN handle on GPU {device} ({type(e).__name__}: '
+                f'{e})')
+        return Unbuildable('no cuDNN handle')
     try:
         g = cudnn.pygraph(io_data_type=data_type(cudnn, dtype),
                           intermediate_data_type=cudnn.data_type.FLOAT,
@@ -233,8 +261,28 @@ def build(cudnn, key, make, dtype, deterministic, tf32, device, stream):
     except Exception as e:  # (cuDNN's refusal, any type)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ''
         entry = Unbuildable(f'{type(e).__name__}: {first}'[:300])
+        if not isinstance(e, (RuntimeError, ValueError,
+                              cudnn.cudnnGraphNotSupportedError)):
+            # not how cuDNN refuses: a mistake of this code's, loudly
+            log.warning('cuDNN graph %s: %s', key[0], entry.reason,
+                        exc_info=True)
     graphs.put(key, entry)
     return entry
+
+
+def execute(cudnn, key, entry, device, stream, pointers):
+    """Queue ``entry`` (see :meth:`Graph.run`); False where cuDNN failed
+    to run it: the key is kept as unbuildable, said once, and the caller
+    runs Chainer's path."""
+    try:
+        entry.run(cudnn, device, stream, pointers)
+        return True
+    except Exception as e:  # (an execution cuDNN refused at run time)
+        reason = f'{type(e).__name__}: {str(e).strip()[:200]}'
+        graphs.put(key, Unbuildable(reason))
+        log.warning('cuDNN graph %s failed to run, Chainer\'s path '
+                    'instead: %s', key[0], reason)
+        return False
 
 
 def nchw(g, name, uid, dims, dtype_enum):

@@ -239,6 +239,9 @@ def test_a_plain_chainer_script_gets_the_hooks_at_chainer_s_import():
         'dasktrain.kernels.batchnorm']
     assert not any(m.startswith('dasktrain') for m in _child(
         HOOKED, DASKTRAIN_KERNELS='off'))
+    # a lookup is no import: the hooks still come with the import after it
+    probed = 'import importlib.util; importlib.util.find_spec("chainer")'
+    assert _child(probed + HOOKED) == _child(HOOKED)
 
 
 def test_uninstall_restores_chainer():
