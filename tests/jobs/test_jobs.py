@@ -309,7 +309,7 @@ def test_submit_time_errors(cluster, data_dir, tmp_path, monkeypatch,
 
 
 def test_the_refusal_of_a_job_that_fits_no_worker_counts_in_words():
-    from dasktrain.jobs.request import check_fits
+    from dasktrain.jobs.fits import check_fits
 
     def refusal(resources, gpus, workers=None):
         with pytest.raises(JobError) as e:
