@@ -1,6 +1,7 @@
 """What `make install` and pip install: environment.yml describes the same
 environment as pyproject.toml; Chainer imports before dasktrain in it; the
 CuPy extra follows the NVIDIA driver."""
+import doctest
 import importlib
 import importlib.util
 import os
@@ -13,6 +14,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import ctk_check  # tools/ctk_check.py
 import cuda_extra  # tools/cuda_extra.py
 import pytest
 import yaml
@@ -270,9 +272,50 @@ def test_the_extras_pin_a_cupy_that_fits_their_numpy(major, numpy):
 
 
 def test_the_install_decisions_examples_hold():
-    import doctest
     result = doctest.testmod(cuda_extra)
     assert result.failed == 0 and result.attempted >= 8
+
+
+# /proc/self/maps of a process that ran tools/ctk_check.py's exercise in
+# a venv whose CuPy has its [ctk] wheels (the shape of Linux's lines).
+SITE = '/opt/dasktrain/lib/python3.12/site-packages'
+MAPS = '\n'.join(
+    f'7f{i:04x}000-7f{i:04x}fff r-xp 00000000 fd:01 {1000 + i} {path}'
+    for i, path in enumerate([
+        '/usr/lib/x86_64-linux-gnu/libcuda.so.580.65.06',   # the driver
+        f'{SITE}/nvidia/cu13/lib/libcudart.so.13',
+        f'{SITE}/nvidia/cu13/lib/libnvrtc.so.13',
+        f'{SITE}/nvidia/cu13/lib/libnvrtc-builtins.so.13.0',
+        f'{SITE}/nvidia/cu13/lib/libcublas.so.13',
+        f'{SITE}/nvidia/cu13/lib/libcublasLt.so.13',
+        f'{SITE}/nvidia/cu13/lib/libcurand.so.10',
+        f'{SITE}/nvidia/nccl/lib/libnccl.so.2',
+        f'{SITE}/nvidia/cudnn/lib/libcudnn.so.9',
+        f'{SITE}/nvidia/cudnn/lib/libcudnn_graph.so.9',
+        f'{SITE}/cupy/_core/core.cpython-312-x86_64-linux-gnu.so'])) + \
+    '\n7fff0000-7fff1000 rw-p 00000000 00:00 0 [stack]\n'
+WANTED = ('cudart', 'nvrtc', 'cublas', 'curand', 'nccl', 'cudnn')
+
+
+def test_the_driver_only_check_reads_where_each_library_came_from():
+    found = ctk_check.loaded(MAPS)
+    assert sorted(found) == ['cublas', 'cublasLt', 'cudart', 'cudnn',
+                             'curand', 'nccl', 'nvrtc']
+    assert found['cudnn'] == [f'{SITE}/nvidia/cudnn/lib/libcudnn.so.9',
+                              f'{SITE}/nvidia/cudnn/lib/libcudnn_graph.so.9']
+    assert ctk_check.problems(found, '/opt/dasktrain', WANTED) == []
+    # the system toolkit's NVRTC, not the wheel's; cuDNN never loaded
+    system = MAPS.replace(f'{SITE}/nvidia/cu13/lib/libnvrtc.so.13',
+                          '/usr/local/cuda-13.0/lib64/libnvrtc.so.13')
+    system = '\n'.join(line for line in system.splitlines()
+                       if 'cudnn' not in line)
+    assert ctk_check.problems(ctk_check.loaded(system), '/opt/dasktrain',
+                              WANTED) == [
+        'cudnn: not loaded',
+        'nvrtc: /usr/local/cuda-13.0/lib64/libnvrtc.so.13 is outside '
+        '/opt/dasktrain']
+    result = doctest.testmod(ctk_check)
+    assert result.failed == 0 and result.attempted >= 3
 
 
 def test_no_driver_or_an_explicit_choice_needs_no_nvidia_smi():
