@@ -11,19 +11,25 @@ PYTEST_ARGS ?=
 # (The short equivalence pass below runs in one: two would start slower
 # than they save.)
 TEST_PROCS ?= 2
-# auto: CuPy for the NVIDIA driver's CUDA version (nvidia-smi), none without
-# one; or none, 12, 13 (tools/cuda_extra.py decides, tests hold it).
+# auto: CuPy with its CUDA libraries for the NVIDIA driver's CUDA version
+# (nvidia-smi), none without one; or none, 12, 13. NUMPY: 2 (CuPy 14) or 1
+# (NumPy 1.26 and CuPy 13.6, which need a system CUDA toolkit). CUDNN: on
+# (cuDNN 9 with the CUDA extra) or off. tools/cuda_extra.py decides, tests
+# hold it; docs/install.md says what each brings.
 CUDA ?= auto
+NUMPY ?= 2
+CUDNN ?= on
 BIN := $(VENV)/bin
 
 comma := ,
-CUDA_EXTRA := $(shell $(PYTHON) -I tools/cuda_extra.py $(CUDA) || echo FAILED)
-ifneq ($(filter-out cuda12 cuda13 none,$(CUDA_EXTRA)),)
-$(error CUDA=$(CUDA): `$(PYTHON) -I tools/cuda_extra.py $(CUDA)` failed; CUDA is auto, none, 12 or 13)
+CUDA_ARGS := --numpy $(NUMPY) --cudnn $(CUDNN) $(CUDA)
+CUDA_EXTRA := $(shell $(PYTHON) -I tools/cuda_extra.py $(CUDA_ARGS) || echo FAILED)
+ifneq ($(findstring FAILED,$(CUDA_EXTRA)),)
+$(error CUDA=$(CUDA) NUMPY=$(NUMPY) CUDNN=$(CUDNN): `$(PYTHON) -I tools/cuda_extra.py $(CUDA_ARGS)` failed; CUDA is auto, none, 12 or 13, NUMPY 1 or 2, CUDNN on or off)
 endif
 EXTRAS := test$(if $(filter none,$(CUDA_EXTRA)),,$(comma)$(CUDA_EXTRA))
-# One stamp per extra: choosing another CUDA installs again.
-STAMP := $(VENV)/.dasktrain-installed-$(CUDA_EXTRA)
+# One stamp per choice of extras: choosing others installs again.
+STAMP := $(VENV)/.dasktrain-installed-$(subst $(comma),+,$(CUDA_EXTRA))
 
 # ChainerUI 0.11 (the last release) in a venv of its own: it needs
 # SQLAlchemy < 1.4 and Flask < 2.3, which the main environment cannot take.
@@ -41,7 +47,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
-	@$(PYTHON) -I tools/cuda_extra.py --explain $(CUDA)
+	@$(PYTHON) -I tools/cuda_extra.py --explain $(CUDA_ARGS)
 	@echo 'make install: $(VENV) with dasktrain[$(EXTRAS)] and its' \
 	  'dependencies (Chainer 7.8.1 built from its sdist, Dask, NumPy,' \
 	  'Optuna...): a few minutes on a fresh machine, quiet meanwhile'
@@ -54,15 +60,15 @@ $(STAMP): pyproject.toml constraints.txt
 # in PREFIX from a Python every user can run (SHARED_PYTHON, default the
 # first of PYTHON, /usr/bin/python3 and /usr/local/bin/python3 that every
 # user can execute: dasktrain/everyone.py decides), dasktrain with the
-# CuPy extra for the driver (CUDA, as for `make install`) and the
-# constraints, and BINDIR/dasktrain, on every user's PATH and sudo's.
+# GPU extras for the driver (CUDA, NUMPY, CUDNN, as for `make install`) and
+# the constraints, and BINDIR/dasktrain, on every user's PATH and sudo's.
 PREFIX ?= /opt/dasktrain
 BINDIR ?= /usr/local/bin
 SHARED_PYTHON ?=
 SHARED_SPEC := .$(if $(filter none,$(CUDA_EXTRA)),,[$(CUDA_EXTRA)])
 
 install-shared:
-	@$(PYTHON) -I tools/cuda_extra.py --explain $(CUDA)
+	@$(PYTHON) -I tools/cuda_extra.py --explain $(CUDA_ARGS)
 	@set -e; umask 022; \
 	python=$${SHARED_PYTHON:-$$($(PYTHON) -I dasktrain/everyone.py python \
 	  $(PYTHON) /usr/bin/python3 /usr/local/bin/python3)}; \
@@ -113,7 +119,7 @@ browser:
 
 # The GPU suite alone (tests/gpu); each test is skipped, with its reason
 # shown, where this machine has no GPU, too few, or no NCCL. `make install`
-# picks the CuPy extra from the driver (CUDA=12 or CUDA=13 to choose).
+# picks the GPU extras from the driver (CUDA=12 or CUDA=13 to choose).
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests/gpu -rs $(PYTEST_ARGS)
 

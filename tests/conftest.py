@@ -71,6 +71,34 @@ def float64(monkeypatch):
         chainer.global_config.dtype = before
 
 
+@pytest.fixture
+def gpu_server(tmp_path, monkeypatch):
+    """This process made to look like a GPU server with only the NVIDIA
+    driver: an ``nvidia-smi`` first on ``PATH`` that lists one H100 (and,
+    without ``-L``, prints the header of a CUDA 13.0 driver), no
+    ``CUDA_VISIBLE_DEVICES``. Processes started now inherit it. Returns
+    the ``PATH`` it set. (CuPy is as this machine has it: absent on the
+    CPU machines the suite runs on; a test that needs it absent checks.)
+    """
+    folder = tmp_path / 'driver-bin'
+    folder.mkdir()
+    smi = folder / 'nvidia-smi'
+    smi.write_text(
+        '#!/bin/sh\n'
+        'if [ "$1" = "-L" ]; then\n'
+        '  echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: '
+        'GPU-5e0b7bd2-6b2c-4bd2-a3c3-2f9b0c1d2e3f)"\n'
+        'else\n'
+        '  echo "| NVIDIA-SMI 580.65.06   Driver Version: 580.65.06   '
+        'CUDA Version: 13.0 |"\n'
+        'fi\n')
+    smi.chmod(0o755)
+    path = f'{folder}{os.pathsep}{os.environ.get("PATH", "")}'
+    monkeypatch.setenv('PATH', path)
+    monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
+    return path
+
+
 @pytest.fixture(scope='session')
 def cifar_batches():
     """Arrays of the small CIFAR-format fixture: 5 x 20 train, 20 test."""

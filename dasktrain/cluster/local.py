@@ -56,6 +56,7 @@ from dasktrain.containment import (
 )
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
+from dasktrain.parallel.cuda_check import unusable_gpus_here
 from dasktrain.spawn import python
 
 logger = logging.getLogger(__name__)
@@ -313,7 +314,14 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
     warning = exposure_warning(host, tls is not None)
     if warning:
         logger.warning(warning)
-    gpus = detect_gpus() if gpus is None else gpus
+    if gpus is None:
+        gpus = detect_gpus()
+        unusable = None if gpus else unusable_gpus_here()
+        if unusable:  # said once, here; the worker's heartbeats carry it
+            logger.warning(
+                'warning: %s; until then the worker offers none of them, '
+                'only CPU slots (--gpus N offers them anyway, to programs '
+                'that need no CuPy)', unusable)
     # CPU slots on every machine: a GPU server runs CPU jobs (--gpus 0) too.
     resources = f'GPU={gpus} CPU={cpu_slots}' if gpus else f'CPU={cpu_slots}'
     logs = folder / 'logs'

@@ -48,7 +48,7 @@ def local_device_workers(devices, blas_threads=1):
     ...           client=client)
     """
     # Imported here: it imports Chainer, which CPU workers need not wait for.
-    from dasktrain.parallel.devices import gpu_count
+    from dasktrain.parallel.cuda_check import gpu_count
     ids = gpu_ids(devices)
     if not ids:
         # No dashboard: no one is shown its link, and Bokeh's import

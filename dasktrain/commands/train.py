@@ -110,7 +110,10 @@ class Train(Command):
         config = config_from_args(args)
         if config.resume:
             config = self.resumed(config, args)
-        else:
+        if config.workers is None:  # before a first run's lines: one line
+            from dasktrain.parallel.cuda_check import check_gpus_usable
+            check_gpus_usable(config.devices)
+        if not config.resume:
             config = self.first_run(config, given_fields(args.argv[1:]))
         summary = train(config)
         if summary.get('rank'):  # a rank of a launch: rank 0 tells

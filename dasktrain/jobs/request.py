@@ -16,8 +16,9 @@ read there, as bytes; a shared cluster's root never opens a path a user
 names); :meth:`JobRequest.from_wire` checks every field of a request
 that came over a shared cluster's socket (types, sizes, names) and
 :meth:`JobRequest.wire` is its inverse. What the queue then checks
-against the cluster (:meth:`~JobRequest.check_fits`, the jobs ``after``
-names) is here too, for both kinds of cluster.
+against the cluster (:meth:`~JobRequest.check_fits`, by
+:mod:`~dasktrain.jobs.fits`, and the jobs ``after`` names) is asked here
+too, for both kinds of cluster.
 """
 import base64
 import binascii
@@ -28,10 +29,12 @@ import os
 import re
 from pathlib import Path
 
-from dasktrain.errors import argument, plural
+from dasktrain.errors import argument
+from dasktrain.jobs.fits import check_fits
 from dasktrain.jobs.job import CHILD, JobError
 from dasktrain.keeper import RLIMITS, own_rlimits
 from dasktrain.notify import check_target
+from dasktrain.parallel.gpus import gpu_ids
 
 MAX_TEXT = 4 * 1024 * 1024  # characters of one field (a request's bound)
 MAX_ENV = 256 * 1024  # bytes of a submitter's environment a job keeps
@@ -555,46 +558,28 @@ class JobRequest:
                 raise JobError(f'{argument("after")}: no job {dep!r} in '
                                f'{root}; `dasktrain jobs` lists them')
 
-    def check_fits(self, resources):
+    def check_fits(self, resources, unusable=None):
         """Refuse a job no worker can ever run: more GPUs (or CPU slots,
         for ``gpus=0``) than any worker of ``resources`` (``{address:
         {'GPU': n, 'CPU': m}}``) offers; for a job across workers, fewer
-        such workers than its ranks."""
-        check_fits(resources, self.workers, self.gpus)
+        such workers than its ranks. ``unusable``: ``{address: line}`` of
+        the workers whose machine has GPUs CuPy cannot use
+        (:data:`~dasktrain.jobs.worker.gpu_use.UNUSABLE_METRIC`): a
+        training job on GPUs does not count them, and a refusal says
+        why."""
+        check_fits(resources, self.workers, self.gpus, unusable,
+                   self.needs_cupy)
+
+    @property
+    def needs_cupy(self):
+        """Whether it trains with dasktrain on the GPUs it holds: a
+        training job holding GPUs, whose own ``devices`` (if any) name
+        GPUs (``--devices cpu`` trains on the CPU whatever it holds)."""
+        if not isinstance(self.program, Training) or not self.gpus:
+            return False
+        devices = self.program.config.get('devices')
+        return not devices or bool(gpu_ids(devices))
 
 
 FIELDS = ('gpus', 'name', 'notify', 'after', 'after_any', 'time',
           'time_limit', 'mem', 'rlimits', *PROGRAMS)
-
-
-def check_fits(resources, workers, gpus):
-    """:meth:`JobRequest.check_fits` for ``workers`` ranks (None: one) of
-    ``gpus`` each.
-
-    >>> check_fits({'w': {'GPU': 2, 'CPU': 1}}, None, 2)
-    >>> check_fits({'w': {'CPU': 1}}, None, 1)
-    Traceback (most recent call last):
-    ...
-    dasktrain.jobs.job.JobError: no worker has 1 GPU (largest: 0 among 1 ...
-    """
-    resource = 'GPU' if gpus else 'CPU'
-    need = max(gpus, 1)
-    what = plural(gpus, 'GPU') if gpus else 'a CPU slot'
-    have = {addr: r.get(resource, 0) for addr, r in resources.items()}
-    if workers is not None:
-        able = sum(1 for n in have.values() if n >= gpus)
-        if able < workers:
-            raise JobError(f'{argument("workers")} {workers} needs as '
-                           f'many Dask workers with {what}; the cluster has '
-                           f'{able}; add workers or lower it')
-    elif not have or max(have.values()) < need:
-        largest = max(have.values(), default=0)
-        slots = sum(r.get('CPU', 0) for r in resources.values())
-        offer = 'the' if slots == 1 else f'one of the {slots:g}'
-        instead = (f'pass {argument("gpus")} 0 to take {offer} CPU '
-                   f'slot{"s" * (slots != 1)} the workers offer, '
-                   if gpus and slots else 'ask for fewer, ')
-        raise JobError(f'no worker has {what} (largest: '
-                       f'{largest:g} among {plural(len(have), "worker")}); '
-                       f'{instead}or add a worker with `dask worker '
-                       f'ADDRESS --resources {resource}={need}`')

@@ -1,15 +1,14 @@
 """Which devices this process can train on, by Chainer specifier, and the
 few CUDA calls the rest of the package makes about them (synchronise,
-streams and events, free memory, say why CuPy cannot be used), and a
-:class:`Clock` that times work on GPUs by events, read later.
+streams and events, free memory), and a :class:`Clock` that times work
+on GPUs by events, read later.
 
 Decisions about *which* GPU ids a worker, job or rank gets live in
-:mod:`dasktrain.parallel.gpus` (no CUDA needed); this module asks CuPy
-what is there.
+:mod:`dasktrain.parallel.gpus` (no CUDA needed); how many GPUs CuPy can
+use here, and why none, in :mod:`dasktrain.parallel.cuda_check`; this
+module asks CuPy what is there.
 """
 import contextlib
-import shutil
-import subprocess
 import time
 import traceback
 
@@ -17,38 +16,11 @@ import chainer
 import numpy as np
 
 from dasktrain.errors import UserError, plural
+from dasktrain.parallel.cuda_check import check_gpus_usable, gpu_count
 
 
 class DeviceError(UserError, ValueError):
     """A device that was asked for is not there."""
-
-
-def cuda_unavailable_reason():
-    """Why Chainer cannot use CuPy, in Chainer's own words, or None.
-
-    Chainer keeps the error of its ``import cupy`` (a missing libcublas, a
-    CuPy built for another CUDA, no CuPy at all) and shows it in
-    ``check_cuda_available``; that, not a guess, is what a user needs.
-    """
-    try:
-        chainer.backends.cuda.check_cuda_available()
-    except RuntimeError as e:
-        # After Chainer's fixed 'not correctly set up (see ...#installation).'
-        # comes the error itself.
-        return str(e).split('#installation).', 1)[-1].strip() or str(e)
-    return None
-
-
-def gpu_count():
-    """(number of GPUs CUDA shows this process, reason when 0 or None)."""
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        return 0, reason
-    import cupy
-    try:
-        return cupy.cuda.runtime.getDeviceCount(), None
-    except cupy.cuda.runtime.CUDARuntimeError as e:
-        return 0, f'CUDA finds no device: {e}'
 
 
 def available_devices(count=None):
@@ -80,6 +52,9 @@ def resolve_devices(devices):
     for d in devices:
         spec = (f'@cupy:{d}' if isinstance(d, (int, np.integer))
                 else '@numpy' if d == 'cpu' else d)
+        if spec not in available and spec.startswith('@cupy') and \
+                not count:
+            check_gpus_usable((spec,))  # GPUs CuPy cannot use: that line
         if spec not in available:
             why = reason if spec.startswith('@cupy') and reason else \
                 f'this process sees {plural(count, "GPU")}' \
@@ -351,35 +326,6 @@ def device_uuids(devices):
         if raw is not None:
             found[f'@cupy:{gpu.id}'] = format_uuid(raw)
     return found
-
-
-def unused_gpus_message(smi_lines, visible_count, reason):
-    """One line when ``nvidia-smi -L`` lists GPUs that Chainer cannot use,
-    else None. ``smi_lines``: its output lines; ``reason``: from
-    :func:`gpu_count` (None: CuPy works, and an empty
-    ``CUDA_VISIBLE_DEVICES`` hides the GPUs on purpose, as in a CPU job).
-
-    >>> unused_gpus_message(['GPU 0: NVIDIA H100 (UUID: GPU-1)'], 0,
-    ...                     "No module named 'cupy'")
-    "nvidia-smi sees 1 GPU that Chainer cannot use: No module named 'cupy'"
-    """
-    gpus = [s for s in smi_lines if s.startswith('GPU ')]
-    if not gpus or visible_count or reason is None:
-        return None
-    return (f'nvidia-smi sees {plural(len(gpus), "GPU")} that Chainer '
-            f'cannot use: {reason}')
-
-
-def nvidia_smi_lines():
-    """``nvidia-smi -L`` output lines, or [] without the tool or a driver."""
-    if shutil.which('nvidia-smi') is None:
-        return []
-    try:
-        out = subprocess.run(['nvidia-smi', '-L'], capture_output=True,
-                             text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return out.stdout.splitlines() if out.returncode == 0 else []
 
 
 # ------------------------------------------------- arrays across devices

@@ -15,7 +15,10 @@ numberings therefore meet whenever dasktrain hands GPUs around:
   none (:func:`job_environment`);
 * device lists a user typed (``--devices 2,3``) are renumbered onto the
   GPUs the job or rank was given, in order, or refused
-  (:func:`place_devices`).
+  (:func:`place_devices`);
+* a machine whose GPUs CuPy cannot use says so in one line, with what to
+  install (:func:`unusable_gpus`), and a run that would train on its CPU
+  instead, without asking for the CPU, is refused (:func:`gpu_refusal`).
 
 Everything here is a pure function of the environment and counts it is
 given, so the tests check, on a machine without GPUs, what a GPU machine
@@ -152,6 +155,99 @@ def place_devices(devices, indices):
     return tuple(f'@cupy:{mapping[int(str(d).split(":")[1])]}'
                  if str(d).startswith('@cupy:') else d for d in devices)
 
+
+
+# ------------------------------------------ GPUs here that CuPy cannot use
+
+#: What to install where CuPy cannot use a machine's GPUs: the extras of
+#: tools/cuda_extra.py, which bring CuPy with its CUDA libraries as wheels.
+INSTALL_CUPY = ('install CuPy with its CUDA libraries: `make install` in '
+                "dasktrain's checkout (it picks them for the driver), or pip "
+                "install 'dasktrain[cuda13]' for a CUDA 13 driver "
+                "('dasktrain[cuda12]' for CUDA 12; docs/install.md)")
+
+
+class GpusUnusable(UserError):
+    """This machine has GPUs that CuPy cannot use, and the CPU was not
+    asked for."""
+
+
+def listed_gpus(lines):
+    """The GPUs' lines among ``nvidia-smi -L``'s (a MIG instance is listed
+    indented under its GPU, and is not one more).
+
+    >>> listed_gpus(['GPU 0: NVIDIA A100 (UUID: GPU-1)',
+    ...              '  MIG 1g.10gb Device 0: (UUID: MIG-2)'])
+    ['GPU 0: NVIDIA A100 (UUID: GPU-1)']
+    """
+    return [line for line in lines if line.startswith('GPU ')]
+
+
+def unusable_gpus(smi_lines, count, problem, visible=None):
+    """One line where ``nvidia-smi -L`` lists GPUs that this process
+    cannot use through CuPy, saying why and what to install; else None.
+
+    Parameters
+    ----------
+    smi_lines : list of str
+        ``nvidia-smi -L``'s lines (``GPU 0: NVIDIA H100 (UUID: ...)``);
+        none without a driver.
+    count, problem : int, str or None
+        What :func:`dasktrain.parallel.cuda_check.gpu_count` found: the GPUs
+        CuPy shows this process, and why none (CuPy's import error, a
+        CUDA library it cannot load, CUDA finding no device).
+    visible : str, optional
+        ``CUDA_VISIBLE_DEVICES``. One that names no GPU hides them on
+        purpose (a CPU job of the queue runs with it empty): then None.
+
+    Examples
+    --------
+    >>> smi = ['GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)']
+    >>> print(unusable_gpus(smi, 0, "No module named 'cupy'"))
+    ... # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+    nvidia-smi sees 1 GPU, but CuPy cannot use it (No module named 'cupy'):
+    install CuPy with its CUDA libraries: `make install` in ...
+    >>> unusable_gpus(smi, 1, None), unusable_gpus([], 0, 'no cupy')
+    (None, None)
+    >>> unusable_gpus(smi, 0, 'CUDA finds no device', visible='') is None
+    True
+    """
+    gpus = listed_gpus(smi_lines)
+    if not gpus or count or problem is None:
+        return None
+    if visible is not None and not visible_gpus({VISIBLE: visible}):
+        return None
+    them = 'it' if len(gpus) == 1 else 'them'
+    shown = '' if visible is None else f'; {VISIBLE}={visible}'
+    return (f'nvidia-smi sees {plural(len(gpus), "GPU")}, but CuPy cannot '
+            f'use {them} ({problem}{shown}): {INSTALL_CUPY}')
+
+
+def gpu_refusal(smi_lines, count, problem, devices=None, visible=None):
+    """The one line that stops a run from training on this machine's CPU
+    while it has GPUs that CuPy cannot use (:func:`unusable_gpus`), or
+    None. ``devices``: those asked for (None: the default, every GPU);
+    a run that asked for the CPU alone (``--devices cpu``, ``cpu:N``) is
+    never refused.
+
+    Examples
+    --------
+    >>> smi = ['GPU 0: NVIDIA H100 (UUID: GPU-1)', 'GPU 1: NVIDIA H100 '
+    ...        '(UUID: GPU-2)']
+    >>> why = 'CuPy cannot load NVRTC: libnvrtc.so.13 not found'
+    >>> print(gpu_refusal(smi, 0, why))
+    ... # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+    nvidia-smi sees 2 GPUs, but CuPy cannot use them (CuPy cannot load
+    NVRTC: libnvrtc.so.13 not found): install CuPy ...; or pass devices
+    cpu to train on the CPU
+    >>> gpu_refusal(smi, 0, why, devices=('@numpy', '@numpy')) is None
+    True
+    """
+    if devices and not gpu_ids(devices):
+        return None
+    line = unusable_gpus(smi_lines, count, problem, visible)
+    return line and (f'{line}; or pass {argument("devices")} cpu to train '
+                     'on the CPU')
 
 # Non-blocking communicators (NCCL_COMM_BLOCKING=0) came with NCCL 2.14;
 # before, the variable is ignored and a dead peer blocks groupEnd forever.

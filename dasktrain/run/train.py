@@ -56,6 +56,7 @@ from dasktrain.errors import (
 from dasktrain.parallel.comm import CollectiveError, DaskComm, NcclComm
 from dasktrain.parallel.comm.base import Communicator
 from dasktrain.parallel.comm.rendezvous import join, launched
+from dasktrain.parallel.cuda_check import check_gpus_usable
 from dasktrain.parallel.devices import (
     available_devices,
     frames_released,
@@ -152,6 +153,9 @@ def train(config=None, callbacks=(), client=None, **overrides):
     progress = Progress(config.progress, config.epochs)
     # Asks CUDA, once, when no devices are named.
     placement = place(config, launched=launched())
+    if placement.where in (HERE, PER_DEVICE, LAUNCHED):
+        # GPUs here that CuPy cannot use: one line, before anything starts.
+        check_gpus_usable(config.devices)
     if placement.where == LAUNCHED:
         return _launched(config, callbacks, progress)
     if placement.where == HERE:

@@ -33,12 +33,7 @@ from dasktrain.data.loader import EpochLoader
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.parallel.comm import Solo
-from dasktrain.parallel.devices import (
-    gpu_count,
-    nvidia_smi_lines,
-    synchronize,
-    unused_gpus_message,
-)
+from dasktrain.parallel.devices import synchronize
 from dasktrain.parallel.gradient import GPUDistributedGradient
 from dasktrain.parallel.placement import default_bucket_mb, default_devices
 from dasktrain.training.checkpoint import (
@@ -214,17 +209,12 @@ def _model(config, comm, devices, n_classes=10):
 
 
 def _say_devices(progress, model, named):
-    """The devices a run trains on, first thing: a GPU server training on
-    its CPU must not go unnoticed (with nvidia-smi's GPUs and Chainer's
-    reason why it cannot use them)."""
+    """The devices a run trains on, first thing. (A GPU server whose GPUs
+    CuPy cannot use was refused before, unless the CPU was asked for:
+    :func:`~dasktrain.parallel.cuda_check.check_gpus_usable`.)"""
     ranks = model.comm.size
     progress.say(describe_devices(model.devices, named) +
                  (f', on each of {ranks} ranks' if ranks > 1 else ''))
-    if all(d.xp is np for d in model.devices):
-        count, reason = gpu_count()
-        line = unused_gpus_message(nvidia_smi_lines(), count, reason)
-        if line:
-            progress.warn(f'warning: {line}')
 
 
 def _check(config, model, n_train):

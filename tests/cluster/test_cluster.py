@@ -3,6 +3,7 @@ cluster's commands and its TLS, and the throwaway local workers of one
 run. The helpers here (:class:`Processes`, :func:`job_config`,
 :func:`wait_until`) start the clusters of the other cluster tests too
 (test_jobs.py, test_monitor.py, test_tune.py, tests/gpu)."""
+import importlib.util
 import json
 import os
 import signal
@@ -138,6 +139,31 @@ def test_cluster_commands_start_status_and_stop(tmp_path, monkeypatch,
             os.kill(pid, 0)
     assert main(['cluster', 'status']) == 1
     assert 'no cluster is recorded' in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec('cupy') is not None,
+                    reason='CuPy is installed here')
+def test_cluster_start_on_gpus_cupy_cannot_use_says_so_once(
+        tmp_path, monkeypatch, capsys, gpu_server):
+    # A driver lists a GPU (fake nvidia-smi), CuPy is absent: the worker
+    # offers CPU slots only, and `cluster start` says why, once.
+    monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
+    assert main(['cluster', 'start', '--port', '0', '--dashboard-port',
+                 '0']) == 0
+    try:
+        out, err = capsys.readouterr()
+        assert 'worker resources: CPU=1\n' in out
+        said = [line for line in err.splitlines() if 'nvidia-smi' in line]
+        assert said == [
+            "warning: nvidia-smi sees 1 GPU, but CuPy cannot use it (No "
+            "module named 'cupy'): install CuPy with its CUDA libraries: "
+            "`make install` in dasktrain's checkout (it picks them for the "
+            "driver), or pip install 'dasktrain[cuda13]' for a CUDA 13 "
+            "driver ('dasktrain[cuda12]' for CUDA 12; docs/install.md); "
+            'until then the worker offers none of them, only CPU slots '
+            '(--gpus N offers them anyway, to programs that need no CuPy)']
+    finally:
+        assert main(['cluster', 'stop']) == 0
 
 
 def test_no_tls_warns_also_on_loopback():

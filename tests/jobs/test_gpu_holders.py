@@ -1,7 +1,11 @@
 """`dasktrain gpus` on a real local cluster: a worker advertising GPU=2
 (its GPU ids faked by CUDA_VISIBLE_DEVICES=3,5, no NVIDIA driver here)
 shows which command job and user hold each GPU; a worker without GPUs
-shows its CPU slots and the job holding one."""
+shows its CPU slots and the job holding one. A worker on a machine whose
+GPUs CuPy cannot use (a driver's nvidia-smi faked, no CuPy) says so, and
+a training job that could only run there is refused at submit."""
+import importlib.util
+import os
 import sys
 
 import pytest
@@ -9,10 +13,13 @@ from distributed import Client
 from test_cluster import Processes, wait_until
 
 from dasktrain.cli import main
-from dasktrain.jobs.client.submit import submit_command
-from dasktrain.jobs.job import current_user
+from dasktrain.cluster.local import worker_info
+from dasktrain.config import TrainConfig
+from dasktrain.jobs.client.submit import check_resources, submit_command
+from dasktrain.jobs.job import JobError, current_user
+from dasktrain.jobs.request import JobRequest, Program, Training
 from dasktrain.jobs.scheduler.outside_use import busy_outside
-from dasktrain.jobs.worker.gpu_use import USE_METRIC
+from dasktrain.jobs.worker.gpu_use import UNUSABLE_METRIC, USE_METRIC
 
 
 @pytest.fixture
@@ -25,7 +32,6 @@ def cluster(tmp_path):
 def preloaded_worker(procs, resources, visible=None):
     env = None
     if visible is not None:
-        import os
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
     cwd = procs.tmp_path / 'worker-cwd'
     cwd.mkdir(exist_ok=True)
@@ -102,3 +108,56 @@ def test_gpus_on_a_machine_without_gpus_lists_cpu_slots(cluster, tmp_path,
             assert 'NVML' not in out  # no GPU: nothing to say about NVML
         finally:
             job.cancel(client)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('cupy') is not None,
+                    reason='CuPy is installed here')
+def test_workers_whose_gpus_cupy_cannot_use_take_no_training_job(
+        cluster, gpu_server, tmp_path, capsys):
+    # Both on a machine whose driver lists a GPU, without CuPy: one as
+    # `cluster start` makes it there (CPU slots only), one given GPU=1 by
+    # hand (for programs that need no CuPy).
+    preloaded_worker(cluster, 'CPU=1')
+    preloaded_worker(cluster, 'GPU=1 CPU=1')
+    with Client(cluster.address, set_as_default=False) as client:
+        client.wait_for_workers(2)
+        def said():
+            return {a: (w.get('metrics') or {}).get(UNUSABLE_METRIC)
+                    for a, w in worker_info(client).items()}
+        wait_until(lambda: len(said()) == 2 and all(said().values()), 60,
+                   'the workers say what their GPUs lack')
+        lines = said()
+        assert len(set(lines.values())) == 1  # the same machine
+        line = next(iter(lines.values()))
+        assert line.startswith("nvidia-smi sees 1 GPU, but CuPy cannot use "
+                               "it (No module named 'cupy'): install CuPy "
+                               'with its CUDA libraries')
+        by_hand = next(a for a, w in worker_info(client).items()
+                       if w['resources'].get('GPU'))
+
+        def refusal(request):
+            with pytest.raises(JobError) as e:
+                check_resources(client, request)
+            return str(e.value)
+        training = Training.of(TrainConfig(model='tiny'))
+        assert refusal(JobRequest(training, gpus=1)) == (
+            'a training job needs CuPy on its GPUs, and no worker with 1 GPU '
+            f'has it: worker {by_hand}: {line}, then start its cluster '
+            'again')
+        said = refusal(JobRequest(training, gpus=2))
+        assert said.startswith('no worker has 2 GPUs (largest: 1 among 2 '
+                               'workers); ')
+        assert said.endswith(f': {line}, then start its cluster again')
+        # what needs no CuPy fits: a program on the GPU, a run on the CPU
+        check_resources(client, JobRequest(Program.of(['true']), gpus=1))
+        check_resources(client, JobRequest(Training.of(TrainConfig(
+            model='tiny', devices=('@numpy',))), gpus=1))
+        check_resources(client, JobRequest(training, gpus=0))
+    assert main(['submit', '--scheduler', cluster.address, '--jobs-dir',
+                 str(tmp_path / 'jobs'), '--', '--model', 'tiny']) == 1
+    err = capsys.readouterr().err
+    assert err == ('dasktrain submit: error: a training job needs CuPy on '
+                   f'its GPUs, and no worker with 1 GPU has it: worker '
+                   f'{by_hand}: {line}, then start its cluster again\n')
+    assert not (tmp_path / 'jobs').exists() or \
+        not any((tmp_path / 'jobs').iterdir())

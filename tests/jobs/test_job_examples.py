@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = [
-    'dasktrain.jobs.job', 'dasktrain.jobs.request', 'dasktrain.jobs.wire',
+    'dasktrain.jobs.job', 'dasktrain.jobs.request', 'dasktrain.jobs.fits',
+    'dasktrain.jobs.wire',
     'dasktrain.jobs.status', 'dasktrain.jobs.end_notice',
     'dasktrain.jobs.client.route', 'dasktrain.jobs.scheduler.policy',
     'dasktrain.jobs.worker.task', 'dasktrain.jobs.worker.program',

@@ -309,7 +309,7 @@ def test_submit_time_errors(cluster, data_dir, tmp_path, monkeypatch,
 
 
 def test_the_refusal_of_a_job_that_fits_no_worker_counts_in_words():
-    from dasktrain.jobs.request import check_fits
+    from dasktrain.jobs.fits import check_fits
 
     def refusal(resources, gpus, workers=None):
         with pytest.raises(JobError) as e:
@@ -325,6 +325,40 @@ def test_the_refusal_of_a_job_that_fits_no_worker_counts_in_words():
                            'slots'), said
     assert refusal({'a': {'GPU': 2}}, 1, workers=2).startswith(
         'workers 2 needs as many Dask workers with 1 GPU; the cluster has 1')
+
+
+def test_workers_whose_gpus_cupy_cannot_use_take_no_training_job():
+    from dasktrain.jobs.fits import check_fits
+    line = ("nvidia-smi sees 2 GPUs, but CuPy cannot use them (No module "
+            "named 'cupy'): install CuPy with its CUDA libraries")
+    # `cluster start` offers such GPUs to no one; a worker given them by
+    # hand (a) keeps them for programs, not for training
+    resources = {'a': {'GPU': 2, 'CPU': 1}, 'b': {'CPU': 1}}
+    unusable = {'a': line, 'b': None}
+
+    def refusal(resources, gpus, workers=None, needs_cupy=True):
+        with pytest.raises(JobError) as e:
+            check_fits(resources, workers, gpus, unusable, needs_cupy)
+        return str(e.value)
+    check_fits(resources, None, 1, unusable, needs_cupy=False)  # a program
+    check_fits(resources, None, 0, unusable, needs_cupy=False)  # CPU slot
+    assert refusal(resources, 1) == (
+        'a training job needs CuPy on its GPUs, and no worker with 1 GPU '
+        f'has it: worker a: {line}, then start its cluster again')
+    check_fits({**resources, 'c': {'GPU': 1}}, None, 1, unusable, True)
+    # none fits: the usual refusal, and why those GPUs go unused
+    assert refusal(resources, 3, needs_cupy=False) == (
+        'no worker has 3 GPUs (largest: 2 among 2 workers); pass gpus 0 to '
+        'take one of the 2 CPU slots the workers offer, or add a worker '
+        'with `dask worker ADDRESS --resources GPU=3`; worker a: '
+        f'{line}, then start its cluster again')
+    # a job across workers counts those where CuPy works
+    both = {'a': {'GPU': 1}, 'c': {'GPU': 1}}
+    check_fits(both, 2, 1, unusable, needs_cupy=False)
+    assert refusal(both, 1, workers=2) == (
+        'workers 2 needs as many Dask workers with 1 GPU; the cluster has 1; '
+        f'add workers or lower it; worker a: {line}, then start its '
+        'cluster again')
 
 
 def test_without_gpus_submit_says_that_gpus_0_takes_a_cpu_slot(

@@ -8,20 +8,24 @@ import numpy as np
 import pytest
 
 from dasktrain.config import TrainConfig
+from dasktrain.errors import flag_names
 from dasktrain.jobs.job import JobError
 from dasktrain.jobs.request import check_devices
 from dasktrain.parallel.comm import CollectiveError, NcclComm, poll, signature
-from dasktrain.parallel.devices import format_uuid, unused_gpus_message
+from dasktrain.parallel.devices import format_uuid
 from dasktrain.parallel.gpus import (
+    INSTALL_CUPY,
     NCCL_MISSING,
     Gpu,
     GpuError,
     GpuPool,
     gpu_ids,
+    gpu_refusal,
     job_environment,
     nccl_problem,
     nccl_version,
     place_devices,
+    unusable_gpus,
     use_nccl,
     visible_gpus,
 )
@@ -169,15 +173,57 @@ def test_signature_tells_ranks_apart():
     assert signature(a) != signature(a[:1])
 
 
-def test_unused_gpus_are_explained_in_chainers_words():
-    smi = ['GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)',
-           'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)']
-    line = unused_gpus_message(smi, 0, 'libcublas.so.12: cannot open')
-    assert line == ('nvidia-smi sees 2 GPUs that Chainer cannot use: '
-                    'libcublas.so.12: cannot open')
-    assert unused_gpus_message(smi, 2, None) is None     # all in use
-    assert unused_gpus_message(smi, 0, None) is None     # hidden on purpose
-    assert unused_gpus_message([], 0, 'no cupy') is None  # no GPUs at all
+SMI = ['GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)',
+       'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)']
+NO_CUPY = "No module named 'cupy'"
+NO_NVRTC = ('CuPy cannot load NVRTC: Failure finding "libnvrtc.so": No '
+            'such file')  # CuPy 14 without its [ctk] wheels, no toolkit
+NO_DEVICE = ('CUDA finds no device: cudaErrorNoDevice: no CUDA-capable '
+             'device is detected')
+
+
+# What a GPU machine gives the decision: nvidia-smi's GPUs, CuPy's count
+# and reason (gpu_count), the devices asked for, CUDA_VISIBLE_DEVICES.
+@pytest.mark.parametrize('count,problem,devices,visible,refused', [
+    (0, NO_CUPY, None, None, True),              # the default: every GPU
+    (0, NO_NVRTC, None, None, True),             # a library missing
+    (0, NO_CUPY, ('@cupy:0',), None, True),      # GPUs named
+    (0, NO_CUPY, ('@numpy', '@cupy:1'), None, True),
+    (0, NO_CUPY, ('@numpy',), None, False),      # --devices cpu
+    (0, NO_NVRTC, ('@numpy',) * 4, None, False),  # --devices cpu:4
+    (2, None, None, None, False),                # CuPy uses them
+    (0, NO_DEVICE, None, '', False),             # hidden: a CPU job
+    (0, NO_CUPY, None, '-1', False),             # hidden, CUDA's way
+    (0, NO_DEVICE, None, '7', True),             # names a GPU not there
+])
+def test_a_run_is_refused_where_cupy_cannot_use_the_gpus(
+        count, problem, devices, visible, refused):
+    line = gpu_refusal(SMI, count, problem, devices, visible)
+    assert (line is not None) == refused
+    assert (unusable_gpus(SMI, count, problem, visible) is not None) == \
+        (refused or (count == 0 and visible is None))
+    if refused:
+        shown = '' if visible is None else f'; CUDA_VISIBLE_DEVICES={visible}'
+        assert line == (f'nvidia-smi sees 2 GPUs, but CuPy cannot use them '
+                        f'({problem}{shown}): {INSTALL_CUPY}; or pass '
+                        'devices cpu to train on the CPU')
+    # without GPUs listed (no driver, or nvidia-smi failed) nothing is
+    assert gpu_refusal([], count, problem, devices, visible) is None
+    assert gpu_refusal(['No devices were found'], count, problem,
+                       devices, visible) is None
+
+
+def test_the_refusal_says_what_to_install_and_names_the_flag():
+    with flag_names():
+        line = gpu_refusal(SMI[:1], 0, NO_CUPY)
+    assert line.startswith("nvidia-smi sees 1 GPU, but CuPy cannot use it "
+                           "(No module named 'cupy'): install CuPy with its "
+                           "CUDA libraries: `make install` in dasktrain's "
+                           'checkout')
+    assert "pip install 'dasktrain[cuda13]'" in line
+    assert "'dasktrain[cuda12]' for CUDA 12" in line
+    assert line.endswith('; or pass --devices cpu to train on the CPU')
+    assert '\n' not in line
 
 
 def test_nccl_in_progress_is_waited_for_and_errors_raised():

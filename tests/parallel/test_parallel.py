@@ -7,7 +7,13 @@ import pytest
 
 from dasktrain.parallel import DeviceError, GPUDistributedGradient
 from dasktrain.parallel.comm import Communicator
-from dasktrain.parallel.devices import cuda_unavailable_reason, gpu_count
+from dasktrain.parallel.cuda_check import (
+    check_gpus_usable,
+    cuda_unavailable_reason,
+    gpu_count,
+    unusable_gpus_here,
+)
+from dasktrain.parallel.gpus import GpusUnusable
 from dasktrain.training.models import get_model
 
 
@@ -216,6 +222,29 @@ def test_missing_gpu_says_why_in_chainers_words():
     assert reason and 'cupy' in reason.lower()
     with pytest.raises(DeviceError, match=re.escape(reason)):
         GPUDistributedGradient(fresh(), [0])
+
+
+@pytest.mark.skipif(gpu_count()[0] > 0, reason='CuPy works here')
+def test_gpus_cupy_cannot_use_stop_a_run_unless_it_asked_for_the_cpu(
+        gpu_server, monkeypatch):
+    reason = cuda_unavailable_reason()
+    line = unusable_gpus_here()
+    assert line.startswith('nvidia-smi sees 1 GPU, but CuPy cannot use it '
+                           f'({reason}): install CuPy with its CUDA ')
+    refusal = re.escape(line) + '; or pass devices cpu to train on the CPU'
+    with pytest.raises(GpusUnusable, match=f'^{refusal}$'):
+        check_gpus_usable(None)            # the default: every GPU
+    with pytest.raises(GpusUnusable, match=f'^{refusal}$'):
+        GPUDistributedGradient(fresh(), [0])   # a GPU named
+    check_gpus_usable(('@numpy',))         # the CPU asked for
+    GPUDistributedGradient(fresh(), ['@numpy', '@numpy'])
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')  # hidden on purpose
+    assert unusable_gpus_here() is None
+    check_gpus_usable(None)
+    monkeypatch.setenv('PATH', '/nonexistent')  # no driver: no GPU to use
+    monkeypatch.delenv('CUDA_VISIBLE_DEVICES')
+    assert unusable_gpus_here() is None
+    check_gpus_usable(None)
 
 
 def test_setup_refuses_an_optimizer_already_in_use():

@@ -4,7 +4,12 @@ says so first, with how to get CIFAR-10); without a GPU it trains a short
 run (and says how to ask for the full one); each epoch's line says how
 long the run still needs."""
 import doctest
+import importlib.util
+import os
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,3 +110,36 @@ def test_a_named_dataset_or_size_is_trained_as_asked(tmp_path, monkeypatch,
     config = train_command.Train.first_run(
         TrainConfig(dataset='sample', epochs=1), {'dataset', 'epochs'})
     assert (config.epochs, config.train_size) == (1, None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('cupy') is not None,
+                    reason='CuPy is installed here')
+def test_a_gpu_server_without_cupy_refuses_to_train_on_its_cpu(gpu_server,
+                                                               tmp_path):
+    # The real command, on a machine whose driver lists a GPU (a fake
+    # nvidia-smi first on PATH) and without CuPy: one line, exit 1,
+    # nothing trained, nothing written; with --devices cpu it trains.
+    command = [str(Path(sys.executable).with_name('dasktrain')), 'train',
+               '--model', 'tiny']
+    env = dict(os.environ, PATH=gpu_server)
+    done = subprocess.run(command + ['--out', 'refused'], cwd=tmp_path,
+                          env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (1, '')
+    assert done.stderr.splitlines() == [
+        "dasktrain train: error: nvidia-smi sees 1 GPU, but CuPy cannot use "
+        "it (No module named 'cupy'): install CuPy with its CUDA libraries: "
+        "`make install` in dasktrain's checkout (it picks them for the "
+        "driver), or pip install 'dasktrain[cuda13]' for a CUDA 13 driver "
+        "('dasktrain[cuda12]' for CUDA 12; docs/install.md); or pass "
+        '--devices cpu to train on the CPU']
+    assert not (tmp_path / 'refused').exists()
+    done = subprocess.run(command + [
+        '--devices', 'cpu', '--dataset', 'sample', '--epochs', '1',
+        '--train-size', '256', '--test-size', '128', '--out', 'cpu'],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == \
+        'training on the CPU, 1 replica (@numpy)'
+    assert 'done: epoch 1, test accuracy ' in done.stdout
+    assert 'CuPy' not in done.stdout + done.stderr  # asked for: no warning

@@ -25,6 +25,7 @@ from dasktrain.jobs.folder import create, me
 from dasktrain.jobs.job import Job, JobError, jobs_dir, user_name
 from dasktrain.jobs.request import JobRequest, Program, Training
 from dasktrain.jobs.scheduler.dispatch import queue
+from dasktrain.jobs.worker.gpu_use import UNUSABLE_METRIC
 
 
 def submit(config, gpus=1, name=None, client=None, scheduler=None,
@@ -213,15 +214,19 @@ def check_limits(client, request):
 
 def check_resources(client, request):
     """Refuse a job no worker of ``client``'s cluster can ever run (see
-    :meth:`~dasktrain.jobs.request.JobRequest.check_fits`).
+    :meth:`~dasktrain.jobs.request.JobRequest.check_fits`), saying where
+    a worker's GPUs go unused because CuPy cannot use them.
 
     Examples
     --------
     >>> check_resources(client, request)  # doctest: +SKIP
     JobError: no worker has 3 GPUs (largest: 2 among 1 worker); ...
     """
-    request.check_fits({addr: w.get('resources', {})
-                        for addr, w in worker_info(client).items()})
+    workers = worker_info(client)
+    request.check_fits(
+        {addr: w.get('resources', {}) for addr, w in workers.items()},
+        {addr: (w.get('metrics') or {}).get(UNUSABLE_METRIC)
+         for addr, w in workers.items()})
 
 
 def _uid():

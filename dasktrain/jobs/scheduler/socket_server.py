@@ -91,6 +91,7 @@ from dasktrain.jobs.wire import (
     peer_credentials,
     refusal,
 )
+from dasktrain.jobs.worker.gpu_use import UNUSABLE_METRIC
 from dasktrain.notify import refusal as notify_refusal
 from dasktrain.notify import rules_of
 
@@ -247,8 +248,10 @@ class SocketServer(SchedulerPlugin):
         who = submitter(peer.uid)
         asked = request['request']
         self.check_limits(peer, asked)
-        asked.check_fits({a: dict(ws.resources) for a, ws in
-                          list(self.scheduler.workers.items())})
+        workers = list(self.scheduler.workers.items())
+        asked.check_fits({a: dict(ws.resources) for a, ws in workers},
+                         {a: (ws.metrics or {}).get(UNUSABLE_METRIC)
+                          for a, ws in workers})
         asked.check_after(self.where.jobs)
         job_id, folder, _ = create(self.where.jobs, asked, who,
                                    self.scheduler.address)

@@ -1,7 +1,10 @@
 """A worker's GPUs and who uses them: what its heartbeats carry, read on
 the worker (installed by :mod:`~dasktrain.jobs.worker.preload`).
 
-Two readings per heartbeat. :func:`gpu_readings`: NVML's utilisation,
+Two readings per heartbeat (and, under :data:`UNUSABLE_METRIC`, the line
+of :func:`~dasktrain.parallel.cuda_check.unusable_gpus_here` where CuPy cannot
+use the machine's GPUs: the preload asks once). :func:`gpu_readings`:
+NVML's utilisation,
 memory, temperature and power of the worker's GPUs (its
 ``CUDA_VISIBLE_DEVICES``, else all), for the metrics. :func:`worker_use`:
 the worker's GPUs by the ids jobs get (their ``CUDA_VISIBLE_DEVICES``
@@ -38,6 +41,8 @@ from dasktrain.parallel.outside import WORKER, job_of
 
 USE_METRIC = 'dasktrain-gpu-use'  # the heartbeat's key of worker_use()
 GPU_METRIC = 'dasktrain-gpus'     # the heartbeat's key of gpu_readings()
+#: the heartbeat's key of the line where CuPy cannot use the GPUs here
+UNUSABLE_METRIC = 'dasktrain-gpus-unusable'
 
 MIB = 1024 * 1024
 
