@@ -647,6 +647,16 @@ def main(argv=None):
             by['Chainer + dasktrain kernels, type checks off'][3] - 1
         print(f'| {name} wrapper over its plain loop | <= 3 % | '
               f'{100 * over:.1f} % | {"yes" if over <= 0.03 else "no"} |')
+    if args.device == 'cuda':
+        import dasktrain.kernels as kernels
+        status = kernels.status()
+        refused = {}
+        for key, why in status['unbuildable'].items():
+            refused.setdefault((key[0], why), []).append(key[2:4])
+        print(f"\ncuDNN graphs: {status['cudnn']}; {status['graphs']} kept"
+              + ''.join(f'\n- refused {kind} ({len(shapes)} shapes, e.g. '
+                        f'{shapes[0]}): {why}'
+                        for (kind, why), shapes in refused.items()))
     if args.pipeline:
         print('\n| model | row | value | vs data on the device | note |\n'
               '|---|---|---:|---:|---|')
