@@ -134,86 +134,52 @@ def suite_rows(junit):
     return rows
 
 
-# What a probe does with the toolkit hidden: each library CuPy loads from
-# its wheels ([ctk]) on a server with only the driver.
-PROBE = r"""
-import json, cupy
-out = {}
-def check(name, f):
-    try:
-        f()
-        out[name] = 'ok'
-    except Exception as e:
-        out[name] = f'{type(e).__name__}: {str(e)[:160]}'
-a = cupy.arange(64, dtype=cupy.float32).reshape(8, 8)
-check('cuBLAS (matmul)', lambda: float((a @ a).sum()))
-check('NVRTC (a new elementwise kernel)', lambda: float(cupy.ElementwiseKernel(
-    'float32 x', 'float32 y', 'y = x * 3 + 1', 'probe_kernel')(a).sum()))
-check('cuFFT', lambda: float(abs(cupy.fft.fft(a[0])).sum()))
-check('cuRAND', lambda: float(cupy.random.default_rng(0).random(4).sum()))
-check('cuSOLVER', lambda: float(cupy.linalg.inv(a + 8 * cupy.eye(8)).sum()))
-check('cuSPARSE', lambda: __import__('cupyx.scipy.sparse', fromlist=['x'])
-      .csr_matrix(a).dot(a).sum())
-cupy.cuda.Device().synchronize()
-libs = sorted({l.split()[-1] for l in open('/proc/self/maps')
-               if any(n in l for n in ('libcublas', 'libnvrtc', 'libcufft',
-                                       'libcurand', 'libcusolver',
-                                       'libcusparse', 'libcudart'))})
-out['libraries'] = libs
-print(json.dumps(out))
-"""
 TOOLKITS = ('/usr/local/cuda', '/opt/cuda', '/usr/lib/cuda')
 
 
-def hidden_toolkit_command(python, toolkits):
-    """The command that runs :data:`PROBE` in a mount namespace of its own
-    where every folder of ``toolkits`` that exists is an empty tmpfs, with
-    CUDA_PATH, CUDA_HOME and the toolkits' library folders gone from the
-    environment (``unshare -m``: root only).
+def hidden_toolkit_command(python, toolkits, prefix):
+    """The command that runs tools/ctk_check.py in a mount namespace of its
+    own where every folder of ``toolkits`` is an empty tmpfs
+    (``unshare -m``: root only), every CUDA library required to come from
+    ``prefix``.
 
-    >>> hidden_toolkit_command('py', ['/usr/local/cuda'])[:3]
-    ['unshare', '-m', 'sh']
+    >>> hidden_toolkit_command('py', ['/usr/local/cuda'], '/env')[:4]
+    ['unshare', '-m', 'sh', '-c']
     """
-    mounts = ' && '.join(f'mount -t tmpfs none {t}' for t in toolkits)
-    return ['unshare', '-m', 'sh', '-c',
-            f'{mounts + " && " if mounts else ""}exec "$0" -c "$1"',
-            python, PROBE]
+    mounts = ''.join(f'mount -t tmpfs none {t} && ' for t in toolkits)
+    return ['unshare', '-m', 'sh', '-c', f'{mounts}exec "$@"', 'sh',
+            python, '-I', str(ROOT / 'tools' / 'ctk_check.py'), '--prefix',
+            prefix]
 
 
-def hidden_toolkit(timeout=120):
-    """(sentence, rows) of the probe with the toolkit hidden, or why it
-    did not run."""
-    import json
+def hidden_toolkit(timeout=180):
+    """(sentence, text) of tools/ctk_check.py with the system's CUDA
+    toolkit hidden and CUDA_PATH, CUDA_HOME and LD_LIBRARY_PATH unset, or
+    why it did not run. The libraries must come from the environment that
+    holds CuPy (its site-packages)."""
     if os.geteuid() != 0 or shutil.which('unshare') is None:
-        return 'skipped: needs root and unshare (a mount namespace)', []
-    toolkits = [t for t in TOOLKITS if os.path.isdir(t)]
-    for t in list(toolkits):
-        real = os.path.realpath(t)
-        if real != t and os.path.isdir(real):
-            toolkits.append(real)
+        return 'skipped: needs root and unshare (a mount namespace)', ''
+    import cupy
+    prefix = str(Path(cupy.__file__).resolve().parents[1])
+    toolkits = []
+    for t in TOOLKITS:
+        for path in (t, os.path.realpath(t)):
+            if os.path.isdir(path) and path not in toolkits:
+                toolkits.append(path)
     env = {k: v for k, v in os.environ.items()
-           if k not in ('CUDA_PATH', 'CUDA_HOME')}
-    if 'LD_LIBRARY_PATH' in env:
-        env['LD_LIBRARY_PATH'] = ':'.join(
-            p for p in env['LD_LIBRARY_PATH'].split(':')
-            if not any(p.startswith(t) for t in toolkits))
+           if k not in ('CUDA_PATH', 'CUDA_HOME', 'LD_LIBRARY_PATH')}
     try:
-        done = subprocess.run(hidden_toolkit_command(sys.executable,
-                                                     toolkits),
-                              capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd='/')
+        done = subprocess.run(
+            hidden_toolkit_command(sys.executable, toolkits, prefix),
+            capture_output=True, text=True, timeout=timeout, env=env,
+            cwd='/')
     except subprocess.TimeoutExpired:
-        return f'ran out of time ({timeout} s)', []
-    if done.returncode != 0:
-        return ('failed: ' + (done.stderr or done.stdout).strip()
-                .splitlines()[-1][:300] if (done.stderr or done.stdout)
-                else f'failed: exit status {done.returncode}'), []
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    libs = found.pop('libraries')
+        return f'ran out of time ({timeout} s)', ''
     hidden = ', '.join(toolkits) or 'none found'
-    return (f'toolkit folders hidden: {hidden}; CUDA_PATH, CUDA_HOME '
-            'unset', [(k, v) for k, v in found.items()] +
-            [('libraries loaded from', '<br>'.join(libs) or 'none')])
+    return (f'exit status {done.returncode}; toolkit folders hidden: '
+            f'{hidden}; CUDA_PATH, CUDA_HOME, LD_LIBRARY_PATH unset; every '
+            f'CUDA library required to come from {prefix}',
+            (done.stdout + done.stderr).strip()[-4000:])
 
 
 BENCHES = (('bench/gpu.py', 'bench_timeout', 'bench_args'),
@@ -254,12 +220,11 @@ def report(machine, smi, suite, benches, hidden, args):
         bstatus = 'ran out of time' if blate else f'exit status {bcode}'
         lines += ['', f'## {script}', '', f'{bsec:.0f} s, {bstatus}.', '',
                   btext.strip(), '']
-    sentence, probe = hidden
-    lines += ['', '## CuPy with the CUDA toolkit hidden', '',
-              f'{sentence}.', '']
-    if probe:
-        lines += ['| check | result |', '|---|---|']
-        lines += [f'| {k} | {v} |' for k, v in probe]
+    sentence, text = hidden
+    lines += ['', '## CuPy with the CUDA toolkit hidden (tools/ctk_check.py)',
+              '', f'{sentence}.', '']
+    if text:
+        lines += ['```', text, '```']
     lines.append('')
     return '\n'.join(lines)
 
@@ -340,7 +305,7 @@ def main(argv=None):
                     errors='replace')[-args.detail_chars:] + '\n```\n'
             print(btext[-6000:])
             benches.append((script, (bcode, bsec, blate, btext)))
-        hidden = ('skipped (--skip toolkit)', []) if 'toolkit' in skip \
+        hidden = ('skipped (--skip toolkit)', '') if 'toolkit' in skip \
             else hidden_toolkit()
         print(hidden)
         if args.logs:

@@ -92,13 +92,15 @@ def exercise():
     wanted = ['cudart', 'nvrtc', 'cublas', 'curand', 'nccl']
     from cupy.cuda import nccl
     notes.append(f'NCCL {nccl.get_version()}')
-    try:
-        import cudnn
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec('cudnn') is None:
         notes.append('no cuDNN frontend (CUDNN=off): cuDNN not checked')
     else:
+        from dasktrain.kernels import frontend  # finds the wheel's cuDNN
+        cudnn, why = frontend.load()
         notes.append(f'cuDNN {cudnn.backend_version()} through '
-                     f'nvidia-cudnn-frontend {cudnn.__version__}')
+                     f'nvidia-cudnn-frontend {cudnn.__version__}'
+                     if cudnn is not None else f'cuDNN unusable: {why}')
         wanted.append('cudnn')
     from dasktrain.parallel.cuda_check import gpu_count
     count, reason = gpu_count()
@@ -107,7 +109,13 @@ def exercise():
     return wanted, notes, count
 
 
-def main():
+def main(argv=None):
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--prefix', default=sys.prefix,
+                        help='the folder every CUDA library must lie in '
+                             '(default: this environment, %(default)s)')
+    args = parser.parse_args(argv)
     wanted, notes, count = exercise()
     with open('/proc/self/maps') as f:
         found = loaded(f.read())
@@ -116,7 +124,7 @@ def main():
     for name, paths in sorted(found.items()):
         for path in paths:
             print(f'{name:9s} {path}')
-    said = problems(found, sys.prefix, wanted)
+    said = problems(found, args.prefix, wanted)
     if not count:
         said.append('dasktrain would not train on the GPU')
     for line in said:
