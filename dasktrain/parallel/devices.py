@@ -353,6 +353,19 @@ def device_uuids(devices):
     return found
 
 
+def own_gpu(devices, machine, env=None):
+    """The GPU a rank on ``devices`` holds as its own, as the ranks of a
+    job compare it (:func:`~dasktrain.parallel.gpus.rank_gpu`): on
+    ``machine``, by its ``CUDA_VISIBLE_DEVICES`` entry (of ``env``,
+    default this process's) and, for this process, the driver's UUID;
+    None for a rank on the CPU, which asks the driver nothing."""
+    from dasktrain.parallel.gpus import rank_gpu, visible_gpus
+    if rank_gpu(devices, machine, ()) is None:
+        return None
+    uuids = driver_uuids() if env is None else None
+    return rank_gpu(devices, machine, visible_gpus(env), uuids)
+
+
 def unused_gpus_message(smi_lines, visible_count, reason):
     """One line when ``nvidia-smi -L`` lists GPUs that Chainer cannot use,
     else None. ``smi_lines``: its output lines; ``reason``: from

@@ -230,6 +230,14 @@ class DaskComm(Communicator):
         if plain is None:
             plain = plain_asked()
         self.link_options = (plain, streams)
+        # A rank's machine is the host it listens on, not its hostname:
+        # hosts cloned from one image (VMs, containers) share a hostname,
+        # and their /etc/machine-id too, but never an address their peers
+        # reach them at. It is also how `dasktrain launch` groups a
+        # machine's ranks when it shows them their GPUs (its ranks listen
+        # on their Dask worker's address host), so a rank's place among
+        # them (placement.machine_place) indexes the list it was given.
+        self.machine = host
         if self.size == 1:
             return
         hosts = host_groups(self.allgather(host))
