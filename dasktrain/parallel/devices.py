@@ -342,6 +342,31 @@ def driver_uuids():
     return found
 
 
+def primary_contexts():
+    """For each of this process's CUDA ordinals, whether its primary
+    context is active here (``cuDevicePrimaryCtxGetState``: the context
+    CuPy's runtime calls use, left by any GPU work this process did),
+    without creating one; None where there is no CUDA driver."""
+    import ctypes
+    try:
+        cuda = ctypes.CDLL('libcuda.so.1')
+    except OSError:
+        return None
+    count = ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)):
+        return None
+    found = []
+    for ordinal in range(count.value):
+        device, flags, active = ctypes.c_int(), ctypes.c_uint(), \
+            ctypes.c_int()
+        if cuda.cuDeviceGet(ctypes.byref(device), ordinal) or \
+                cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags),
+                                                ctypes.byref(active)):
+            return None
+        found.append(bool(active.value))
+    return found
+
+
 def device_uuids(devices):
     """``{'@cupy:N': 'GPU-...'}`` for the GPUs among ``devices``: which
     physical GPU a job really used, for its log."""

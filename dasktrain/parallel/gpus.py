@@ -377,6 +377,13 @@ class GpuPool:
         return free
 
     @classmethod
+    def held(cls):
+        """The entries held now (a copy): what the worker's heartbeat
+        says its jobs and ranks hold."""
+        with cls.lock:
+            return set(cls.used)
+
+    @classmethod
     def release(cls, gpus):
         with cls.lock:
             cls.used.difference_update(g.id for g in gpus)
