@@ -23,9 +23,7 @@ that a message waiting for its ``recv`` never stands in a collective's
 way.
 """
 import atexit
-import collections
 import os
-import socket
 import sys
 
 import numpy as np
@@ -37,6 +35,7 @@ from dasktrain.chainermn.support import Unsupported, fatal, say
 from dasktrain.parallel.comm.base import CollectiveError, Solo
 from dasktrain.parallel.comm.mailbox import Mailbox
 from dasktrain.parallel.comm.rendezvous import JOB, join
+from dasktrain.parallel.placement import machine_place
 
 #: Every name ChainerMN (any version) accepts; all run on the same
 #: collectives here.
@@ -149,14 +148,12 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
     def __init__(self, comm, name='pure_nccl'):
         super().__init__()
         self.comm, self.name = comm, name
-        facts = comm.allgather((socket.gethostname(),
+        # intra_rank: the rank's place among its machine's ranks, by the
+        # machine the communicator knows it on (its listening host, which
+        # clones of one image do not share, unlike their hostname).
+        facts = comm.allgather((comm.machine,
                                 comm.size > 1 and gpu_direct_possible()))
-        hosts = [h for h, _ in facts]
-        mine = hosts[comm.rank]
-        same = [r for r, h in enumerate(hosts) if h == mine]
-        machines = list(collections.OrderedDict.fromkeys(hosts))
-        self._ranks = (same.index(comm.rank), len(same),
-                       machines.index(mine), len(machines))
+        self._ranks = machine_place([m for m, _ in facts], comm.rank)
         self.gpu_direct = all(ok for _, ok in facts) and comm.size > 1
         self.allreduce_grad_dtype = None  # set_config's
         self.batched_copy = True

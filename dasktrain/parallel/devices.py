@@ -317,6 +317,31 @@ def driver_uuids():
     return found
 
 
+def primary_contexts():
+    """For each of this process's CUDA ordinals, whether its primary
+    context is active here (``cuDevicePrimaryCtxGetState``: the context
+    CuPy's runtime calls use, left by any GPU work this process did),
+    without creating one; None where there is no CUDA driver."""
+    import ctypes
+    try:
+        cuda = ctypes.CDLL('libcuda.so.1')
+    except OSError:
+        return None
+    count = ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)):
+        return None
+    found = []
+    for ordinal in range(count.value):
+        device, flags, active = ctypes.c_int(), ctypes.c_uint(), \
+            ctypes.c_int()
+        if cuda.cuDeviceGet(ctypes.byref(device), ordinal) or \
+                cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags),
+                                                ctypes.byref(active)):
+            return None
+        found.append(bool(active.value))
+    return found
+
+
 def device_uuids(devices):
     """``{'@cupy:N': 'GPU-...'}`` for the GPUs among ``devices``: which
     physical GPU a job really used, for its log."""
@@ -326,6 +351,19 @@ def device_uuids(devices):
         if raw is not None:
             found[f'@cupy:{gpu.id}'] = format_uuid(raw)
     return found
+
+
+def own_gpu(devices, machine, env=None):
+    """The GPU a rank on ``devices`` holds as its own, as the ranks of a
+    job compare it (:func:`~dasktrain.parallel.gpus.rank_gpu`): on
+    ``machine``, by its ``CUDA_VISIBLE_DEVICES`` entry (of ``env``,
+    default this process's) and, for this process, the driver's UUID;
+    None for a rank on the CPU, which asks the driver nothing."""
+    from dasktrain.parallel.gpus import rank_gpu, visible_gpus
+    if rank_gpu(devices, machine, ()) is None:
+        return None
+    uuids = driver_uuids() if env is None else None
+    return rank_gpu(devices, machine, visible_gpus(env), uuids)
 
 
 # ------------------------------------------------- arrays across devices

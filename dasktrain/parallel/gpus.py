@@ -18,7 +18,10 @@ numberings therefore meet whenever dasktrain hands GPUs around:
   (:func:`place_devices`);
 * a machine whose GPUs CuPy cannot use says so in one line, with what to
   install (:func:`unusable_gpus`), and a run that would train on its CPU
-  instead, without asking for the CPU, is refused (:func:`gpu_refusal`).
+  instead, without asking for the CPU, is refused (:func:`gpu_refusal`);
+* the ranks of one job compare their own GPUs (:func:`rank_gpu`, however
+  the devices were spelt) and refuse to share one
+  (:func:`refuse_shared_gpu`).
 
 Everything here is a pure function of the environment and counts it is
 given, so the tests check, on a machine without GPUs, what a GPU machine
@@ -249,6 +252,133 @@ def gpu_refusal(smi_lines, count, problem, devices=None, visible=None):
     return line and (f'{line}; or pass {argument("devices")} cpu to train '
                      'on the CPU')
 
+
+# ------------------------------------------------- two ranks on one GPU
+
+def gpu_ordinal(device):
+    """The CUDA ordinal a device specifier names, however spelt (``0``,
+    ``'0'``, ``'@cupy:0'``, ChainerX's ``'cuda:0'``); None for a CPU.
+
+    >>> [gpu_ordinal(d) for d in (2, '2', '@cupy:2', 'cuda:2', '@numpy')]
+    [2, 2, 2, 2, None]
+    """
+    if isinstance(device, bool):
+        return None
+    if isinstance(device, int):
+        return device if device >= 0 else None
+    text = str(device)
+    for prefix in ('@cupy:', 'cuda:', ''):
+        if text.startswith(prefix) and text[len(prefix):].isdigit():
+            return int(text[len(prefix):])
+    return None
+
+
+#: A rank's own GPU, as the ranks of a job compare it (:func:`rank_gpu`).
+GpuUse = collections.namedtuple('GpuUse', 'machine entry uuid')
+
+
+def rank_gpu(devices, machine, entries, uuids=None):
+    """The GPU a rank on ``devices`` holds as its own: the first GPU they
+    name (its master replica's, where its NCCL communicator lives; its
+    other replicas' GPUs only send their gradients to it), as a
+    :class:`GpuUse`; None for a rank on the CPU.
+
+    ``machine``: the rank's machine (its listening host); ``entries``: its
+    ``CUDA_VISIBLE_DEVICES`` entries (:func:`visible_gpus`; empty where
+    it is unset: the ordinal is the physical id); ``uuids``: the driver's
+    UUIDs of its ordinals, where it can say.
+
+    >>> rank_gpu(('@cupy:1', '@cupy:0'), '10.0.0.1', ['2', '3'])
+    GpuUse(machine='10.0.0.1', entry='3', uuid=None)
+    >>> rank_gpu((0,), 'h', [], ['GPU-aa'])
+    GpuUse(machine='h', entry='0', uuid='GPU-aa')
+    >>> rank_gpu(('@numpy',), 'h', []) is None
+    True
+    """
+    ordinals = [o for o in map(gpu_ordinal, devices or ()) if o is not None]
+    if not ordinals:
+        return None
+    ordinal = ordinals[0]
+    entries = list(entries or ())
+    entry = entries[ordinal] if ordinal < len(entries) else \
+        None if entries else str(ordinal)
+    uuid = uuids[ordinal] if uuids and ordinal < len(uuids) else None
+    if uuid is None and entry and entry.startswith(('GPU-', 'MIG-')):
+        uuid = entry
+    return GpuUse(machine, entry, uuid)
+
+
+def same_gpu(a, b):
+    """Whether two ranks' :class:`GpuUse` are one GPU: their UUIDs decide
+    where both are known (a UUID names one GPU whatever machine or
+    container sees it, and two containers of one host may each see their
+    own GPU as ``0``); else one machine and one ``CUDA_VISIBLE_DEVICES``
+    entry.
+
+    >>> same_gpu(GpuUse('h', '0', None), GpuUse('h', '0', None))
+    True
+    >>> same_gpu(GpuUse('h1', '0', None), GpuUse('h2', '0', None))
+    False
+    >>> same_gpu(GpuUse('h', '0', 'GPU-a'), GpuUse('h', '0', 'GPU-b'))
+    False
+    """
+    if a is None or b is None:
+        return False
+    if a.uuid and b.uuid:
+        return a.uuid == b.uuid
+    return a.machine == b.machine and a.entry is not None and \
+        a.entry == b.entry
+
+
+def shared_gpu(uses):
+    """The first two ranks (rank order) whose own GPUs are one, given
+    every rank's :func:`rank_gpu` in rank order; None where no two are.
+
+    >>> shared_gpu([GpuUse('h', '0', None), None, GpuUse('h', '0', None)])
+    (0, 2)
+    >>> shared_gpu([GpuUse('h', '0', None), GpuUse('h', '1', None)]) is None
+    True
+    """
+    for b, use in enumerate(uses):
+        for a in range(b):
+            if same_gpu(uses[a], use):
+                return a, b
+    return None
+
+
+def refuse_shared_gpu(uses, remedy=None):
+    """Raise :class:`GpuError` (one line) where two ranks of one job would
+    hold one GPU as their own (:func:`shared_gpu`): NCCL does not support
+    two ranks on one device, and may hang; a job whose ranks cannot use
+    NCCL would train them on one GPU while another idles. Every rank
+    gives the same ``uses`` (an all-gather), so every rank refuses.
+    ``remedy``: what to do, in words (default: a ``dasktrain train``
+    rank's).
+
+    >>> refuse_shared_gpu([GpuUse('10.0.0.1', '0', None)] * 2)
+    Traceback (most recent call last):
+    ...
+    dasktrain.parallel.gpus.GpuError: ranks 0 and 1 would both train on GPU 0 of 10.0.0.1, ...
+    """  # noqa: E501
+    pair = shared_gpu(uses)
+    if pair is None:
+        return
+    a, b = pair
+    use = uses[a]
+    name = use.uuid if use.uuid and use.uuid != use.entry else None
+    gpu = f'GPU {use.entry if use.entry is not None else use.uuid}' + \
+        (f' ({name})' if name else '') + \
+        (f' of {use.machine}' if use.machine else '')
+    if remedy is None:
+        remedy = (f'under `dasktrain launch --devices 0,1` leave '
+                  f'{argument("devices")} out: each rank takes its own; on '
+                  "a cluster, give a machine's workers CUDA_VISIBLE_DEVICES "
+                  'of their own')
+    raise GpuError(
+        f'ranks {a} and {b} would both train on {gpu}, which NCCL does not '
+        f'support (it may hang): give each rank its own GPU ({remedy})')
+
+
 # Non-blocking communicators (NCCL_COMM_BLOCKING=0) came with NCCL 2.14;
 # before, the variable is ignored and a dead peer blocks groupEnd forever.
 # ncclCommAbort from a thread other than the communicator's own, which a
@@ -344,6 +474,13 @@ class GpuPool:
                                f'{[g.id for g in free]} of {entries}')
             cls.used.update(g.id for g in free)
         return free
+
+    @classmethod
+    def held(cls):
+        """The entries held now (a copy): what the worker's heartbeat
+        says its jobs and ranks hold."""
+        with cls.lock:
+            return set(cls.used)
 
     @classmethod
     def release(cls, gpus):

@@ -13,7 +13,8 @@ A run trains in one of four placements (:func:`place`):
 
 For ranks on a cluster, :func:`gpus_per_rank`, :func:`able_workers` and
 :func:`rank_resources` decide what each rank holds and which workers can
-host one, from the workers' advertised resources.
+host one, from the workers' advertised resources; :func:`machine_place`
+a rank's place on its machine.
 
 Everything here is a pure function of what it is given (the config, the
 devices this process sees, the workers' resources), so the tests check
@@ -117,12 +118,40 @@ def place(config, available=None, launched=False):
     return Placement(PER_DEVICE, devices, workers, (device,))
 
 
+def machine_place(machines, rank):
+    """``(intra_rank, intra_size, inter_rank, inter_size)`` of ``rank``:
+    its place among the ranks on its machine, their number, its machine's
+    place among the job's machines (in order of their first rank) and
+    their number, given ``machines``: every rank's machine, in rank order.
+
+    A machine is what the ranks tell machines apart by: the host each
+    listens on (:attr:`~dasktrain.parallel.comm.dask.DaskComm.machine`),
+    which clones of one image do not share; never ``gethostname()``,
+    which they do.
+
+    Examples
+    --------
+    Two clones named ``node`` listening on their own addresses are two
+    machines:
+
+    >>> machine_place(['10.0.0.1', '10.0.0.2', '10.0.0.1'], 2)
+    (1, 2, 0, 2)
+    >>> machine_place(['10.0.0.1', '10.0.0.2', '10.0.0.1'], 1)
+    (0, 1, 1, 2)
+    """
+    mine = machines[rank]
+    same = [r for r, m in enumerate(machines) if m == mine]
+    order = list(dict.fromkeys(machines))
+    return same.index(rank), len(same), order.index(mine), len(order)
+
+
 def launched_devices(named, gpus, intra_rank, intra_size):
     """The devices of one rank of ``dasktrain launch``: those ``named``
     (as this process sees them), else its own GPU, else one CPU replica.
 
     ``gpus``: how many GPUs this process sees; ``intra_rank`` of
-    ``intra_size``: its place among the job's ranks on this machine.
+    ``intra_size``: its place among the job's ranks on this machine
+    (:func:`machine_place`).
     Launch shows each rank the GPUs of its machine's ranks in rank order
     (as ``mpiexec`` leaves them, and a queue's job its own GPUs), so a
     rank's own GPU is the one at its place; ValueError where there are

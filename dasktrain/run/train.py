@@ -29,7 +29,6 @@ and after a lost worker the new ranks resume from it.
 import contextlib
 import logging
 import os
-import socket
 import time
 import uuid
 from typing import NamedTuple
@@ -61,6 +60,7 @@ from dasktrain.parallel.devices import (
     available_devices,
     frames_released,
     free_gpu_memory,
+    own_gpu,
     resolve_devices,
 )
 from dasktrain.parallel.gpus import (
@@ -68,6 +68,7 @@ from dasktrain.parallel.gpus import (
     gpu_ids,
     nccl_problem,
     place_devices,
+    refuse_shared_gpu,
     use_nccl,
 )
 from dasktrain.parallel.placement import (
@@ -77,6 +78,7 @@ from dasktrain.parallel.placement import (
     able_workers,
     gpus_per_rank,
     launched_devices,
+    machine_place,
     place,
     rank_resources,
     rank_threads,
@@ -342,10 +344,13 @@ def rank_comm(host, devices, progress):
     :class:`~dasktrain.parallel.comm.dask.DaskComm`) where every rank can
     use it on its ``devices`` (the ranks agree: one collective), else
     ``host`` itself, with a warning on ``progress`` for a GPU rank that
-    cannot."""
+    cannot. In that collective the ranks also compare their own GPUs:
+    GpuError (one line, on every rank) where two would hold one."""
     module = _nccl_module()
     nccl = use_nccl(devices, module)
-    if all(host.allgather(nccl)):
+    facts = host.allgather((nccl, own_gpu(devices, host.machine)))
+    refuse_shared_gpu([gpu for _, gpu in facts])
+    if all(ok for ok, _ in facts):
         return NcclComm(host, gpu_ids(devices)[0])
     if gpu_ids(devices) and not nccl:
         progress.warn(nccl_problem(module))
@@ -394,12 +399,12 @@ def _launched(config, callbacks, progress):
     try:
         lead = host.rank == 0
         # Ranks of one machine, in rank order: the GPUs launch shows them.
-        hosts = host.allgather(socket.gethostname())
-        mine = [r for r, h in enumerate(hosts) if h == hosts[host.rank]]
+        intra, intra_size, _, _ = machine_place(
+            host.allgather(host.machine), host.rank)
         seen = 0 if config.devices else len(gpu_ids(available_devices()))
         try:
-            devices = launched_devices(config.devices, seen,
-                                       mine.index(host.rank), len(mine))
+            devices = launched_devices(config.devices, seen, intra,
+                                       intra_size)
         except ValueError as e:
             raise ScaleOutError(f'{e} ({argument("devices")})') from None
         display = progress if lead else Progress(False, config.epochs)

@@ -1,5 +1,6 @@
 """Ranks on real GPUs: float16 buckets over NCCL, the Dask comm paths with
-CuPy arrays, a peer dying while NCCL sums on the side stream, ranks as
+CuPy arrays and their pinned staging buffers, two ranks refused on one
+GPU, a peer dying while NCCL sums on the side stream, ranks as
 threads of one multi-GPU worker, two GPUs per rank, ipm's optimizer state
 over NCCL against the CPU. Each rank body runs on a Dask worker (sent by
 value); each test says what it needs and is skipped, with the reason,
@@ -181,6 +182,85 @@ def test_dask_comm_sums_cupy_arrays_as_numpy_does(gpu_cluster, shared):
         np.testing.assert_array_equal(got[5][:, 1::2],  # not in the view
                                       base[:, 1::2] * (rank + 1))
         np.testing.assert_array_equal(got[6], np.full(5, 3.0))
+
+
+def _staging_as_sizes_change(name, rank, size, scheduler, shared):
+    import weakref
+
+    import cupy
+    from cupy.cuda.pinned_memory import is_memory_pinned
+
+    from dasktrain.parallel.comm.rendezvous import (
+        SHARED_MEMORY,
+        join,
+        rank_environment,
+    )
+    env = rank_environment(rank, size, scheduler, name, 'tcp://127.0.0.1',
+                           timeout=60)
+    if not shared:
+        env[SHARED_MEMORY] = '0'
+    sums, seen = [], {}
+    with join(env) as comm:
+        for n, rounds in ((1000, 3), (3000, 4)):
+            for _ in range(rounds):
+                with cupy.cuda.Device(0):
+                    x = cupy.full(n, rank + 1.0, dtype=cupy.float32)
+                comm.allreduce([x])
+                sums.append(cupy.asnumpy(x))
+            kept = comm._staging.buffers()
+            seen[n] = ([k[2] for k in comm._staging.keys()],
+                       [b.array.ctypes.data for b in kept],
+                       [weakref.ref(b) for b in kept])
+            del kept  # only the communicator keeps them
+        pointers = seen[1000][1] + seen[3000][1]
+        return sums, {n: got[0] for n, got in seen.items()}, \
+            [is_memory_pinned(p) for p in pointers], \
+            [ref() is None for ref in seen[1000][2]]
+
+
+@needs(1)
+@pytest.mark.parametrize('shared', [True, False], ids=['shm', 'tcp'])
+def test_staging_buffers_of_sizes_no_longer_summed_are_freed(gpu_cluster,
+                                                             shared):
+    # Two ranks sum GPU arrays through the host, 3 all-reduces of 1000
+    # floats then 4 of 3000: the sums are right, and the pinned buffer of
+    # the 1000 goes (its memory no longer pinned) once unused for twice
+    # its gap; the current one stays, pinned.
+    client, addresses = workers(gpu_cluster, ['0', '1' if COUNT > 1 else '0'])
+    with client:
+        results = on_ranks(client, addresses, _staging_as_sizes_change,
+                           f'staging-{shared}', gpu_cluster.address, shared)
+    for sums, kept, pinned, gone in results:
+        for got, n in zip(sums, [1000] * 3 + [3000] * 4):
+            np.testing.assert_array_equal(got, np.full(n, 3.0, np.float32))
+        assert kept == {1000: [1000], 3000: [3000]}
+        assert pinned == [False, True] and gone == [True]
+
+
+def _nccl_on_one_gpu(name, rank, size):
+    from dasktrain.parallel.comm import DaskComm, NcclComm
+    from dasktrain.parallel.gpus import GpuError
+    with DaskComm.rendezvous(name, rank, size, timeout=60) as host:
+        try:
+            NcclComm(host, 0).close()
+        except GpuError as e:
+            return str(e)
+    return None
+
+
+@needs(1)
+def test_two_ranks_making_nccl_on_one_gpu_are_refused_in_one_line(
+        gpu_cluster):
+    # Two workers that both see GPU 0 (as a ChainerMN script on every
+    # rank's device 0 would): each rank refuses before NCCL's set-up,
+    # naming the GPU by its entry and the driver's UUID.
+    client, addresses = workers(gpu_cluster, ['0', '0'])
+    with client:
+        said = on_ranks(client, addresses, _nccl_on_one_gpu, 'one-gpu')
+    assert said[0] == said[1] and said[0] is not None
+    assert said[0].startswith('ranks 0 and 1 would both train on GPU 0 '
+                              '(GPU-') and ' of 127.0.0.1, which NCCL ' \
+        'does not support' in said[0] and 'comm.intra_rank' in said[0]
 
 
 # ------------------------------------------------- a peer dies mid-sum

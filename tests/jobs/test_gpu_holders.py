@@ -50,6 +50,13 @@ def heartbeat_seen(client):
     return client.run_on_scheduler(seen)
 
 
+def _held(dask_scheduler):
+    """Each worker's GPUs held by its jobs, as its last heartbeat says
+    (a list: heartbeats come as tuples)."""
+    return [list(((ws.metrics or {}).get(USE_METRIC) or {}).get('held')
+                 or ()) for ws in dask_scheduler.workers.values()]
+
+
 def sleeper(client, tmp_path, gpus):
     return submit_command(
         [sys.executable, '-c', 'import time; time.sleep(60)'], gpus=gpus,
@@ -84,6 +91,10 @@ def test_gpus_shows_the_job_and_user_holding_each_gpu(cluster, tmp_path,
             # what the queue's planner asks the scheduler: nothing busy
             assert client.run_on_scheduler(busy_outside) == \
                 {w: {} for w in client.scheduler_info()['workers']}
+            # the worker's heartbeat says which GPU its job holds (what
+            # makes a process /proc cannot show there the job's)
+            wait_until(lambda: client.run_on_scheduler(_held) == [held], 30,
+                       "a heartbeat naming the job's GPU held")
         finally:
             job.cancel(client)
 

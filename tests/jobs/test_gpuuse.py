@@ -1,10 +1,13 @@
 """Who uses each GPU, decided without a GPU: NVML's process lists
 (tests/parallel/test_nvml.py reads them), ``/proc`` texts, and real
 processes' users and sessions read from this machine's ``/proc``."""
+import json
 import os
+import shutil
 import subprocess
 import sys
 
+import pytest
 from test_cluster import wait_until
 
 from dasktrain.jobs.worker.gpu_use import (
@@ -16,7 +19,13 @@ from dasktrain.jobs.worker.gpu_use import (
     worker_use,
 )
 from dasktrain.parallel.nvml import worker_devices
-from dasktrain.parallel.outside import busy_from, job_of, outside_use
+from dasktrain.parallel.outside import (
+    HELD,
+    WORKER,
+    busy_from,
+    job_of,
+    outside_use,
+)
 
 
 def test_proc_texts_parse():
@@ -106,3 +115,117 @@ def test_a_worker_without_nvml_reports_its_gpu_ids_and_no_processes():
     assert busy_from(uses, threshold_mib=1024) == {
         'tcp://w:1': {}, 'tcp://w:2': {}}
 
+
+
+# A worker in a container: NVML gives the host's pids, which this
+# namespace's /proc does not know (pids above any pid_max here).
+HOST = 2 ** 22 + 1000
+
+
+def container_reading(listed, held, own=()):
+    """What worker_use reads in a container where NVML lists ``listed``
+    (``{gpu: [(host pid, MiB)]}``) on GPUs '0'..'3', with ``held`` and
+    ``own`` as its pool and the driver say; /proc is this machine's."""
+    return worker_use(
+        env={'CUDA_VISIBLE_DEVICES': '0,1,2,3'}, held=held, own=own,
+        nvml=lambda ids, env: {gpu: [{'pid': pid, 'bytes': int(mib * 2 ** 20)}
+                                     for pid, mib in listed.get(gpu, ())]
+                               for gpu in ids})
+
+
+def test_a_containerised_workers_own_job_is_not_outside_use_of_its_gpu():
+    # GPU 0: the worker's job trains (its child, a host pid). GPU 1: no
+    # job; a process of another container. GPU 2: the worker's own CUDA
+    # context (a rank ran in it) and nothing else. GPU 3: the worker's
+    # context and another container's process beside it.
+    listed = {'0': [(HOST, 5000.0)], '1': [(HOST + 1, 700.0)],
+              '2': [(HOST + 2, 400.0)],
+              '3': [(HOST + 3, 400.0), (HOST + 4, 300.0)]}
+    use = container_reading(listed, held=['0'], own=['2', '3'])
+    assert [(p['gpu'], p['seen'], p['user'], p['job'])
+            for p in use['processes']] == [
+        ('0', False, '?', HELD), ('1', False, '?', None),
+        ('2', False, '?', WORKER), ('3', False, '?', None),
+        ('3', False, '?', WORKER)]
+    assert use['held'] == ['0'] and use['own'] == ['2', '3']
+    # the queue's view: GPU 0 is its job's; the others' processes are
+    # outside use, the larger of GPU 3's two taken as the outsider
+    assert busy_from({'w': use}, threshold_mib=256) == {'w': {
+        '1': f'? (pid {HOST + 1}, 700 MiB)',
+        '3': f'? (pid {HOST + 3}, 400 MiB)'}}
+    assert busy_from({'w': use}, threshold_mib=500) == {'w': {
+        '1': f'? (pid {HOST + 1}, 700 MiB)'}}
+
+
+def test_no_unseen_process_is_the_queues_on_a_gpu_no_job_holds():
+    # The same host pid on GPU 0 once its job has ended (or before one
+    # starts): outside use, whoever it is. Nor is an unseen process the
+    # worker's where the worker is seen on that GPU (same namespace).
+    listed = {'0': [(HOST, 5000.0)]}
+    assert busy_from({'w': container_reading(listed, held=[])}, 256) == \
+        {'w': {'0': f'? (pid {HOST}, 5000 MiB)'}}
+    worker = {'gpu': '0', 'pid': os.getpid(), 'mib': 300.0, 'user': 'me',
+              'session': 1, 'ancestors': [1], 'seen': True}
+    unseen = proc('0', HOST, 600.0, user='?', ancestors=())
+    unseen.update(seen=False, session=None)
+    assert outside_use([worker, unseen], {os.getpid(): WORKER}, 256,
+                       held=[], own=['0']) == \
+        {'0': f'? (pid {HOST}, 600 MiB)'}
+    # unknown memory counts as the largest: never the worker's
+    other = dict(unseen, pid=HOST + 1, mib=None)
+    assert outside_use([unseen, other], {}, 256, held=[], own=['0']) == \
+        {'0': f'? (pid {HOST + 1}, memory unknown)'}
+
+
+def test_a_pid_seen_as_a_jobs_counts_only_on_a_gpu_the_worker_holds():
+    # A host pid that happens to be a pid of this namespace's job (or a
+    # job that stepped outside its CUDA_VISIBLE_DEVICES) on a GPU no job
+    # holds is outside use; on a held GPU it is the job's. A reading of an
+    # earlier worker (no 'held') is judged by lineage alone, as before.
+    job = proc('1', 300, 4000.0, ancestors=[250, 90, 1])
+    jobs = {250: 'train-job', 90: WORKER}
+    assert outside_use([job], jobs, 256, held=['1']) == {}
+    assert outside_use([job], jobs, 256, held=['0']) == \
+        {'1': 'bob (pid 300, 4000 MiB)'}
+    assert busy_from({'w': {'processes': [job], 'jobs': [[250, 'j']]}},
+                     256) == {'w': {}}
+    # the worker's own (its process, launch's ranks under it): any GPU
+    rank = proc('1', 301, 4000.0, ancestors=[90, 1])
+    assert outside_use([rank], jobs, 256, held=[]) == {}
+
+
+IN_NAMESPACE = """
+import json, sys
+from dasktrain.jobs.worker.gpu_use import worker_use
+pid, held = int(sys.argv[1]), json.loads(sys.argv[2])
+print(json.dumps(worker_use(
+    env={'CUDA_VISIBLE_DEVICES': '0'}, held=held, own=[],
+    nvml=lambda ids, env: {'0': [{'pid': pid, 'bytes': 2 ** 30}]})))
+"""
+
+
+def test_in_a_pid_namespace_a_host_pid_is_unseen_and_judged_by_the_rule():
+    # A real PID namespace with its own /proc, as a container has: this
+    # process's pid (the host's, as NVML gives it) means nothing there.
+    if shutil.which('unshare') is None:
+        pytest.skip('no unshare (util-linux)')
+    argv = ['unshare', '--pid', '--fork', '--mount-proc']
+    if os.geteuid() != 0:
+        argv[1:1] = ['--user', '--map-root-user']
+    readings = []
+    for held in ([], ['0']):
+        run = subprocess.run(argv + [sys.executable, '-c', IN_NAMESPACE,
+                                     str(os.getpid()), json.dumps(held)],
+                             capture_output=True, text=True, timeout=60)
+        if run.returncode != 0 and not readings and \
+                'dasktrain' not in run.stderr:
+            pytest.skip(f'no PID namespace here: {run.stderr.strip()}')
+        assert run.returncode == 0, run.stderr
+        readings.append(json.loads(run.stdout))
+    free, held = readings
+    assert [(p['seen'], p['user'], p['job']) for p in free['processes']] == \
+        [(False, '?', None)]
+    assert busy_from({'w': free}, 256) == \
+        {'w': {'0': f'? (pid {os.getpid()}, 1024 MiB)'}}
+    assert [p['job'] for p in held['processes']] == [HELD]
+    assert busy_from({'w': held}, 256) == {'w': {}}

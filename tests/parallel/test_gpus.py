@@ -19,16 +19,21 @@ from dasktrain.parallel.gpus import (
     Gpu,
     GpuError,
     GpuPool,
+    GpuUse,
     gpu_ids,
     gpu_refusal,
     job_environment,
     nccl_problem,
     nccl_version,
     place_devices,
+    rank_gpu,
+    refuse_shared_gpu,
+    shared_gpu,
     unusable_gpus,
     use_nccl,
     visible_gpus,
 )
+from dasktrain.parallel.placement import launched_devices, machine_place
 
 
 @pytest.mark.parametrize('value,count,expected', [
@@ -114,6 +119,95 @@ def test_devices_naming_other_gpus_than_reserved_are_refused():
     check_devices(TrainConfig(devices=('@cupy:2', '@cupy:3')), 2)
     check_devices(TrainConfig(devices=('@numpy',)), 0)
     assert gpu_ids(('@cupy:3', '@numpy', '@cupy:3', '@cupy:0')) == [3, 0]
+
+
+# Each rank: (its devices, its machine, its CUDA_VISIBLE_DEVICES or None
+# for unset, the driver's UUIDs of its ordinals or None where it cannot say)
+A, B = '10.0.0.1', '10.0.0.2'
+
+
+@pytest.mark.parametrize('ranks,shared', [
+    # CPU ranks share nothing
+    ([(('@numpy',), A, None, None)] * 2, None),
+    ([(('@numpy',) * 2, A, '', None)] * 2, None),
+    # `launch --devices 0,1 -- dasktrain train`: each rank its own
+    ([(launched_devices(None, 2, r, 2), A, '0,1', None) for r in range(2)],
+     None),
+    # `launch --devices 0,1 -- dasktrain train --devices @cupy:0`
+    ([(('@cupy:0',), A, '0,1', None)] * 2, (0, 1)),
+    # ... on a GPU machine, where the driver names the GPU too
+    ([(('@cupy:0',), A, '0,1', ['GPU-a', 'GPU-b'])] * 2, (0, 1)),
+    # one GPU, however it is spelt
+    ([((0,), A, None, None), (('@cupy:0',), A, None, None)], (0, 1)),
+    ([(('0',), A, None, None), (('cuda:0',), A, None, None)], (0, 1)),
+    ([(('@numpy',), A, None, None), (('@cupy:1',), A, None, None),
+      ((1,), A, None, None)], (1, 2)),
+    # ... or whichever ordinal shows it: physical GPU 1 both times
+    ([(('@cupy:1',), A, '0,1', None), (('@cupy:0',), A, '1', None)],
+     (0, 1)),
+    ([(('@cupy:0',), A, 'GPU-a', None), (('@cupy:0',), B, None, ['GPU-a'])],
+     (0, 1)),
+    # two machines: GPU 0 of each is another GPU
+    ([(('@cupy:0',), A, None, None), (('@cupy:0',), B, None, None)], None),
+    ([(('@cupy:0',), A, None, ['GPU-a']), (('@cupy:0',), B, None,
+                                           ['GPU-b'])], None),
+    # two containers of one address (host network), each its own GPU 0:
+    # the driver's UUIDs tell them apart
+    ([(('@cupy:0',), A, None, ['GPU-a']), (('@cupy:0',), A, None,
+                                           ['GPU-b'])], None),
+    # a rank's further replicas may be on another rank's GPU: only its
+    # first (its master, NCCL's) is its own
+    ([(('@cupy:0', '@cupy:1'), A, '0,1', None),
+      (('@cupy:0', '@cupy:1'), A, '1,0', None)], None),
+    # two replicas of one rank on one GPU: one rank
+    ([(('@cupy:0', '@cupy:0'), A, '0', None),
+      (('@cupy:0',), A, '1', None)], None),
+])
+def test_ranks_holding_one_gpu_are_told_apart_from_those_that_do_not(
+        ranks, shared):
+    uses = [rank_gpu(devices, machine,
+                     visible_gpus({} if visible is None else
+                                  {'CUDA_VISIBLE_DEVICES': visible}), uuids)
+            for devices, machine, visible, uuids in ranks]
+    assert shared_gpu(uses) == shared
+    if shared is None:
+        refuse_shared_gpu(uses)  # nothing to refuse
+        return
+    with pytest.raises(GpuError) as refused:
+        refuse_shared_gpu(uses)
+    line = str(refused.value)
+    assert '\n' not in line
+    assert line.startswith(f'ranks {shared[0]} and {shared[1]} would both '
+                           'train on GPU ')
+    assert 'which NCCL does not support (it may hang)' in line
+    assert 'leave --devices out' not in line  # named as from Python
+    assert 'leave devices out: each rank takes its own' in line
+
+
+def test_a_refused_gpu_is_named_by_its_entry_its_uuid_and_its_machine():
+    with pytest.raises(GpuError, match=r'both train on GPU 1 \(GPU-b\) of '
+                                       r'10\.0\.0\.1, which NCCL'):
+        refuse_shared_gpu([GpuUse(A, '1', 'GPU-b')] * 2)
+    with pytest.raises(GpuError, match=r'both train on GPU MIG-c of '):
+        refuse_shared_gpu([GpuUse(A, 'MIG-c', 'MIG-c')] * 2)
+    with pytest.raises(GpuError, match=r'GPU 0, which NCCL .* each rank its '
+                                       r'own GPU \(use GPU comm.intra_rank\)'):
+        refuse_shared_gpu([GpuUse(None, '0', None)] * 2,
+                          remedy='use GPU comm.intra_rank')
+
+
+def test_a_rank_s_place_on_its_machine_is_by_machine_not_hostname():
+    # Clones of one image share a hostname: ranks tell their machines
+    # apart by the host each listens on. Two such hosts are two machines,
+    # each rank first (its GPU 0) on its own.
+    machines = [A, B, A, B]
+    assert [machine_place(machines, r) for r in range(4)] == \
+        [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]
+    assert [launched_devices(None, 2, *machine_place(machines, r)[:2])
+            for r in range(4)] == [('@cupy:0',), ('@cupy:0',),
+                                   ('@cupy:1',), ('@cupy:1',)]
+    assert machine_place(['127.0.0.1'] * 3, 2) == (2, 3, 0, 1)
+    assert machine_place([None], 0) == (0, 1, 0, 1)  # a job of one
 
 
 def nccl_module(available=True, version=22809):

@@ -76,3 +76,39 @@ def test_every_rank_gets_the_same_sum_whatever_the_route(
     leaders = [g[0] for g in got[0][4]]
     for rank, (*_, sealed, _) in enumerate(got):  # leaders only cross
         assert sealed == (None if rank not in leaders else not plain)
+
+
+def _places(name, rank, size):
+    import socket
+
+    from dasktrain.chainermn.communicator import DaskCommunicator
+    comm = DaskComm.rendezvous(name, rank, size, timeout=60)
+    chainermn = DaskCommunicator(comm)  # it closes comm when it leaves
+    try:
+        return (socket.gethostname(), comm.machine,
+                (chainermn.intra_rank, chainermn.intra_size,
+                 chainermn.inter_rank, chainermn.inter_size))
+    finally:
+        chainermn._at_exit()  # as at a rank's exit: all leave together
+
+
+def test_hosts_of_one_hostname_are_machines_of_their_own(two_hosts):
+    # Clones of one image share a hostname, as these two "hosts" (one
+    # machine's loopback addresses) do: each is a machine of its own by
+    # the address its ranks listen on, and a rank's place on its machine
+    # (ChainerMN's intra_rank: the GPU it takes) counts its machine's ranks
+    # alone.
+    client, hosts = two_hosts
+    workers = [hosts[0][0], hosts[1][0], hosts[0][1], hosts[1][1]]
+    got = _run_each(client, _places, 'places', workers)
+    assert len({hostname for hostname, _, _ in got}) == 1
+    machines = [machine for _, machine, _ in got]
+    assert machines == ['127.0.0.2', '127.0.0.3'] * 2
+    assert [place for _, _, place in got] == \
+        [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]
+
+
+def _run_each(client, body, name, workers):
+    return client.gather([
+        client.submit(body, name, r, len(workers), workers=[w], pure=False)
+        for r, w in enumerate(workers)])

@@ -160,6 +160,24 @@ def test_train_under_launch_refuses_workers_in_one_line(data_dir, tmp_path,
     assert 'Traceback' not in err and not (tmp_path / 'x').exists()
 
 
+def test_train_under_launch_refuses_two_ranks_on_one_gpu(data_dir, tmp_path,
+                                                        capfd):
+    # `dasktrain launch -n 2 -- dasktrain train --devices 0`: both ranks
+    # name GPU 0 of this machine. They compare their GPUs through the
+    # rendezvous and refuse in one line before anything starts (here
+    # without CUDA: the refusal asks nothing of a GPU).
+    code = main(['launch', '-n', '2', '--out', str(tmp_path / 'ranks'), '--',
+                 str(CONSOLE), 'train', '--model', 'tiny', '--devices', '0',
+                 '--data-dir', str(data_dir), '--out', str(tmp_path / 'x'),
+                 '--no-progress'])
+    assert code == 1
+    err = capfd.readouterr().err
+    assert 'ranks 0 and 1 would both train on GPU 0 of 127.0.0.1, which ' \
+        'NCCL does not support (it may hang)' in err, err
+    assert 'leave --devices out: each rank takes its own' in err
+    assert 'Traceback' not in err and not (tmp_path / 'x').exists()
+
+
 # ------------------------------------------------------------ failures
 
 def _pids(client):

@@ -17,18 +17,21 @@ busy outside the queue (:mod:`~dasktrain.jobs.scheduler.outside_use`).
 
 NVML's process lists are read as :mod:`dasktrain.parallel.nvml` reads
 them (:func:`~dasktrain.parallel.nvml.nvml_processes`). A pid is the
-host's (NVML's namespace): in another container's namespace ``/proc``
-does not know it, and its user reads ``?``. Every decision is a pure
+host's (NVML's namespace): in a container's namespace ``/proc`` does not
+know it (``seen`` False), and its user reads ``?``; whose it is then is
+decided from what the worker knows, the GPUs its jobs and ranks hold and
+those its own process has a context on
+(:func:`~dasktrain.parallel.outside.owners`). Every decision is a pure
 function of those entries and of ``/proc`` texts, tested with scripted
 entries; only :func:`read_process`, :func:`gpu_readings` and
-:func:`worker_use` touch NVML and ``/proc``.
+:func:`worker_use` touch NVML, ``/proc`` and the driver.
 """
 import os
 
 from dasktrain.cluster.settings import BUSY_ENV, BUSY_MIB
 from dasktrain.jobs.job import user_name
 from dasktrain.jobs.worker.program import job_children
-from dasktrain.parallel.gpus import visible_gpus
+from dasktrain.parallel.gpus import GpuPool, visible_gpus
 from dasktrain.parallel.nvml import (
     driver_view,
     match_cuda_devices,
@@ -37,7 +40,7 @@ from dasktrain.parallel.nvml import (
     nvml_read,
     worker_devices,
 )
-from dasktrain.parallel.outside import WORKER, job_of
+from dasktrain.parallel.outside import WORKER, owners
 
 USE_METRIC = 'dasktrain-gpu-use'  # the heartbeat's key of worker_use()
 GPU_METRIC = 'dasktrain-gpus'     # the heartbeat's key of gpu_readings()
@@ -119,25 +122,34 @@ def lineage(pid, read=read_process, depth=64):
 
 # ------------------------------------------------------ on a worker
 
-def worker_use(worker=None, env=None, read=read_process, nvml=None):
+def worker_use(worker=None, env=None, read=read_process, nvml=None,
+               held=None, own=None):
     """What this worker's heartbeats carry: ``ids`` (its GPUs, the ids jobs
     hold, and the queue hands out), ``nvml`` (whether NVML could list their
     processes),
     ``processes`` (each with ``gpu``, ``pid``, ``user``, ``mib``,
-    ``session``, ``ancestors`` and ``job``: the queue job's id, or
-    :data:`WORKER`, or None outside the queue), ``jobs`` (``[[pid,
-    job id]]`` of its jobs' children) and ``busy_mib``.
+    ``session``, ``ancestors``, ``seen`` (whether ``/proc`` shows the pid)
+    and ``job``: the queue job's id, :data:`WORKER`,
+    :data:`~dasktrain.parallel.outside.HELD`, or None outside the queue:
+    :func:`~dasktrain.parallel.outside.owners`), ``jobs`` (``[[pid,
+    job id]]`` of its jobs' children), ``held`` (its GPUs a job or rank
+    holds now), ``own`` (those its own process has a CUDA context on) and
+    ``busy_mib``.
 
-    ``read`` (a pid's ``/proc`` facts, as :func:`read_process`) and
-    ``nvml`` (``nvml(ids, env)`` -> ``{gpu id: [{'pid', 'bytes'}] or
-    None}``, as NVML lists them) stand in for ``/proc`` and NVML where a
-    test scripts them."""
+    ``read`` (a pid's ``/proc`` facts, as :func:`read_process`), ``nvml``
+    (``nvml(ids, env)`` -> ``{gpu id: [{'pid', 'bytes'}] or None}``, as
+    NVML lists them), ``held`` and ``own`` (GPU ids) stand in for
+    ``/proc``, NVML, the worker's pool and the CUDA driver where a test
+    scripts them."""
     env = os.environ if env is None else env
     total = int(worker.state.total_resources.get('GPU', 0)) \
         if worker is not None else None
     ids = visible_gpus(env, count=total)
     jobs = dict(job_children())
     jobs[os.getpid()] = WORKER
+    held = sorted(GpuPool.held() & set(ids)) if held is None \
+        else list(held)
+    own = _own_contexts(ids, env) if own is None else list(own)
     processes, listed = [], False
     for entry, pids in (nvml or _nvml_use)(ids, env).items():
         if pids is None:
@@ -145,16 +157,28 @@ def worker_use(worker=None, env=None, read=read_process, nvml=None):
         listed = True
         for p in pids:
             uid, session, ancestors = lineage(p['pid'], read)
-            process = {'gpu': entry, 'pid': p['pid'],
-                       'user': '?' if uid is None else user_name(uid),
-                       'mib': None if p['bytes'] is None
-                       else p['bytes'] / MIB,
-                       'session': session, 'ancestors': ancestors}
-            process['job'] = job_of(process, jobs)
-            processes.append(process)
+            processes.append({
+                'gpu': entry, 'pid': p['pid'],
+                'user': '?' if uid is None else user_name(uid),
+                'mib': None if p['bytes'] is None else p['bytes'] / MIB,
+                'session': session, 'ancestors': ancestors,
+                'seen': uid is not None})
+    for process, owner in zip(processes, owners(processes, jobs, held, own)):
+        process['job'] = owner
     return {'ids': ids, 'nvml': listed, 'processes': processes,
             'jobs': [[pid, job] for pid, job in jobs.items()],
-            'busy_mib': threshold(env)}
+            'held': held, 'own': own, 'busy_mib': threshold(env)}
+
+
+def _own_contexts(ids, env):
+    """The worker's GPU ids (its CUDA ordinals' entries) on which its own
+    process has a CUDA context; none where the driver cannot say, or for
+    another process's environment."""
+    if env is not os.environ or not ids:
+        return []
+    from dasktrain.parallel.devices import primary_contexts
+    active = primary_contexts() or []
+    return [entry for entry, on in zip(ids, active) if on]
 
 
 def _nvml_use(ids, env):

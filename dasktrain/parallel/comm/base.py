@@ -70,6 +70,10 @@ class Communicator(abc.ABC):
     sums_on_device : bool
         True where GPU arrays are summed where they lie (NCCL), False where
         they are copied to the host, summed there and copied back.
+    machine : str or None
+        The machine this rank runs on, as the job tells its machines apart
+        (:class:`~dasktrain.parallel.comm.dask.DaskComm`: the host it
+        listens on); None for a job of one process, which has no other.
     """
 
     #: Every member a communicator has, for checking one (tests).
@@ -79,6 +83,7 @@ class Communicator(abc.ABC):
                'send', 'recv', 'close')
     solo: bool
     sums_on_device: bool
+    machine = None
 
     def __init__(self, rank, size, timeout):
         self.rank, self.size, self.timeout = rank, size, timeout

@@ -37,8 +37,10 @@ their own (MPI's ``Comm_Split``; connecting is
 collective step of any shape (a broadcast or gather from any root, an
 all-to-all), one message per pair that has something to say.
 
-GPU arrays are copied to the host and back here (each with its own device
-current); NCCL is :mod:`~dasktrain.parallel.comm.nccl`'s.
+GPU arrays are copied to the host and back (each with its own device
+current) through pinned buffers kept while the sums use them
+(:mod:`~dasktrain.parallel.comm.staging`); NCCL is
+:mod:`~dasktrain.parallel.comm.nccl`'s.
 """
 import asyncio
 import os
@@ -51,76 +53,22 @@ from dasktrain.parallel.comm.base import (
     CollectiveError,
     Communicator,
     batches,
-    packing,
-    place,
     signature,
 )
 from dasktrain.parallel.comm.links import STREAMS, plain_asked
 from dasktrain.parallel.comm.links import connect as link
 from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY
 from dasktrain.parallel.comm.shm import SharedMemoryReducer
+from dasktrain.parallel.comm.staging import (
+    PinnedBuffer,
+    Staging,
+    from_host,
+    to_host,
+)
 
 
 class PeerLost(CollectiveError):
     """A peer's connection closed."""
-
-
-def _to_host(members, staging=None):
-    """One flat host buffer holding ``members`` (one dtype) and how it was
-    made (:func:`~dasktrain.parallel.comm.base.packing`, and the GPU
-    buffer it came from): a flat host array is the buffer itself; GPU
-    arrays of one GPU travel in one transfer, not one each, into
-    ``staging(dtype, size, device)``'s buffer where given (pinned memory: both
-    transfers run at the bus's speed, not through a pageable bounce)."""
-    how = packing([place(a) for a in members])
-    if how == 'itself' and isinstance(members[0], np.ndarray):
-        return members[0].reshape(-1), (how, None)  # a view: summed there
-    if how == 'host':
-        return np.concatenate([a.ravel() for a in members]), (how, None)
-    if how == 'each':
-        return np.concatenate([
-            (a if isinstance(a, np.ndarray) else a.get()).ravel()
-            for a in members]), (how, None)
-    import cupy
-    with members[0].device:  # 'itself' or 'device': one GPU's
-        flat = members[0].reshape(-1) if how == 'itself' else \
-            cupy.concatenate([a.ravel() for a in members])
-        out = None if staging is None else staging(flat.dtype, flat.size,
-                                                   flat.device.id)
-        return flat.get(out=out), (how, flat)  # get() waits for its copy
-
-
-def _from_host(members, host, made):
-    """Write the summed flat ``host`` buffer back into ``members``, as
-    :func:`_to_host` ``made`` it."""
-    how, flat = made
-    if how == 'itself' and flat is None:
-        return  # the host array itself was summed
-    if flat is not None:  # one transfer back, then copies on that GPU
-        with members[0].device:
-            flat.set(host)
-            if how == 'device':
-                _scatter(members, flat)
-        return
-    _scatter(members, host)
-
-
-def _scatter(members, flat):
-    """``members`` := their consecutive parts of ``flat`` (on the host, or
-    on the GPU current, where the members are)."""
-    start = 0
-    for a in members:
-        part = flat[start:start + a.size].reshape(a.shape)
-        start += a.size
-        if isinstance(a, np.ndarray):
-            a[...] = part
-            continue
-        import cupy
-        if isinstance(part, np.ndarray):  # 'each': GPU arrays of several
-            with a.device:  # copyto also fills non-contiguous views
-                cupy.copyto(a, cupy.asarray(part))
-        else:
-            cupy.copyto(a, part)
 
 
 class DaskComm(Communicator):
@@ -153,7 +101,8 @@ class DaskComm(Communicator):
         self._shm = None  # a SharedMemoryReducer over this host's ranks
         self._links = None  # Links to the other hosts' leaders
         self.hosts = [list(range(size))]  # ranks by host, for routes
-        self._staging = {}  # pinned host buffers for GPU sums, by batch
+        # pinned host buffers for GPU sums, by batch, kept while used
+        self._staging = Staging(PinnedBuffer, PinnedBuffer.free)
         #: (listen host, Security) it was connected with: split()'s too
         self.joined = None
         #: (plain, streams) of its links (:meth:`routes`): split()'s too
@@ -230,6 +179,14 @@ class DaskComm(Communicator):
         if plain is None:
             plain = plain_asked()
         self.link_options = (plain, streams)
+        # A rank's machine is the host it listens on, not its hostname:
+        # hosts cloned from one image (VMs, containers) share a hostname,
+        # and their /etc/machine-id too, but never an address their peers
+        # reach them at. It is also how `dasktrain launch` groups a
+        # machine's ranks when it shows them their GPUs (its ranks listen
+        # on their Dask worker's address host), so a rank's place among
+        # them (placement.machine_place) indexes the list it was given.
+        self.machine = host
         if self.size == 1:
             return
         hosts = host_groups(self.allgather(host))
@@ -370,18 +327,23 @@ class DaskComm(Communicator):
 
     def _stager(self, k):
         """The pinned host buffers of an all-reduce's ``k``-th batch: one
-        per batch position, dtype, size and GPU, made once and reused by
-        every later sum on that GPU (each finishes before the next begins,
-        on the GPU's one stream of sums: the copy back out of a buffer is
-        ordered before the next copy into it)."""
+        per batch position, dtype, size and GPU, reused by later sums
+        while they keep asking for it and freed once they stop
+        (:class:`~dasktrain.parallel.comm.staging.Staging`'s rule). A
+        reused buffer is handed out once the copy back out of it is done
+        (its event; in order anyway on the GPU's one stream of sums)."""
         def staging(dtype, size, device):
-            import cupyx
-            key = (k, np.dtype(dtype).str, int(size), int(device))
-            found = self._staging.get(key)
-            if found is None:
-                found = self._staging[key] = cupyx.empty_pinned(size, dtype)
-            return found
+            pinned = self._staging.take(
+                (k, np.dtype(dtype).str, int(size), int(device)))
+            pinned.ready()
+            return pinned.array
         return staging
+
+    def _staged(self):
+        """After the round's copies back to the GPUs were queued: each
+        buffer it used marks their end."""
+        for pinned in self._staging.used():
+            pinned.copied()
 
     def _tag(self, kind):
         self._calls += 1
@@ -401,15 +363,18 @@ class DaskComm(Communicator):
             return self._allreduce_shared(arrays)
         # One flat host buffer per batch; a flat host array (a gradient
         # bucket's buffer) is summed where it lies.
-        packed = [(members, *_to_host(members, self._stager(k)))
+        self._staging.next_round()
+        packed = [(members, *to_host(members, self._stager(k)))
                   for k, (_, members) in enumerate(batches(arrays))]
         self._links.allreduce([flat for _, flat, _ in packed],
                               signature(arrays))
         for members, flat, made in packed:
-            _from_host(members, flat, made)
+            from_host(members, flat, made)
+        self._staged()
         return arrays
 
     def _allreduce_shared(self, arrays):
+        self._staging.next_round()
         groups, back = {}, []
         for k, (key, members) in enumerate(batches(arrays)):
             if all(isinstance(a, np.ndarray) for a in members):
@@ -417,7 +382,7 @@ class DaskComm(Communicator):
                 groups.setdefault(key, []).extend(members)
                 continue
             # one transfer per GPU bucket
-            flat, made = _to_host(members, self._stager(k))
+            flat, made = to_host(members, self._stager(k))
             groups.setdefault(key, []).append(flat)
             back.append((members, flat, made))
         between = None
@@ -427,7 +392,8 @@ class DaskComm(Communicator):
                 if self._links is not None else (lambda flats: None)
         self._shm.allreduce(groups, signature(arrays), between)
         for members, flat, made in back:
-            _from_host(members, flat, made)
+            from_host(members, flat, made)
+        self._staged()
         return arrays
 
     def allgather(self, obj):

@@ -165,6 +165,7 @@ class NcclComm(Communicator):
         # it is set for good: every dasktrain communicator is non-blocking
         # and every call here copes with 'in progress'.
         non_blocking_environment()
+        self._refuse_shared_gpu(host)
         with cupy.cuda.Device(self.device):
             uid = host.bcast(self._new_id() if host.rank == 0 else None)
             comm = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
@@ -188,6 +189,20 @@ class NcclComm(Communicator):
                 # frees nothing of a failed communicator (and hides it)
                 self._abort()
                 raise
+
+    def _refuse_shared_gpu(self, host):
+        """Before NCCL is set up, the ranks of a communicator of several
+        compare their GPUs (one all-gather over ``host``): GpuError on
+        every rank, in one line, where two would be on one, which NCCL
+        does not support (it refuses, or an older one hangs)."""
+        if host.size < 2:
+            return
+        from dasktrain.parallel.devices import own_gpu
+        from dasktrain.parallel.gpus import refuse_shared_gpu
+        refuse_shared_gpu(
+            host.allgather(own_gpu((self.device,), host.machine)),
+            remedy='under `dasktrain launch --devices 0,1` a ChainerMN '
+            'script takes GPU comm.intra_rank')
 
     # -------------------------------------------------- NCCL's answers
 

@@ -129,6 +129,10 @@ class NcclPair(NcclComm):
     def __init__(self, rank, uid, device, timeout):
         super().__init__(PairHost(rank, uid, timeout), device)
 
+    def _refuse_shared_gpu(self, host):
+        """Nothing: a pair's ranks meet in a message, not a collective;
+        NCCL itself refuses a pair on one GPU."""
+
     def _new_id(self):
         """None: the sender made the pair's id (``uid``), which
         :class:`PairHost` hands to both ranks."""
