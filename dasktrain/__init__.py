@@ -44,6 +44,7 @@ _EXPORTS = {
     'get_model': 'dasktrain.training.models',
     'load_model': 'dasktrain.training.models',
     'TrainConfig': 'dasktrain.config',
+    'computing': 'dasktrain.numerics',
     'train': 'dasktrain.run.train',
     'submit': 'dasktrain.jobs.client.submit',
     'submit_command': 'dasktrain.jobs.client.submit',
