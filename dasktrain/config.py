@@ -112,8 +112,9 @@ class TrainConfig:
     type_check: str = 'once'        # Chainer's type checks: 'once' per
     #                                 input signature (the batch's shapes
     #                                 and dtypes), off on later steps of a
-    #                                 checked one (10-20% of a host-bound
-    #                                 GPU step); 'always': every step
+    #                                 checked one (they cost a ResNet-20
+    #                                 step 0.75 ms of host time);
+    #                                 'always': on every step
     out: str = 'results'            # log, args, checkpoint, models
     dataset: str = 'cifar10'        # cifar10, cifar100, sample, npz:PATH, or
     #                                 your own function: file.py:NAME

@@ -169,9 +169,12 @@ def _cupy_compute(choice):
     """Set CuPy's compute type for float32 as ``choice`` ('tf32',
     'float32', or a value returned before: restored as it was); return
     what was set before. 'float32' turns TF32 off and leaves any other
-    type (CuPy's default, a user's PEDANTIC) as it is."""
+    type (CuPy's default, a user's PEDANTIC) as it is. CuPy 13 and 14
+    export ``get_compute_type`` and ``set_compute_type`` from
+    ``cupy._core``; the constants live in ``_routines_linalg`` (a
+    ``cpdef enum``), where CuPy's own tests take them from."""
     import cupy
-    from cupy._core import _routines_linalg as linalg  # the constants
+    from cupy._core import _routines_linalg as linalg
     before = cupy._core.get_compute_type(np.float32)
     if choice == 'tf32':
         wanted = linalg.COMPUTE_TYPE_TF32
@@ -213,8 +216,13 @@ def computing(dtype=None, tf32=False, cudnn='auto', deterministic=False,
         for key, value in settings.items():
             stack.enter_context(chainer.using_config(key, value))
         if gpus:
-            choice, line = float32_compute(tf32, _capabilities(gpus))
+            import cupy
+            choice, line = float32_compute(
+                tf32, _capabilities(gpus) if tf32 else ())
             if line:
                 logger.warning(line)
+            # CuPy checks the current GPU's capability when TF32 is set:
+            # the run's own, never one it was not given
+            stack.enter_context(cupy.cuda.Device(gpus[0]))
             stack.enter_context(_CUPY_FLOAT32.held(choice))
         yield

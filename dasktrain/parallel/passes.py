@@ -8,8 +8,9 @@ progress, which the update and the metrics read. It owns the passes and
 the merge inside this process, and when Chainer's type checks run: a
 step whose input signature (each replica's shapes and dtypes,
 :func:`signature`) passed them before runs without them, forward and
-backward (Chainer checks every function's input types on every call,
-10-20% of a host-bound GPU step); a new signature is checked. What
+backward (Chainer checks every function's input types on every call:
+169 checks of a ResNet-20 step, 0.75 ms of host time on a CPU); a new
+signature is checked. What
 crosses processes is
 :mod:`~dasktrain.parallel.exchange.gradients`'s (which the master's backward
 pass may feed bucket by bucket), the update
