@@ -19,7 +19,8 @@ The package is grouped by layer, and data flows one way through it::
     -> commands   the ``dasktrain`` subcommands; ``cli`` their table
 
 ``bench`` measures the layers; ``config`` (the one ``TrainConfig``),
-``errors`` and ``files`` serve them all.
+``numerics`` (how a rank computes: dtype, TF32, cuDNN), ``errors`` and
+``files`` serve them all.
 
 Heavy modules (chainer, dask.distributed) load on first use, so ``import
 dasktrain`` and ``dasktrain --help`` stay fast.
@@ -55,6 +56,7 @@ _EXPORTS = {
     'get_model': 'dasktrain.training.models',
     'load_model': 'dasktrain.training.models',
     'TrainConfig': 'dasktrain.config',
+    'computing': 'dasktrain.numerics',
     'train': 'dasktrain.run.train',
     'submit': 'dasktrain.jobs.client.submit',
     'submit_command': 'dasktrain.jobs.client.submit',

@@ -19,6 +19,8 @@ from dasktrain.errors import UserError, argument
 MAX_TTA_VIEWS = 10
 MODELS = ('cifar10', 'resnet20', 'resnet32', 'resnet56', 'tiny')
 OPTIMIZERS = ('adam', 'momentum-sgd')
+DTYPES = ('float32', 'float64', 'mixed16')  # numerics.DTYPES
+TYPE_CHECKS = ('once', 'always')
 # The keys of a log row (training/loop.py writes them), which
 # early_stop_monitor may name; ipm runs with several replicas add 'drift'.
 LOG_KEYS = ('epoch', 'iteration', 'main/loss', 'main/accuracy',
@@ -90,6 +92,29 @@ class TrainConfig:
     #                                 dropout masks from each replica's own
     #                                 seeded stream (slower convolutions);
     #                                 the CPU is deterministic either way
+    # How a step computes (numerics.py applies them on every rank).
+    dtype: str | None = None        # 'float32', 'float64', or 'mixed16':
+    #                                 Chainer's mixed16 (float16 activations
+    #                                 and weights, float32 BatchNorm), with
+    #                                 dynamic loss scaling and float32
+    #                                 master weights in the update; None:
+    #                                 Chainer's default ($CHAINER_DTYPE,
+    #                                 else float32)
+    tf32: bool = False              # GPUs of compute capability >= 8.0:
+    #                                 float32 matrix products (and cuDNN
+    #                                 convolutions) round their inputs to
+    #                                 TF32's 10-bit mantissa, accumulating
+    #                                 in float32 (~1e-3 relative per
+    #                                 product); faster on tensor cores
+    cudnn: str = 'auto'             # 'off': chainer.config.use_cudnn
+    #                                 'never' for the whole run; 'auto':
+    #                                 Chainer's own ($CHAINER_USE_CUDNN)
+    type_check: str = 'once'        # Chainer's type checks: 'once' per
+    #                                 input signature (the batch's shapes
+    #                                 and dtypes), off on later steps of a
+    #                                 checked one (they cost a ResNet-20
+    #                                 step 0.75 ms of host time);
+    #                                 'always': on every step
     out: str = 'results'            # log, args, checkpoint, models
     dataset: str = 'cifar10'        # cifar10, cifar100, sample, npz:PATH, or
     #                                 your own function: file.py:NAME
@@ -255,6 +280,19 @@ class TrainConfig:
             fail('on_worker_loss', "'continue' or 'wait'")
         if self.comm_dtype not in (None, 'float32', 'float16'):
             fail('comm_dtype', "None, 'float32' or 'float16'")
+        if self.dtype not in (None,) + DTYPES:
+            fail('dtype', "None, 'float32', 'float64' or 'mixed16'")
+        if self.dtype == 'mixed16' and self.double_buffering:
+            # A stale step's gradient was scaled by another step's loss
+            # scale than the one its update divides by.
+            raise ConfigError(f'{argument("dtype")} mixed16 scales each '
+                              'step\'s loss by its own factor, and '
+                              f'{argument("double_buffering")} applies a '
+                              'gradient a step late; leave one of them out')
+        if self.cudnn not in ('auto', 'off'):
+            fail('cudnn', "'auto' or 'off'")
+        if self.type_check not in TYPE_CHECKS:
+            fail('type_check', "'once' or 'always'")
         if not (isinstance(self.collective_timeout, (int, float)) and
                 self.collective_timeout > 0):
             fail('collective_timeout', 'a number of seconds > 0')

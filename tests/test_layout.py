@@ -15,7 +15,7 @@ PACKAGE = ROOT / 'dasktrain'
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
     {'errors', 'files', 'config', '_compat', '_lazy', 'keeper', 'everyone',
-     'spawn', 'userspec', 'notify', 'containment'},
+     'spawn', 'userspec', 'notify', 'containment', 'numerics'},
     {'data'},
     {'kernels'},
     {'parallel'},

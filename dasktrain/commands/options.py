@@ -9,8 +9,10 @@ import argparse
 import json
 
 from dasktrain.config import (
+    DTYPES,
     MODELS,
     OPTIMIZERS,
+    TYPE_CHECKS,
     ConfigError,
     TrainConfig,
     parse_devices,
@@ -140,6 +142,33 @@ def add_arguments(parser):
     add('--deterministic', action='store_true',
         help='on GPUs: bit-identical runs and resumes for one seed '
              '(deterministic cuDNN, seeded dropout; slower)')
+    group = parser.add_argument_group(
+        'how a step computes', 'applied on every rank, wherever it runs')
+    group.add_argument(
+        '--dtype', choices=DTYPES, default=d.dtype,
+        help="float32, float64, or mixed16: Chainer's mixed precision "
+             '(float16 activations and weights, BatchNorm in float32), '
+             'with dynamic loss scaling and float32 master weights in '
+             "each update (default: Chainer's, $CHAINER_DTYPE, else "
+             'float32)')
+    group.add_argument(
+        '--tf32', action='store_true',
+        help='on GPUs of compute capability 8.0 and newer (Ampere, '
+             'Hopper): float32 matrix products and convolutions round '
+             "their inputs to TF32's 10-bit mantissa and accumulate in "
+             'float32, about 1e-3 relative error per product, on tensor '
+             'cores (default: off, full float32, even where CUPY_TF32=1)')
+    group.add_argument(
+        '--cudnn', choices=('auto', 'off'), default=d.cudnn,
+        help="off: no cuDNN for the whole run (Chainer's use_cudnn "
+             "'never'); auto: Chainer's own choice (default: "
+             '%(default)s)')
+    group.add_argument(
+        '--type-check', choices=TYPE_CHECKS, default=d.type_check,
+        help="Chainer's type checks of every function: once for each "
+             "input signature (the batch's shapes and dtypes), off for "
+             'later steps of one already checked; always: every step '
+             '(default: %(default)s)')
     add('--out', default=d.out, metavar='DIR',
         help='log, args, checkpoint and models (default: %(default)s)')
     add_data_arguments(parser)

@@ -421,7 +421,9 @@ def copy_into(targets, sources, device):
 
 
 def input_dtype(link):
-    """The dtype floating inputs of ``link`` take: its parameters' (float64
+    """The dtype floating inputs of ``link`` take: float16 under Chainer's
+    mixed16 (its activations' dtype, whatever parameter comes first: a
+    BatchNormalization's are float32), else its parameters' (float64
     under ``CHAINER_DTYPE=float64``), else Chainer's default dtype.
 
     Examples
@@ -429,7 +431,12 @@ def input_dtype(link):
     >>> import chainer.links as L
     >>> input_dtype(L.Linear(3, 2))
     dtype('float32')
+    >>> with chainer.using_config('dtype', chainer.mixed16):
+    ...     input_dtype(L.BatchNormalization(3))
+    dtype('float16')
     """
+    if chainer.config.dtype is chainer.mixed16:
+        return np.dtype(np.float16)
     for param in link.params():
         if param.array is not None and param.array.dtype.kind == 'f':
             return param.array.dtype

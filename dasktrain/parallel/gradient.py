@@ -15,14 +15,16 @@ import copy
 
 import chainer
 import numpy as np
+from chainer.serializers import NpzDeserializer
 
+from dasktrain.parallel import precision
 from dasktrain.parallel.comm.base import Solo
 from dasktrain.parallel.devices import Clock, resolve_devices
 from dasktrain.parallel.exchange.gradients import (
     GradientExchange,
     check_exchange,
 )
-from dasktrain.parallel.passes import Passes
+from dasktrain.parallel.passes import Passes, check_type_check
 from dasktrain.parallel.replicas import Replicas, load, saved_replicas
 from dasktrain.parallel.stale.recipes import StaleSteps, check_recipe
 
@@ -95,6 +97,21 @@ class GPUDistributedGradient:
         ``comm`` every step, ipm averages over all groups' replicas; the
         results are those of one process holding all the replicas.
         Default: this process is the whole job.
+    type_check : {'once', 'always'}, default 'once'
+        Chainer's type checks (``chainer.config.type_check``): on for a
+        step whose input signature (each replica's shapes and dtypes) is
+        new, off for one already checked (:mod:`~dasktrain.parallel.
+        passes`); 'always' leaves them as Chainer's configuration says.
+
+    Notes
+    -----
+    Mixed precision is the optimizer's, as in Chainer: under
+    ``chainer.config.dtype = chainer.mixed16`` set up an optimizer with
+    ``loss_scaling()`` (and ``use_fp32_update()``), and every replica's
+    backward pass scales its loss by the optimizer's current scale, each
+    update divides it back (dg: the summed gradient, at the master's
+    scale, the same on every rank), and checkpoints keep the scale and
+    the float32 master weights (:mod:`~dasktrain.parallel.precision`).
 
     Examples
     --------
@@ -114,8 +131,9 @@ class GPUDistributedGradient:
     def __init__(self, chain, devices, mode='dg', mix_every=None,
                  mix_optimizer_state=False, comm=None, comm_dtype=None,
                  double_buffering=False, bucket_mb=0.0, warmup='epoch',
-                 stale='corrected'):
+                 stale='corrected', type_check='once'):
         check_mode(mode, mix_every)
+        check_type_check(type_check)
         comm_dtype, bucket_mb = check_exchange(comm_dtype, bucket_mb,
                                                warmup)
         stale = check_recipe(stale)
@@ -139,7 +157,8 @@ class GPUDistributedGradient:
         self.iteration = 0
         self.drift = None      # RMS distance of replicas from their mean
         self.drifts = []       # ... before each mix so far
-        self.passes = Passes(self.group, mode, self.exchange, self.clock)
+        self.passes = Passes(self.group, mode, self.exchange, self.clock,
+                             type_check)
 
     def __len__(self):
         return len(self.replicas)
@@ -176,6 +195,12 @@ class GPUDistributedGradient:
             template = copy.deepcopy(optimizer)
         finally:
             optimizer.target = target
+        if precision.loss_scale(optimizer) is not None and \
+                self.exchange.double_buffering:
+            raise ValueError('an optimizer with loss scaling scales each '
+                             "step's gradient by that step's factor, and "
+                             'double_buffering applies it a step late; '
+                             'leave one of them out')
         if target is None:
             optimizer.setup(self.master)
         self.optimizers = [optimizer]
@@ -215,8 +240,17 @@ class GPUDistributedGradient:
         """Back-propagate every replica's loss (in dg weighted by its share
         of the batch); with ``overlap`` the master's buckets start their
         all-reduce during its backward pass (:mod:`~dasktrain.parallel.
-        passes`)."""
-        self.passes.backward(overlap)
+        passes`). Each loss is scaled by its optimizer's loss scale, if
+        any (dg: the master's, for every replica)."""
+        self.passes.backward(overlap, self.loss_scales())
+
+    def loss_scales(self):
+        """Each replica's loss scale this step (None: none): in dg the
+        master optimizer's for all (their gradients are summed into the
+        master's, which it divides), in ipm each replica's own."""
+        if self.mode == 'dg' or len(self.optimizers) < len(self.replicas):
+            return [precision.loss_scale(self.optimizer)] * len(self)
+        return [precision.loss_scale(o) for o in self.optimizers]
 
     def syncgrads(self):
         """Add every other replica's gradients into the master's."""
@@ -389,6 +423,9 @@ class GPUDistributedGradient:
             replica.serialize(serializer[f'replica{self.offset + i}'])
         for i, optimizer in enumerate(self.optimizers):
             optimizer.serialize(serializer[f'optimizer{self.offset + i}'])
+            if precision.scaled(optimizer):
+                precision.serialize(
+                    optimizer, serializer[f'precision{self.offset + i}'])
         self.iteration = int(serializer('iteration', self.iteration))
         self.exchange.stale_from = int(serializer(
             'stale_from', self.exchange.stale_from))
@@ -400,11 +437,19 @@ class GPUDistributedGradient:
         match, else starts every replica from the saved replicas' mean, a
         mix."""
         self.iteration = int(npz[f'{path}iteration'])
+        for replica in self.replicas:  # the checkpoint's, or none
+            precision.forget(replica)
         if f'{path}stale_from' in npz:
             self.exchange.stale_from = int(npz[f'{path}stale_from'])
         self.group.restore(npz, path, each=self.mode == 'ipm')
         saved = saved_replicas(npz, path)
         for i, optimizer in enumerate(self.optimizers):
             index = self.offset + i if self.mode == 'ipm' else 0
-            load(optimizer, npz, f'optimizer{index if index < saved else 0}',
-                 path)
+            index = index if index < saved else 0
+            load(optimizer, npz, f'optimizer{index}', path)
+            # each replica's own masters only where it is the one saved
+            # (else, as after a mix, made again from its parameters)
+            mine = self.mode == 'dg' or saved == self.total_replicas
+            precision.serialize(optimizer, NpzDeserializer(
+                npz, path=f'{path}precision{index if mine else -1}/',
+                strict=False))

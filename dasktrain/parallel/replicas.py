@@ -24,6 +24,7 @@ import chainer
 import numpy as np
 from chainer.serializers import NpzDeserializer
 
+from dasktrain.parallel import precision
 from dasktrain.parallel.devices import (
     copy_into,
     input_dtype,
@@ -38,6 +39,16 @@ def _persistents(link):
     for _, sub in sorted(link.namedlinks()):
         for name in sorted(sub._persistent):
             yield sub, name
+
+
+def _bare_copy(link):
+    """A copy of ``link`` without its parameters' update rules (Chainer's
+    copy keeps them, float32 masters and all): its values are its
+    arrays."""
+    copied = link.copy(mode='copy')
+    for param in copied.params():
+        param.update_rule = None
+    return copied
 
 
 def load(target, npz, name, path=''):
@@ -201,14 +212,17 @@ class Replicas:
 
     def groups(self, replicas, params=True, persistents=True, states=False):
         """For each averaged value, its array in every replica, in one fixed
-        order (parameters first). Python scalars, such as BatchNorm's batch
-        count, and uninitialised parameters are left out."""
+        order (parameters first: a float16 parameter's float32 master where
+        its update rule keeps one, :func:`~dasktrain.parallel.precision.
+        value`). Python scalars, such as BatchNorm's batch count, and
+        uninitialised parameters are left out."""
         # Skipped when only persistents are wanted: dg syncs them every step.
         named = [sorted(r.namedparams()) for r in replicas] \
             if params or states else []
         groups = []
         if params:
-            groups += [[p.array for _, p in ps] for ps in zip(*named)]
+            groups += [[precision.value(p) for _, p in ps]
+                       for ps in zip(*named)]
         if persistents:
             groups += [[getattr(link, name) for link, name in owners]
                        for owners in zip(*(_persistents(r) for r in replicas))]
@@ -290,7 +304,8 @@ class Replicas:
 
     def broadcast(self, groups, values):
         """Write ``values`` (on the master's device) into every replica's
-        array of each group, cast to its dtype, each on its own device."""
+        array of each group, cast to its dtype, each on its own device; a
+        float32 master written, its parameter gets its rounding."""
         master = self.devices[0]
         for i, device in enumerate(self.devices):
             targets = [g[i] for g in groups]
@@ -298,6 +313,12 @@ class Replicas:
             if i == 0 and all(t is s for t, s in zip(targets, sources)):
                 continue  # the master's own arrays
             copy_into(targets, transfer(sources, master, device), device)
+            written = {id(t) for t in targets}
+            rounded = [(p, kept) for p, kept in precision.masters(
+                self.links[i]) if id(kept.array) in written]
+            if rounded:
+                copy_into([p.array for p, _ in rounded],
+                          [kept.array for _, kept in rounded], device)
 
     def copy_master(self, persistents=True):
         """The master's parameters (and persistent arrays) into every other
@@ -342,7 +363,7 @@ class Replicas:
     def mean_copy(self):
         """A copy of the master holding the replicas' mean parameters and
         persistents, leaving the replicas untouched."""
-        snapshot = self.master.copy(mode='copy')
+        snapshot = _bare_copy(self.master)
         means = self.means(self.groups(self.links))
         with chainer.using_device(self.devices[0]):
             for (target,), mean in zip(self.groups([snapshot]), means):
@@ -394,7 +415,7 @@ class Replicas:
             for i, replica in enumerate(self.links):
                 load(replica, npz, f'replica{self.offset + i}', path)
             return
-        scratch = self.master.copy(mode='copy')
+        scratch = _bare_copy(self.master)
         master = self.devices[0]
         sums = None
         for i in range(saved):

@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import chainer
@@ -32,8 +33,10 @@ from dasktrain.data.datasets import load_dataset
 from dasktrain.data.loader import EpochLoader
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
+from dasktrain.numerics import computing
 from dasktrain.parallel.comm import Solo
-from dasktrain.parallel.devices import synchronize
+from dasktrain.parallel.devices import resolve_devices, synchronize
+from dasktrain.parallel.gpus import gpu_ids
 from dasktrain.parallel.gradient import GPUDistributedGradient
 from dasktrain.parallel.placement import default_bucket_mb, default_devices
 from dasktrain.training.checkpoint import (
@@ -63,11 +66,26 @@ class TrainingDiverged(UserError):
 
 def make_optimizer(config):
     """The optimizer ``config.optimizer`` names, at ``config.learning_rate``
-    (Adam's alpha; momentum SGD with momentum 0.9)."""
+    (Adam's alpha; momentum SGD with momentum 0.9). Under ``dtype``
+    mixed16, Chainer's dynamic loss scaling (``loss_scaling()``: the loss
+    scaled up before the backward pass, each gradient divided back before
+    its update, a step whose gradients overflowed skipped and the scale
+    halved) and float32 master weights in the update
+    (``use_fp32_update()``: a float16 weight would lose every step smaller
+    than its last bit)."""
     if config.optimizer == 'adam':
-        return chainer.optimizers.Adam(alpha=config.learning_rate)
-    return chainer.optimizers.MomentumSGD(lr=config.learning_rate,
-                                          momentum=0.9)
+        optimizer = chainer.optimizers.Adam(alpha=config.learning_rate)
+    else:
+        optimizer = chainer.optimizers.MomentumSGD(lr=config.learning_rate,
+                                                   momentum=0.9)
+    if config.dtype == 'mixed16':
+        optimizer.loss_scaling()
+        optimizer.use_fp32_update()
+        # A step skipped for an overflow is the scaling at work: Chainer
+        # warns for every parameter of it, a burst of lines each time.
+        warnings.filterwarnings('ignore', category=UserWarning,
+                                message='Non finite number found in param')
+    return optimizer
 
 
 def seed_everything(seed, epoch):
@@ -113,6 +131,9 @@ def run(config, comm=None, devices=None, callbacks=(), progress=None):
 
     Notes
     -----
+    The rank computes as ``config`` says (:func:`dasktrain.numerics.
+    computing`: ``dtype``, ``tf32``, ``cudnn``, ``deterministic``) for the
+    whole run, the model built and every step and evaluation run under it.
     With ``config.deterministic``, Chainer's ``cudnn_deterministic`` is on
     (deterministic convolution algorithms) and the models draw dropout
     masks from each replica's seeded CuPy stream instead of cuDNN's, whose
@@ -124,7 +145,10 @@ def run(config, comm=None, devices=None, callbacks=(), progress=None):
     >>> with prepare_out(config):  # doctest: +SKIP
     ...     summary = run(config, progress=Progress(True, config.epochs))
     """
-    with chainer.using_config('cudnn_deterministic', config.deterministic):
+    devices = devices or config.devices or default_devices()
+    gpus = gpu_ids(str(d) for d in resolve_devices(devices))
+    with computing(config.dtype, config.tf32, config.cudnn,
+                   config.deterministic, gpus):
         return _run(config, comm, devices, callbacks,
                     progress or Progress(False, config.epochs))
 
@@ -143,8 +167,7 @@ def _run(config, comm, devices, callbacks, progress):
     n_test = min(config.test_size or len(data.test_labels),
                  len(data.test_labels))
     check_built_in(config.model, data)
-    model = _model(config, comm, devices or config.devices or
-                   default_devices(), data.n_classes)
+    model = _model(config, comm, devices, data.n_classes)
     if lead and progress.enabled:
         _say_devices(progress, model, named=bool(config.devices))
         if config.dataset != 'cifar10':
@@ -200,7 +223,7 @@ def _model(config, comm, devices, n_classes=10):
         warmup=config.exact_warmup,
         bucket_mb=default_bucket_mb(devices) if config.bucket_mb is None
         else config.bucket_mb,
-        stale=config.stale_steps)
+        stale=config.stale_steps, type_check=config.type_check)
     model.setup(make_optimizer(config))
     if config.weight_decay:
         model.add_hook(chainer.optimizer_hooks.WeightDecay(

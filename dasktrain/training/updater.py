@@ -13,7 +13,7 @@ from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
 from dasktrain.config import parse_devices
-from dasktrain.parallel import GPUDistributedGradient
+from dasktrain.parallel import GPUDistributedGradient, precision
 
 
 class DistributedUpdater(StandardUpdater):
@@ -38,6 +38,15 @@ class DistributedUpdater(StandardUpdater):
     What an extension sets on the Trainer's optimizer's hyperparameters
     (``ExponentialShift``, ChainerUI's ``adjust_hyperparams``) holds for
     every replica's optimizer from the next update on.
+
+    Chainer's type checks run for the first batch of each shape only
+    (``type_check='always'``: every batch). Mixed precision is Chainer's:
+    a script under ``chainer.config.dtype = chainer.mixed16`` whose
+    optimizer has ``loss_scaling()`` (and ``use_fp32_update()``) gets its
+    dynamic loss scaling on every replica, and its snapshots keep the
+    scale and the float32 masters. ``dasktrain.computing(tf32=True,
+    cudnn='off', gpus=[0, 1])`` around ``trainer.run()`` computes as
+    ``dasktrain train --tf32 --cudnn off`` does.
 
     Parameters
     ----------
@@ -149,12 +158,20 @@ class DistributedUpdater(StandardUpdater):
 
     def serialize(self, serializer):
         """The master and its optimizer as ``StandardUpdater`` saves them;
-        in ipm mode every other replica and its optimizer too. Loaded, the
-        replicas start from what was saved (dg: the master's copy)."""
+        in ipm mode every other replica and its optimizer too; with loss
+        scaling or float32 updates (mixed16), each optimizer's scale and
+        masters. Loaded, the replicas start from what was saved (dg: the
+        master's copy)."""
         super().serialize(serializer)
         # ipm mixes every mix_every of the wrapper's own iterations
         self.model.iteration = serializer('replica_iteration',
                                           self.model.iteration)
+        # mixed precision: the loss scale and float32 masters, which
+        # Chainer's own Optimizer.serialize leaves out
+        for i, optimizer in enumerate(self.model.optimizers):
+            if precision.scaled(optimizer):
+                precision.serialize(optimizer,
+                                    serializer[f'precision:replica:{i}'])
         if self.model.mode == 'ipm':
             for i in range(1, len(self.model)):
                 self.model.replicas[i].serialize(serializer[f'replica:{i}'])

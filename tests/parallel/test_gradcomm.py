@@ -39,10 +39,11 @@ class Count(chainer.FunctionHook):
         self.done += 1
 
 
-def _grads_both_ways(model, x, t):
+def _grads_both_ways(model, x, t, loss_scale=None):
     """(plain backward's grads, reporting backward's grads, the reports
     with the grads still missing and the functions back-propagated at
-    each, in order, and the functions in all)."""
+    each, in order, and the functions in all); with ``loss_scale``, each
+    way's grads come with the scale each parameter was marked with."""
     out = []
     reports = []
     count = Count()
@@ -58,11 +59,12 @@ def _grads_both_ways(model, x, t):
                            if q.grad is None]
                 reports.append((names[id(p)], missing, count.done))
             with count:
-                backward_reporting(loss, ready)
+                backward_reporting(loss, ready, loss_scale)
         else:
-            loss.backward()
-        out.append({n: None if p.grad is None else p.grad.copy()
-                    for n, p in model.namedparams()})
+            loss.backward(loss_scale=loss_scale)
+        out.append({n: None if p.grad is None else
+                    (p.grad.copy(), p._loss_scale) if loss_scale else
+                    p.grad.copy() for n, p in model.namedparams()})
     return out[0], out[1], reports, count.done
 
 
@@ -83,6 +85,27 @@ def test_reporting_backward_gives_chainer_s_gradients_bit_for_bit(name):
     assert done <= functions // 3 and len(missing) == len(plain) - 1
     assert [d for _, _, d in reports] == sorted(d for _, _, d in reports)
     assert reports[-1][1] == []
+
+
+@pytest.mark.parametrize('name', ['tiny', 'resnet20'])
+def test_reporting_backward_scales_the_loss_as_chainer_under_mixed16(name):
+    # Chainer's mixed16: float16 activations and weights, BatchNorm's
+    # float32; the loss scaled by 2**10 before its float16 backward pass
+    # (small gradients would flush to zero), every parameter reached
+    # marked with the scale its update rule divides by.
+    with chainer.using_config('dtype', chainer.mixed16):
+        np.random.seed(0)
+        model = get_model(name)
+        x, t = _batch((4, 3, 32, 32))
+        plain, reported, _, _ = _grads_both_ways(
+            model, x.astype(np.float16), t, loss_scale=1024.0)
+    dtypes = set()
+    for key in plain:
+        (mine, mark), (theirs, their_mark) = reported[key], plain[key]
+        np.testing.assert_array_equal(mine, theirs, key)
+        assert mark == their_mark == 1024.0, key
+        dtypes.add(mine.dtype)
+    assert np.dtype(np.float16) in dtypes
 
 
 def test_a_parameter_used_twice_is_reported_after_its_last_use():

@@ -92,11 +92,12 @@ def test_the_pure_rules():
     assert judge([float('inf')], after, 2)[1] == [True]
 
 
-def _rank(comm, steps, plan, shapes, magnitudes, seed):
-    """One rank sending each step's gradients through FlatBuckets and
-    WireScales: its decoded sums, scales and calls per step."""
+def _rank(comm, steps, plan, shapes, magnitudes, seed, dtype=np.float32):
+    """One rank sending each step's gradients (of ``dtype``) through
+    FlatBuckets and WireScales: its decoded sums, scales and calls per
+    step."""
     device = chainer.get_device('@numpy')
-    params = [chainer.Parameter(np.zeros(s, np.float32)) for s in shapes]
+    params = [chainer.Parameter(np.zeros(s, dtype)) for s in shapes]
     flat = FlatBuckets(params, plan, device, np.dtype(np.float16),
                        probes=True)
     wire = WireScales(comm, device, largest)
@@ -104,7 +105,7 @@ def _rank(comm, steps, plan, shapes, magnitudes, seed):
     out = []
     for step in range(steps):
         grads = [(rng.standard_normal(s) * magnitudes[step][i] *
-                  (1 + 10 * (comm.rank == i % comm.size))).astype(np.float32)
+                  (1 + 10 * (comm.rank == i % comm.size))).astype(dtype)
                  for i, s in enumerate(shapes)]
         before = dict(comm.calls)
         sums, used = [], []
@@ -165,6 +166,35 @@ def test_ranks_agree_and_no_sum_overflows_through_jumps_and_drops(n):
             assert calls == {'allreduce': len(plan)}, (step, calls)
         if step in (3, 5, 7):  # 1000x: once more; 1e6x, 1e-3: ask first
             assert calls['allreduce'] > len(plan), (step, calls)
+
+
+def test_float16_gradients_travel_at_scales_beyond_float16_s_range():
+    # mixed16's gradients are float16 already: each is scaled by its
+    # power of two (2**20 for these small ones, inf in float16) in
+    # float32, exactly, and decoded back into float16.
+    shapes, plan = [(40,), (3, 5)], [[0, 1]]
+    walk = [1e-3, 1.2e-3, 2.0, 3e-3, 1e-4]
+    ranks, results = Ranks(2), [None] * 2
+
+    def run(rank):
+        results[rank] = _rank(Threaded(ranks, rank), len(walk), plan,
+                              shapes, [[m, m] for m in walk], seed=rank,
+                              dtype=np.float16)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert max(max(k) for _, _, used, _ in results[0]
+               for k in used) > 2.0 ** 15  # the largest float16 power
+    for step in range(len(walk)):
+        mine, theirs = results[0][step], results[1][step]
+        for got, other, i in zip(mine[1], theirs[1], range(len(shapes))):
+            np.testing.assert_array_equal(got, other)
+            assert got.dtype == np.float16 and np.isfinite(got).all()
+            exact = mine[0][i].astype(np.float64) + theirs[0][i]
+            bound = np.abs(mine[0][i]).max() + np.abs(theirs[0][i]).max()
+            assert np.abs(got - exact).max() <= 2.0 ** -9 * bound, step
 
 
 class Scaled(chainer.Chain):

@@ -82,7 +82,13 @@ def crash_after(epoch):
     dict(mode='ipm', devices=('@numpy', '@numpy')),                 # one-shot
     dict(mode='ipm', devices=('@numpy', '@numpy'), mix_every=3,
          optimizer='momentum-sgd', weight_decay=5e-4),
-])
+    # the loss scale and the float32 masters (parallel/precision.py)
+    dict(dtype='mixed16', devices=('@numpy', '@numpy'), train_size=50,
+         test_size=20),
+    dict(dtype='mixed16', mode='ipm', devices=('@numpy', '@numpy'),
+         mix_every=3, optimizer='momentum-sgd', weight_decay=5e-4,
+         train_size=50, test_size=20),
+], ids=['dropout', 'ipm', 'ipm-mixes', 'mixed16', 'mixed16-ipm'])
 def test_resume_ends_exactly_where_an_uninterrupted_run_ends(data_dir,
                                                              tmp_path, kw):
     kw = dict(epochs=3, **kw)

@@ -130,6 +130,36 @@ def test_snapshot_and_resume_continue_the_run(tmp_path, float64, mode):
     assert_same(params(model_whole), params(model_again))
 
 
+@pytest.mark.parametrize('mode', ['dg', 'ipm'])
+def test_a_mixed16_script_scales_its_loss_and_resumes_bit_for_bit(
+        tmp_path, mode):
+    # Chainer's mixed16 recipe in the script (the dtype, loss_scaling,
+    # use_fp32_update): every replica back-propagates at its optimizer's
+    # scale, and a snapshot keeps the scale and the float32 masters,
+    # which Chainer's own snapshot drops.
+    def updater(it, opt):
+        opt.loss_scaling()
+        opt.use_fp32_update()
+        return DistributedUpdater(it, opt, devices='cpu:2', mode=mode,
+                                  mix_every=3 if mode == 'ipm' else None)
+
+    with chainer.using_config('dtype', chainer.mixed16):
+        whole, model_whole = trainer(updater, tmp_path / 'whole', epochs=3)
+        whole.run()
+        first, _ = trainer(updater, tmp_path / 'cut', epochs=1, extend=[
+            extensions.snapshot(filename='snap')])
+        first.run()
+        again, model_again = trainer(updater, tmp_path / 'cut2', epochs=3)
+        chainer.serializers.load_npz(str(tmp_path / 'cut' / 'snap'), again)
+        again.run()
+    optimizers = whole.updater.model.optimizers
+    assert all(o._loss_scale == 2.0 ** 12 for o in optimizers)
+    assert model_whole.predictor.l1.W.dtype == np.float16
+    for name, value in params(model_whole).items():
+        np.testing.assert_array_equal(params(model_again)[name], value,
+                                      name)
+
+
 def test_bad_use_is_one_clear_error():
     iterator = chainer.iterators.SerialIterator(data(), BATCH)
     with pytest.raises(ValueError, match=r'optimizer must be set up on the '

@@ -15,29 +15,36 @@ import chainer
 from chainer import _backprop_utils
 
 
-def backward_reporting(loss, ready):
-    """``loss.backward()`` for a scalar ``loss`` that calls ``ready(param)``
-    as soon as each parameter's gradient is final, not all at the end.
+def backward_reporting(loss, ready, loss_scale=None):
+    """``loss.backward(loss_scale=loss_scale)`` for a scalar ``loss`` that
+    calls ``ready(param)`` as soon as each parameter's gradient is final,
+    not all at the end.
 
     Chainer 7's ``Variable.backward`` keeps every leaf's gradient in its
     table until the whole graph is done. This is its code path for a scalar
-    loss (no ``retain_grad``, no loss scaling, no double backprop; Chainer
-    7.8.1's ``variable.py`` and ``_backprop.py``) with one change: a leaf
-    whose last consuming function has run gets its gradient at once. The
+    loss (no ``retain_grad``, no double backprop; Chainer 7.8.1's
+    ``variable.py`` and ``_backprop.py``) with one change: a leaf whose
+    last consuming function has run gets its gradient at once. The
     arithmetic is Chainer's own, in its order: the gradients are the same
     bits. Leaves whose consumers were never reached (no gradient flowed
-    there) are finished at the end, as Chainer finishes them.
+    there) are finished at the end, as Chainer finishes them. With
+    ``loss_scale``, as Chainer: the initial gradient is that many ones,
+    and every leaf reached is marked with it (``_loss_scale``), which its
+    update rule divides by.
     """
     if loss._has_chainerx_array or loss.array.size != 1:
-        loss.backward()  # not the path this mirrors: no early reports
+        # not the path this mirrors: no early reports
+        loss.backward(loss_scale=loss_scale)
         return
     if loss.grad_var is None:
         with chainer.using_device(loss.device):
             loss.grad = loss.device.xp.ones_like(loss.array)
+        if loss_scale is not None:
+            loss.grad *= loss_scale
     node, grad_var = loss.node, loss.grad_var
     loss.grad_var = None
     with chainer.using_config('enable_backprop', False):
-        _backprop_reporting(node, grad_var, ready)
+        _backprop_reporting(node, grad_var, ready, loss_scale)
 
 
 def _consumers(root):
@@ -59,9 +66,9 @@ def _consumers(root):
     return counts
 
 
-def _backprop_reporting(y, gy, ready):
+def _backprop_reporting(y, gy, ready, loss_scale):
     # Chainer 7.8.1 _backprop._backprop_to_all(outputs=[(y, gy)],
-    # retain_grad=False, loss_scale=None), plus the early leaves.
+    # retain_grad=False, loss_scale), plus the early leaves.
     cand_funcs, seen_set = [], set()
 
     def add_cand(cand):
@@ -85,7 +92,7 @@ def _backprop_reporting(y, gy, ready):
         gx = grads.pop(x)
         if x_var is not None:
             x_var._set_grad_var_without_check(gx)
-            x_var._loss_scale = None
+            x_var._loss_scale = loss_scale
             ready(x_var)
 
     is_debug = chainer.is_debug()

@@ -139,14 +139,17 @@ class FlatBuckets:
             for i, g, s in zip(self.plan[k], grads, scales):
                 if s == 1.0:
                     xp.copyto(self.views[i], g, casting='unsafe')
-                else:  # computed in g's dtype, rounded once to the wire's
-                    xp.multiply(g, s, out=self.views[i], casting='unsafe')
+                else:  # computed in g's dtype (float16's in float32,
+                    # where every 2**k is), rounded once to the wire's
+                    xp.multiply(g, s, out=self.views[i], casting='unsafe',
+                                dtype=_computed(g.dtype))
             if self.probes is not None and probes is None:
                 self.probes[k].fill(0)  # a second send: nothing to probe
             elif probes is not None:
                 # max and -min: two reads of g, no |g| array written
-                tops = xp.stack([xp.maximum(g.max(), -g.min()) * f
-                                 for g, f in zip(grads, probes)])
+                tops = xp.stack([
+                    xp.maximum(g.max(), -g.min()).astype(_computed(g.dtype))
+                    * f for g, f in zip(grads, probes)])
                 xp.copyto(self.probes[k], xp.where(
                     tops == 0, 0, xp.maximum(tops, TINY)), casting='unsafe')
         return self.buffers[k]
@@ -199,10 +202,22 @@ class FlatBuckets:
                 out = self._decoded.get(i)
                 if out is None:
                     out = self._decoded[i] = xp.empty_like(p.array)
-                # dtype=: computed in the gradient's dtype, never float16's
-                xp.multiply(view, 1.0 / s, out=out, dtype=out.dtype,
-                            casting='unsafe')
+                # dtype=: computed in the gradient's dtype, never the
+                # wire's float16 (nor a float16 gradient's: 2**-k is
+                # beyond its range), rounded once to the gradient's
+                xp.multiply(view, 1.0 / s, out=out,
+                            dtype=_computed(out.dtype), casting='unsafe')
                 p.grad = out
+
+
+def _computed(dtype):
+    """The dtype a gradient of ``dtype`` is scaled in: its own, float32
+    for float16 (whose range holds no power of two beyond 2**15).
+
+    >>> _computed(np.dtype(np.float16)), _computed(np.dtype(np.float64))
+    (dtype('float32'), dtype('float64'))
+    """
+    return np.promote_types(dtype, np.float32)
 
 
 def _quiet(xp):

@@ -209,14 +209,15 @@ class GradientExchange:
                 # one replica in every process (known alike on all ranks)
                 self.replicas.total == self.comm.size)
 
-    def backward(self, loss):
+    def backward(self, loss, loss_scale=None):
         """Back-propagate the master's ``loss`` (None: this rank has no
-        images this step, yet takes part in every bucket's all-reduce);
-        while overlapping, each bucket leaves once its gradients are
-        final."""
+        images this step, yet takes part in every bucket's all-reduce),
+        scaled by ``loss_scale`` as ``loss.backward(loss_scale=...)``
+        scales it; while overlapping, each bucket leaves once its
+        gradients are final."""
         if not self.overlapping():
             if loss is not None:
-                loss.backward()
+                loss.backward(loss_scale=loss_scale)
             return
         params = self._params()
         index = {id(p): i for i, p in enumerate(params)}
@@ -224,7 +225,7 @@ class GradientExchange:
             self._order = []
             if loss is not None:
                 backward_reporting(loss, lambda p: self._order.append(
-                    index[id(p)]) if id(p) in index else None)
+                    index[id(p)]) if id(p) in index else None, loss_scale)
             return
         left = [len(b) for b in self.plan]
         where = {i: k for k, b in enumerate(self.plan) for i in b}
@@ -246,7 +247,7 @@ class GradientExchange:
                 self.early += 1
         try:
             if loss is not None:
-                backward_reporting(loss, ready)
+                backward_reporting(loss, ready, loss_scale)
         except BaseException:
             self._step = None
             courier.close(self.comm.timeout, quiet=True)
