@@ -204,9 +204,8 @@ def cupy_tf32(tf32):
     type, read at each product: cupy/_core/_routines_linalg.pyx)."""
     import cupy
     from cupy._core import _routines_linalg as linalg
-    linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if tf32
-                            else linalg.COMPUTE_TYPE_DEFAULT)
-    del cupy
+    cupy._core.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if tf32
+                                else linalg.COMPUTE_TYPE_DEFAULT)
 
 
 @contextlib.contextmanager
@@ -214,7 +213,7 @@ def chainer_setting(kernels_on, cudnn, type_check, tf32):
     import chainer
 
     import dasktrain.kernels as kernels
-    from dasktrain.kernels.frontend import TF32_KEY
+    from dasktrain.numerics import TF32_KEY
     (kernels.install if kernels_on else kernels.uninstall)()
     try:
         with chainer.using_config('use_cudnn', 'auto' if cudnn else 'never'), \

@@ -17,13 +17,13 @@ Chainer 7.8.1                            here
 
 Each replacement runs only on CuPy arrays and falls back to Chainer's own
 method wherever it does not apply, saying why once in the log (never an
-error). cuDNN runs where the ``cudnn`` extra (``nvidia-cudnn-frontend``
-and the cuDNN 9 wheels) is installed and Chainer's ``use_cudnn`` is not
-``'never'`` (``dasktrain train --cudnn off`` sets it);
-``cudnn_deterministic`` picks deterministic engines only; float32 runs on
-tensor cores (TF32) only where ``chainer.config.dasktrain_tf32`` is set
-(``--tf32``). Batch normalization without cuDNN runs on the project's
-two-stage reductions.
+error). cuDNN runs where the cuDNN extra (``cudnn12``/``cudnn13``:
+``nvidia-cudnn-frontend`` and the cuDNN 9 wheels) is installed and
+Chainer's ``use_cudnn`` is not ``'never'`` (``dasktrain train --cudnn off``
+sets it); ``cudnn_deterministic`` picks deterministic engines only;
+float32 runs on tensor cores (TF32) only where the run allows it
+(:func:`dasktrain.numerics.tf32_allowed`, ``--tf32``). Batch normalization
+without cuDNN runs on the project's two-stage reductions.
 
 :func:`install` runs when Chainer is first imported in any process that has
 dasktrain installed (``dasktrain-chainer.pth`` puts the hook in place at

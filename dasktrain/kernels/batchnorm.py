@@ -56,6 +56,7 @@ from dasktrain.kernels.choices import (
     cudnn_batchnorm_problem,
     use_cudnn,
 )
+from dasktrain.numerics import tf32_allowed
 
 log = logging.getLogger(__name__)
 said = SaidOnce()
@@ -246,7 +247,7 @@ def _context():
     device = cupy.cuda.runtime.getDevice()
     stream = cupy.cuda.get_current_stream().ptr
     return (device, stream, bool(chainer.config.cudnn_deterministic),
-            frontend.tf32_allowed())
+            tf32_allowed())
 
 
 def _cudnn_forward(x, gamma, beta, axis, eps, decay, running_mean,

@@ -29,6 +29,7 @@ from dasktrain.kernels.choices import (
     conv_problem,
     use_cudnn,
 )
+from dasktrain.numerics import tf32_allowed
 
 log = logging.getLogger(__name__)
 said = SaidOnce()
@@ -64,7 +65,7 @@ def run(kind, geom, dtype, image, filt, output):
     device = cupy.cuda.runtime.getDevice()
     stream = cupy.cuda.get_current_stream().ptr
     deterministic = bool(chainer.config.cudnn_deterministic)
-    tf32 = frontend.tf32_allowed()
+    tf32 = tf32_allowed()
     key = (kind, device, geom, dtype.name, deterministic, tf32)
 
     def make(cudnn, g):

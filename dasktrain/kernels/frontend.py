@@ -161,17 +161,6 @@ def handle(cudnn, device, stream):
 #: the byte alignment every pointer handed to cuDNN has (CuPy's pool
 #: gives 512; a view into an array may start anywhere)
 ALIGNMENT = 16
-#: the Chainer configuration key that allows TF32 for float32 (``--tf32``)
-TF32_KEY = 'dasktrain_tf32'
-
-
-def tf32_allowed():
-    """Whether this thread's run allows TF32 for float32 (off unless the
-    run set ``chainer.config.dasktrain_tf32``)."""
-    import chainer
-    return bool(getattr(chainer.config, TF32_KEY, False))
-
-
 def ready(a):
     """``a`` packed and aligned as a graph names it (a copy only where it
     is not)."""

@@ -300,3 +300,17 @@ def test_the_examples_hold(name):
         'dasktrain.kernels' + ('' if name == 'kernels' else f'.{name}'))
     result = doctest.testmod(module)
     assert result.failed == 0 and result.attempted > 0, name
+
+
+def test_the_cudnn_extras_pin_the_frontend_this_code_speaks():
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / 'pyproject.toml') \
+        .read_text()
+    pins = re.findall(r'"nvidia-cudnn-frontend>=(\d+)\.(\d+),<(\d+)\.(\d+)"',
+                      text)
+    assert len(pins) == 2  # cudnn12, cudnn13
+    low, high = choices.FRONTEND
+    for pin in pins:
+        assert ((int(pin[0]), int(pin[1])), (int(pin[2]), int(pin[3]))) == \
+            (low, high)
