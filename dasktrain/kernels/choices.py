@@ -30,6 +30,10 @@ from dasktrain.kernels.geometry import DTYPES
 FRONTEND = ((1, 23), (1, 24))
 #: cuDNN 9 (the graph API's norm and convolution nodes, the wheels)
 MIN_BACKEND = 90000
+#: dtypes a convolution runs in on cuDNN's graphs: float64 convolutions
+#: gave NaN there (cuDNN 9.19 on an H100, through frontend 1.23) and stay
+#: on Chainer's path, which is float64 throughout
+CONV_DTYPES = ('float16', 'float32')
 #: graphs kept per process (each a few engine plans): every distinct
 #: shape of every layer of a few models, forward and backward
 CACHE_SIZE = 512
@@ -58,6 +62,8 @@ def conv_problem(dtypes, layouts, ndim=4):
     'mixed dtypes float16, float32'
     >>> conv_problem(('float32', 'float32'), ('CUDNN_CHANNEL_LAST_X', None))
     'a non-standard memory layout'
+    >>> conv_problem(('float64', 'float64'), (None, None))
+    'dtype float64 (cuDNN graphs run float16, float32)'
     """
     if ndim != 4:
         return f'{ndim}-dimensional arrays'
@@ -65,8 +71,8 @@ def conv_problem(dtypes, layouts, ndim=4):
         return 'a non-standard memory layout'
     if len(set(dtypes)) != 1:
         return f'mixed dtypes {", ".join(dtypes)}'
-    if dtypes[0] not in DTYPES:
-        return f'dtype {dtypes[0]}'
+    if dtypes[0] not in CONV_DTYPES:
+        return f'dtype {dtypes[0]} (cuDNN graphs run {", ".join(CONV_DTYPES)})'
     return None
 
 

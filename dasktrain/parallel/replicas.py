@@ -136,11 +136,14 @@ class Replicas:
 
     def split(self, x):
         """``x`` in near-equal parts, the larger first, each sent to its
-        replica's device; floating inputs in the model's dtype."""
-        x = np.asarray(x)
+        replica's device; floating inputs in the model's dtype. ``x`` may
+        already be on a device (a CuPy array: split there, never through
+        NumPy, which CuPy refuses)."""
+        xp = chainer.backend.get_array_module(x)
+        x = xp.asarray(x)
         if x.dtype.kind == 'f':
             x = x.astype(input_dtype(self.links[0]), copy=False)
-        parts = np.array_split(x, len(self))
+        parts = xp.array_split(x, len(self))
         return [d.send(a) for d, a in zip(self.devices, parts)]
 
     def forward(self, parts):
