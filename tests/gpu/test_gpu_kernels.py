@@ -222,12 +222,19 @@ def train(tmp_path, *extra):
 
 
 def test_resnet20_learns_as_well_with_cudnn_as_without(tmp_path, cudnn):
+    """The training epoch's accuracy and loss, over its 4,000 images: the
+    sample's 1,000 test images after 2 epochs swung from 36 % to 42 %
+    between two cuDNN runs of one seed on the H100 (cuDNN's fastest
+    engines add in a varying order) while Chainer's path gave 36.0 % both
+    times, and the training epoch's 70.8 % and 70.6 % agreed."""
     on = train(tmp_path)
     off = train(tmp_path, '--cudnn', 'off')
-    gap = abs(on['validation/main/accuracy'] -
-              off['validation/main/accuracy'])
-    print(f'sample, 2 epochs: accuracy {on["validation/main/accuracy"]:.4f}'
-          f' with cuDNN, {off["validation/main/accuracy"]:.4f} without; '
-          f'{on["images_per_sec"]:,.0f} vs {off["images_per_sec"]:,.0f} '
+    print(f'sample, 2 epochs, with cuDNN / without: training accuracy '
+          f'{on["main/accuracy"]:.4f} / {off["main/accuracy"]:.4f}, loss '
+          f'{on["main/loss"]:.4f} / {off["main/loss"]:.4f}, test accuracy '
+          f'{on["validation/main/accuracy"]:.4f} / '
+          f'{off["validation/main/accuracy"]:.4f}; '
+          f'{on["images_per_sec"]:,.0f} / {off["images_per_sec"]:,.0f} '
           'images/s')
-    assert gap <= 0.005, (on, off)
+    assert abs(on['main/accuracy'] - off['main/accuracy']) <= 0.005
+    assert abs(on['main/loss'] - off['main/loss']) <= 0.02 * off['main/loss']
