@@ -224,7 +224,7 @@ def report(machine, smi, suite, benches, hidden, args):
     lines += ['', '## CuPy with the CUDA toolkit hidden (tools/ctk_check.py)',
               '', f'{sentence}.', '']
     if text:
-        lines += ['```', text, '```']
+        lines += ['```text', text, '```']
     lines.append('')
     return '\n'.join(lines)
 

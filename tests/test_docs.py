@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
 LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)\)')
 FENCE = re.compile(r'^```[^\n]*\n(.*?)^```', re.M | re.S)
+# A fenced block with its info string; one a program printed (```text)
+# is output, not commands to run
+INFO_FENCE = re.compile(r'^```([^\n]*)\n(.*?)^```', re.M | re.S)
 
 
 def slug(heading):
@@ -54,7 +57,9 @@ def commands():
     """(page, line) of each ``dasktrain`` command in a code block, its
     ``\\`` continuations joined and a ``$ `` prompt dropped."""
     for page in PAGES:
-        for block in FENCE.findall(page.read_text()):
+        for info, block in INFO_FENCE.findall(page.read_text()):
+            if info.strip() == 'text':
+                continue
             block = block.replace('\\\n', ' ')
             for line in block.splitlines():
                 line = line.strip().removeprefix('$ ')
