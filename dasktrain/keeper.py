@@ -28,10 +28,18 @@ command line. The keeper:
 A program that cannot start is reported through a pipe (one line of JSON)
 and the keeper exits :data:`CANNOT_START`. Who the program runs as is the
 caller's decision; this module only applies it.
+
+Its starter holds the program as a :class:`KeptProgram` and watches it
+with :meth:`KeptProgram.watch`, the one loop that waits for a program and
+stops it when told (a job's cancel or time limit, a driver's stop); how
+it ended is an :class:`Ended`. The name is the process's: a keeper keeps
+a program and everything it starts, as a zookeeper keeps its animals in.
 """
 import ctypes
+import dataclasses
 import errno
 import functools
+import importlib
 import json
 import os
 import resource
@@ -48,8 +56,6 @@ from dasktrain.containment import (
     Cgroup,
     job_processes,
     own_folder,
-    process_table,
-    send,
     signal_job,
 )
 from dasktrain.spawn import die_with_parent
@@ -57,6 +63,7 @@ from dasktrain.spawn import die_with_parent
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 CANNOT_START = 127
 POLL = 0.05  # s between looks at the program's processes
+WATCH = 0.1  # s between a starter's looks at its program (KeptProgram.watch)
 ARGV = [sys.executable, '-I', '-m', 'dasktrain.keeper']
 
 
@@ -139,15 +146,19 @@ def cannot_start(program, user, error, cwd=None):
 
 
 def program_text(program, env, grace, user=None, cwd=None, stdin=None,
-                 report=None, contain=None):
+                 report=None, contain=None, call=None):
     """What a keeper reads on its standard input: run ``program`` (a list)
     with ``env`` as ``user`` in ``cwd``, given ``stdin`` (text) on its
     standard input, stopping its processes with a ``grace`` of seconds;
     ``report``: the fd of the pipe for a start-up error and the end;
-    ``contain``: where its processes are kept (see :func:`start`)."""
+    ``contain``: where its processes are kept (see :func:`start`);
+    ``call``: ``(function, args)``, a function as the program (see
+    :func:`call`)."""
     spec = {'program': list(program), 'env': dict(env),
             'grace': float(grace), 'cwd': cwd, 'stdin': stdin,
             'report': report, 'contain': dict(contain or {})}
+    if call is not None:
+        spec.update(call=call[0], args=call[1])
     if user is not None:
         spec.update(uid=user.uid, gid=user.gid, groups=list(user.groups),
                     user=user.name)
@@ -198,11 +209,48 @@ def _signame(signum):
         return f'signal {signum}'
 
 
-class Kept:
+def exit_words(code):
+    """A program's exit code (``Popen.returncode``: negative for a
+    signal) in words.
+
+    >>> exit_words(3), exit_words(-9), exit_words(-15)
+    ('exit 3', 'killed by SIGKILL', 'killed by SIGTERM')
+    """
+    if code is not None and code < 0:
+        return f'killed by {_signame(-code)}'
+    return f'exit {code}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """How a program under its keeper ended, as its starter saw it:
+    ``code``, its exit code as ``Popen.returncode`` gives it (negative: the
+    signal that killed it; :data:`CANNOT_START` where it never started);
+    ``stopped``, how its starter's stop ended it, in words
+    (:func:`ending_words`; None: it ended by itself); ``error``, why it
+    could not start; ``report``, its keeper's end report (see
+    :func:`ending_words`; empty where the keeper itself was killed);
+    ``at``, when (``time.time()``).
+
+    >>> Ended(-9).words(), Ended(0, stopped='stopped by SIGTERM').words()
+    ('killed by SIGKILL', 'stopped by SIGTERM')
+    """
+    code: int
+    stopped: str | None = None
+    error: str | None = None
+    report: dict = dataclasses.field(default_factory=dict)
+    at: float = 0.0
+
+    def words(self):
+        """Its end in words: the start error, the stop, else the exit."""
+        return self.error or self.stopped or exit_words(self.code)
+
+
+class KeptProgram:
     """A program under its keeper, as its starter holds it: the keeper's
     ``process`` (a ``Popen``: ``pid``, ``poll``, ``wait``, ``returncode``,
-    its ``stdout`` and ``stderr`` where they are pipes), :meth:`stop`,
-    :meth:`start_error`, :meth:`ending`."""
+    its ``stdout`` and ``stderr`` where they are pipes), :meth:`watch`,
+    :meth:`stop`, :meth:`start_error`, :meth:`ending`."""
 
     def __init__(self, process, report):
         self.process, self._report = process, report
@@ -210,6 +258,21 @@ class Kept:
 
     def __getattr__(self, name):
         return getattr(self.process, name)
+
+    def watch(self, stop=None, grace=30.0, every=None, poll=WATCH):
+        """Wait until the program ends; stop it (:meth:`stop`, with
+        ``grace``) once ``stop()`` says so; call ``every()`` at each look
+        (``poll`` seconds apart). How it ended, an :class:`Ended`."""
+        stopped = None
+        while self.process.poll() is None:
+            if stopped is None and stop is not None and stop():
+                stopped = self.stop(grace)
+                continue
+            if every is not None:
+                every()
+            time.sleep(poll)
+        return Ended(self.process.returncode, stopped, self.start_error(),
+                     self.ending() or {}, time.time())
 
     def stop(self, grace):
         """SIGTERM to the keeper, which passes it on to every process of
@@ -260,8 +323,8 @@ class Kept:
 
 def start(program, env, grace, stdout=None, stderr=subprocess.STDOUT,
           user=None, cwd=None, stdin=None, outlives=False, umask=-1,
-          contain=None):
-    """Start ``program`` (a list) under a keeper; a :class:`Kept`.
+          contain=None, call=None):
+    """Start ``program`` (a list) under a keeper; a :class:`KeptProgram`.
 
     Parameters
     ----------
@@ -290,6 +353,8 @@ def start(program, env, grace, stdout=None, stderr=subprocess.STDOUT,
         :mod:`dasktrain.containment`), ``mark`` (its marker, in its
         environment), ``mem`` (bytes, ``memory.max``), ``pids``
         (``pids.max``), ``rlimits`` (``{name: [soft, hard]}``).
+    call : tuple, optional
+        ``(function, args)``: run that function instead (:func:`call`).
     """
     read, write = os.pipe()
     try:
@@ -305,38 +370,21 @@ def start(program, env, grace, stdout=None, stderr=subprocess.STDOUT,
         os.close(write)
     with keeper.stdin:
         keeper.stdin.write(program_text(program, env, grace, user, cwd,
-                                        stdin, write, contain))
-    return Kept(keeper, read)
+                                        stdin, write, contain, call))
+    return KeptProgram(keeper, read)
 
 
-def processes(root):
-    """``{pid: parent pid}`` of every descendant of ``root`` and every
-    process of its session, from ``/proc`` (``root`` itself not among
-    them).
-
-    >>> os.getpid() in processes(os.getppid()) or True
-    True
-    """
-    # (a zombie is gone, only not reaped yet)
-    table = {pid: (parent, session) for pid, (parent, state, _, session)
-             in process_table().items() if state != b'Z'}
-    children = {}
-    for pid, (parent, _) in table.items():
-        children.setdefault(parent, []).append(pid)
-    found, todo = {}, [root]
-    while todo:
-        for pid in children.get(todo.pop(), ()):
-            if pid not in found:
-                found[pid] = table[pid][0]
-                todo.append(pid)
-    found.update({pid: parent for pid, (parent, session) in table.items()
-                  if session == root and pid != root})
-    return found
-
-
-def signal_all(root, signum):
-    """``signum`` to every process :func:`processes` finds; how many."""
-    return len(send(processes(root), signum))
+def call(function, args, grace, env=None, **options):
+    """Run ``function`` (``'dasktrain.module:name'``) as a program under a
+    keeper: ``function(args, drop)`` in a child the keeper forks from
+    itself, which calls ``drop()`` to become ``user`` once it has loaded
+    all it needs; what it returns is its exit code. For a program that
+    must run as a user who may not read this interpreter's files
+    (``nobody``, where they lie under ``/root``): no interpreter of its
+    own to start. ``args``: JSON; ``env``: its environment (default
+    none); ``options``: :func:`start`'s. A :class:`KeptProgram`."""
+    return start([function], env or {}, grace, call=(function, args),
+                 **options)
 
 
 class _User:
@@ -345,10 +393,11 @@ class _User:
         self.groups, self.name = spec['groups'], spec.get('user')
 
 
-class _Box:
-    """Where the program's processes are kept: its cgroup (``cgroup``),
-    else found by descent from the keeper, by marker (``mark``), and by
-    the process groups of the orphans the keeper reaps: a fork loop's
+class _Processes:
+    """Every process of the program, where they are kept: its cgroup
+    (``cgroup``), else found by descent from the keeper, by its marker
+    (``mark``), and by the process groups of the orphans the keeper
+    reaps: a fork loop's
     processes end as the keeper's children (it is their subreaper), each
     a zombie it reads before it reaps it, so the loop's group is known
     and signalled whole, however fast its pids change."""
@@ -432,11 +481,17 @@ def _start(spec, box):
     if box.mark:
         env[MARK_ENV] = box.mark
     rlimits = (spec.get('contain') or {}).get('rlimits')
+    function = _function(spec['call']) if spec.get('call') else None
+    if isinstance(function, str):
+        return None, function
     entered = False
     try:
         if box.cgroup is not None:
             box.cgroup.enter()  # the program is born inside: no race
             entered = True
+        if function is not None:
+            return _fork(function, spec.get('args'), env, user, cwd,
+                         spec.get('report')), None
         child = subprocess.Popen(
             program, env=env,
             stdin=subprocess.DEVNULL if text is None else subprocess.PIPE,
@@ -450,6 +505,63 @@ def _start(spec, box):
         threading.Thread(target=_hand, args=(child.stdin, text),
                          daemon=True).start()
     return child, None
+
+
+def _function(name):
+    """The function ``'dasktrain.module:name'`` (imported here, as the
+    keeper's user), or why not in words."""
+    module, _, attribute = name.partition(':')
+    if not module.startswith('dasktrain.'):
+        return f"cannot start {name}: not dasktrain's"
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        return f'cannot start {name}: {e}'
+
+
+class _Forked:
+    """A function's process the keeper forked, as :func:`keep` holds a
+    program's ``Popen``."""
+
+    def __init__(self, pid):
+        self.pid = pid
+
+
+def _fork(function, args, env, user, cwd, report=None):
+    """``function(args, drop)`` in a child of the keeper with ``env``,
+    dying with it by SIGKILL, ended by SIGTERM (not the keeper's
+    handler), without the keeper's ``report`` pipe; ``drop()`` makes the
+    child ``user``'s (:func:`_drop`)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the keeper's code
+        code = 1
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.environ.clear()
+            os.environ.update(env)
+            if report is not None:
+                os.close(report)
+            die_with_parent()
+            code = function(args, functools.partial(_drop, user, cwd))
+        except BaseException:
+            pass
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+    return _Forked(pid)
+
+
+def _drop(user, cwd=None):
+    """Make this process ``user``'s (None: stay the keeper's user): its
+    groups, gid and uid, umask 077, and dying with the keeper again (a
+    change of credentials clears it); then enter ``cwd``."""
+    if user is not None:
+        os.setgroups(list(user.groups))
+        os.setgid(user.gid)
+        os.setuid(user.uid)
+        os.umask(0o077)
+        die_with_parent()
+    if cwd is not None:
+        os.chdir(cwd)
 
 
 def _write(path, text):
@@ -483,7 +595,7 @@ def keep(spec):
         PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(time.monotonic()))
-    box = _Box(spec.get('contain') or {})
+    box = _Processes(spec.get('contain') or {})
     if box.note:
         _report(spec, {'note': box.note})
     child, error = _start(spec, box)
