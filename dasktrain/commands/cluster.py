@@ -226,7 +226,7 @@ class Cluster(Command):
         """The settings of ``cluster start``'s limits, from its flags
         (a usage error for a wrong one, before anything starts)."""
         from dasktrain.errors import UserError
-        from dasktrain.jobs.request import parse_size, parse_time
+        from dasktrain.jobs.fields import parse_size, parse_time
         if not args.shared:
             for flag in ('max_queued_per_user', 'max_bytes_per_user'):
                 if getattr(args, flag) is not None:

@@ -79,7 +79,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         cap memory (``dasktrain cluster status`` says).
     module, extra : optional
         The ``dasktrain`` module the job's program runs (``python -m
-        MODULE FOLDER``; default :data:`dasktrain.jobs.job.CHILD`) and
+        MODULE FOLDER``; default :data:`dasktrain.jobs.record.TRAIN_JOB`) and
         more keys for its ``job.json``: a search's trials (see
         :mod:`dasktrain.tuning.trials`).
 

@@ -375,7 +375,7 @@ class SocketServer(SchedulerPlugin):
         self.check(peer, job, 'read')
 
         def read():
-            return {'spec': job.spec(), 'rows': job.log_rows(),
+            return {'spec': job.spec().data, 'rows': job.log_rows(),
                     'status': job.status()}
         return await asyncio.to_thread(read)
 
@@ -445,7 +445,7 @@ class SocketServer(SchedulerPlugin):
         """JobError in one line unless ``peer`` may ``verb`` ``job``."""
         if not self.may(peer, job):
             try:
-                user = job.spec().get('user', '?')
+                user = job.spec().user or '?'
             except JobError:
                 user = 'nobody known (its files cannot be read)'
             raise JobError(refusal(job.id, user, [

@@ -30,11 +30,7 @@ _NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]{0,199}')
 def submitted_env(folder):
     """The environment the submitter of the job in ``folder`` sent
     (``env.json``, bounded, never through a symlink): a dict of variable
-    names to strings; ``{}`` for a folder of an earlier version without
-    one; JobError in one line for anything else."""
-    if not (folder / 'env.json').exists() and \
-            not (folder / 'env.json').is_symlink():
-        return {}
+    names to strings; JobError in one line for anything else."""
     env = read_file(folder, 'env.json', ENV_LIMIT, cached=False)
     if not isinstance(env, dict) or not all(
             isinstance(k, str) and _NAME.fullmatch(k) and

@@ -23,20 +23,21 @@ User.__doc__ = "A job's submitter as this worker's password database says."
 
 
 def job_user(spec):
-    """The :class:`User` a job of ``spec`` (its ``job.json``) runs as, or
+    """The :class:`User` a job of ``spec`` (its
+    :class:`~dasktrain.jobs.record.JobRecord`) runs as, or
     None: a job of a cluster of your own runs as the worker's user.
     JobError where this worker knows no such uid (machines of a shared
     cluster share their users, e.g. through LDAP)."""
-    uid = spec.get('uid')
+    uid = spec.uid
     if uid is None:
         return None
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:
-        raise JobError(f'uid {uid} ({spec.get("user")}) has no entry in '
+        raise JobError(f'uid {uid} ({spec.user}) has no entry in '
                        "this worker's password database; the machines of "
                        'a shared cluster must share their users') from None
-    gid = spec.get('gid', entry.pw_gid)
+    gid = entry.pw_gid if spec.gid is None else spec.gid
     return User(uid, gid, entry.pw_name, entry.pw_dir, entry.pw_shell,
                 os.getgrouplist(entry.pw_name, gid))
 
