@@ -206,9 +206,9 @@ class Cluster(Command):
             for line in status.get('rules') or ():
                 print(printable(line))
             if door is not None:
-                print(printable(f'shared: front door {door.path}, owners '
-                                f"{', '.join(status['owners'])}; you are "
-                                f"{status['you']}"))
+                owners = ', '.join(status['owners'])
+                print(printable(f"shared: the queue's socket {door.path}, "
+                                f"owners {owners}; you are {status['you']}"))
         else:
             state = self.stop(cluster, args)
             if state['stale']:

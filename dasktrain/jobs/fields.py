@@ -10,8 +10,8 @@ the job files with, and the words a submitter may use for a duration
 import math
 import re
 
+from dasktrain.as_user import RLIMITS
 from dasktrain.errors import UserError, argument
-from dasktrain.keeper import RLIMITS
 
 MAX_TEXT = 4 * 1024 * 1024  # characters of one field (a request's bound)
 MAX_ENV = 256 * 1024  # bytes of a submitter's environment a job keeps
@@ -93,7 +93,7 @@ def environment(env):
 
 def rlimits(value):
     """``value`` if it is ``{name: [soft, hard]}`` of
-    :data:`dasktrain.keeper.RLIMITS`, ints >= -1 (-1: unlimited)."""
+    :data:`dasktrain.as_user.RLIMITS`, ints >= -1 (-1: unlimited)."""
     if not isinstance(value, dict) or set(value) - set(RLIMITS):
         fail(f'rlimits takes {", ".join(RLIMITS)} only')
     for name, pair in value.items():

@@ -29,6 +29,7 @@ import os
 import re
 from pathlib import Path
 
+from dasktrain.as_user import own_rlimits
 from dasktrain.errors import argument
 from dasktrain.jobs.fields import (
     MAX_TEXT,
@@ -47,7 +48,6 @@ from dasktrain.jobs.fields import (
 )
 from dasktrain.jobs.fits import check_fits
 from dasktrain.jobs.record import TRAIN_JOB
-from dasktrain.keeper import own_rlimits
 from dasktrain.notify import check_target
 from dasktrain.parallel.gpus import gpu_ids
 

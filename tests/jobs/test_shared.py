@@ -34,6 +34,7 @@ from test_cluster import wait_until
 from test_notify import Hook
 from test_programs import alive
 
+from dasktrain.as_user import popen_options
 from dasktrain.cluster.processes import kill
 from dasktrain.cluster.shared import NEEDS_ROOT, check_root, layout
 from dasktrain.data import extract_archive
@@ -53,7 +54,6 @@ from dasktrain.jobs.wire import (
 )
 from dasktrain.jobs.worker.environment import job_environment, job_threads
 from dasktrain.jobs.worker.runas import User
-from dasktrain.keeper import popen_options
 
 CONSOLE = Path(sys.executable).parent / 'dasktrain'
 ENDS = ('finished', 'failed', 'cancelled', 'lost')

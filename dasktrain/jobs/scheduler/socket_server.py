@@ -242,7 +242,7 @@ class SocketServer(SchedulerPlugin):
                 'owners': [user_name(u) for u in sorted(self.owners)],
                 'contain': contain.words() if contain else None,
                 'rules': rules() + [f'per user: at most {PER_USER} '
-                                    'connections to the front door']}
+                                    "connections to the queue's socket"]}
 
     def op_submit(self, peer, request):
         who = submitter(peer.uid)

@@ -19,7 +19,7 @@ output (``output.log`` is read live), and in a shared cluster the user's
 import re
 
 from dasktrain.jobs.job import ENV_LIMIT, JobError, read_file
-from dasktrain.parallel.gpus import job_environment as with_gpus
+from dasktrain.parallel.gpus import with_visible_gpus
 
 THREADS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
 # What every job's environment starts from, before its submitter's.
@@ -79,4 +79,4 @@ def job_environment(recorded, gpus, threads, user=None):
         env.setdefault(name, str(threads))
     if user is not None:
         env.update(USER=user.name, HOME=user.home, LOGNAME=user.name)
-    return with_gpus(env, gpus)
+    return with_visible_gpus(env, gpus)

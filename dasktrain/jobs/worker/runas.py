@@ -5,7 +5,7 @@ cluster (a ``job.json`` with ``uid``, which only root can write) the
 worker is root and the job runs as its submitter, as Slurm's slurmd
 does: :func:`job_user` is that user as this worker's password database
 knows them, with their groups (``os.getgrouplist``); the keeper starts
-the program as them (:func:`dasktrain.keeper.popen_options`). What a
+the program as them (:func:`dasktrain.as_user.popen_options`). What a
 user controls (``output.log``) is opened by root without following a
 symlink (:func:`open_output`), and read from its end only
 (:func:`last_line`).
