@@ -38,8 +38,8 @@ import time
 import uuid
 from pathlib import Path
 
-from dasktrain.cluster.guard import signals_raise
 from dasktrain.cluster.local import connect, restore_default_scheduler
+from dasktrain.cluster.start_lock import signals_raise
 from dasktrain.cluster.tls import private_copies, throwaway
 from dasktrain.cluster.workers import local_device_workers
 from dasktrain.errors import UserError, argument, plural

@@ -435,8 +435,10 @@ def test_a_running_jobs_end_from_its_epoch_times_or_its_time(tmp_path):
     assert estimated_end(job, spec, {'started': 100.0}, now=1010.0) == 1060.0
     # a command job (no config: no epochs to go) writing such rows: its
     # --time decides, not the rows
-    assert estimated_end(job, {'command': ['true'], 'time': 3600.0},
-                         {'started': 100.0}, now=1010.0) == 3700.0
+    command = JobRecord.of({'version': 1, 'submitted': 1.0, 'gpus': 0,
+                            'command': ['true'], 'time': 3600.0})
+    assert estimated_end(job, command, {'started': 100.0},
+                         now=1010.0) == 3700.0
 
 
 def test_the_jobs_table_labels_its_estimates():
