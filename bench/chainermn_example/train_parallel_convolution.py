@@ -115,8 +115,9 @@ def main():
     parser.add_argument('--seed', type=int, default=0)
     args = parser.parse_args()
 
-    comm = chainermn.create_communicator('pure_nccl' if args.gpu
-                                         else 'naive')
+    # ChainerMN's CPU communicator, or NCCL's between GPUs
+    communicator = 'pure_nccl' if args.gpu else 'naive'
+    comm = chainermn.create_communicator(communicator)
     device = comm.intra_rank if args.gpu else -1
     if comm.rank == 0:
         print(f'Num process (COMM_WORLD): {comm.size}')
@@ -142,8 +143,9 @@ def main():
         chainer.iterators.SerialIterator(test, args.batchsize, repeat=False,
                                          shuffle=False), comm)
 
-    updater = training.StandardUpdater(train_iter, optimizer, device=device)
-    trainer = training.Trainer(updater, (args.epoch, 'epoch'), out=args.out)
+    trainer = training.Trainer(
+        training.StandardUpdater(train_iter, optimizer, device=device),
+        (args.epoch, 'epoch'), out=args.out)
     trainer.extend(extensions.Evaluator(test_iter, model, device=device))
     if comm.rank == 0:
         trainer.extend(extensions.LogReport())

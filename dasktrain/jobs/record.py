@@ -68,27 +68,30 @@ class JobRecord:
     (None, 0, {'CPU': 1}, ['true'])
     """
     data: dict = dataclasses.field(repr=False)
+    # who asked, and when
     submitted: float = 0.0
-    gpus: int = 0
     id: str | None = None
     name: str | None = None
     user: str | None = None
-    host: str | None = None
-    workers: int | None = None
-    scheduler: str | None = None
-    notify: str | None = None
-    after: list = dataclasses.field(default_factory=list)
-    after_any: bool = False
-    time: float | None = None
-    time_limit: float | None = None
     uid: int | None = None
     gid: int | None = None
+    # what it holds, for how long, where it queues
+    gpus: int = 0
+    workers: int | None = None
     mem: int | None = None
-    rlimits: dict | None = None
+    after_any: bool = False
+    after: list = dataclasses.field(default_factory=list)
+    time: float | None = None
+    time_limit: float | None = None
+    rlimits: dict = dataclasses.field(default_factory=dict)
+    scheduler: str | None = None
+    notify: str | None = None
+    host: str | None = None
+    # what runs
     command: list | None = None
     cwd: str | None = None
-    grace: float | None = None
     requeue: bool = False
+    grace: float | None = None
     config: dict | None = None
     module: str | None = None
     trial: dict | None = None

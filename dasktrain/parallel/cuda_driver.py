@@ -36,11 +36,9 @@ def uuid_bytes(ordinal):
     return raw.raw
 
 
-def driver_uuids():
-    """The UUIDs of this process's CUDA devices in ordinal order, as the
-    driver numbers them (``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
-    applied; a MIG instance's own UUID), without creating a context; None
-    where there is no CUDA driver."""
+def _driver():
+    """``libcuda`` initialised and how many devices this process has, or
+    None where there is no CUDA driver."""
     import ctypes
     try:
         cuda = ctypes.CDLL('libcuda.so.1')
@@ -49,8 +47,19 @@ def driver_uuids():
     count = ctypes.c_int()
     if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)):
         return None
+    return cuda, count.value
+
+
+def driver_uuids():
+    """The UUIDs of this process's CUDA devices in ordinal order, as the
+    driver numbers them (``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
+    applied; a MIG instance's own UUID), without creating a context; None
+    where there is no CUDA driver."""
+    driver = _driver()
+    if driver is None:
+        return None
     found = []
-    for ordinal in range(count.value):
+    for ordinal in range(driver[1]):
         raw = uuid_bytes(ordinal)
         if raw is None:
             return None
@@ -64,15 +73,12 @@ def primary_contexts():
     CuPy's runtime calls use, left by any GPU work this process did),
     without creating one; None where there is no CUDA driver."""
     import ctypes
-    try:
-        cuda = ctypes.CDLL('libcuda.so.1')
-    except OSError:
+    driver = _driver()
+    if driver is None:
         return None
-    count = ctypes.c_int()
-    if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)):
-        return None
+    cuda, count = driver
     found = []
-    for ordinal in range(count.value):
+    for ordinal in range(count):
         device, flags, active = ctypes.c_int(), ctypes.c_uint(), \
             ctypes.c_int()
         if cuda.cuDeviceGet(ctypes.byref(device), ordinal) or \
