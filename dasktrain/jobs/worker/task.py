@@ -1,7 +1,7 @@
 """A job on its worker: the one task body, :func:`run_job`. Every job is a
 program run under its keeper (:mod:`dasktrain.keeper`): a command job's
-is its command, a training job's ``python -m dasktrain.jobs.worker.child
-FOLDER`` (:mod:`~dasktrain.jobs.worker.child`, or a search's trial
+is its command, a training job's ``python -m dasktrain.jobs.worker.train_job
+FOLDER`` (:mod:`~dasktrain.jobs.worker.train_job`, or a search's trial
 module), always resuming from its last checkpoint.
 
 The task takes the GPUs the queue planned for it (no other job on its
