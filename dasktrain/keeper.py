@@ -3,10 +3,12 @@ the program, so that nothing the program starts outlives it.
 
 Every process dasktrain runs for someone goes through it: each job of the
 queue (a command, or a training job's own ``python -m`` program), each
-rank of ``dasktrain launch``, and a recorded cluster's scheduler and
-worker. :func:`start` runs ``python -I -m dasktrain.keeper`` in a session
-of its own (dying with the starting thread by SIGTERM, unless the program
-is to outlive its starter, as a cluster does), with an empty environment,
+rank of ``dasktrain launch`` or of a gang, a recorded cluster's scheduler
+and worker, and root's notifications, sent as ``nobody`` (:func:`call`:
+a function of dasktrain's as the program). :func:`start` runs ``python
+-I -m dasktrain.keeper`` in a session of its own (dying with the starting
+thread by SIGTERM, unless the program is to outlive its starter, as a
+cluster does), with an empty environment,
 and writes the program to its standard input as JSON: so a job's
 environment (a user's ``LD_PRELOAD``, ``PYTHONPATH``, secrets) never
 reaches the keeper's own process, root's in a shared cluster, nor its
@@ -33,8 +35,8 @@ caller's decision; this module only applies it.
 Its starter holds the program as a :class:`KeptProgram` and watches it
 with :meth:`KeptProgram.watch`, the one loop that waits for a program and
 stops it when told (a job's cancel or time limit, a driver's stop); how
-it ended is an :class:`Ended`. The name is the process's: a keeper keeps
-a program and everything it starts, as a zookeeper keeps its animals in.
+it ended is an :class:`Ended`. The module is named for that process: a
+keeper keeps a program, and all the program starts, in hand.
 """
 import ctypes
 import dataclasses
