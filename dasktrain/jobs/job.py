@@ -312,6 +312,7 @@ class Job:
                 'name': spec.name or self.id, 'user': spec.user or '',
                 'gpus': spec.gpus, 'workers': spec.workers,
                 'gpus_in_all': spec.gpus_in_all(status.get('gpus') or []),
+                'gpus_asked': spec.gpus_asked(),
                 'epochs': spec.epochs, 'submitted': spec.submitted,
                 'state': status['state'],
                 'held': status.get('gpus') or [],
@@ -333,6 +334,7 @@ class Job:
             when = 0.0
         return {'id': self.id, 'folder': str(self.folder), 'name': self.id,
                 'user': '', 'gpus': 0, 'workers': None, 'gpus_in_all': 0,
+                'gpus_asked': '0',
                 'epochs': 0,
                 'submitted': when, 'state': 'unreadable', 'held': [],
                 'worker': None, 'started': None, 'ended': None,

@@ -62,6 +62,8 @@ class JobRecord:
     ...                   'workers': 3, 'config': {'epochs': 5}})
     >>> r.epochs, r.gpus_here, r.task_resources(), r.gpus_in_all([])
     (5, 0, None, 6)
+    >>> r.gpus_asked()
+    '2 x 3'
     >>> c = JobRecord.of({'version': 1, 'submitted': 1.0, 'gpus': 0,
     ...                   'command': ['true'], 'cwd': '/tmp'})
     >>> c.epochs, c.gpus_here, c.task_resources(), c.program('/j', None).argv
@@ -180,6 +182,12 @@ time in seconds
         """GPUs it holds while it runs, its task holding ``held``: a
         gang's ranks, ``gpus`` each."""
         return self.gpus * self.workers if self.gang else len(held)
+
+    def gpus_asked(self):
+        """Its GPUs as asked, in words: ``'2'``, or ``'2 x 3'`` for a
+        gang of 3 ranks of 2 each."""
+        return f'{self.gpus} x {self.workers}' if self.gang else \
+            str(self.gpus)
 
     def holding(self, placed, worker, ids):
         """Where it holds GPUs while it runs, ``[(worker, GPU ids, whether
