@@ -59,7 +59,7 @@ $(STAMP): pyproject.toml constraints.txt
 # One install for every user of a lab's machine (run it as root): a venv
 # in PREFIX from a Python every user can run (SHARED_PYTHON, default the
 # first of PYTHON, /usr/bin/python3 and /usr/local/bin/python3 that every
-# user can execute: dasktrain/everyone.py decides), dasktrain with the
+# user can execute: dasktrain/shared_install.py decides), dasktrain with the
 # GPU extras for the driver (CUDA, NUMPY, CUDNN, as for `make install`) and
 # the constraints, and BINDIR/dasktrain, on every user's PATH and sudo's.
 PREFIX ?= /opt/dasktrain
@@ -70,7 +70,7 @@ SHARED_SPEC := .$(if $(filter none,$(CUDA_EXTRA)),,[$(CUDA_EXTRA)])
 install-shared:
 	@$(PYTHON) -I tools/cuda_extra.py --explain $(CUDA_ARGS)
 	@set -e; umask 022; \
-	python=$${SHARED_PYTHON:-$$($(PYTHON) -I dasktrain/everyone.py python \
+	python=$${SHARED_PYTHON:-$$($(PYTHON) -I dasktrain/shared_install.py python \
 	  $(PYTHON) /usr/bin/python3 /usr/local/bin/python3)}; \
 	echo "install-shared: a venv in $(PREFIX) from $$python with" \
 	  'dasktrain$(if $(filter none,$(CUDA_EXTRA)),,[$(CUDA_EXTRA)]) and' \
@@ -80,7 +80,7 @@ install-shared:
 	$(PREFIX)/bin/python -m pip install --quiet '$(SHARED_SPEC)'; \
 	chmod -R a+rX $(PREFIX); \
 	mkdir -p $(BINDIR); ln -sfn $(PREFIX)/bin/dasktrain $(BINDIR)/dasktrain; \
-	$(PREFIX)/bin/python -I -m dasktrain.everyone check; \
+	$(PREFIX)/bin/python -I -m dasktrain.shared_install check; \
 	echo 'start the shared queue: sudo $(PREFIX)/bin/dasktrain cluster' \
 	  'start --shared (docs/security.md)'
 

@@ -1,26 +1,29 @@
 """dasktrain: train Chainer models on several GPUs and machines, with Dask.
 
-The package is grouped by layer, and data flows one way through it::
+The package is grouped by layer, and data flows one way through it
+(docs/design.md has the whole map)::
 
-    data      CIFAR-10: download, lazy dask arrays, augmentation, the
-                  epoch loader
-    -> parallel   GPUDistributedGradient and what it stands on: devices,
-                  GPUs, replicas, collectives (Dask, shared memory, NCCL),
-                  where a run trains (placement)
-    -> training   the per-rank loop, progress, checkpoints, models,
-                  output folders
-    -> cluster    the Dask cluster and its TLS, throwaway local workers
-    -> launch     ``train``: the loop here, one process per device, or N
-                  ranks on a cluster
-    -> jobs       the job queue: job folders, submitting, running on a
-                  worker, the jobs page (``monitor``: its metrics)
-    -> tuning     Optuna studies whose trials are jobs
-    -> report     tables and figures of runs, jobs and trials
-    -> commands   the ``dasktrain`` subcommands; ``cli`` their table
+    data       the data of a run: CIFAR, a user's data, augmentation,
+                   the epoch loader
+    -> kernels     Chainer's convolutions and batch normalization on
+                   cuDNN graphs
+    -> parallel    GPUDistributedGradient and what it stands on: devices,
+                   GPUs, replicas, the communicators, where a run trains
+    -> training, chainermn
+                   one rank's training loop, its display, checkpoints and
+                   models; ChainerMN's API on dasktrain's communicators
+    -> cluster     the Dask cluster and its TLS, throwaway local workers
+    -> run         ``train``, ``dasktrain launch`` and the one rank driver
+    -> jobs        the job queue: a job's files and record, submitting,
+                   the scheduler's queue, a job on its worker
+    -> tuning      Optuna studies whose trials are jobs
+    -> results     tables and figures of runs, jobs and trials
+    -> commands    the ``dasktrain`` subcommands; ``cli`` their table
 
 ``bench`` measures the layers; ``config`` (the one ``TrainConfig``),
-``numerics`` (how a rank computes: dtype, TF32, cuDNN), ``errors`` and
-``files`` serve them all.
+``errors``, ``files``, ``keeper`` (every program's supervisor),
+``numerics`` (how a rank computes: dtype, TF32, cuDNN) and a few more
+serve them all.
 
 Heavy modules (chainer, dask.distributed) load on first use, so ``import
 dasktrain`` and ``dasktrain --help`` stay fast.

@@ -3,10 +3,12 @@ the program, so that nothing the program starts outlives it.
 
 Every process dasktrain runs for someone goes through it: each job of the
 queue (a command, or a training job's own ``python -m`` program), each
-rank of ``dasktrain launch``, and a recorded cluster's scheduler and
-worker. :func:`start` runs ``python -I -m dasktrain.keeper`` in a session
-of its own (dying with the starting thread by SIGTERM, unless the program
-is to outlive its starter, as a cluster does), with an empty environment,
+rank of ``dasktrain launch`` or of a gang, a recorded cluster's scheduler
+and worker, and root's notifications, sent as ``nobody`` (:func:`call`:
+a function of dasktrain's as the program). :func:`start` runs ``python
+-I -m dasktrain.keeper`` in a session of its own (dying with the starting
+thread by SIGTERM, unless the program is to outlive its starter, as a
+cluster does), with an empty environment,
 and writes the program to its standard input as JSON: so a job's
 environment (a user's ``LD_PRELOAD``, ``PYTHONPATH``, secrets) never
 reaches the keeper's own process, root's in a shared cluster, nor its
@@ -16,7 +18,8 @@ command line. The keeper:
   starts and leaves orphaned is re-parented to the keeper, so the
   program's processes stay its descendants, also those that left its
   session (``setsid``, a daemon's double fork);
-* starts the program (as another user where asked: :func:`popen_options`)
+* starts the program (as another user where asked:
+  :func:`~dasktrain.as_user.popen_options`)
   in its own session and process group, dying with the keeper by SIGKILL,
   with the given standard input, output and error;
 * on SIGTERM (a cancel, a time limit, its starter gone): SIGTERM to every
@@ -28,19 +31,27 @@ command line. The keeper:
 A program that cannot start is reported through a pipe (one line of JSON)
 and the keeper exits :data:`CANNOT_START`. Who the program runs as is the
 caller's decision; this module only applies it.
+
+Its starter holds the program as a :class:`KeptProgram` and watches it
+with :meth:`KeptProgram.watch`, the one loop that waits for a program and
+stops it when told (a job's cancel or time limit, a driver's stop); how
+it ended is an :class:`Ended`. The module is named for that process: a
+keeper keeps a program, and all the program starts, in hand.
 """
 import ctypes
+import dataclasses
 import errno
 import functools
+import importlib
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+from dasktrain.as_user import become, cannot_start, popen_options
 from dasktrain.containment import (
     MARK_ENV,
     PAUSE,
@@ -48,8 +59,6 @@ from dasktrain.containment import (
     Cgroup,
     job_processes,
     own_folder,
-    process_table,
-    send,
     signal_job,
 )
 from dasktrain.spawn import die_with_parent
@@ -57,97 +66,24 @@ from dasktrain.spawn import die_with_parent
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 CANNOT_START = 127
 POLL = 0.05  # s between looks at the program's processes
+WATCH = 0.1  # s between a starter's looks at its program (KeptProgram.watch)
 ARGV = [sys.executable, '-I', '-m', 'dasktrain.keeper']
 
 
-def popen_options(user, cwd=None, rlimits=None):
-    """``subprocess.Popen`` keywords that start a program in ``cwd`` as
-    ``user`` (anything with ``uid``, ``gid``, ``groups``; None: as this
-    process), dying with the thread that started it, with ``rlimits``
-    (``{name: [soft, hard]}``, :func:`capped` to what it may have).
-
-    As another user: its groups, umask 077, and a ``preexec_fn`` that runs
-    after CPython's ``setgroups``/``setregid``/``setreuid``: the kernel
-    clears ``PR_SET_PDEATHSIG`` when credentials change, so it is set
-    after them; and ``cwd`` is entered as the user (a folder they cannot
-    enter is refused by the kernel, not entered by root).
-    """
-    if user is None:
-        return {'cwd': cwd, 'preexec_fn': functools.partial(
-            _enter, None, rlimits)}
-    return {'user': user.uid, 'group': user.gid,
-            'extra_groups': list(user.groups), 'umask': 0o077,
-            'preexec_fn': functools.partial(_enter, cwd, rlimits)}
-
-
-def _enter(cwd, rlimits=None):
-    die_with_parent()
-    for name, wanted in (rlimits or {}).items():
-        which = getattr(resource, f'RLIMIT_{name.upper()}', None)
-        if which is None:
-            continue
-        try:
-            resource.setrlimit(which, capped(wanted,
-                                             resource.getrlimit(which)))
-        except (OSError, ValueError):  # what it had stays
-            pass
-    if cwd is not None:
-        os.chdir(cwd)
-
-
-# The limits a submitter's process had that its job gets (Slurm's
-# PropagateResourceLimits=ALL).
-RLIMITS = ('as', 'core', 'cpu', 'data', 'fsize', 'memlock', 'nofile',
-           'nproc', 'rss', 'stack')
-
-
-def capped(wanted, current):
-    """The ``(soft, hard)`` limit a program gets that asks for ``wanted``
-    where it has ``current`` (each a pair, -1 for unlimited): as asked,
-    but a hard limit only ever lowered (the program is no longer root
-    when it is set).
-
-    >>> capped((1024, 4096), (1024, 524288)), capped((-1, -1), (8, 64))
-    ((1024, 4096), (64, 64))
-    >>> capped((100, -1), (-1, -1))
-    (100, -1)
-    """
-    def low(a, b):
-        return b if a < 0 else a if b < 0 else min(a, b)
-    hard = low(wanted[1], current[1])
-    return low(wanted[0], hard), hard
-
-
-def own_rlimits():
-    """``{name: [soft, hard]}`` of this process's :data:`RLIMITS` (what a
-    submitter's request carries)."""
-    found = {}
-    for name in RLIMITS:
-        which = getattr(resource, f'RLIMIT_{name.upper()}', None)
-        if which is not None:
-            found[name] = list(resource.getrlimit(which))
-    return found
-
-
-def cannot_start(program, user, error, cwd=None):
-    """Why ``program`` did not start (``error`` from ``Popen``), in
-    words; as ``user`` (None: this process's)."""
-    if isinstance(error, OSError):
-        who = f' as {user.name}' if user else ''
-        return f'cannot start {program}{who}: {error.strerror}'
-    return f'cannot start {program}: {user.name} cannot enter {cwd}'
-
-
 def program_text(program, env, grace, user=None, cwd=None, stdin=None,
-                 report=None, contain=None):
+                 report=None, contain=None, call=None):
     """What a keeper reads on its standard input: run ``program`` (a list)
     with ``env`` as ``user`` in ``cwd``, given ``stdin`` (text) on its
     standard input, stopping its processes with a ``grace`` of seconds;
     ``report``: the fd of the pipe for a start-up error and the end;
-    ``contain``: where its processes are kept (see :func:`start`)."""
+    ``contain``: where its processes are kept (see :func:`start`);
+    ``call``: ``(function, args)``, a function as the program (see
+    :func:`call`)."""
     spec = {'program': list(program), 'env': dict(env),
             'grace': float(grace), 'cwd': cwd, 'stdin': stdin,
             'report': report, 'contain': dict(contain or {})}
+    if call is not None:
+        spec.update(call=call[0], args=call[1])
     if user is not None:
         spec.update(uid=user.uid, gid=user.gid, groups=list(user.groups),
                     user=user.name)
@@ -198,11 +134,48 @@ def _signame(signum):
         return f'signal {signum}'
 
 
-class Kept:
+def exit_words(code):
+    """A program's exit code (``Popen.returncode``: negative for a
+    signal) in words.
+
+    >>> exit_words(3), exit_words(-9), exit_words(-15)
+    ('exit 3', 'killed by SIGKILL', 'killed by SIGTERM')
+    """
+    if code is not None and code < 0:
+        return f'killed by {_signame(-code)}'
+    return f'exit {code}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """How a program under its keeper ended, as its starter saw it:
+    ``code``, its exit code as ``Popen.returncode`` gives it (negative: the
+    signal that killed it; :data:`CANNOT_START` where it never started);
+    ``stopped``, how its starter's stop ended it, in words
+    (:func:`ending_words`; None: it ended by itself); ``error``, why it
+    could not start; ``report``, its keeper's end report (see
+    :func:`ending_words`; empty where the keeper itself was killed);
+    ``at``, when (``time.time()``).
+
+    >>> Ended(-9).words(), Ended(0, stopped='stopped by SIGTERM').words()
+    ('killed by SIGKILL', 'stopped by SIGTERM')
+    """
+    code: int
+    stopped: str | None = None
+    error: str | None = None
+    report: dict = dataclasses.field(default_factory=dict)
+    at: float = 0.0
+
+    def words(self):
+        """Its end in words: the start error, the stop, else the exit."""
+        return self.error or self.stopped or exit_words(self.code)
+
+
+class KeptProgram:
     """A program under its keeper, as its starter holds it: the keeper's
     ``process`` (a ``Popen``: ``pid``, ``poll``, ``wait``, ``returncode``,
-    its ``stdout`` and ``stderr`` where they are pipes), :meth:`stop`,
-    :meth:`start_error`, :meth:`ending`."""
+    its ``stdout`` and ``stderr`` where they are pipes), :meth:`watch`,
+    :meth:`stop`, :meth:`start_error`, :meth:`ending`."""
 
     def __init__(self, process, report):
         self.process, self._report = process, report
@@ -210,6 +183,21 @@ class Kept:
 
     def __getattr__(self, name):
         return getattr(self.process, name)
+
+    def watch(self, stop=None, grace=30.0, every=None, poll=WATCH):
+        """Wait until the program ends; stop it (:meth:`stop`, with
+        ``grace``) once ``stop()`` says so; call ``every()`` at each look
+        (``poll`` seconds apart). How it ended, an :class:`Ended`."""
+        stopped = None
+        while self.process.poll() is None:
+            if stopped is None and stop is not None and stop():
+                stopped = self.stop(grace)
+                continue
+            if every is not None:
+                every()
+            time.sleep(poll)
+        return Ended(self.process.returncode, stopped, self.start_error(),
+                     self.ending() or {}, time.time())
 
     def stop(self, grace):
         """SIGTERM to the keeper, which passes it on to every process of
@@ -260,8 +248,8 @@ class Kept:
 
 def start(program, env, grace, stdout=None, stderr=subprocess.STDOUT,
           user=None, cwd=None, stdin=None, outlives=False, umask=-1,
-          contain=None):
-    """Start ``program`` (a list) under a keeper; a :class:`Kept`.
+          contain=None, call=None):
+    """Start ``program`` (a list) under a keeper; a :class:`KeptProgram`.
 
     Parameters
     ----------
@@ -290,6 +278,8 @@ def start(program, env, grace, stdout=None, stderr=subprocess.STDOUT,
         :mod:`dasktrain.containment`), ``mark`` (its marker, in its
         environment), ``mem`` (bytes, ``memory.max``), ``pids``
         (``pids.max``), ``rlimits`` (``{name: [soft, hard]}``).
+    call : tuple, optional
+        ``(function, args)``: run that function instead (:func:`call`).
     """
     read, write = os.pipe()
     try:
@@ -305,38 +295,21 @@ def start(program, env, grace, stdout=None, stderr=subprocess.STDOUT,
         os.close(write)
     with keeper.stdin:
         keeper.stdin.write(program_text(program, env, grace, user, cwd,
-                                        stdin, write, contain))
-    return Kept(keeper, read)
+                                        stdin, write, contain, call))
+    return KeptProgram(keeper, read)
 
 
-def processes(root):
-    """``{pid: parent pid}`` of every descendant of ``root`` and every
-    process of its session, from ``/proc`` (``root`` itself not among
-    them).
-
-    >>> os.getpid() in processes(os.getppid()) or True
-    True
-    """
-    # (a zombie is gone, only not reaped yet)
-    table = {pid: (parent, session) for pid, (parent, state, _, session)
-             in process_table().items() if state != b'Z'}
-    children = {}
-    for pid, (parent, _) in table.items():
-        children.setdefault(parent, []).append(pid)
-    found, todo = {}, [root]
-    while todo:
-        for pid in children.get(todo.pop(), ()):
-            if pid not in found:
-                found[pid] = table[pid][0]
-                todo.append(pid)
-    found.update({pid: parent for pid, (parent, session) in table.items()
-                  if session == root and pid != root})
-    return found
-
-
-def signal_all(root, signum):
-    """``signum`` to every process :func:`processes` finds; how many."""
-    return len(send(processes(root), signum))
+def call(function, args, grace, env=None, **options):
+    """Run ``function`` (``'dasktrain.module:name'``) as a program under a
+    keeper: ``function(args, drop)`` in a child the keeper forks from
+    itself, which calls ``drop()`` to become ``user`` once it has loaded
+    all it needs; what it returns is its exit code. For a program that
+    must run as a user who may not read this interpreter's files
+    (``nobody``, where they lie under ``/root``): no interpreter of its
+    own to start. ``args``: JSON; ``env``: its environment (default
+    none); ``options``: :func:`start`'s. A :class:`KeptProgram`."""
+    return start([function], env or {}, grace, call=(function, args),
+                 **options)
 
 
 class _User:
@@ -345,10 +318,11 @@ class _User:
         self.groups, self.name = spec['groups'], spec.get('user')
 
 
-class _Box:
-    """Where the program's processes are kept: its cgroup (``cgroup``),
-    else found by descent from the keeper, by marker (``mark``), and by
-    the process groups of the orphans the keeper reaps: a fork loop's
+class _Processes:
+    """Every process of the program, where they are kept: its cgroup
+    (``cgroup``), else found by descent from the keeper, by its marker
+    (``mark``), and by the process groups of the orphans the keeper
+    reaps: a fork loop's
     processes end as the keeper's children (it is their subreaper), each
     a zombie it reads before it reaps it, so the loop's group is known
     and signalled whole, however fast its pids change."""
@@ -432,11 +406,17 @@ def _start(spec, box):
     if box.mark:
         env[MARK_ENV] = box.mark
     rlimits = (spec.get('contain') or {}).get('rlimits')
+    function = _function(spec['call']) if spec.get('call') else None
+    if isinstance(function, str):
+        return None, function
     entered = False
     try:
         if box.cgroup is not None:
             box.cgroup.enter()  # the program is born inside: no race
             entered = True
+        if function is not None:
+            return _fork(function, spec.get('args'), env, user, cwd,
+                         spec.get('report')), None
         child = subprocess.Popen(
             program, env=env,
             stdin=subprocess.DEVNULL if text is None else subprocess.PIPE,
@@ -450,6 +430,49 @@ def _start(spec, box):
         threading.Thread(target=_hand, args=(child.stdin, text),
                          daemon=True).start()
     return child, None
+
+
+def _function(name):
+    """The function ``'dasktrain.module:name'`` (imported here, as the
+    keeper's user), or why not in words."""
+    module, _, attribute = name.partition(':')
+    if not module.startswith('dasktrain.'):
+        return f"cannot start {name}: not dasktrain's"
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        return f'cannot start {name}: {e}'
+
+
+class _Forked:
+    """A function's process the keeper forked, as :func:`keep` holds a
+    program's ``Popen``."""
+
+    def __init__(self, pid):
+        self.pid = pid
+
+
+def _fork(function, args, env, user, cwd, report=None):
+    """``function(args, drop)`` in a child of the keeper with ``env``,
+    dying with it by SIGKILL, ended by SIGTERM (not the keeper's
+    handler), without the keeper's ``report`` pipe; ``drop()`` makes the
+    child ``user``'s (:func:`~dasktrain.as_user.become`)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the keeper's code
+        code = 1
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.environ.clear()
+            os.environ.update(env)
+            if report is not None:
+                os.close(report)
+            die_with_parent()
+            code = function(args, functools.partial(become, user, cwd))
+        except BaseException:
+            pass
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+    return _Forked(pid)
 
 
 def _write(path, text):
@@ -483,7 +506,7 @@ def keep(spec):
         PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(time.monotonic()))
-    box = _Box(spec.get('contain') or {})
+    box = _Processes(spec.get('contain') or {})
     if box.note:
         _report(spec, {'note': box.note})
     child, error = _start(spec, box)

@@ -16,22 +16,23 @@ link-local, private, shared, multicast or reserved one), checked on the
 addresses the name resolves to when it is sent (:func:`refusal`), and
 the POST goes to the very address checked (no second lookup for DNS to
 answer otherwise), never following a redirect. A process running as
-root never sends itself: :func:`send_later` forks a child that drops to
-``nobody`` (no groups) first, so a webhook URL is no way to make root
-connect anywhere.
+root never sends itself: :func:`send_later` has a keeper
+(:func:`dasktrain.keeper.call`) run :func:`deliver` as ``nobody`` (no
+groups), stopped once it outlasts every try it may make, so a webhook
+URL is no way to make root connect anywhere.
 
 Owns delivering a text; it knows nothing of jobs (what a job's end says
 is :mod:`dasktrain.jobs.end_notice`'). Never raises once a target is
 checked: a message that cannot be delivered is a logged warning.
 """
 import atexit
+import collections
 import ipaddress
 import json
 import logging
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -39,6 +40,7 @@ import time
 from email.message import EmailMessage
 from urllib.parse import urlsplit
 
+from dasktrain import keeper
 from dasktrain.errors import UserError, argument
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,10 @@ TIMEOUT = 10.0  # ... each waiting this long for an answer ...
 BACKOFF = 1.0  # ... with 1, 2, 4 s between tries
 AT_EXIT = 20.0  # what a process exiting waits for its messages, at most
 SENDMAIL = ('/usr/sbin/sendmail', '/usr/lib/sendmail')
+GRACE = 1.0  # s between the SIGTERM and the SIGKILL of a sender given up
+# The environment of a sender run as `nobody`: none of root's.
+SENDER_ENV = {'PATH': '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:'
+                      '/sbin:/bin', 'LANG': 'C.UTF-8'}
 
 
 class NotifyError(UserError):
@@ -256,7 +262,7 @@ _loaded = {}
 
 def _tls():
     """The TLS context of every webhook POST (certifi's CAs), made once:
-    a child that dropped to ``nobody`` may no longer read them."""
+    a sender that dropped to ``nobody`` may no longer read them."""
     if 'tls' not in _loaded:
         import ssl
 
@@ -266,7 +272,7 @@ def _tls():
 
 
 def _preload():
-    """Everything :func:`send` imports or reads, loaded now: a child that
+    """Everything :func:`send` imports or reads, loaded now: a sender that
     dropped to ``nobody`` may not read this interpreter's files (one
     under ``/root``)."""
     import email.policy  # noqa: F401  (mailto)
@@ -361,10 +367,11 @@ _at_exit = []  # [True] once wait_pending is registered
 
 def send_later(target, text, **kwargs):
     """:func:`send` in the background; returns at once with the thread
-    that waits for it. A process running as root sends from a child it
-    forks, which drops to ``nobody`` first (:func:`_unprivileged`). A
-    process that exits waits for its messages at most :data:`AT_EXIT`
-    seconds in all."""
+    that waits for it. A process running as root sends from a program of
+    its own run as ``nobody`` under its keeper (:func:`_unprivileged`). A
+    process that
+    exits waits for its messages at most :data:`AT_EXIT` seconds in
+    all."""
     work = _unprivileged if os.geteuid() == 0 else _send_quietly
     thread = threading.Thread(target=work, args=(target, text),
                               kwargs=kwargs, name='dasktrain-notify',
@@ -387,40 +394,51 @@ def nobody():
         return NOBODY, NOBODY
 
 
+# Whom a sender runs as: keeper.start's user.
+_User = collections.namedtuple('_User', 'uid gid groups name')
+
+
 def _unprivileged(target, text, **kwargs):
-    """:func:`send` in a child of this process that is ``nobody`` (no
-    groups, no new interpreter to find); killed if it outlasts every try
-    it may make. Waited for in this thread."""
+    """:func:`send` as :func:`deliver` under its keeper
+    (:func:`dasktrain.keeper.call`), as ``nobody`` with no groups: stopped
+    (SIGTERM, SIGKILL after :data:`GRACE`) if it outlasts every try it may
+    make. Waited for in this thread."""
     uid, gid = nobody()
-    rules = kwargs.pop('rules', None) or rules_of()
-    _preload()
     attempts = kwargs.get('attempts') or ATTEMPTS
-    limit = attempts * ((kwargs.get('timeout') or TIMEOUT) * 2 +
-                        (kwargs.get('backoff') or BACKOFF) * 2 ** attempts)
-    pid = os.fork()
-    if pid == 0:  # the child: drop everything root has, then send
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            code = 0 if send(target, text, rules=rules, **kwargs) else 1
-        except BaseException:  # never returns into the parent's code
-            pass
-        finally:
-            os._exit(code)
+    timeout = kwargs.get('timeout') or TIMEOUT
+    backoff = kwargs.get('backoff') or BACKOFF
+    limit = attempts * (timeout * 2 + backoff * 2 ** attempts)
+    asked = {'target': target, 'text': text, 'attempts': attempts,
+             'timeout': timeout, 'backoff': backoff,
+             'rules': list(kwargs.get('rules') or rules_of())}
+    try:
+        kept = keeper.call(f'{__name__}:deliver', asked, GRACE, SENDER_ENV,
+                           stdout=subprocess.DEVNULL, stderr=None,
+                           user=_User(uid, gid, [], 'nobody'), cwd='/')
+    except OSError as e:
+        logger.warning('notification to %s not sent: %s', redacted(target), e)
+        return
     deadline = time.monotonic() + limit
-    while True:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            logger.warning('notification to %s given up after %.0f s',
-                           redacted(target), limit)
-            return
-        time.sleep(0.05)
+    ended = kept.watch(lambda: time.monotonic() > deadline, GRACE)
+    if ended.error is not None:
+        logger.warning('notification to %s not sent: %s', redacted(target),
+                       ended.error)
+    elif ended.stopped is not None:
+        logger.warning('notification to %s given up after %.0f s',
+                       redacted(target), limit)
+
+
+def deliver(asked, drop):
+    """A sender's body, forked by its keeper as root
+    (:func:`_unprivileged`): all that :func:`send` reads loaded, then
+    ``drop()`` (it is ``nobody`` from then on), then ``asked``'s message
+    sent; its exit code."""
+    logging.basicConfig(format='dasktrain notify: %(message)s')
+    _preload()
+    drop()
+    return 0 if send(asked['target'], asked['text'], asked['attempts'],
+                     asked['timeout'], asked['backoff'],
+                     tuple(asked['rules'])) else 1
 
 
 def _send_quietly(target, text, **kwargs):
@@ -440,3 +458,4 @@ def wait_pending(timeout=AT_EXIT):
                     '%.0f s)', timeout)
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
+

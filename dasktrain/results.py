@@ -219,7 +219,7 @@ def plot_timeline(jobs, ax=None, title=None):
     jobs = list(jobs)
     specs = [job.spec() for job in jobs]
     statuses = [job.status() for job in jobs]
-    origin = min(spec['submitted'] for spec in specs)
+    origin = min(spec.submitted for spec in specs)
     now = time.time()
     labelled = set()
 
@@ -229,12 +229,12 @@ def plot_timeline(jobs, ax=None, title=None):
         labelled.add(label)
 
     for row, (spec, status) in enumerate(zip(specs, statuses)):
-        bar(row, spec['submitted'], status['started'] or status['ended']
+        bar(row, spec.submitted, status['started'] or status['ended']
             or now, 'queued', 'lightgrey')
         if status['started']:
             bar(row, status['started'], status['ended'] or now,
                 *ENDINGS.get(status['state'], ('running', 'tab:blue')))
-    ax.set_yticks(range(len(jobs)), [spec['name'] for spec in specs])
+    ax.set_yticks(range(len(jobs)), [spec.name for spec in specs])
     ax.invert_yaxis()  # first submitted on top
     ax.set_xlabel('time since the first submission (s)')
     ax.set_ylabel('job')

@@ -16,6 +16,7 @@ import pytest
 from test_programs import alive
 
 from dasktrain import keeper
+from dasktrain.as_user import capped
 from dasktrain.containment import (
     Cgroup,
     Containment,
@@ -27,7 +28,7 @@ from dasktrain.containment import (
     path_of,
     prepare,
 )
-from dasktrain.keeper import capped, ending_words
+from dasktrain.keeper import ending_words
 
 # A program that starts a looper: a process in a session of its own that
 # forks and exits without a pause, ignoring SIGTERM; the program then

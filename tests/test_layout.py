@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / 'dasktrain'
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = [
-    {'errors', 'files', 'config', '_compat', '_lazy', 'keeper', 'everyone',
-     'spawn', 'userspec', 'notify', 'containment', 'numerics'},
+    {'errors', 'files', 'config', '_compat', '_lazy', 'keeper', 'as_user',
+     'shared_install', 'spawn', 'userspec', 'notify', 'containment',
+     'numerics'},
     {'data'},
     {'kernels'},
     {'parallel'},
@@ -174,3 +175,80 @@ def test_the_pictures_name_modules_there_are():
     for picture in ('design_run.png', 'design_job.png'):
         assert f'figures/{picture}' in text
         assert (ROOT / 'docs' / 'figures' / picture).stat().st_size > 10000
+
+
+# Names of other projects design.md cites in a module's row: MPI's,
+# ChainerUI's and ChainerMN's, which the module implements or reads.
+FOREIGN = {'Comm_Split', 'CommandsExtension', 'adjust_hyperparams',
+           'allreduce_grad_dtype'}
+
+
+def defined(path):
+    """The names ``path`` defines (functions, classes, their methods and
+    attributes, assignments, imports, a package's lazy ``_EXPORTS``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                             ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) \
+                else [node.target]
+            for target in targets:
+                names |= {n.id for n in ast.walk(target)
+                          if isinstance(n, ast.Name)}
+                names |= {n.attr for n in ast.walk(target)
+                          if isinstance(n, ast.Attribute)}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.isidentifier():
+            names.add(node.value)  # a lazy export's key
+    return names
+
+
+def module_path(parts):
+    """The file of the module ``dasktrain.<parts>``, or None."""
+    path = PACKAGE.joinpath(*parts)
+    for found in (path.with_suffix('.py'), path / '__init__.py'):
+        if found.is_file():
+            return found
+    return None
+
+
+def cited():
+    """``(where, name)`` of each dotted name of the package that
+    docs/design.md cites (``run.train.train``), and of each class or
+    function a module's row of its map names (``JobRecord``,
+    ``ending_words``)."""
+    text = (ROOT / 'docs' / 'design.md').read_text()
+    tops = {p.stem for p in PACKAGE.iterdir()}
+    for m in re.finditer(r'`(?:dasktrain\.)?([a-z_]\w*(?:\.\w+)+)(?:\(\))?`',
+                         text):
+        if m.group(1).split('.')[0] in tops and \
+                not m.group(1).endswith('.py'):
+            yield 'prose', m.group(1)
+    table = text[text.index('## The module map'):text.index('## Rules')]
+    for row in re.finditer(r'^\| `([^`]+\.py)` \| (.*?) \|', table, re.M):
+        for m in re.finditer(r'`([A-Za-z_]\w*)(\(\))?`', row.group(2)):
+            name = m.group(1)
+            looks_defined = m.group(2) or '_' in name.strip('_') or \
+                re.fullmatch(r'[A-Z][a-z]\w*', name)
+            if looks_defined and not name.isupper() and name not in FOREIGN:
+                yield row.group(1), name
+
+
+@pytest.mark.parametrize('where, name', list(cited()))
+def test_the_names_design_md_cites_are_defined(where, name):
+    if where == 'prose':
+        parts = name.split('.')
+        found = next(((module_path(parts[:k]), parts[k:])
+                      for k in range(len(parts), 0, -1)
+                      if module_path(parts[:k])), (None, None))
+        assert found[0] is not None, f'no module for {name}'
+        path, rest = found
+        assert not rest or rest[0] in defined(path), \
+            f'{name}: {path.relative_to(PACKAGE)} defines no {rest[0]}'
+    else:
+        assert name in defined(PACKAGE / where), \
+            f'design.md says {where} owns {name}; it defines none'

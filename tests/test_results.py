@@ -144,8 +144,9 @@ def test_timeline_shows_each_job_waiting_then_running(tmp_path):
         folder = tmp_path / name
         folder.mkdir()
         (folder / 'job.json').write_text(json.dumps(
-            {'id': name, 'name': name, 'submitted': 100.0 + (name == 'c'),
-             'gpus': 0, 'config': {'epochs': 1}}))
+            {'version': 1, 'id': name, 'name': name,
+             'submitted': 100.0 + (name == 'c'), 'gpus': 0,
+             'config': {'epochs': 1}}))
         (folder / 'status.json').write_text(json.dumps(
             {'state': 'cancelled' if started is None else 'finished',
              'started': started, 'ended': ended, 'gpus': []}))
@@ -180,7 +181,7 @@ def test_timeline_colours_pruned_and_failed_runs(tmp_path):
         folder = tmp_path / name
         folder.mkdir()
         (folder / 'job.json').write_text(json.dumps(
-            {'id': name, 'name': name, 'submitted': 100.0,
+            {'version': 1, 'id': name, 'name': name, 'submitted': 100.0,
              'gpus': 0, 'config': {'epochs': 1}}))
         (folder / 'status.json').write_text(json.dumps(
             {'state': state, 'started': 100.0,

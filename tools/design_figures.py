@@ -26,7 +26,7 @@ RUN = [
     ('launch', 1.6, 5.0, 'run/launch.py', 'dasktrain launch -n N'),
     ('place', 4.6, 9.0, 'parallel/placement.py', 'here | per device | ranks'),
     ('workers', 4.6, 7.6, 'cluster/workers.py', 'throwaway local workers'),
-    ('driver', 4.6, 6.2, 'run/driver.py', 'one task per rank, events'),
+    ('driver', 4.6, 6.2, 'run/driver.py', 'the ranks, anywhere, watched'),
     ('loop', 7.6, 9.0, 'training/loop.py', 'run(): epochs, log, checkpoint'),
     ('rank', 7.6, 6.2, 'run/train.py', 'a training rank (_rank)'),
     ('keeper', 7.6, 5.0, 'keeper.py', "a launched rank's program"),
@@ -72,7 +72,8 @@ JOB = [
      'across workers: a task a rank'),
     ('keeper', 10.6, 3.6, 'keeper.py', 'the program, kept'),
     ('command', 7.6, 1.2, '(a command)', 'submit -- PROGRAM'),
-    ('child', 10.3, 1.2, 'jobs/worker/child.py', "a training job's program"),
+    ('trainjob', 10.3, 1.2, 'jobs/worker/train_job.py',
+     "a training job's program"),
     ('trainrun', 13.25, 1.2, 'run/train.py', 'train(config)'),
 ]
 JOB_ARROWS = [
@@ -84,8 +85,8 @@ JOB_ARROWS = [
     ('dispatch', 'outside', ''), ('dispatch', 'task', 'a Dask task'),
     ('task', 'env', ''), ('task', 'runas', ''), ('task', 'keeper', ''),
     ('task', 'gang', ''), ('gang', 'keeper', 'each rank'),
-    ('keeper', 'command', ''), ('keeper', 'child', ''),
-    ('child', 'trainrun', ''),
+    ('keeper', 'command', ''), ('keeper', 'trainjob', ''),
+    ('trainjob', 'trainrun', ''),
 ]
 JOB_BANDS = [(0.1, 14.6, 7.5, 10.2, "the submitter's process"),
              (0.1, 14.6, 4.4, 7.5, 'the scheduler'),

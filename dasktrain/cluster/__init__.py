@@ -1,7 +1,7 @@
 """Dask clusters: the recorded cluster on this machine, its state and
 clients (:mod:`~dasktrain.cluster.local`, TLS by ``tls``), and throwaway
 local workers for one run (``workers``), and a notebook's cluster
-(``reuse``: the one given or running, else a new one it stops again).
+(``notebook``: the one given or running, else a new one it stops again).
 A run across workers is :mod:`dasktrain.run.train`'s, the job queue
 :mod:`dasktrain.jobs`, the scheduler's metrics
 :mod:`dasktrain.jobs.scheduler.metrics`.
@@ -21,7 +21,7 @@ _EXPORTS = {
     **dict.fromkeys(('local_device_workers', 'local_workers'),
                     'dasktrain.cluster.workers'),
     **dict.fromkeys(('ensure_cluster', 'release_cluster'),
-                    'dasktrain.cluster.reuse'),
+                    'dasktrain.cluster.notebook'),
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

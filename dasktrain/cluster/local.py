@@ -31,7 +31,6 @@ from pathlib import Path
 
 from dasktrain.cluster import malloc
 from dasktrain.cluster import tls as _tls
-from dasktrain.cluster.guard import starting
 from dasktrain.cluster.processes import (
     GRACE,
     kill,
@@ -46,6 +45,7 @@ from dasktrain.cluster.settings import (
     rules,
     settings,
 )
+from dasktrain.cluster.start_lock import starting
 from dasktrain.containment import (
     CLUSTER_ENV,
     CONTAIN_ENV,

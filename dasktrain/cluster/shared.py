@@ -97,7 +97,7 @@ def check_install(env=None, problem=_ASK):
     read this dasktrain: each training job runs as its submitter with
     them. ``$DASKTRAIN_SHARED_PRIVATE_PYTHON=1`` in ``env`` starts anyway
     (a queue of command jobs that bring their own Python); ``problem``:
-    :func:`dasktrain.everyone.install_problem`'s line or None (default:
+    :func:`dasktrain.shared_install.install_problem`'s line or None (default:
     asked of this process).
 
     >>> check_install({}, problem=None)
@@ -112,7 +112,7 @@ def check_install(env=None, problem=_ASK):
     if env.get(PRIVATE_PYTHON_ENV) == '1':
         return
     if problem is _ASK:
-        from dasktrain.everyone import install_problem
+        from dasktrain.shared_install import install_problem
         problem = install_problem()
     if problem:
         raise ClusterError(
@@ -243,7 +243,7 @@ def _wait_for_door(where, timeout):
                 return
         except OSError:
             time.sleep(0.2)
-    raise ClusterError(f'the scheduler did not open the front door '
+    raise ClusterError(f"the scheduler did not open the queue's socket "
                        f'{where.socket} within {timeout:.0f} s; see the '
                        f'logs in {where.private / "logs"}')
 

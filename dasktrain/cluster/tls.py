@@ -13,11 +13,18 @@ Every file is the owner's alone (0600, in a 0700 folder). The CA's key stays
 here, to sign a new node certificate when ``--host`` names a host the
 current one does not cover; a machine that joins gets ``ca.pem``,
 ``node.pem`` and ``node-key.pem`` only.
+
+A job of ranks meets through a scheduler of its own with a CA made for
+it alone (:func:`throwaway`), and each rank reads its copies of those
+files (:func:`private_copies`: a rank running as another user too).
 """
+import contextlib
 import datetime
 import ipaddress
 import os
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 from dasktrain.errors import UserError
@@ -75,6 +82,43 @@ def ensure_certificates(folder, host='127.0.0.1'):
     for name in (CA, CA_KEY, CERT, KEY):
         os.chmod(folder / name, 0o600)
     return files(folder)
+
+
+@contextlib.contextmanager
+def throwaway(host='127.0.0.1'):
+    """``(ca, cert, key)`` paths of a CA and certificate made for one job
+    of ranks alone (``host``), in a private folder removed on exit."""
+    folder = tempfile.mkdtemp(prefix='dasktrain-tls-')  # 0700
+    try:
+        made = ensure_certificates(folder, host)
+        yield made['tls_ca_file'], made['tls_cert'], made['tls_key']
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def private_copies(pems, where=None, user=None):
+    """The CA, certificate and key ``pems`` (PEM texts) as files only
+    ``user`` (anything with ``uid`` and ``gid``; None: this process's
+    user) may read, 0600 in a 0700 folder made in ``where`` (default the
+    system's temporary folder), removed on exit: ``(ca, cert, key)``
+    paths."""
+    folder = tempfile.mkdtemp(prefix='.dasktrain-tls-', dir=where)
+    try:
+        paths = []
+        for name, text in zip((CA, CERT, KEY), pems):
+            path = os.path.join(folder, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, 'w') as f:
+                f.write(text)
+            if user is not None:
+                os.chown(path, user.uid, user.gid)
+            paths.append(path)
+        if user is not None:
+            os.chown(folder, user.uid, user.gid)
+        yield tuple(paths)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ------------------------------------------------------------- internals

@@ -173,7 +173,7 @@ def local_workers(n, blas_threads=1, dashboard=True, method=None):
                 dashboard_address='127.0.0.1:0',
                 scheduler_kwargs=None if dashboard else {'dashboard': False},
                 security=True, env=env,
-                preload=['dasktrain.cluster.calm']) as cluster:
+                preload=['dasktrain.cluster.ignore_ctrl_c']) as cluster:
             with Client(cluster, set_as_default=False) as client:
                 yield client
     finally:

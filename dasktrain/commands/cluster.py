@@ -206,9 +206,9 @@ class Cluster(Command):
             for line in status.get('rules') or ():
                 print(printable(line))
             if door is not None:
-                print(printable(f'shared: front door {door.path}, owners '
-                                f"{', '.join(status['owners'])}; you are "
-                                f"{status['you']}"))
+                owners = ', '.join(status['owners'])
+                print(printable(f"shared: the queue's socket {door.path}, "
+                                f"owners {owners}; you are {status['you']}"))
         else:
             state = self.stop(cluster, args)
             if state['stale']:
@@ -226,7 +226,7 @@ class Cluster(Command):
         """The settings of ``cluster start``'s limits, from its flags
         (a usage error for a wrong one, before anything starts)."""
         from dasktrain.errors import UserError
-        from dasktrain.jobs.request import parse_size, parse_time
+        from dasktrain.jobs.fields import parse_size, parse_time
         if not args.shared:
             for flag in ('max_queued_per_user', 'max_bytes_per_user'):
                 if getattr(args, flag) is not None:

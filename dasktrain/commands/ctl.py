@@ -151,7 +151,7 @@ class Ctl(Command):
             return path, None
         job = Job(path.name, path) if path.is_dir() else \
             find(target, jobs_dir)
-        owner, me = job.spec().get('user'), current_user()
+        owner, me = job.spec().user, current_user()
         if owner not in (None, me):
             raise JobError(f'job {job.id} was submitted by {owner}; only '
                            f'{owner} can steer it (you are {me})')

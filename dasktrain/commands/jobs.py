@@ -355,7 +355,7 @@ class Requeue(_JobCommand):
         state = job.status()['state']
         if state in ('queued', 'running') and not orphans([job]):
             raise JobError(f'job {job.id} is {state} on its scheduler '
-                           f"({job.spec().get('scheduler')}); nothing to "
+                           f"({job.spec().scheduler}); nothing to "
                            'requeue')
         with connect(args.scheduler) as client:
             requeue(job, client)

@@ -1,8 +1,11 @@
 """The job queue, cut by where its code runs, around one checked request.
 
-Every process reads the same few modules: a job and its states
-(:mod:`~dasktrain.jobs.job`), the request that makes one
-(:mod:`~dasktrain.jobs.request`), its folder (:mod:`~dasktrain.jobs.folder`),
+Every process reads the same few modules: a job (:mod:`~dasktrain.jobs.job`),
+its states and how it comes to one (:mod:`~dasktrain.jobs.ending`), its
+``job.json`` read back typed (:mod:`~dasktrain.jobs.record`), the request
+that makes one (:mod:`~dasktrain.jobs.request`) and the checks of its
+fields (:mod:`~dasktrain.jobs.fields`), its folder
+(:mod:`~dasktrain.jobs.folder`),
 a shared cluster's socket lines (:mod:`~dasktrain.jobs.wire`), what the
 scheduler knows in the jobs table's words (:mod:`~dasktrain.jobs.status`)
 and what a job's end tells (:mod:`~dasktrain.jobs.end_notice`). Then:
@@ -25,11 +28,15 @@ from dasktrain._lazy import exports
 
 _EXPORTS = {
     **dict.fromkeys((
-        'CHILD', 'DONE', 'EVENTS', 'JOBS_ENV', 'KEY_PREFIX', 'PRUNED',
-        'STATES', 'STOPPED', 'Job', 'JobError', 'Pruned', 'current_user',
+        'EVENTS', 'JOBS_ENV', 'KEY_PREFIX', 'Job', 'Pruned', 'current_user',
         'jobs_dir', 'list_jobs', 'update_status', 'user_name'),
         'dasktrain.jobs.job'),
-    **dict.fromkeys(('JobRequest', 'Program', 'Training', 'parse_time'),
+    **dict.fromkeys(('DONE', 'PRUNED', 'STATES', 'STOPPED', 'JobEnd',
+                     'JobState'), 'dasktrain.jobs.ending'),
+    **dict.fromkeys(('JobError', 'parse_size', 'parse_time'),
+                    'dasktrain.jobs.fields'),
+    **dict.fromkeys(('TRAIN_JOB', 'JobRecord'), 'dasktrain.jobs.record'),
+    **dict.fromkeys(('JobRequest', 'Program', 'Training'),
                     'dasktrain.jobs.request'),
     **dict.fromkeys(('submit', 'submit_command', 'queue_request'),
                     'dasktrain.jobs.client.submit'),

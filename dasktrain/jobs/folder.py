@@ -32,6 +32,7 @@ from dasktrain.jobs.job import (
     new_job_id,
     user_name,
 )
+from dasktrain.jobs.record import VERSION
 
 ENV_FILE = 'env.json'  # the submitter's environment: theirs, or root's
 
@@ -68,7 +69,8 @@ def create(root, request, who, scheduler):
     program = request.program
     job_id = new_job_id(request.label)
     folder = root / job_id
-    spec = {'id': job_id, 'name': request.label, 'user': who.user,
+    spec = {'version': VERSION, 'id': job_id, 'name': request.label,
+            'user': who.user,
             'host': who.host, 'gpus': request.gpus,
             'workers': request.workers, 'scheduler': scheduler,
             'submitted': time.time(), 'notify': request.notify,

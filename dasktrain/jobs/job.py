@@ -25,7 +25,6 @@ planted, only a regular file of theirs (a shared cluster's root reads
 them).
 """
 import dataclasses
-import math
 import os
 import pwd
 import re
@@ -39,26 +38,18 @@ from dasktrain.cluster.local import connect, home
 from dasktrain.errors import UserError
 from dasktrain.files import decode_upto, read_json, read_regular, write_json
 from dasktrain.jobs import end_notice
+from dasktrain.jobs.ending import DONE, STATES
+from dasktrain.jobs.fields import NUMBER, JobError, checked, is_a, short
+from dasktrain.jobs.record import JobRecord
 
 KEY_PREFIX = 'dasktrain-job-'  # + the job's id: its Dask task's key
 JOBS_ENV = 'DASKTRAIN_JOBS_DIR'
-STATES = ('queued', 'running', 'finished', 'failed', 'cancelled', 'pruned',
-          'lost')
-DONE = ('finished', 'failed', 'cancelled', 'pruned', 'lost')
-PRUNED = 3  # exit code of a job child whose training was pruned
-STOPPED = 4  # exit code of a job child a `stop` command ended: finished
 EVENTS = 'dasktrain-jobs'  # the Dask event topic of jobs' summaries
-# The program a training job runs: ``python -m CHILD FOLDER``.
-CHILD = 'dasktrain.jobs.worker.child'
 
 
 class Pruned(Exception):
     """Raised by an epoch callback of a job: stop its training now; the job
     ends ``pruned``, not failed."""
-
-
-class JobError(UserError):
-    pass
 
 
 def user_name(uid):
@@ -146,90 +137,11 @@ ENV_LIMIT = 4 * 2 ** 20    # env.json
 LOG_LIMIT = 8 * 2 ** 20    # out/log: ~20,000 rows of ChainerUI's format
 DEPTH = 16                 # nesting of any of them
 
-_NUMBER = 'a number'
-# job.json's keys that readers use: key -> (what it must be, required).
-_SPEC = {'submitted': (_NUMBER, True), 'name': (str, False),
-         'user': (str, False), 'host': (str, False), 'gpus': (int, True),
-         'workers': (int, False), 'scheduler': (str, False),
-         'notify': (str, False), 'after': (list, False),
-         'after_any': (bool, False), 'time': (_NUMBER, False),
-         'time_limit': (_NUMBER, False), 'uid': (int, False),
-         'gid': (int, False), 'command': (list, False), 'cwd': (str, False),
-         'grace': (_NUMBER, False), 'requeue': (bool, False),
-         'config': (dict, False), 'child': (str, False),
-         'mem': (int, False), 'rlimits': (dict, False)}
 _STATUS = {'state': (str, True), 'attempts': (int, False),
            'gpus': (list, False), 'worker': (str, False),
-           'started': (_NUMBER, False), 'ended': (_NUMBER, False),
+           'started': (NUMBER, False), 'ended': (NUMBER, False),
            'error': (str, False), 'exit_code': (int, False),
            'ending': (str, False)}
-
-
-def _is(value, kind):
-    if kind is _NUMBER:
-        return isinstance(value, (int, float)) and \
-            not isinstance(value, bool) and math.isfinite(value)
-    if kind is int:
-        return type(value) is int
-    return isinstance(value, kind)
-
-
-def _checked(data, fields, where, more=lambda data: []):
-    """``data`` if it is a dict whose ``fields`` are what they must be
-    (None for one not required); JobError naming every key missing (those
-    required, and ``more(data)``), else the first that is wrong."""
-    if not isinstance(data, dict):
-        raise JobError(f'{where} is not a JSON object')
-    missing = [key for key, (_, required) in fields.items()
-               if required and data.get(key) is None] + more(data)
-    if missing:
-        raise JobError(f'{where} lacks {", ".join(missing)}')
-    for key, (kind, _) in fields.items():
-        value = data.get(key)
-        if value is None:
-            continue
-        if not _is(value, kind):
-            what = 'a time in seconds' if key == 'submitted' else \
-                kind if kind is _NUMBER else \
-                f'{"an" if kind.__name__[0] in "aeiou" else "a"} ' \
-                f'{kind.__name__}'
-            raise JobError(f'{where} has {key}={_short(value)}, not {what}')
-    return data
-
-
-def _short(value):
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + '...'
-
-
-def check_spec(data, where='job.json'):
-    """``data`` if it is a ``job.json`` every reader can use (see
-    :data:`_SPEC`): something to run, ``gpus`` >= 0, ``after`` job ids,
-    a command of strings, a config with its epochs; JobError in one line
-    otherwise.
-
-    >>> check_spec({'submitted': 1.0, 'gpus': 0, 'command': ['true']})
-    {'submitted': 1.0, 'gpus': 0, 'command': ['true']}
-    >>> check_spec({'submitted': 'x', 'gpus': 0, 'command': ['true']})
-    Traceback (most recent call last):
-    ...
-    dasktrain.jobs.job.JobError: job.json has submitted='x', not a time in \
-seconds
-    """
-    _checked(data, _SPEC, where, more=lambda data: [] if 'command' in data
-             or 'config' in data else ['config'])
-    if data['gpus'] < 0 or (data.get('workers') is not None and
-                            data['workers'] < 1):
-        raise JobError(f'{where} has gpus={data["gpus"]}, workers='
-                       f'{data.get("workers")}')
-    if 'command' in data and not (data['command'] and all(
-            isinstance(a, str) for a in data['command'])):
-        raise JobError(f'{where} has a command that is not strings')
-    if 'config' in data and type(data['config'].get('epochs')) is not int:
-        raise JobError(f'{where} lacks config.epochs')
-    if not all(isinstance(a, str) for a in data.get('after') or ()):
-        raise JobError(f'{where} has after that is not job ids')
-    return data
 
 
 def check_status(data, where='status.json'):
@@ -239,9 +151,9 @@ def check_status(data, where='status.json'):
     >>> check_status({'state': 'queued', 'attempts': 0})['state']
     'queued'
     """
-    _checked(data, _STATUS, where)
+    checked(data, _STATUS, where)
     if data['state'] not in STATES:
-        raise JobError(f'{where} has state={_short(data["state"])}, not '
+        raise JobError(f'{where} has state={short(data["state"])}, not '
                        f'one of {", ".join(STATES)}')
     if not all(isinstance(g, str) for g in data.get('gpus') or ()):
         raise JobError(f'{where} has gpus that are not GPU ids')
@@ -267,7 +179,7 @@ def log_rows_of(rows):
                 or row['epoch'] < 0:
             return []
         clean.append({k: v for k, v in row.items() if isinstance(k, str) and (
-            _is(v, _NUMBER) or type(v) is bool or
+            is_a(v, NUMBER) or type(v) is bool or
             isinstance(v, str) and len(v) <= 1000)})
     return clean
 
@@ -279,7 +191,7 @@ def row_number(row, key):
     (1.5, None)
     """
     value = (row or {}).get(key)
-    return value if _is(value, _NUMBER) else None
+    return value if is_a(value, NUMBER) else None
 
 
 def read_file(folder, name, limit=STATUS_LIMIT, owner=None, cached=True):
@@ -297,16 +209,18 @@ def read_file(folder, name, limit=STATUS_LIMIT, owner=None, cached=True):
 
 
 def _read(folder, name):
-    """A job's ``job.json`` or ``status.json`` as a dict (a copy),
-    checked; JobError saying what is wrong with it in one line."""
+    """A job's ``job.json`` (a :class:`~dasktrain.jobs.record.JobRecord`)
+    or ``status.json`` (a dict, a copy), checked; JobError saying what is
+    wrong with it in one line."""
     folder = Path(folder)
     data = read_file(folder, name, SPEC_LIMIT if name == 'job.json'
                      else STATUS_LIMIT)
     try:
-        (check_spec if name == 'job.json' else check_status)(data, name)
+        if name == 'job.json':
+            return JobRecord.of(data, name)
+        return dict(check_status(data, name))
     except JobError as e:
         raise JobError(f'job {folder.name}: {e}') from None
-    return dict(data)
 
 
 @dataclasses.dataclass
@@ -337,7 +251,9 @@ class Job:
         return KEY_PREFIX + self.id
 
     def spec(self):
-        """``job.json``; JobError if it cannot be read."""
+        """``job.json`` read back typed (a
+        :class:`~dasktrain.jobs.record.JobRecord`, its version checked);
+        JobError if it cannot be read."""
         return _read(self.folder, 'job.json')
 
     def owner(self):
@@ -345,7 +261,7 @@ class Job:
         None (a cluster of your own: yours; a ``job.json`` that cannot be
         read: nobody's)."""
         try:
-            return self.spec().get('uid')
+            return self.spec().uid
         except JobError:
             return None
 
@@ -372,7 +288,7 @@ class Job:
         spec = self.spec()
         rows = self.log_rows()
         status['epoch'] = rows[-1]['epoch'] if rows else 0
-        status['epochs'] = (spec.get('config') or {}).get('epochs')
+        status['epochs'] = spec.epochs
         # a log someone edited by hand: no number, no accuracy
         status['accuracy'] = row_number(rows[-1] if rows else None,
                                         'validation/main/accuracy')
@@ -393,17 +309,18 @@ class Job:
         epoch_seconds = last - before if last is not None and \
             before is not None else None
         return {'id': self.id, 'folder': str(self.folder),
-                'name': spec.get('name') or self.id,
-                'user': spec.get('user') or '',
-                'gpus': spec['gpus'], 'workers': spec.get('workers'),
-                'epochs': (spec.get('config') or {}).get('epochs'),
-                'submitted': spec['submitted'], 'state': status['state'],
+                'name': spec.name or self.id, 'user': spec.user or '',
+                'gpus': spec.gpus, 'workers': spec.workers,
+                'gpus_in_all': spec.gpus_in_all(status.get('gpus') or []),
+                'gpus_asked': spec.gpus_asked(),
+                'epochs': spec.epochs, 'submitted': spec.submitted,
+                'state': status['state'],
                 'held': status.get('gpus') or [],
                 'worker': status.get('worker'),
                 'started': status.get('started'),
                 'ended': status.get('ended'), 'error': status.get('error'),
                 'attempts': status.get('attempts') or 0,
-                'ending': status.get('ending'), 'uid': spec.get('uid'),
+                'ending': status.get('ending'), 'uid': spec.uid,
                 'row': rows[-1] if rows else None,
                 'epoch_seconds': epoch_seconds}
 
@@ -416,7 +333,9 @@ class Job:
         except OSError:
             when = 0.0
         return {'id': self.id, 'folder': str(self.folder), 'name': self.id,
-                'user': '', 'gpus': 0, 'workers': None, 'epochs': 0,
+                'user': '', 'gpus': 0, 'workers': None, 'gpus_in_all': 0,
+                'gpus_asked': '0',
+                'epochs': 0,
                 'submitted': when, 'state': 'unreadable', 'held': [],
                 'worker': None, 'started': None, 'ended': None,
                 'error': str(reason), 'attempts': 0, 'ending': None,
@@ -455,7 +374,7 @@ class Job:
         """
         if self.status()['state'] in DONE:
             return
-        owner, me = self.spec().get('user'), current_user()
+        owner, me = self.spec().user, current_user()
         if owner not in (None, me):
             raise JobError(f'job {self.id} was submitted by {owner}; only '
                            f'{owner} can cancel it (you are {me})')
@@ -466,7 +385,7 @@ class Job:
         try:
             from distributed import Future
             owned = client is None
-            client = client or connect(self.spec().get('scheduler'))
+            client = client or connect(self.spec().scheduler)
             try:
                 client.cancel([Future(self.key, client)], force=True)
                 if queued:  # a running job's task announces its own end
@@ -476,6 +395,16 @@ class Job:
                     client.close()
         except UserError:
             pass  # scheduler gone: the flag file stops it on its next run
+
+    def cancel_reason(self):
+        """Why the queue stops it, from its ``cancel`` flag: '' where
+        someone cancelled it (an empty flag), else the reason the queue
+        wrote there (its time limit passed)."""
+        try:
+            return read_regular(self.folder / 'cancel', limit=4096).decode(
+                'utf-8', 'replace').strip()
+        except OSError:
+            return ''
 
     def logs(self):
         """The whole ``output.log`` ('' while there is none)."""
@@ -501,7 +430,7 @@ class Job:
         """Why this job (queued or running) can no longer finish, or None
         while its scheduler still holds it; ``ask(keys, address)`` as
         :func:`dasktrain.jobs.scheduler.query.ask_scheduler`."""
-        address = self.spec().get('scheduler')
+        address = self.spec().scheduler
         known = ask([self.key], address) if address else None
         if known is not None and self.key in known:
             return None
@@ -547,7 +476,7 @@ def list_jobs(path=None):
 
     def submitted(job):
         try:
-            return float(job.spec()['submitted'])
+            return float(job.spec().submitted)
         except (JobError, TypeError, ValueError):
             pass
         try:

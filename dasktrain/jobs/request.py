@@ -6,7 +6,7 @@ A :class:`JobRequest` holds the queue's fields once (GPUs, name,
 ``notify``, ``after``, ``after_any``, ``time``, ``time_limit``) and what
 runs, its *program*: a :class:`Program` (any command, ``submit --
 PROGRAM``) or a :class:`Training` (a TrainConfig, which the job's worker
-runs as a program of its own, ``python -m dasktrain.jobs.worker.child``).
+runs as a program of its own, ``python -m dasktrain.jobs.worker.train_job``).
 Both carry the submitter's environment (a program its folder too): a
 job never runs in its worker's environment.
 
@@ -14,7 +14,8 @@ job never runs in its worker's environment.
 submitter's process (as that user: the user's model and data files are
 read there, as bytes; a shared cluster's root never opens a path a user
 names); :meth:`JobRequest.from_wire` checks every field of a request
-that came over a shared cluster's socket (types, sizes, names) and
+that came over a shared cluster's socket (types, sizes, names: the kit
+of :mod:`~dasktrain.jobs.fields`) and
 :meth:`JobRequest.wire` is its inverse. What the queue then checks
 against the cluster (:meth:`~JobRequest.check_fits`, by
 :mod:`~dasktrain.jobs.fits`, and the jobs ``after`` names) is asked here
@@ -24,174 +25,36 @@ import base64
 import binascii
 import dataclasses
 import json
-import math
 import os
 import re
 from pathlib import Path
 
+from dasktrain.as_user import own_rlimits
 from dasktrain.errors import argument
+from dasktrain.jobs.fields import (
+    MAX_TEXT,
+    JobError,
+    absolute_path,
+    after_ids,
+    environment,
+    fail,
+    flag,
+    job_id,
+    parse_size,
+    parse_time,
+    rlimits,
+    seconds,
+    text,
+)
 from dasktrain.jobs.fits import check_fits
-from dasktrain.jobs.job import CHILD, JobError
-from dasktrain.keeper import RLIMITS, own_rlimits
+from dasktrain.jobs.record import TRAIN_JOB
 from dasktrain.notify import check_target
 from dasktrain.parallel.gpus import gpu_ids
 
-MAX_TEXT = 4 * 1024 * 1024  # characters of one field (a request's bound)
-MAX_ENV = 256 * 1024  # bytes of a submitter's environment a job keeps
 MAX_MEM = 2 ** 50  # bytes: a --mem beyond any machine is a typo
 FILES = {'model': 'model', 'dataset': 'data'}  # request key -> folder
-_ID = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}')
-_ENV = re.compile(r'[A-Za-z_][A-Za-z0-9_]{0,199}')
 _FILE = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}\.py')
-_UNITS = {'d': 86400, 'h': 3600, 'm': 60, 's': 1}
 TRAINING_GRACE = 10.0  # s a training job's stop waits before SIGKILL
-
-
-class RequestError(JobError):
-    """A request the queue refuses (one line)."""
-
-
-def fail(message):
-    raise RequestError(message)
-
-
-# ------------------------------------------------------ field checks
-
-def text(value, name, limit=4096, optional=False):
-    """``value`` if it is a string of at most ``limit`` characters."""
-    if value is None and optional:
-        return None
-    if not isinstance(value, str) or len(value) > limit or '\0' in value:
-        fail(f'{name} must be a string of at most {limit} characters')
-    return value
-
-
-def flag(value, name):
-    """``value`` if it is a bool."""
-    if not isinstance(value, bool):
-        fail(f'{name} must be true or false')
-    return value
-
-
-def seconds(value, name, optional=True, zero=False):
-    """``value`` as float seconds (> 0, or >= 0 with ``zero``)."""
-    if value is None and optional:
-        return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and (value >= 0 if zero else value > 0)
-    if not ok:
-        fail(f'{name} must be seconds {">=" if zero else ">"} 0')
-    return float(value)
-
-
-def job_id(value):
-    """``value`` if it can name a job folder (no path, no dot first).
-
-    >>> job_id('r20-20261122-101500-1a2b3c')
-    'r20-20261122-101500-1a2b3c'
-    """
-    if not isinstance(value, str) or not _ID.fullmatch(value):
-        fail(f'not a job id: {value!r}'[:200])
-    return value
-
-
-def environment(env):
-    """``env`` if it is a dict of variable names to strings, at most
-    :data:`MAX_ENV` bytes in all."""
-    if not isinstance(env, dict) or len(env) > 65536:
-        fail('env must be a JSON object of strings')
-    for key, value in env.items():
-        if not _ENV.fullmatch(key):
-            fail(f'env: not a variable name: {key!r}'[:200])
-        text(value, f'env {key}', MAX_TEXT)
-    size = sum(len(k) + len(v) + 2 for k, v in env.items())
-    if size > MAX_ENV:
-        fail(f'env is {size / 1024:.0f} KiB; a job keeps at most '
-             f'{MAX_ENV // 1024} KiB of your environment (largest: '
-             f'{max(env, key=lambda k: len(env[k]))}): unset what it '
-             'does not need')
-    return dict(env)
-
-
-def rlimits(value):
-    """``value`` if it is ``{name: [soft, hard]}`` of
-    :data:`dasktrain.keeper.RLIMITS`, ints >= -1 (-1: unlimited)."""
-    if not isinstance(value, dict) or set(value) - set(RLIMITS):
-        fail(f'rlimits takes {", ".join(RLIMITS)} only')
-    for name, pair in value.items():
-        if not (isinstance(pair, list) and len(pair) == 2 and
-                all(type(v) is int and v >= -1 for v in pair)):
-            fail(f'rlimits.{name} must be [soft, hard], ints >= -1')
-    return {k: list(v) for k, v in value.items()}
-
-
-def folder(value):
-    """``value`` if it is an absolute path."""
-    if not text(value, 'cwd').startswith('/'):
-        fail('cwd must be an absolute path')
-    return value
-
-
-def parse_time(value, name='time'):
-    """Seconds in ``value``: ``90s``, ``45m``, ``2h``, ``1h30m``, ``1d``,
-    or ``H:MM:SS``; a number of seconds passes as it is. JobError naming
-    the argument ``name`` otherwise.
-
-    Examples
-    --------
-    >>> parse_time('2h'), parse_time('1h30m'), parse_time('0:01:30')
-    (7200.0, 5400.0, 90.0)
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and value > 0:
-        return float(value)
-    words = str(value).strip().lower()
-    if re.fullmatch(r'\d+(:\d{1,2}){1,2}', words):
-        total = 0.0
-        for part in words.split(':'):
-            total = total * 60 + int(part)
-    elif re.fullmatch(r'(\d+(\.\d+)?[dhms])+', words):
-        total = sum(float(n) * _UNITS[u]
-                    for n, u in re.findall(r'(\d+(?:\.\d+)?)([dhms])',
-                                           words))
-    else:
-        total = 0.0
-    if total <= 0:
-        raise JobError(f'{argument(name)} takes a duration such as 90s, '
-                       f'45m, 2h, 1h30m or 2:00:00, got {value!r}')
-    return total
-
-
-_SIZES = {'': 1, 'k': 2 ** 10, 'm': 2 ** 20, 'g': 2 ** 30, 't': 2 ** 40}
-
-
-def parse_size(value, name='mem'):
-    """Bytes in ``value`` (``512M``, ``1.5G``: binary units, as Slurm's
-    ``--mem``; an int: bytes); JobError naming ``name`` otherwise.
-
-    >>> parse_size('8G'), parse_size('512m'), parse_size(4096)
-    (8589934592, 536870912, 4096)
-    """
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    found = re.fullmatch(r'(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?',
-                         str(value).strip().lower())
-    size = int(float(found[1]) * _SIZES[found[2]]) if found else 0
-    if size <= 0:
-        raise JobError(f'{argument(name)} takes a size such as 512M, 8G or '
-                       f'1.5G, got {value!r}')
-    return size
-
-
-def after_ids(after):
-    """``after`` (job ids, or ``'ID,ID'``) as a list of ids.
-
-    >>> after_ids('a, b,'), after_ids(None)
-    (['a', 'b'], [])
-    """
-    if isinstance(after, str):
-        after = after.split(',')
-    return [str(a).strip() for a in after or () if str(a).strip()]
 
 
 # ------------------------------------------------------ the programs
@@ -231,6 +94,7 @@ class Program:
 
     kind = 'program'  # its key on the wire
     workers = None
+    uses_cupy = False  # a program's GPUs are its own business
 
     @property
     def label(self):
@@ -257,7 +121,7 @@ class Program:
                 len(command) > 65536:
             fail('command must be a non-empty list of strings')
         return cls([text(a, 'command', MAX_TEXT) for a in command],
-                   folder(message.get('cwd')),
+                   absolute_path(message.get('cwd')),
                    environment(message.get('env')),
                    seconds(message.get('grace'), 'grace', zero=True),
                    flag(message.get('requeue', False), 'requeue'))
@@ -269,16 +133,16 @@ class Training:
     absolute), the submitter's ``env``, the user's ``files`` (``{'model' |
     'dataset': (file name, bytes)}``, as they were at submit); ``module``:
     the ``dasktrain`` module the job's program runs (``python -m MODULE
-    FOLDER``: :data:`~dasktrain.jobs.job.CHILD`, or a
+    FOLDER``: :data:`~dasktrain.jobs.record.TRAIN_JOB`, or a
     search's trial), with ``extra`` keys for its ``job.json``."""
     config: dict
     env: dict
     files: dict = dataclasses.field(default_factory=dict)
-    module: str = CHILD
+    module: str = TRAIN_JOB
     extra: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, config, env=None, module=CHILD, extra=None):
+    def of(cls, config, env=None, module=TRAIN_JOB, extra=None):
         """The run ``config`` as its submitter asks for it: the user's
         model and data checked and made absolute, their files read now
         (editing one later changes no job), their environment. JobError
@@ -328,6 +192,14 @@ class Training:
         """Its ranks across workers (None: one process)."""
         return self.config.get('workers')
 
+    @property
+    def uses_cupy(self):
+        """Whether it trains on the GPUs it holds: its own ``devices``
+        (if any) name GPUs (``--devices cpu`` trains on the CPU whatever
+        it holds)."""
+        devices = self.config.get('devices')
+        return not devices or bool(gpu_ids(devices))
+
     def check(self, gpus):
         """:func:`check_devices` of its config."""
         check_devices(self.train_config(), gpus)
@@ -352,7 +224,7 @@ class Training:
         if config.workers is not None:  # every rank holds `gpus`
             config = config.replace(gpus_per_worker=gpus)
         return {'config': json.loads(config.to_json()),
-                'child': self.module, 'grace': TRAINING_GRACE,
+                'module': self.module, 'grace': TRAINING_GRACE,
                 'requeue': True, **self.extra}, files
 
     def wire(self):
@@ -366,7 +238,7 @@ class Training:
     def from_wire(cls, message):
         if not isinstance(message.get('config'), dict):
             fail('config must be a JSON object (a TrainConfig)')
-        module = text(message.get('module', CHILD), 'module', 200)
+        module = text(message.get('module', TRAIN_JOB), 'module', 200)
         if not re.fullmatch(r'dasktrain(\.[a-z_]+)+', module):
             fail(f'module must be one of dasktrain\'s, got {module!r}'[:200])
         extra = message.get('extra') or {}
@@ -409,7 +281,7 @@ def check_devices(config, gpus):
     >>> check_devices(TrainConfig(devices=('@cupy:0',)), gpus=0)
     Traceback (most recent call last):
     ...
-    dasktrain.jobs.job.JobError: devices 0 names 1 GPU but 0 were...
+    dasktrain.jobs.fields.JobError: devices 0 names 1 GPU but 0 were...
     """
     from dasktrain.parallel.gpus import GpuError, place_devices
     if config.workers is not None and \
@@ -575,10 +447,7 @@ class JobRequest:
         """Whether it trains with dasktrain on the GPUs it holds: a
         training job holding GPUs, whose own ``devices`` (if any) name
         GPUs (``--devices cpu`` trains on the CPU whatever it holds)."""
-        if not isinstance(self.program, Training) or not self.gpus:
-            return False
-        devices = self.program.config.get('devices')
-        return not devices or bool(gpu_ids(devices))
+        return bool(self.gpus) and self.program.uses_cupy
 
 
 FIELDS = ('gpus', 'name', 'notify', 'after', 'after_any', 'time',

@@ -69,19 +69,19 @@ def job_rows(jobs_dir=None, ask=None):
     live = [(j, spec) for j, spec, s in jobs if s['state'] not in DONE]
     known = {}
     if live and ask is not None:
-        known = ask([j.key for j, _ in live], live[0][1].get('scheduler'))
+        known = ask([j.key for j, _ in live], live[0][1].scheduler)
     rows = []
     for job, spec, s in jobs:
         view = (known or {}).get(job.key) or {}
         rows.append({
-            'id': job.id, 'name': str(spec.get('name', '-')),
-            'user': str(spec.get('user', '-')), 'state': s['state'],
+            'id': job.id, 'name': str(spec.name or '-'),
+            'user': str(spec.user or '-'), 'state': s['state'],
             'ending': s.get('ending'),
             'gpus': ','.join(s['gpus']) if s.get('gpus') else
-            str(spec.get('gpus', '-')),
+            str(spec.gpus),
             'progress': f"{s['epoch']}/{s['epochs']}" if s['epochs']
             else '-', 'accuracy': s['accuracy'],
-            'submitted': spec['submitted'], 'started': s.get('started'),
+            'submitted': spec.submitted, 'started': s.get('started'),
             'ended': s.get('ended'),
             'seen': '-' if s['state'] in DONE else 'unreachable'
             if known is None else scheduler_view(s['state'],
@@ -166,7 +166,7 @@ def running_jobs(jobs_dir, address, board):
         try:
             summary = job.summary()
             if summary['state'] == 'running' and \
-                    job.spec().get('scheduler') == address:
+                    job.spec().scheduler == address:
                 found[job.id] = summary
         except JobError:
             continue

@@ -20,7 +20,8 @@ import collections
 import json
 import struct
 
-from dasktrain.jobs.request import JobRequest, RequestError, job_id
+from dasktrain.jobs.fields import RequestError, job_id
+from dasktrain.jobs.request import JobRequest
 
 MAX_REQUEST = 4 * 1024 * 1024     # bytes of one request line
 MAX_RESPONSE = 64 * 1024 * 1024   # bytes of one response (a client's cap)
@@ -111,7 +112,7 @@ def check_request(message):
     >>> check_request({'op': 'cancel', 'id': '../x'})
     Traceback (most recent call last):
     ...
-    dasktrain.jobs.request.RequestError: not a job id: '../x'
+    dasktrain.jobs.fields.RequestError: not a job id: '../x'
     """
     op = message.get('op')
     if op not in OPS:

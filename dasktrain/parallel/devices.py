@@ -1,12 +1,15 @@
 """Which devices this process can train on, by Chainer specifier, and the
-few CUDA calls the rest of the package makes about them (synchronise,
-streams and events, free memory), and a :class:`Clock` that times work
-on GPUs by events, read later.
+few CUDA runtime calls the rest of the package makes about them
+(synchronise, streams and events, free memory), arrays moved between
+them in order, and a :class:`Clock` that times work on them by those
+events, read later (the devices' own time: hence here).
 
 Decisions about *which* GPU ids a worker, job or rank gets live in
 :mod:`dasktrain.parallel.gpus` (no CUDA needed); how many GPUs CuPy can
-use here, and why none, in :mod:`dasktrain.parallel.cuda_check`; this
-module asks CuPy what is there.
+use here, and why none, in :mod:`dasktrain.parallel.cuda_check`; what
+the CUDA driver says of them (UUIDs, contexts) in
+:mod:`dasktrain.parallel.cuda_driver`; this module asks CuPy what is
+there.
 """
 import contextlib
 import time
@@ -17,6 +20,11 @@ import numpy as np
 
 from dasktrain.errors import UserError, plural
 from dasktrain.parallel.cuda_check import check_gpus_usable, gpu_count
+from dasktrain.parallel.cuda_driver import (
+    driver_uuids,
+    format_uuid,
+    uuid_bytes,
+)
 
 
 class DeviceError(UserError, ValueError):
@@ -266,88 +274,12 @@ def free_gpu_memory(ids):
     pinned.free_all_blocks()
 
 
-def format_uuid(raw):
-    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` for 16 raw bytes, as
-    nvidia-smi and CUDA_VISIBLE_DEVICES spell it.
-
-    >>> format_uuid(bytes(range(16)))
-    'GPU-00010203-0405-0607-0809-0a0b0c0d0e0f'
-    """
-    h = bytes(raw).hex()
-    return f'GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}'
-
-
-def _driver_uuid(ordinal):
-    """The GPU's 16 UUID bytes from the driver, which numbers devices as
-    the runtime does; CuPy's device properties pass them through a C
-    string, cut at the first zero byte. ``cuDeviceGetUuid_v2`` (CUDA 11.4
-    and later) gives a MIG instance its own UUID, where the first version
-    gives the whole GPU's; a driver without it answers with the first."""
-    import ctypes
-    cuda = ctypes.CDLL('libcuda.so.1')
-    device = ctypes.c_int()
-    raw = ctypes.create_string_buffer(16)
-    get_uuid = getattr(cuda, 'cuDeviceGetUuid_v2', None) or \
-        cuda.cuDeviceGetUuid
-    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), ordinal) \
-            or get_uuid(raw, device):
-        return None
-    return raw.raw
-
-
-def driver_uuids():
-    """The UUIDs of this process's CUDA devices in ordinal order, as the
-    driver numbers them (``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
-    applied; a MIG instance's own UUID), without creating a context; None
-    where there is no CUDA driver."""
-    import ctypes
-    try:
-        cuda = ctypes.CDLL('libcuda.so.1')
-    except OSError:
-        return None
-    count = ctypes.c_int()
-    if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)):
-        return None
-    found = []
-    for ordinal in range(count.value):
-        raw = _driver_uuid(ordinal)
-        if raw is None:
-            return None
-        found.append(format_uuid(raw))
-    return found
-
-
-def primary_contexts():
-    """For each of this process's CUDA ordinals, whether its primary
-    context is active here (``cuDevicePrimaryCtxGetState``: the context
-    CuPy's runtime calls use, left by any GPU work this process did),
-    without creating one; None where there is no CUDA driver."""
-    import ctypes
-    try:
-        cuda = ctypes.CDLL('libcuda.so.1')
-    except OSError:
-        return None
-    count = ctypes.c_int()
-    if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)):
-        return None
-    found = []
-    for ordinal in range(count.value):
-        device, flags, active = ctypes.c_int(), ctypes.c_uint(), \
-            ctypes.c_int()
-        if cuda.cuDeviceGet(ctypes.byref(device), ordinal) or \
-                cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags),
-                                                ctypes.byref(active)):
-            return None
-        found.append(bool(active.value))
-    return found
-
-
 def device_uuids(devices):
     """``{'@cupy:N': 'GPU-...'}`` for the GPUs among ``devices``: which
     physical GPU a job really used, for its log."""
     found = {}
     for gpu in gpus_of(devices):
-        raw = _driver_uuid(gpu.id)
+        raw = uuid_bytes(gpu.id)
         if raw is not None:
             found[f'@cupy:{gpu.id}'] = format_uuid(raw)
     return found

@@ -12,7 +12,7 @@ numberings therefore meet whenever dasktrain hands GPUs around:
   child process gets in *its* ``CUDA_VISIBLE_DEVICES``, where it then sees
   the GPUs as 0..k-1);
 * a job that reserves no GPU runs with ``CUDA_VISIBLE_DEVICES=''`` and sees
-  none (:func:`job_environment`);
+  none (:func:`with_visible_gpus`);
 * device lists a user typed (``--devices 2,3``) are renumbered onto the
   GPUs the job or rank was given, in order, or refused
   (:func:`place_devices`);
@@ -82,16 +82,18 @@ def visible_gpus(env=None, count=None):
     return entries if count is None else entries[:count]
 
 
-def job_environment(env, gpus):
-    """The environment of a job's child process holding ``gpus``.
+def with_visible_gpus(env, gpus):
+    """``env`` with exactly ``gpus`` visible: a job's program's holding
+    them.
 
     ``CUDA_VISIBLE_DEVICES`` lists the GPUs' entries (the child sees them
     as 0..k-1); a job holding none gets ``''`` and sees no GPU, never the
     worker's whole machine.
 
-    >>> job_environment({}, [Gpu(0, '2'), Gpu(1, '3')])['CUDA_VISIBLE_DEVICES']
+    >>> env = with_visible_gpus({}, [Gpu(0, '2'), Gpu(1, '3')])
+    >>> env['CUDA_VISIBLE_DEVICES']
     '2,3'
-    >>> env = job_environment({'CUDA_VISIBLE_DEVICES': '0,1'}, [])
+    >>> env = with_visible_gpus({'CUDA_VISIBLE_DEVICES': '0,1'}, [])
     >>> env['CUDA_VISIBLE_DEVICES']
     ''
     """

@@ -59,7 +59,7 @@ def driver_view():
     """The UUIDs of this process's CUDA devices, as the driver says (None
     where it cannot be asked)."""
     if not _DRIVER:
-        from dasktrain.parallel.devices import driver_uuids
+        from dasktrain.parallel.cuda_driver import driver_uuids
         _DRIVER.append(driver_uuids())
     return _DRIVER[0]
 

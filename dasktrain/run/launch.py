@@ -10,10 +10,11 @@ its keeper (:mod:`dasktrain.keeper`), with the environment of
 :mod:`dasktrain.parallel.comm.rendezvous` (rank, size, rendezvous, TLS
 files): ``dasktrain.chainermn.create_communicator()`` in the program
 joins the other ranks from it, peer to peer. CPU ranks on this machine
-(no ``scheduler``, no GPUs) are started here instead, as ``mpiexec``
-starts them (:func:`_run_here`): under their keepers, children of this
-process, all at once, with a scheduler in this process for their
-rendezvous and no worker processes.
+(no ``scheduler``, no GPUs) are the same driver's children instead
+(:meth:`~dasktrain.run.driver.Driver.start_here`), started as ``mpiexec``
+starts them: under their keepers, all at once, with a scheduler in this
+process for their rendezvous (:func:`scheduler_here`) and no worker
+processes.
 
 Output: rank 0's stdout and stderr come back live (Dask events, so from
 any machine; pipes, for ranks started here) and also go to ``rank0.log``
@@ -27,25 +28,22 @@ and why, and the exit status is that rank's. A rank that hangs makes its
 peers fail within the collective timeout, which ends the job the same
 way. Ctrl-C stops every rank before the local workers go.
 """
-import codecs
 import contextlib
 import functools
 import logging
 import os
 import shutil
 import signal
-import subprocess
-import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
-from dasktrain import keeper
-from dasktrain.cluster.guard import signals_raise
 from dasktrain.cluster.local import connect, restore_default_scheduler
+from dasktrain.cluster.start_lock import signals_raise
+from dasktrain.cluster.tls import private_copies, throwaway
 from dasktrain.cluster.workers import local_device_workers
 from dasktrain.errors import UserError, argument, plural
+from dasktrain.keeper import exit_words
 from dasktrain.parallel.comm.rendezvous import (
     LISTEN,
     SIZE,
@@ -55,13 +53,13 @@ from dasktrain.parallel.comm.rendezvous import (
 )
 from dasktrain.parallel.gpus import VISIBLE, GpuPool
 from dasktrain.run.driver import (
-    PATIENCE,
-    POLL,
-    SETTLE,
     Driver,
-    Failure,
+    RankResult,
+    RunState,
     Stop,
-    blame,
+    free_port,
+    last_line,
+    start_program,
 )
 from dasktrain.training.outdir import launch_folder
 
@@ -74,10 +72,11 @@ class LaunchError(UserError):
     """A launch that cannot start as asked."""
 
 
-def parse_devices(devices, n):
-    """``None``/``'cpu'`` -> (); ``'0,1'`` -> (0, 1), one GPU per rank.
+def rank_gpus(devices, n):
+    """The GPU of each of ``n`` ranks, from ``--devices``: ``None``/``'cpu'``
+    -> (); ``'0,1'`` -> (0, 1), one GPU per rank.
 
-    >>> parse_devices('cpu', 2), parse_devices('1,0', 2)
+    >>> rank_gpus('cpu', 2), rank_gpus('1,0', 2)
     ((), (1, 0))
     """
     if devices in (None, '', 'cpu'):
@@ -92,20 +91,6 @@ def parse_devices(devices, n):
                           f'{plural(len(set(ids)), "distinct GPU")} for '
                           f'{n} ranks: one GPU per rank')
     return ids
-
-
-def exit_words(code):
-    """An exit code in words.
-
-    >>> exit_words(3), exit_words(-9)
-    ('exit 3', 'killed by SIGKILL')
-    """
-    if code is not None and code < 0:
-        try:
-            return f'killed by {signal.Signals(-code).name}'
-        except ValueError:
-            return f'killed by signal {-code}'
-    return f'exit {code}'
 
 
 def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
@@ -158,7 +143,7 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
                           'e.g. dasktrain launch -n 2 -- python train.py')
     if not isinstance(n, int) or n < 1:
         raise LaunchError(f'{argument("n")} must be >= 1, got {n!r}')
-    gpus = parse_devices(devices, n)
+    gpus = rank_gpus(devices, n)
     if scheduler is None and client is None and \
             shutil.which(argv[0]) is None:
         raise LaunchError(f'cannot start {argv[0]}: no such program')
@@ -189,8 +174,8 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
 
 @contextlib.contextmanager
 def _tls_files(security):
-    """(ca, cert, key) paths of ``security`` (written to a private folder
-    when they are PEM text, removed on exit); None without TLS."""
+    """(ca, cert, key) paths of ``security`` (private copies where they
+    are PEM text, removed on exit); None without TLS."""
     if security is None or not security.tls_ca_file:
         yield None
         return
@@ -199,18 +184,19 @@ def _tls_files(security):
     if not any(v.startswith('-----BEGIN') for v in values):
         yield values
         return
-    folder = tempfile.mkdtemp(prefix='dasktrain-launch-')  # 0700
-    try:
-        paths = []
-        for name, value in zip(('ca.pem', 'cert.pem', 'key.pem'), values):
-            path = os.path.join(folder, name)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, 'w') as f:
-                f.write(value)
-            paths.append(path)
-        yield tuple(paths)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with private_copies(values) as paths:
+        yield paths
+
+
+def _relay(echo, pids):
+    """What the driver does with the ranks' events: a rank's output to
+    ``echo``, its keeper's pid into ``pids``."""
+    def relay(message):
+        if message.get('kind') == 'pid':
+            pids[message['rank']] = message['pid']
+        else:
+            echo(message['stream'], message['text'])
+    return relay
 
 
 def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local,
@@ -222,19 +208,12 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local,
     if not gpus:  # one core per CPU rank, unless the user chose
         environ.update({k: environ.get(k, '1') for k in _BLAS})
     pids = {}
-
-    def relay(message):
-        if message.get('kind') == 'pid':
-            pids[message['rank']] = message['pid']
-        else:
-            echo(message['stream'], message['text'])
-
     infos = client.scheduler_info(n_workers=-1)['workers']
     workers = sorted(infos)
     resources = _rank_resources(infos, n, gpus)
     placed = workers[:n] if local and len(workers) >= n else [None] * n
     names = [f'{what}{r}' for r in range(n) for what in ('started', 'gpu')]
-    with Driver(client, job, relay, names) as driver:
+    with Driver(client, job, _relay(echo, pids), names) as driver:
         for rank in range(n):
             variable(client, job, rank).set(False)  # True once it started
             variable(client, job, rank, 'gpu').set(None)  # [host, GPU]
@@ -245,7 +224,7 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local,
                 timeout)), os.getcwd(), str(out / f'rank{rank}.log'), rank,
              job, grace, gpus) for rank in range(n)], placed, [resources] * n)
         try:
-            outcome = driver.watch(failed=lambda result: result['code'])
+            result = driver.watch()
         finally:
             driver.stop(grace + 10)
             driver.relay_events()
@@ -254,21 +233,22 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local,
                     with contextlib.suppress(ProcessLookupError,
                                              PermissionError):
                         os.killpg(pid, signal.SIGKILL)
-        if outcome.kind == 'done':
-            return 0
-        if outcome.kind == 'lost':  # a rank never restarts: its failure
-            rank = placed.index(outcome.value[0])
-            return _report({'rank': rank, 'code': 1, 'log': None,
-                            'why': 'its worker died', 'last': None}, echo)
-        failure = outcome.value
-        result = failure.result or {
-            'rank': failure.rank, 'code': 1, 'log': None, 'last': None,
-            'why': f'lost its Dask task ({failure.why or _error(failure)})'}
-        return _report(result, echo)
+    return _exit_status(result, echo)
 
 
-def _error(failure):
-    return f'{type(failure.error).__name__}: {failure.error}'
+def _exit_status(result, echo):
+    """The launch's exit status from its ranks' :class:`~dasktrain.run.
+    driver.RunResult`: 0, else the failed rank's, said in one line."""
+    if result.state is RunState.SUCCEEDED:
+        return 0
+    if result.state is RunState.LOST:  # a rank never restarts: its failure
+        rank = list(result.workers).index(result.lost[0])
+        return _report(RankResult(rank, 1, why='its worker died'), echo)
+    failure = result.failure
+    error = failure.why or \
+        f'{type(failure.error).__name__}: {failure.error}'
+    return _report(failure.result or RankResult(
+        failure.rank, 1, why=f'lost its Dask task ({error})'), echo)
 
 
 def _rank_resources(infos, n, gpus):
@@ -293,16 +273,18 @@ def _rank_resources(infos, n, gpus):
 
 
 def _report(failed, echo):
-    rank, code = failed['rank'], failed['code']
-    why = failed.get('why') or exit_words(code)
-    if rank != 0 and failed.get('log'):
-        echo('stderr', f'--- rank {rank} ({failed["log"]}) ---\n')
+    """Say which rank failed and why (a rank r > 0's whole log to
+    ``echo``); the exit status that says it (128 + N for signal N, as a
+    shell says it)."""
+    rank, code = failed.rank, failed.code
+    why = failed.why or exit_words(code)
+    if rank != 0 and failed.log:
+        echo('stderr', f'--- rank {rank} ({failed.log}) ---\n')
         with contextlib.suppress(OSError):
-            echo('stderr', Path(failed['log']).read_text(errors='replace'))
+            echo('stderr', Path(failed.log).read_text(errors='replace'))
         echo('stderr', f'--- end of rank {rank} ---\n')
-    last = failed.get('last')
     logger.error('rank %d failed (%s)%s; the other ranks were stopped',
-                 rank, why, f': {last}' if last else '')
+                 rank, why, f': {failed.last}' if failed.last else '')
     if code is None or code == 0:
         return 1
     return 128 - code if code < 0 else code
@@ -320,16 +302,15 @@ def variable(client, job, rank, what='started'):
 
 def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
     """The task body of one rank: start the program under its keeper,
-    relay rank 0's output, stop it when the launch says so; returns
-    ``{'rank', 'code', 'ended', 'log', 'last', 'why'}``."""
+    relay rank 0's output, stop it when the launch says so; a
+    :class:`~dasktrain.run.driver.RankResult`."""
     from distributed import get_worker
     from distributed.comm.addressing import get_address_host, parse_address
     worker = get_worker()
     started = variable(worker.client, job, rank)
     if started.get():
         # Dask reran the task after its worker died: a rank never restarts.
-        return {'rank': rank, 'code': 1, 'ended': time.time(), 'log': None,
-                'why': 'its worker died', 'last': None}
+        return RankResult(rank, 1, why='its worker died', ended=time.time())
     started.set(True)
     scheme = parse_address(worker.address)[0]
     env = dict(env, **{LISTEN: f'{scheme}://'
@@ -340,27 +321,17 @@ def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
             env[VISIBLE] = _machine_gpus(worker, job, rank, int(env[SIZE]),
                                          held, stop) if gpus else ''
             with open(log_path, 'wb') as log:
-                pipe = None if rank else subprocess.PIPE
-                kept = keeper.start(argv, env, grace, stdout=pipe or log,
-                                    stderr=pipe or log, cwd=cwd)
+                kept, readers = start_program(
+                    argv, env, grace, log, None if rank else
+                    functools.partial(_send, worker, job), cwd=cwd)
                 worker.log_event(job, {'kind': 'pid', 'rank': rank,
                                        'pid': kept.pid})
-                lock = threading.Lock()  # stdout and stderr share the log
-                readers = [_reader(stream, log, lock, functools.partial(
-                    _send, worker, job, name)) for stream, name in (
-                        (kept.stdout, 'stdout'), (kept.stderr, 'stderr'))
-                           if stream is not None]
-                code, ended = _wait(kept, stop, grace)
+                ended = kept.watch(stop.is_set, grace)
                 for reader in readers:
                     reader.join(5)
-                error = kept.start_error()
     finally:
         GpuPool.release(held)
-    if error is not None:
-        return {'rank': rank, 'code': keeper.CANNOT_START, 'ended': ended,
-                'log': log_path, 'last': None, 'why': error}
-    return {'rank': rank, 'code': code, 'ended': ended, 'log': log_path,
-            'last': _last_line(log_path), 'why': None}
+    return RankResult.of(rank, ended, log_path, last_line(log_path))
 
 
 def _machine_gpus(worker, job, rank, size, held, stop):
@@ -383,53 +354,6 @@ def _send(worker, job, name, text):
     worker.log_event(job, {'kind': 'output', 'stream': name, 'text': text})
 
 
-def _reader(stream, log, lock, send):
-    """A thread copying ``stream`` to ``log`` and its text to ``send``
-    (chunks as they come: a progress bar's ``\\r`` stays)."""
-    # A character split between two reads is decoded once it is whole.
-    decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
-
-    def run():
-        fd = stream.fileno()
-        while True:
-            data = os.read(fd, 65536)
-            text = decoder.decode(data, final=not data)
-            with lock:
-                log.write(data)
-                log.flush()
-            if text:
-                send(text)
-            if not data:
-                break
-    thread = threading.Thread(target=run, daemon=True,
-                              name='dasktrain-output')
-    thread.start()
-    return thread
-
-
-def _wait(kept, stop, grace):
-    """The program's exit code and when it ended; its keeper stops it
-    once ``stop`` is set (then it reads 0: not this rank's own failure)."""
-    while kept.poll() is None:
-        if stop.is_set():
-            kept.stop(grace)
-            return 0, time.time()
-        time.sleep(0.1)
-    return kept.returncode, time.time()
-
-
-def _last_line(path):
-    """The last non-empty line of a rank's log (its error, usually)."""
-    try:
-        with open(path, 'rb') as f:
-            f.seek(max(0, os.path.getsize(path) - 4096))
-            lines = f.read().decode(errors='replace').splitlines()
-    except OSError:
-        return None
-    lines = [line.strip() for line in lines if line.strip()]
-    return lines[-1][:300] if lines else None
-
-
 # ------------------------------------------------- ranks started here
 # A CPU launch on this machine starts its ranks as children of this
 # process, as mpiexec does, all at once, with a scheduler in this process
@@ -438,50 +362,26 @@ def _last_line(path):
 # (bench/startup.py). Keepers, output, faults and stopping as on workers.
 
 def _run_here(argv, n, out, timeout, grace, echo, extra):
-    """Run the ranks under keepers started here; the exit status. They
+    """Run the ranks as the driver's children; the exit status. They
     start first, the scheduler (Dask's import, most of this process's
     start-up) while they import theirs: their rendezvous waits for it."""
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
     environ.update({k: environ.get(k, '1') for k in _BLAS})
-    ended = threading.Event()  # set whenever a rank ends
-    children = []
-    with throwaway_tls() as tls:
+    with throwaway() as tls, Driver(None, job, _relay(echo, {})) as driver:
         port = free_port()
         address = f'tls://127.0.0.1:{port}'
+        driver.start_here(argv, [dict(environ, **rank_environment(
+            rank, n, address, job, 'tls://127.0.0.1', tls, timeout))
+            for rank in range(n)],
+            [str(out / f'rank{rank}.log') for rank in range(n)], grace)
         try:
-            for rank in range(n):
-                env = dict(environ, **rank_environment(
-                    rank, n, address, job, 'tls://127.0.0.1', tls, timeout))
-                children.append(_Child(argv, env, rank, out, echo, ended,
-                                       grace))
             with scheduler_here(port, tls):
-                return _watch_here(children, ended, grace, echo)
+                result = driver.watch()
         finally:
-            for child in children:
-                child.stop(grace)
-
-
-@contextlib.contextmanager
-def throwaway_tls(host='127.0.0.1'):
-    """(ca, cert, key) of a CA and certificate made for one job of ranks
-    alone (``host``), in a private folder removed on exit."""
-    from dasktrain.cluster.tls import ensure_certificates
-    folder = tempfile.mkdtemp(prefix='dasktrain-launch-')  # 0700
-    try:
-        files = ensure_certificates(folder, host)
-        yield files['tls_ca_file'], files['tls_cert'], files['tls_key']
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def free_port(host='127.0.0.1'):
-    """A port of ``host`` free now, for the scheduler the ranks are
-    told of before it starts."""
-    import socket
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            driver.stop(grace)
+            driver.relay_events()
+    return _exit_status(result, echo)
 
 
 @contextlib.contextmanager
@@ -505,90 +405,3 @@ def scheduler_here(port, tls, host='127.0.0.1'):
                           f'{host}:{port} ({e}); launch again') from None
     with cluster:
         yield
-
-
-def _watch_here(children, ended, grace, echo):
-    """Wait for the ranks; as :meth:`~dasktrain.run.driver.Driver.watch`
-    does, the first to fail that is not a peer's echo ends the job (once
-    the others have had ``SETTLE`` seconds to show theirs; an echo waits
-    ``PATIENCE`` seconds for its cause), named in one line."""
-    first = None
-    while True:
-        ended.wait(POLL)
-        ended.clear()
-        outcomes = [c.outcome() for c in children]
-        failures = [Failure(o['rank'], None, o, o['ended'])
-                    for o in outcomes if o is not None and o['code'] != 0]
-        done = all(o is not None for o in outcomes)
-        if done and not failures:
-            for child in children:
-                child.join_output()
-            return 0
-        if not failures:
-            continue
-        now = time.monotonic()
-        first = first or now
-        roots = [f for f in failures if not f.echo()]
-        if done or now - first > PATIENCE or \
-                (roots and now - first >= SETTLE):
-            for child in children:
-                child.stop(grace)
-            return _report(blame(failures).result, echo)
-
-
-class _Child:
-    """One rank started here, under its keeper (dying with this process;
-    rank 0's output relayed live, every rank's kept in its log)."""
-
-    def __init__(self, argv, env, rank, out, echo, ended, grace):
-        self.rank, self.log = rank, str(out / f'rank{rank}.log')
-        self.time = self.why = None
-        self._readers = []
-        with open(self.log, 'wb') as log:
-            pipe = subprocess.PIPE if rank == 0 else log
-            self.kept = keeper.start(argv, env, grace, stdout=pipe,
-                                     stderr=pipe, cwd=os.getcwd())
-        if rank == 0:
-            log = open(self.log, 'ab')
-            lock = threading.Lock()  # stdout and stderr share the log
-            self._readers = [
-                _reader(stream, log, lock, functools.partial(echo, name))
-                for stream, name in ((self.kept.stdout, 'stdout'),
-                                     (self.kept.stderr, 'stderr'))]
-        else:
-            log = None
-
-        def wait():
-            self.kept.wait()
-            self.join_output()
-            if log is not None:
-                log.close()
-            self.why = self.kept.start_error()
-            self.time = time.time()
-            ended.set()
-        threading.Thread(target=wait, daemon=True,
-                         name=f'dasktrain-rank{rank}').start()
-
-    def outcome(self):
-        """The rank's result as a worker's rank task gives it, or None
-        while it runs."""
-        if self.time is None:
-            return None
-        if self.why is not None:
-            return {'rank': self.rank, 'code': keeper.CANNOT_START,
-                    'ended': self.time, 'log': self.log, 'why': self.why,
-                    'last': None}
-        return {'rank': self.rank, 'code': self.kept.returncode,
-                'ended': self.time, 'log': self.log, 'why': None,
-                'last': _last_line(self.log)}
-
-    def join_output(self):
-        for reader in self._readers:
-            reader.join(5)
-
-    def stop(self, grace):
-        """Its keeper stops every process of the rank: SIGTERM, SIGKILL
-        after ``grace`` s."""
-        if self.kept.poll() is None:
-            self.kept.stop(grace)
-        self.join_output()

@@ -83,7 +83,7 @@ from dasktrain.parallel.placement import (
     rank_resources,
     rank_threads,
 )
-from dasktrain.run.driver import Driver, Stop
+from dasktrain.run.driver import Driver, RankResult, RunState, Stop, go_on
 from dasktrain.training.checkpoint import prepare_out
 from dasktrain.training.loop import run
 from dasktrain.training.models import resolve_model
@@ -332,9 +332,11 @@ def _nccl_module():
 
 
 def _rank(config, name, rank, size, gpus, flags=False, devices=None):
-    """The task body of rank ``rank``: join the others, train, report;
-    ``flags``: its messages name command-line flags, as the driver's (the
-    ``dasktrain`` command's) do; ``devices``: the rank's (Ranks.devices)."""
+    """The task body of rank ``rank``: join the others, train, report (a
+    :class:`~dasktrain.run.driver.RankResult`, rank 0's with the run's
+    summary); ``flags``: its messages name command-line flags, as the
+    driver's (the ``dasktrain`` command's) do; ``devices``: the rank's
+    (Ranks.devices)."""
     with flag_names() if flags else contextlib.nullcontext():
         return _rank_body(config, name, rank, size, gpus, devices)
 
@@ -375,7 +377,8 @@ def _rank_body(config, name, rank, size, gpus, devices):
             finally:
                 if comm is not host:
                     comm.close()
-            return summary if rank == 0 else None
+            return RankResult(rank, ended=time.time(),
+                              summary=summary if rank == 0 else None)
     finally:
         free_gpu_memory(gpu_ids(devices))  # before the next job gets them
         GpuPool.release(held)
@@ -458,11 +461,9 @@ def _drive(client, config, ranks, callbacks, progress):
             config.devices, worker_info(client).values(),
             config.gpus_per_worker), config.devices)
     job = uuid.uuid4().hex[:8]
-    wanted = minimum = ranks.count
-    patience, attempt = config.collective_timeout, 0
-    while True:
-        attempt += 1
-        workers = _choose(client, ranks, wanted, minimum, patience)
+
+    def round_(want, attempt):  # want: (wanted, minimum, patience)
+        workers = _choose(client, ranks, *want)
         name = f'dasktrain-{job}-{attempt}'
         each = ranks.config(config, attempt)
         infos = worker_info(client)
@@ -474,23 +475,25 @@ def _drive(client, config, ranks, callbacks, progress):
                         for r in range(len(workers))],
                 workers, [rank_resources(ranks.gpus, infos[w])
                           for w in workers])
-            outcome = driver.watch()
-        if outcome.kind == 'done':
-            summary = outcome.value[0]
-            summary.update(attempts=attempt, workers=workers)
-            return summary
-        if outcome.kind == 'failed':
-            failure = outcome.value
-            raise failure.error or CollectiveError(
-                f'rank {failure.rank} failed: {failure.why}')
+            return driver.watch()
+
+    def replan(want, result):
         then = 'waiting for replacements, then ' \
             if config.on_worker_loss == 'wait' else ''
         logger.warning('worker(s) %s lost; %sresuming from the last '
-                       'checkpoint', ', '.join(outcome.value), then)
+                       'checkpoint', ', '.join(result.lost), then)
         if config.on_worker_loss == 'continue':
-            wanted, minimum = max(1, len(workers) - len(outcome.value)), 1
-        else:
-            patience = float('inf')
+            return max(1, len(result.workers) - len(result.lost)), 1, want[2]
+        return want[0], want[1], float('inf')
+    result, attempt = go_on(round_, (ranks.count, ranks.count,
+                                     config.collective_timeout), replan)
+    if result.state is RunState.SUCCEEDED:
+        summary = result.results[0].summary
+        summary.update(attempts=attempt, workers=list(result.workers))
+        return summary
+    failure = result.failure
+    raise failure.error or CollectiveError(
+        f'rank {failure.rank} failed: {failure.why}')
 
 
 def _choose(client, ranks, wanted, minimum, patience):

@@ -55,7 +55,7 @@ POLL_SECONDS = 1.0    # between polls of a job of several ranks
 
 
 @dataclasses.dataclass
-class Command:
+class SteeringRequest:
     """A request the run will act on: its ``key`` (:func:`entry_key`),
     ``name``, ``body``, and ``schedule``: None, or ('epoch' or
     'iteration', N)."""
@@ -67,7 +67,7 @@ class Command:
     def words(self):
         """How the command reads to a user.
 
-        >>> Command('k', 'stop', schedule=('epoch', 3)).words()
+        >>> SteeringRequest('k', 'stop', schedule=('epoch', 3)).words()
         'stop at epoch 3'
         """
         when = f' at {self.schedule[0]} {self.schedule[1]}' \
@@ -76,9 +76,10 @@ class Command:
 
 
 def parse(entry):
-    """The :class:`Command` of one entry of ``OUT/commands``; Refused with
-    the reason for one the run cannot take; None for an entry answered
-    already (or one that asks nothing: ChainerUI's ``request`` None).
+    """The :class:`SteeringRequest` of one entry of ``OUT/commands``;
+    Refused with the reason for one the run cannot take; None for an
+    entry answered already (or one that asks nothing: ChainerUI's
+    ``request`` None).
 
     >>> parse({'name': 'stop', 'request': {'schedule': {'key': 'epoch',
     ...        'value': 2}}, 'response': None}).schedule
@@ -108,7 +109,8 @@ run; it takes take_snapshot, adjust_hyperparams, stop
             raise Refused(f'schedule {json.dumps(schedule)} is not '
                           '{"key": "epoch" or "iteration", "value": N >= 0}')
         schedule = (schedule['key'], value)
-    return Command(entry_key(entry), name, request_.get('body'), schedule)
+    return SteeringRequest(entry_key(entry), name, request_.get('body'),
+                           schedule)
 
 
 def when(command, epoch, iteration):
@@ -117,7 +119,7 @@ def when(command, epoch, iteration):
     ``iteration`` iterations (ChainerUI's rule: epoch N acts while the
     completed epochs are N; iteration N at iteration N).
 
-    >>> c = Command('k', 'stop', schedule=('epoch', 2))
+    >>> c = SteeringRequest('k', 'stop', schedule=('epoch', 2))
     >>> when(c, 1, 40), when(c, 2, 80), when(c, 3, 120)[:13]
     ('later', 'now', 'epoch 2 ended')
     """
@@ -191,7 +193,7 @@ class Steering:
         self.plan = {}           # iteration: [action], known to every rank
         self.planned = set()     # keys of pending commands planned
         self.seen = object()     # the file's signature when last read
-        self.pending = {}        # key: Command, not yet acted on
+        self.pending = {}        # key: SteeringRequest, not yet acted on
         self.answered = {}       # key: response written (again if lost)
         self.warned = None       # the problem last warned of
         self.last = None         # (iteration, time) of the last poll
@@ -384,7 +386,7 @@ class Steering:
 def _too_late(command, epoch, iteration, why):
     """Why ``command`` never acted: the run ended (``why``) first.
 
-    >>> _too_late(Command('k', 'stop', schedule=('epoch', 5)), 3, 60,
+    >>> _too_late(SteeringRequest('k', 'stop', schedule=('epoch', 5)), 3, 60,
     ...           'its 3 epochs done')
     'the run ended (its 3 epochs done) at epoch 3, iteration 60: epoch 5 \
 never came'

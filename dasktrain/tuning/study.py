@@ -243,7 +243,7 @@ class _Search:
                     self.jobs[t.number] = self.door.job(t.user_attrs['job'])
             return
         for job in list_jobs(root):
-            spec = job.spec().get('trial') or {}
+            spec = job.spec().trial or {}
             if all(spec.get(k) == self.trial[k] for k in ('study', 'storage')):
                 self.jobs[spec['number']] = job
 

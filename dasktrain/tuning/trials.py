@@ -8,7 +8,7 @@ metric to the study's storage (``trial.report(value, epoch)``) and asks the
 study's pruner (``trial.should_prune()``); when the pruner says so it
 raises :class:`dasktrain.jobs.job.Pruned`, the training stops at once (its
 checkpoint is already written), the job ends ``pruned`` and its GPUs go
-back to the queue. When the training ends the child tells the study
+back to the queue. When the training ends the trial's program tells the study
 itself (:func:`finish`), so a study's record does not depend on the
 process that asked for the trial staying alive.
 
@@ -22,14 +22,13 @@ never got as good. (A pruned trial's value is Optuna's: its last epoch's.)
 for ``dasktrain tune --status`` and notebooks (their table is
 :func:`dasktrain.results.trials_table`).
 """
-import json
 import math
 import sys
 from pathlib import Path
 
 from dasktrain.errors import UserError, argument
-from dasktrain.jobs.job import PRUNED, STOPPED, Job, Pruned
-from dasktrain.jobs.worker.child import read_spec, run_child
+from dasktrain.jobs.job import Job, Pruned
+from dasktrain.jobs.worker.train_job import read_spec, train_job
 
 
 class StorageError(UserError):
@@ -90,7 +89,7 @@ def best_epoch(rows, metric, maximize):
 
 def finish(study, trial_id, state, value=None, **attrs):
     """Record a trial's end (and user attributes) unless it has one:
-    the job's child and the driver may both try; the first one wins."""
+    the trial's program and the study may both try; the first one wins."""
     import optuna
     from optuna.exceptions import UpdateFinishedTrialError
     trial = optuna.trial.Trial(study, trial_id)
@@ -143,12 +142,12 @@ class Reporter:
 
 def main(folder, spec=None):
     """The program of a trial's job; returns its exit code. ``spec``: its
-    ``job.json`` (default: read from ``folder``)."""
+    record (default: read from ``folder``)."""
     import optuna
     folder = Path(folder)
-    spec = spec or json.loads((folder / 'job.json').read_text())
-    trial_spec = spec['trial']
-    job = Job(spec['id'], folder)
+    spec = spec or read_spec(folder)
+    trial_spec = spec.trial
+    job = Job(spec.id, folder)
     study = load_study(trial_spec)
     trial = optuna.trial.Trial(study, trial_spec['id'])
     reporter = Reporter(trial, trial_spec['metric'])
@@ -156,13 +155,12 @@ def main(folder, spec=None):
     for row in job.log_rows():  # epochs of a killed attempt not reported
         if row['epoch'] not in done and trial_spec['metric'] in row:
             trial.report(row[trial_spec['metric']], row['epoch'])
-    code = run_child(folder, callbacks=[reporter], spec=spec)
+    code = train_job(folder, callbacks=[reporter], spec=spec)
     # Told here, before the job's status says it ended: whoever sees the
     # job ended finds its trial ended too.
     lines = job.logs().strip().splitlines()
     state, value, attrs = outcome(
-        job, trial_spec, {0: 'finished', STOPPED: 'finished',
-                          PRUNED: 'pruned'}.get(code, 'failed'),
+        job, trial_spec, spec.end(code).state.value,
         lines[-1] if lines else f'exit code {code}')
     finish(study, trial_spec['id'], state, value, **attrs)
     return code

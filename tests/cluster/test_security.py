@@ -94,9 +94,9 @@ def test_job_folders_are_whole_private_and_the_users_own(
         client.wait_for_workers(1)
         job = submit(job_config(data_dir, epochs=1), gpus=1, client=client,
                      path=jobs)
-    assert job.spec()['user'] == pwd.getpwuid(os.getuid()).pw_name \
+    assert job.spec().user == pwd.getpwuid(os.getuid()).pw_name \
         == current_user()
-    assert job.spec()['host'] == socket.gethostname()
+    assert job.spec().host == socket.gethostname()
     # Only its owner reads its logs and weights.
     assert stat.S_IMODE(job.folder.stat().st_mode) == 0o700
     assert job.result(timeout=180)['final']['epoch'] == 1

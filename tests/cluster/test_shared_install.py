@@ -20,7 +20,7 @@ import pytest
 from children import child
 
 import dasktrain.cluster.shared as shared
-import dasktrain.everyone as everyone
+import dasktrain.shared_install as everyone
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSOLE = Path(sys.executable).parent / 'dasktrain'

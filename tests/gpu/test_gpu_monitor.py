@@ -25,7 +25,7 @@ def _check(reading):
 @needs(1)
 def test_the_driver_names_each_gpu_as_nvml_does():
     # cuDeviceGetUuid_v2: a MIG instance's own UUID, not its parent's
-    from dasktrain.parallel.devices import driver_uuids
+    from dasktrain.parallel.cuda_driver import driver_uuids
     readings = gpu_readings(env={})
     digits = [r['uuid'].split('-', 1)[1] for r in readings]
     found = driver_uuids()

@@ -365,7 +365,7 @@ def _thread_rank(name, rank, size):
 
 
 def _visible_orders():
-    from dasktrain.parallel.devices import driver_uuids
+    from dasktrain.parallel.cuda_driver import driver_uuids
     uuids = driver_uuids() or []
     orders = [pytest.param(','.join(uuids[1::-1]), uuids[1::-1],
                            id='uuids-reversed')]

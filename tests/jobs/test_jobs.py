@@ -1,7 +1,6 @@
 """The job queue on real `dask scheduler` / `dask worker` processes on
 127.0.0.1: CPU workers labelled with fake GPU resources, jobs that train
 on the CPU; `dasktrain submit`, `jobs`, `logs`, `cancel` and `result`."""
-import importlib.util
 import json
 import os
 import shutil
@@ -18,7 +17,6 @@ from dasktrain.jobs.client.submit import submit
 from dasktrain.jobs.job import Job, JobError, list_jobs
 from dasktrain.jobs.scheduler.board import JobBoard
 from dasktrain.jobs.status import job_rows
-from dasktrain.jobs.worker.program import FORMER_CHILDREN, child_module
 from dasktrain.run.train import train
 
 TIME_KEYS = {'elapsed_time', 'images_per_sec', 'data_wait_time',
@@ -146,7 +144,7 @@ def test_a_job_across_workers_holds_its_gpus_on_every_rank(cluster,
             job = submit(job_config(data_dir, workers=2, epochs=30,
                                     collective_timeout=10.0),
                          gpus=gpus, client=client, path=tmp_path / 'jobs')
-            assert job.spec()['config']['gpus_per_worker'] == gpus
+            assert job.spec().config['gpus_per_worker'] == gpus
 
             def ranks(gpus=gpus):
                 seen[gpus] = client.run_on_scheduler(_rank_restrictions)
@@ -389,7 +387,7 @@ def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
     job_id = capsys.readouterr().out.strip()
     assert job_id.startswith('sweep-')
     job = Job.find(job_id, tmp_path / 'jobs')
-    assert job.spec()['config']['data_dir'] == str(data_dir)
+    assert job.spec().config['data_dir'] == str(data_dir)
     assert job.result(timeout=120)['final']['epoch'] == 1
     assert list((tmp_path / 'worker-cwd').iterdir()) == []
     assert main(['logs', job_id, '--follow', '--jobs-dir',
@@ -397,7 +395,7 @@ def test_submit_command_prints_an_id_at_once(cluster, data_dir, tmp_path,
     said = capsys.readouterr().out
     assert 'done: epoch 1' in said
     # its curves, as a local run draws them
-    curves = Path(job.spec()['config']['out']) / 'curves.png'
+    curves = Path(job.spec().config['out']) / 'curves.png'
     assert f'curves: {curves}' in said
     assert curves.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
@@ -407,7 +405,7 @@ def test_logs_of_a_job_killed_mid_line_end_with_a_newline(tmp_path,
     folder = tmp_path / 'jobs' / 'cut-1'
     folder.mkdir(parents=True)
     (folder / 'job.json').write_text(json.dumps(
-        {'submitted': 1.0, 'gpus': 0, 'command': ['true']}))
+        {'version': 1, 'submitted': 1.0, 'gpus': 0, 'command': ['true']}))
     (folder / 'status.json').write_text(json.dumps(
         {'state': 'failed', 'attempts': 1, 'error': 'killed'}))
     (folder / 'output.log').write_bytes(b'epoch 1\nepoch 2 [####  ]\r')
@@ -420,34 +418,6 @@ def test_logs_of_a_job_killed_mid_line_end_with_a_newline(tmp_path,
     (folder / 'output.log').write_bytes(b'done\n')
     assert main(['logs', 'cut-1', '--jobs-dir', str(tmp_path / 'jobs')]) == 0
     assert capsys.readouterr().out == 'done\n'
-
-
-def test_former_child_modules_map_to_todays():
-    # job.json's 'child' of folders written before the modules moved
-    assert child_module({}) == 'dasktrain.jobs.worker.child'
-    for former in ('dasktrain.jobs', 'dasktrain.cluster.jobs',
-                   'dasktrain.jobs.worker'):
-        assert child_module({'child': former}) == \
-            'dasktrain.jobs.worker.child'
-    for trial in ('dasktrain.trials', 'dasktrain.tuning.trials'):
-        assert child_module({'child': trial}) == 'dasktrain.tuning.trials'
-    for module in set(FORMER_CHILDREN.values()):
-        assert importlib.util.find_spec(module) is not None, module
-    assert child_module({'child': 'os'}) == 'os'  # and refused: not ours
-
-
-def test_a_job_folder_naming_a_former_child_module_still_runs(
-        cluster, data_dir, tmp_path):
-    cluster.worker(gpus=0, resources='CPU=1')
-    with Client(cluster.address, set_as_default=False) as client:
-        client.wait_for_workers(1)
-        job = submit(job_config(data_dir, epochs=1, train_size=200), gpus=0,
-                     client=client, path=tmp_path / 'jobs',
-                     extra={'child': 'dasktrain.cluster.jobs'})
-    assert job.spec()['child'] == 'dasktrain.cluster.jobs'
-    assert job.result(timeout=120)['final']['epoch'] == 1
-    assert 'done: epoch 1' in job.logs()
-
 
 
 @pytest.mark.parametrize('purged_at', [1, 2])

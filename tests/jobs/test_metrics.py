@@ -289,7 +289,8 @@ def test_jobs_watch_ends_on_ctrl_c_while_the_scheduler_does_not_answer(
     folder = tmp_path / 'jobs' / 'stuck-1'
     folder.mkdir(parents=True)
     (folder / 'job.json').write_text(json.dumps({
-        'id': 'stuck-1', 'name': 'stuck', 'user': 'u', 'gpus': 0,
+        'version': 1, 'id': 'stuck-1', 'name': 'stuck', 'user': 'u',
+        'gpus': 0,
         'workers': None, 'config': {'epochs': 3}, 'submitted': 1.7e9,
         'scheduler': f'tcp://127.0.0.1:{server.getsockname()[1]}'}))
     (folder / 'status.json').write_text(json.dumps({
@@ -501,8 +502,8 @@ def test_the_jobs_page_fits_a_1400_px_window_and_says_how_jobs_ended(
         folder = tmp_path / 'jobs' / name
         (folder / 'out').mkdir(parents=True)
         (folder / 'job.json').write_text(json.dumps(
-            {'submitted': now - len(name), 'user': 'alice-longname',
-             'name': name, **spec}))
+            {'version': 1, 'submitted': now - len(name),
+             'user': 'alice-longname', 'name': name, **spec}))
         (folder / 'status.json').write_text(json.dumps(
             {'attempts': 1, **status}))
     worker = 'tcp://192.168.100.123:45678'

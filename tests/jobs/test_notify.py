@@ -207,9 +207,9 @@ def test_a_command_jobs_end_is_posted_and_a_hung_hook_delays_nothing(
                 [sys.executable, '-c', 'pass'], gpus=0, client=client,
                 path=tmp_path / 'j', notify=hung.url, name='quiet',
                 after=[failed.id], after_any=True, time='1m')
-            assert fine.spec()['notify'] == hung.url and \
-                fine.spec()['after'] == [failed.id] and \
-                fine.spec()['time'] == 60
+            assert fine.spec().notify == hung.url and \
+                fine.spec().after == [failed.id] and \
+                fine.spec().time == 60
             wait_until(lambda: told.posts, 120, 'the POST')
             text = told.posts[0][1]['text']
             assert text.startswith(f'job {failed.id} (python') and \

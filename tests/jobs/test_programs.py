@@ -17,7 +17,7 @@ from test_cluster import Processes, wait_until
 from dasktrain.cli import main
 from dasktrain.jobs.client.submit import parse_env, submit_command
 from dasktrain.jobs.job import Job, JobError
-from dasktrain.jobs.worker.task import exit_words
+from dasktrain.keeper import exit_words
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_a_program_runs_where_and_as_its_submitter_said(
     assert status['state'] == 'finished' and status['exit_code'] == 0
     log = job.logs()
     assert f'cwd {lab}' in log
-    assert job.spec()['host'] == socket.gethostname()  # and the user
+    assert job.spec().host == socket.gethostname()  # and the user
     assert "gpus '0'" in log or "gpus '1'" in log  # exactly one GPU
     assert 'secret abc123' in log and 'added yes' in log
     # the environment is the submitter's only: the folder and the file
@@ -90,7 +90,7 @@ def test_exit_codes_and_signals_are_the_end_in_words(cluster, tmp_path):
     assert 'cannot start no-such-program-here' in status['error']
     with pytest.raises(JobError, match=r'failed: exit 3'):
         three.result()
-    assert exit_words(-15) == 'failed (killed by SIGTERM)'
+    assert exit_words(-15) == 'killed by SIGTERM'
     with pytest.raises(JobError, match='takes KEY=VALUE'):
         parse_env(['1A=2'])
 

@@ -15,8 +15,9 @@ from test_cluster import Processes, job_config, wait_until
 from dasktrain.cli import main
 from dasktrain.commands.jobs import estimate_words
 from dasktrain.jobs.client.submit import submit, submit_command
+from dasktrain.jobs.fields import parse_time
 from dasktrain.jobs.job import Job, JobError, current_user
-from dasktrain.jobs.request import parse_time
+from dasktrain.jobs.record import JobRecord
 from dasktrain.jobs.scheduler.dispatch import estimated_end, set_user_limit
 from dasktrain.jobs.scheduler.outside_use import busy_outside
 from dasktrain.jobs.scheduler.policy import plan
@@ -417,10 +418,13 @@ def test_a_running_jobs_end_from_its_epoch_times_or_its_time(tmp_path):
     folder = tmp_path / 'job'
     (folder / 'out').mkdir(parents=True)
     job = Job('job', folder)
-    spec = {'config': {'epochs': 10}, 'time': 3600.0}
+    spec = JobRecord.of({'version': 1, 'submitted': 1.0, 'gpus': 0,
+                         'config': {'epochs': 10}, 'time': 3600.0})
     # no epoch yet: its --time after its start
     assert estimated_end(job, spec, {'started': 100.0}, now=200.0) == 3700.0
-    assert estimated_end(job, {}, {'started': 100.0}, now=200.0) is None
+    untimed = JobRecord.of({'version': 1, 'submitted': 1.0, 'gpus': 0,
+                            'command': ['true']})
+    assert estimated_end(job, untimed, {'started': 100.0}, now=200.0) is None
     # its first seconds, before its worker records its start: from now
     assert estimated_end(job, spec, {'state': 'queued'}, now=150.0) == \
         3750.0
@@ -431,8 +435,10 @@ def test_a_running_jobs_end_from_its_epoch_times_or_its_time(tmp_path):
     assert estimated_end(job, spec, {'started': 100.0}, now=1010.0) == 1060.0
     # a command job (no config: no epochs to go) writing such rows: its
     # --time decides, not the rows
-    assert estimated_end(job, {'command': ['true'], 'time': 3600.0},
-                         {'started': 100.0}, now=1010.0) == 3700.0
+    command = JobRecord.of({'version': 1, 'submitted': 1.0, 'gpus': 0,
+                            'command': ['true'], 'time': 3600.0})
+    assert estimated_end(job, command, {'started': 100.0},
+                         now=1010.0) == 3700.0
 
 
 def test_the_jobs_table_labels_its_estimates():

@@ -151,7 +151,8 @@ def test_a_stop_leaves_jobs_that_ended_or_went_meanwhile_as_they_are(
 def test_damaged_job_files_are_one_row_and_everything_else_stays_up(
         home, capsys):
     jobs = home / 'jobs'
-    good = {'id': 'good', 'name': 'good', 'user': 'me', 'gpus': 0,
+    good = {'version': 1, 'id': 'good', 'name': 'good', 'user': 'me',
+            'gpus': 0,
             'workers': None, 'config': {'epochs': 1}, 'scheduler': None,
             'submitted': 100.0}
     _write_job(jobs / 'good', json.dumps(good))
@@ -185,7 +186,8 @@ def test_damaged_job_files_are_one_row_and_everything_else_stays_up(
 
 
 def test_result_of_a_job_whose_log_is_gone_is_one_line(home, capsys):
-    spec = {'id': 'nolog', 'name': 'nolog', 'user': 'me', 'gpus': 0,
+    spec = {'version': 1, 'id': 'nolog', 'name': 'nolog', 'user': 'me',
+            'gpus': 0,
             'workers': None, 'config': {'epochs': 1}, 'scheduler': None,
             'submitted': 100.0}
     _write_job(home / 'jobs' / 'nolog', json.dumps(spec))

@@ -34,6 +34,7 @@ from test_cluster import wait_until
 from test_notify import Hook
 from test_programs import alive
 
+from dasktrain.as_user import popen_options
 from dasktrain.cluster.processes import kill
 from dasktrain.cluster.shared import NEEDS_ROOT, check_root, layout
 from dasktrain.data import extract_archive
@@ -53,7 +54,6 @@ from dasktrain.jobs.wire import (
 )
 from dasktrain.jobs.worker.environment import job_environment, job_threads
 from dasktrain.jobs.worker.runas import User
-from dasktrain.keeper import popen_options
 
 CONSOLE = Path(sys.executable).parent / 'dasktrain'
 ENDS = ('finished', 'failed', 'cancelled', 'lost')
@@ -136,7 +136,7 @@ def test_every_field_of_a_request_is_checked():
     train = check_request(_training(files={'model': {
         'name': 'net.py', 'data': 'eCA9IDE='}}))['request']
     assert train.program.files == {'model': ('net.py', b'x = 1')}
-    assert train.program.module == 'dasktrain.jobs.worker.child'
+    assert train.program.module == 'dasktrain.jobs.worker.train_job'
     bad = [
         ({'op': 'eval'}, 'op must be one of'),
         ({'op': 'cancel', 'id': '../../etc'}, 'not a job id'),
@@ -467,8 +467,8 @@ def test_a_users_command_runs_as_them_where_and_how_they_said(lab):
                      str(home / 'sub'), f'bar {bob} s3cret', '0077']
     assert (home / 'sub' / 'mine.txt').stat().st_uid == lab.uid('bob')
     spec = job.spec()
-    assert (spec['user'], spec['uid']) == (bob, lab.uid('bob'))
-    assert spec['host'] == socket.gethostname()
+    assert (spec.user, spec.uid) == (bob, lab.uid('bob'))
+    assert spec.host == socket.gethostname()
     # Everyone's `jobs` shows whose it is.
     code, out, err = lab.run('eve', 'jobs')
     assert code == 0, err
@@ -572,7 +572,7 @@ print(s.makefile().read())
                                   name=lab.names['bob']))
     assert answer['ok'], answer
     spec = lab.job(answer['id']).spec()
-    assert (spec['uid'], spec['user']) == (lab.uid('eve'), lab.names['eve'])
+    assert (spec.uid, spec.user) == (lab.uid('eve'), lab.names['eve'])
     assert send('eve', {'op': 'cancel', 'id': '../private'}) == {
         'ok': False, 'error': "not a job id: '../private'"}
     assert lab.wait_for(answer['id'])['state'] == 'finished'
@@ -719,10 +719,10 @@ def test_a_search_is_jobs_of_the_shared_queue(lab):
     assert len(ids) == 2, out
     for job_id in ids:
         spec = lab.job(job_id).spec()  # root's file, in the shared queue
-        assert (spec['user'], spec['uid']) == (lab.names['bob'],
+        assert (spec.user, spec.uid) == (lab.names['bob'],
                                                lab.uid('bob'))
-        assert spec['child'] == 'dasktrain.tuning.trials'
-        assert spec['trial']['study'] == 'space'
+        assert spec.module == 'dasktrain.tuning.trials'
+        assert spec.trial['study'] == 'space'
     study = mine / 'studies' / 'space' / 'study.json'
     assert study.stat().st_uid == lab.uid('bob')
     states = {lab.job(i).status()['state'] for i in ids}

@@ -12,7 +12,7 @@ from dasktrain.errors import flag_names
 from dasktrain.jobs.job import JobError
 from dasktrain.jobs.request import check_devices
 from dasktrain.parallel.comm import CollectiveError, NcclComm, poll, signature
-from dasktrain.parallel.devices import format_uuid
+from dasktrain.parallel.cuda_driver import format_uuid
 from dasktrain.parallel.gpus import (
     INSTALL_CUPY,
     NCCL_MISSING,
@@ -22,7 +22,6 @@ from dasktrain.parallel.gpus import (
     GpuUse,
     gpu_ids,
     gpu_refusal,
-    job_environment,
     nccl_problem,
     nccl_version,
     place_devices,
@@ -32,6 +31,7 @@ from dasktrain.parallel.gpus import (
     unusable_gpus,
     use_nccl,
     visible_gpus,
+    with_visible_gpus,
 )
 from dasktrain.parallel.placement import launched_devices, machine_place
 
@@ -84,13 +84,13 @@ def test_pool_with_uuids_and_mig(pool):
     env = {'CUDA_VISIBLE_DEVICES': 'GPU-aaa,MIG-bbb'}
     gpus = pool.acquire(2, total=2, env=env)
     assert gpus == [Gpu(0, 'GPU-aaa'), Gpu(1, 'MIG-bbb')]
-    child = job_environment({'PATH': '/bin'}, gpus)
+    child = with_visible_gpus({'PATH': '/bin'}, gpus)
     assert child['CUDA_VISIBLE_DEVICES'] == 'GPU-aaa,MIG-bbb'
     assert child['PATH'] == '/bin'
 
 
 def test_a_job_without_gpus_sees_none():
-    env = job_environment({'CUDA_VISIBLE_DEVICES': '0,1,2,3'}, [])
+    env = with_visible_gpus({'CUDA_VISIBLE_DEVICES': '0,1,2,3'}, [])
     assert env['CUDA_VISIBLE_DEVICES'] == ''
     assert visible_gpus(env, count=4) == []
 

@@ -192,8 +192,8 @@ def test_a_submitted_job_keeps_the_file_as_it_was(lab, data_dir, tmp_path):
         (lab / 'mymodel.py').write_text('raise ImportError("edited")\n')
         kept = job.folder / 'model' / 'mymodel.py'
         assert kept.read_text() == MODEL
-        assert job.spec()['config']['model'] == f'{kept}:MLP'
-        assert job.spec()['name'] == 'MLP'
+        assert job.spec().config['model'] == f'{kept}:MLP'
+        assert job.spec().name == 'MLP'
         assert job.result(timeout=180)['final']['epoch'] == 1
         # and a bad spec is refused on the submitter's machine
         with Client(procs.address) as client, \

@@ -68,12 +68,12 @@ def enqueue(storage, name, lrs):
 
 
 def spans(jobs):
-    return {j.spec()['trial']['number']: (j.status()['started'],
+    return {j.spec().trial['number']: (j.status()['started'],
                                          j.status()['ended']) for j in jobs}
 
 
 def study_jobs(root, name):
-    return [j for j in list_jobs(root) if j.spec()['trial']['study'] == name]
+    return [j for j in list_jobs(root) if j.spec().trial['study'] == name]
 
 
 def test_six_trials_on_two_slots_match_optunas_storage(slots, data_dir,
@@ -95,13 +95,13 @@ def test_six_trials_on_two_slots_match_optunas_storage(slots, data_dir,
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2 + [
         TrialState.FAIL] + [TrialState.COMPLETE] * 3
     assert 'loss became nan at epoch' in trials[2].user_attrs['error']
-    jobs = {j.spec()['trial']['number']: j
+    jobs = {j.spec().trial['number']: j
             for j in study_jobs(tmp_path / 'jobs', 'six')}
     assert sorted(jobs) == list(range(6))
     assert jobs[2].status()['state'] == 'failed'
     # model_best.npz is the best epoch's, by a mode stated, not guessed.
-    assert (jobs[0].spec()['config']['early_stop_monitor'],
-            jobs[0].spec()['config']['early_stop_mode']) == (METRIC, 'max')
+    assert (jobs[0].spec().config['early_stop_monitor'],
+            jobs[0].spec().config['early_stop_mode']) == (METRIC, 'max')
     # Never more than the 2 slots at once, though 3 were in flight.
     times = spans(jobs.values())
     overlaps = [sum(1 for s, e in times.values() if s <= start < e)
@@ -158,7 +158,7 @@ def test_a_pruned_trial_stops_at_once_and_its_slot_is_reused(
     good, bad = study.trials[:2]
     assert good.state == TrialState.COMPLETE
     assert bad.state == TrialState.PRUNED and bad.last_step == 1
-    jobs = {j.spec()['trial']['number']: j
+    jobs = {j.spec().trial['number']: j
             for j in study_jobs(tmp_path / 'jobs', 'prune')}
     assert jobs[1].status()['state'] == 'pruned'
     assert len(jobs[1].log_rows()) == 1  # of 3 epochs
@@ -167,7 +167,7 @@ def test_a_pruned_trial_stops_at_once_and_its_slot_is_reused(
     full = times[0][1] - times[0][0]  # what a whole trial takes here
     # The next trial (asked once the pruned one ended: one at a time) took
     # its place within seconds, long before it would have ended.
-    assert jobs[2].spec()['submitted'] > times[1][0]
+    assert jobs[2].spec().submitted > times[1][0]
     assert times[2][0] < times[1][0] + full
     assert abs(times[2][0] - times[1][1]) < 10
     assert study.best_trial.state == TrialState.COMPLETE  # never a pruned one
@@ -232,7 +232,7 @@ def test_killing_tune_and_its_cluster_then_running_it_again(
     assert all(t.state == TrialState.COMPLETE for t in trials)
     jobs = study_jobs(jobs_dir, 'again')
     # One job per trial: none run twice, the lost one resumed.
-    assert sorted(j.spec()['trial']['number'] for j in jobs) == list(range(5))
+    assert sorted(j.spec().trial['number'] for j in jobs) == list(range(5))
     assert {t.user_attrs['job'] for t in trials} == {j.id for j in jobs}
     # The lost jobs ran again; the one killed midway (an epoch done) went
     # on from its checkpoint. Another lost one may not have finished an

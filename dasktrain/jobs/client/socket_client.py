@@ -11,6 +11,7 @@ from pathlib import Path
 from dasktrain.cluster.local import ClusterError
 from dasktrain.errors import naming_flags
 from dasktrain.jobs.job import Job, JobError
+from dasktrain.jobs.record import JobRecord
 from dasktrain.jobs.wire import (
     MAX_REQUEST,
     MAX_RESPONSE,
@@ -130,7 +131,7 @@ class SharedJob(Job):
     door: SocketClient = None
 
     def spec(self):
-        return self.door.ask('result', id=self.id)['spec']
+        return JobRecord.of(self.door.ask('result', id=self.id)['spec'])
 
     def status(self):
         return self.door.ask('status', id=self.id)['status']

@@ -41,8 +41,9 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
     gpus : int, default 1
         GPUs the job reserves (0: one ``CPU`` slot). If ``config.devices``
         names devices itself (e.g. ``('@numpy',)``), those are used. With
-        ``config.workers`` set, GPUs per worker: the job's driver then
-        holds no GPU and its ranks queue for theirs (see scaleout.py).
+        ``config.workers`` set, GPUs per rank: the job is a gang of that
+        many ranks, each holding ``gpus`` on a worker of its own, placed
+        at once by the queue (:mod:`~dasktrain.jobs.worker.gang`).
     name : str, optional
         A label for listings; default the model's name.
     client : distributed.Client, optional
@@ -79,7 +80,7 @@ def submit(config, gpus=1, name=None, client=None, scheduler=None,
         cap memory (``dasktrain cluster status`` says).
     module, extra : optional
         The ``dasktrain`` module the job's program runs (``python -m
-        MODULE FOLDER``; default :data:`dasktrain.jobs.job.CHILD`) and
+        MODULE FOLDER``; default :data:`dasktrain.jobs.record.TRAIN_JOB`) and
         more keys for its ``job.json``: a search's trials (see
         :mod:`dasktrain.tuning.trials`).
 

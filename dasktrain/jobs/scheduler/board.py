@@ -15,9 +15,9 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from dasktrain.jobs.job import EVENTS, STATES, JobError, list_jobs, log_rows_of
 from dasktrain.jobs.scheduler.outside_use import BOARD
 
-SUMMARY_KEYS = {'id', 'folder', 'name', 'user', 'gpus', 'workers', 'epochs',
-                'submitted', 'state', 'held', 'started', 'ended', 'row',
-                'epoch_seconds'}
+SUMMARY_KEYS = {'id', 'folder', 'name', 'user', 'gpus', 'workers',
+                'gpus_in_all', 'gpus_asked', 'epochs', 'submitted', 'state',
+                'held', 'started', 'ended', 'row', 'epoch_seconds'}
 FRESH = 2.0  # s: the files are read again at most this often
 
 
@@ -35,10 +35,12 @@ def checked_summary(msg):
     """
     if not isinstance(msg, dict) or not SUMMARY_KEYS <= msg.keys():
         return None
-    strings = ('id', 'folder', 'name', 'user')
+    strings = ('id', 'folder', 'name', 'user', 'gpus_asked')
     if not all(isinstance(msg[k], str) for k in strings) or \
             msg['state'] not in STATES + ('unreadable',) or \
-            type(msg['gpus']) is not int or not _number(msg['submitted']) or \
+            type(msg['gpus']) is not int or \
+            type(msg['gpus_in_all']) is not int or \
+            not _number(msg['submitted']) or \
             not isinstance(msg['held'], (list, tuple)) or \
             not all(v is None or _number(v) for v in (
                 msg['started'], msg['ended'], msg['epoch_seconds'])) or \

@@ -138,8 +138,9 @@ def answer(dask_scheduler, keys):
 class Dispatcher(SchedulerPlugin):
     """The queue on the scheduler (see the module): ``folders`` {job id:
     folder} of the jobs held, ``running`` {job id: (folder, [(worker, GPU
-    ids)] of each rank)} of those it started that may still hold their
-    GPUs, ``view`` {job id: what it last decided about it}."""
+    ids)] of each rank, its task's Dask resources)} of those it started
+    that may still hold their GPUs, ``view`` {job id: what it last
+    decided about it}."""
     name = NAME
 
     def __init__(self, max_gpus_per_user=None):
@@ -272,17 +273,17 @@ class Dispatcher(SchedulerPlugin):
             except Exception as e:  # still holds what it was given
                 self.complain(job_id, f'its files cannot be read ({e}); '
                                       'it keeps what it was given')
-                folder, placed = self.running[job_id]
+                folder, placed, resources = self.running[job_id]
                 running += [{'id': job_id, 'user': '', 'worker': w,
                              'held': list(g), 'gpus': len(g), 'end': None,
-                             'ranks': len(placed) > 1}
+                             'own_task': resources is None}
                             for w, g in placed]
         return running
 
     def _holding(self, job_id, now, workers):
         """What the running job ``job_id`` holds, for the planner ([] once
         it holds nothing)."""
-        folder, placed = self.running[job_id]
+        folder, placed, _ = self.running[job_id]
         job = Job(job_id, Path(folder))
         spec, status = job.spec(), job.recorded()
         task = self.scheduler.tasks.get(KEY_PREFIX + job_id)
@@ -297,23 +298,20 @@ class Dispatcher(SchedulerPlugin):
             del self.running[job_id]
             return []
         started = status.get('started')
-        limit = spec.get('time_limit')
+        limit = spec.time_limit
         common = {
-            'id': job_id, 'user': spec.get('user', ''), 'gpus': spec['gpus'],
+            'id': job_id, 'user': spec.user or '', 'gpus': spec.gpus,
             'end': estimated_end(job, spec, status, now),
-            'due': started + spec['time'] if started and spec.get('time')
-            else None,
+            'due': started + spec.time if started and spec.time else None,
             'limit': started + limit if started and limit else None}
-        if spec.get('workers'):  # a gang: its ranks hold what it planned
-            return [dict(common, worker=w, held=held, ranks=True)
-                    for w, held in placed]
         ids = status.get('gpus') or []
         # Its GPUs as the worker names them, where the queue knows those
         # names; else as the queue planned them.
         known = workers.get(where, {}).get('gpus', ())
         if not ids or not set(ids) <= set(known):
             ids = placed[0][1]
-        return [dict(common, worker=where, held=ids)]
+        return [dict(common, worker=w, held=held, own_task=own)
+                for w, held, own in spec.holding(placed, where, ids)]
 
     def _workers(self):
         """The workers' GPUs by the ids jobs get, and the GPUs busy
@@ -355,9 +353,10 @@ class Dispatcher(SchedulerPlugin):
         end: the queue never hands them out twice."""
         others = []
         for address, ws in list(self.scheduler.workers.items()):
-            # a gang's ranks hold theirs as Dask tasks of the gang's own
+            # a gang's ranks hold theirs as Dask tasks of their own
             ours = sum(r['gpus'] for r in running if r['worker'] == address
-                       and (r.get('ranks') or self._task_on(r['id']) is ws))
+                       and (r.get('own_task') or
+                            self._task_on(r['id']) is ws))
             extra = int(ws.used_resources.get('GPU', 0)) - ours
             if extra <= 0:
                 continue
@@ -382,19 +381,15 @@ class Dispatcher(SchedulerPlugin):
         folder = self.folders[job_id]
         job = next(j for j in queued if j['id'] == job_id)
         client = await self._client()
-        worker, gpus = placed[0]
-        if job.get('ranks'):
-            args, resources = (folder, None, placed), None
-        else:
-            args = (folder, gpus)
-            resources = {'GPU': job['gpus']} if job['gpus'] else {'CPU': 1}
-        future = client.submit(run_job, *args, key=KEY_PREFIX + job_id,
-                               pure=False, workers=[worker],
-                               allow_other_workers=True, resources=resources)
+        future = client.submit(run_job, folder, placed,
+                               key=KEY_PREFIX + job_id, pure=False,
+                               workers=[placed[0][0]],
+                               allow_other_workers=True,
+                               resources=job['resources'])
         fire_and_forget(future)  # runs on without this client's interest
         # Held until handed over: a failure above leaves it queued here.
         del self.folders[job_id]
-        self.running[job_id] = (folder, placed)
+        self.running[job_id] = (folder, placed, job['resources'])
         # Its end from now on, not from the next plan: its --time counts
         # from now until its worker records its start.
         self.view[job_id] = {'end': job['time'] and time.time() + job['time'],
@@ -455,15 +450,15 @@ def _queued(folders):
                     (job.folder / 'cancel').exists():
                 gone.append(job_id)
                 continue
-            after = list(spec.get('after') or ())
+            after = list(spec.after)
             for dep in after:
                 states.setdefault(dep, _state(job.folder.parent / dep))
-            queued.append({'id': job_id, 'user': spec.get('user', ''),
-                           'gpus': spec['gpus'], 'after': after,
-                           'ranks': spec.get('workers'),
-                           'after_any': bool(spec.get('after_any')),
-                           'time': spec.get('time'),
-                           'submitted': spec['submitted']})
+            queued.append({'id': job_id, 'user': spec.user or '',
+                           'gpus': spec.gpus, 'after': after,
+                           'ranks': spec.workers,
+                           'after_any': spec.after_any, 'time': spec.time,
+                           'submitted': spec.submitted,
+                           'resources': spec.task_resources()})
         except Exception as e:  # JobError: its files; anything else
             told[job_id] = f'left out of the plan: {e}'
     queued.sort(key=lambda j: j['submitted'])
@@ -487,12 +482,12 @@ def estimated_end(job, spec, status, now):
 
     Examples
     --------
-    >>> estimated_end(job, {'time': 3600}, {'started': 100.0},
+    >>> estimated_end(job, job.spec(), {'started': 100.0},
     ...               now=200.0)  # doctest: +SKIP
     3700.0
     """
     rows = job.log_rows(stale=LOG_STALE)
-    epochs = (spec.get('config') or {}).get('epochs')
+    epochs = spec.epochs
     elapsed = row_number(rows[-1], 'elapsed_time') if rows else None
     if epochs and elapsed:
         per_epoch = elapsed / max(rows[-1]['epoch'], 1)
@@ -501,5 +496,5 @@ def estimated_end(job, spec, status, now):
         except OSError:
             written = now
         return written + per_epoch * max(epochs - rows[-1]['epoch'], 0)
-    planned = spec.get('time')
+    planned = spec.time
     return (status.get('started') or now) + planned if planned else None

@@ -106,11 +106,7 @@ def _share(job, seconds):
 
 
 def _gpus_held(job):
-    if job['state'] != 'running':
-        return 0
-    if job.get('workers'):  # scale-out: its ranks hold gpus on each worker
-        return job['gpus'] * job['workers']
-    return len(job['held'])
+    return job['gpus_in_all'] if job['state'] == 'running' else 0
 
 
 class Collector:

@@ -37,7 +37,7 @@ function when(t) {  // as `dasktrain jobs` prints it: MM-DD HH:MM:SS
 }
 function gpus(job) {
   if (job.held && job.held.length) return job.held.join(',');
-  return job.workers ? job.gpus + ' x ' + job.workers : String(job.gpus);
+  return job.gpus_asked;
 }
 
 function estimate(job) {  // the queue's, in a column named estimate

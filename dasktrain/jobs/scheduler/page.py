@@ -40,13 +40,13 @@ POLL_MS = 2000
 CURVE_KEYS = ('epoch', 'main/loss', 'validation/main/loss', 'main/accuracy',
               'validation/main/accuracy')
 PUBLIC = ('id', 'name', 'user', 'state', 'ending', 'gpus', 'workers',
-          'held', 'worker', 'epochs', 'submitted', 'started', 'ended',
-          'error', 'attempts', 'row')
+          'gpus_asked', 'held', 'worker', 'epochs', 'submitted', 'started',
+          'ended', 'error', 'attempts', 'row')
 PATH = '/dasktrain/jobs'
 # What a private page shows of every job.
 PRIVATE_FIELDS = ('id', 'name', 'user', 'state', 'ending', 'gpus',
-                  'workers', 'held', 'worker', 'submitted', 'started',
-                  'ended', 'attempts')
+                  'workers', 'gpus_asked', 'held', 'worker', 'submitted',
+                  'started', 'ended', 'attempts')
 QUEUE = ('position', 'reason', 'start', 'end', 'overdue')  # the queue's
 
 

@@ -35,7 +35,7 @@ def ask_scheduler(keys, address, timeout=3):
 
     Examples
     --------
-    >>> ask_scheduler([job.key], job.spec()['scheduler'])  # doctest: +SKIP
+    >>> ask_scheduler([job.key], job.spec().scheduler)  # doctest: +SKIP
     {'dasktrain-job-tiny-20250101-120000-1a2b3c': {'task': 'held', ...}}
     """
     try:
@@ -56,7 +56,7 @@ class SchedulerPoller:
     Examples
     --------
     >>> poller = SchedulerPoller(interval=2.0)  # doctest: +SKIP
-    >>> poller.ask([job.key], job.spec()['scheduler'])  # doctest: +SKIP
+    >>> poller.ask([job.key], job.spec().scheduler)  # doctest: +SKIP
     {'dasktrain-job-...': {'task': '-'}}
     >>> poller.stop()  # doctest: +SKIP
     """

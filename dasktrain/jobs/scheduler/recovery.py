@@ -41,9 +41,9 @@ def live_jobs(path=None, scheduler=None, anyone=False):
             spec, state = job.spec(), job.recorded()['state']
         except JobError:
             continue
-        if state in DONE or not (anyone or spec.get('user') == me):
+        if state in DONE or not (anyone or spec.user == me):
             continue
-        if scheduler is None or spec.get('scheduler') == scheduler:
+        if scheduler is None or spec.scheduler == scheduler:
             found.append(job)
     return found
 
@@ -56,7 +56,7 @@ def orphans(jobs, ask=ask_scheduler):
     by_address = {}
     for job in jobs:
         try:
-            address = job.spec().get('scheduler')
+            address = job.spec().scheduler
         except JobError:  # damaged meanwhile: not ours to requeue
             continue
         by_address.setdefault(address, []).append(job)
@@ -83,7 +83,7 @@ def reset(job, address):
     status = job.recorded()
     if status['state'] == 'finished':
         raise JobError(f'job {job.id} finished; nothing to requeue')
-    spec = dict(job.spec(), scheduler=address)
+    spec = dict(job.spec().data, scheduler=address)
     (job.folder / 'cancel').unlink(missing_ok=True)
     path = job.folder / 'job.json'
     write_json(path, spec, mode=stat.S_IMODE(os.stat(path).st_mode))

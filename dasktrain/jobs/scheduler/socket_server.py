@@ -242,7 +242,7 @@ class SocketServer(SchedulerPlugin):
                 'owners': [user_name(u) for u in sorted(self.owners)],
                 'contain': contain.words() if contain else None,
                 'rules': rules() + [f'per user: at most {PER_USER} '
-                                    'connections to the front door']}
+                                    "connections to the queue's socket"]}
 
     def op_submit(self, peer, request):
         who = submitter(peer.uid)
@@ -375,7 +375,7 @@ class SocketServer(SchedulerPlugin):
         self.check(peer, job, 'read')
 
         def read():
-            return {'spec': job.spec(), 'rows': job.log_rows(),
+            return {'spec': job.spec().data, 'rows': job.log_rows(),
                     'status': job.status()}
         return await asyncio.to_thread(read)
 
@@ -445,7 +445,7 @@ class SocketServer(SchedulerPlugin):
         """JobError in one line unless ``peer`` may ``verb`` ``job``."""
         if not self.may(peer, job):
             try:
-                user = job.spec().get('user', '?')
+                user = job.spec().user or '?'
             except JobError:
                 user = 'nobody known (its files cannot be read)'
             raise JobError(refusal(job.id, user, [

@@ -19,7 +19,7 @@ output (``output.log`` is read live), and in a shared cluster the user's
 import re
 
 from dasktrain.jobs.job import ENV_LIMIT, JobError, read_file
-from dasktrain.parallel.gpus import job_environment as with_gpus
+from dasktrain.parallel.gpus import with_visible_gpus
 
 THREADS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
 # What every job's environment starts from, before its submitter's.
@@ -30,11 +30,7 @@ _NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]{0,199}')
 def submitted_env(folder):
     """The environment the submitter of the job in ``folder`` sent
     (``env.json``, bounded, never through a symlink): a dict of variable
-    names to strings; ``{}`` for a folder of an earlier version without
-    one; JobError in one line for anything else."""
-    if not (folder / 'env.json').exists() and \
-            not (folder / 'env.json').is_symlink():
-        return {}
+    names to strings; JobError in one line for anything else."""
     env = read_file(folder, 'env.json', ENV_LIMIT, cached=False)
     if not isinstance(env, dict) or not all(
             isinstance(k, str) and _NAME.fullmatch(k) and
@@ -83,4 +79,4 @@ def job_environment(recorded, gpus, threads, user=None):
         env.setdefault(name, str(threads))
     if user is not None:
         env.update(USER=user.name, HOME=user.home, LOGNAME=user.name)
-    return with_gpus(env, gpus)
+    return with_visible_gpus(env, gpus)

@@ -24,83 +24,113 @@ ranks left go on from the last checkpoint on their workers and GPUs
 ends, to be requeued.
 """
 import contextlib
+import dataclasses
 import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 from dasktrain import containment, keeper
 from dasktrain.cluster.local import worker_info
 from dasktrain.cluster.settings import job_pids
-from dasktrain.jobs.job import PRUNED, STOPPED, Job
+from dasktrain.cluster.tls import private_copies, throwaway
+from dasktrain.jobs.ending import PRUNED, STOPPED
+from dasktrain.jobs.job import Job
 from dasktrain.jobs.worker.environment import (
     job_environment,
     job_threads,
     submitted_env,
 )
 from dasktrain.jobs.worker.program import (
-    Epochs,
+    EpochAnnouncer,
     contained,
     finish,
-    job_program,
     kept_for,
 )
 from dasktrain.jobs.worker.runas import job_user, last_line, open_output
 from dasktrain.parallel.comm.rendezvous import rank_environment
 from dasktrain.parallel.gpus import GpuPool
 from dasktrain.parallel.placement import rank_resources
-from dasktrain.run.driver import Driver, Stop
-from dasktrain.run.launch import free_port, throwaway_tls
+from dasktrain.run.driver import (
+    Driver,
+    RankResult,
+    RunState,
+    Stop,
+    free_port,
+    go_on,
+)
 
 POLL = 0.2  # s between two looks at a rank's program
 ENDS = (0, STOPPED, PRUNED)  # how a rank's program ends well
 
 
 def run_gang(job, spec, placed, grace, attempt, say=None):
-    """Run the gang ``job`` (its ``job.json`` is ``spec``) on ``placed``
-    (``[(worker address, [GPU ids])]``, one per rank) until it ends:
-    ``(code, how, rank)``: rank 0's exit code where every rank ended,
-    else the failed rank's (``how``: why, in words; ``rank``: which),
-    or ``(None, how, None)`` once cancelled. A rank's worker that dies:
-    with its config's ``on_worker_loss`` 'continue' (the default) the
-    ranks left go on from the last checkpoint, on the workers and GPUs
-    the queue gave them; with 'wait', the job ends, to be requeued.
-    ``say(line)``: how it goes, for the job's output."""
+    """Run the gang ``job`` (its record is ``spec``) on ``placed`` (``[(worker
+    address, [GPU ids])]``, one per rank) until it ends; its
+    :class:`~dasktrain.jobs.ending.JobEnd`: rank 0's end where every rank
+    ended, else the failed rank's (named), or its cancel's. A rank's
+    worker that dies: with its config's ``on_worker_loss`` 'continue' (the
+    default) the ranks left go on from the last checkpoint, on the
+    workers and GPUs the queue gave them (:func:`~dasktrain.run.driver.
+    go_on`); with 'wait', the job ends, to be requeued. ``say(line)``:
+    how it goes, for the job's output."""
     say = say or (lambda line: None)
-    config = spec.get('config') or {}
-    left, round_ = list(placed), 0
-    while True:
-        round_ += 1
-        code, how, rank, lost = _round(job, spec, left, grace,
-                                       f'{attempt}-{round_}')
-        if lost is None:
-            return code, how, rank
-        left = [p for p in left if p[0] not in lost]
-        if config.get('on_worker_loss', 'continue') != 'continue' or \
-                not left:
-            return code, how, rank
-        say(f'worker(s) {", ".join(lost)} lost: going on from the last '
-            f'checkpoint with {len(left)} rank(s) (on_worker_loss '
+
+    def round_(left, n):
+        return _round(job, spec, left, grace, f'{attempt}-{n}')
+
+    def replan(left, result):
+        left = [p for p in left if p[0] not in result.lost]
+        if spec.on_worker_loss != 'continue' or not left:
+            return None
+        say(f'worker(s) {", ".join(result.lost)} lost: going on from the '
+            f'last checkpoint with {len(left)} rank(s) (on_worker_loss '
             'continue)')
+        return left
+    result, _ = go_on(round_, list(placed), replan)
+    return _end(job, spec, result, grace)
+
+
+def _end(job, spec, result, grace):
+    """The gang's end from its last round's
+    :class:`~dasktrain.run.driver.RunResult`."""
+    if result.state is RunState.STOPPED:
+        return spec.end(None, f'every rank stopped (grace {grace:g} s)',
+                        job.cancel_reason())
+    first = result.results[0] if result.results else None
+    if result.state is RunState.SUCCEEDED or (
+            result.state is RunState.FAILED and
+            result.failure.lost_peer() and first is not None and
+            first.code in ENDS):
+        # Rank 0 ended the run (done, pruned, stopped): the others at
+        # most lost it as a peer.
+        return spec.end(first.code)
+    if result.state is RunState.LOST:
+        rank = list(result.workers).index(result.lost[0])
+        return spec.end(-9, failure=(
+            f'rank {rank}: its worker ({result.lost[0]}) died; `dasktrain '
+            f'requeue {job.id}` resumes the job from its last checkpoint'))
+    failure = result.failure
+    failed = failure.result
+    how = (failed and (failed.why or failed.last)) or failure.why or \
+        f'{type(failure.error).__name__}: {failure.error}'
+    return spec.end((failed.code if failed else 1) or 1,
+                    failure=f'rank {failure.rank}: {how}')
 
 
 def _round(job, spec, placed, grace, attempt):
     """One start of the gang's ranks on ``placed`` (``attempt``: the
-    job's attempt and this start's, ``'A-R'``): as :func:`run_gang` says,
-    and the workers lost (None: none)."""
+    job's attempt and this start's, ``'A-R'``); its
+    :class:`~dasktrain.run.driver.RunResult`, each rank's result as its
+    ranks were once stopped."""
     from distributed import get_worker, worker_client
     from distributed.comm.addressing import get_address_host
     worker = get_worker()
     host = get_address_host(worker.address)
     name = f'dasktrain-gang-{job.id}-{attempt}'
-    timeout = float((spec.get('config') or {}).get('collective_timeout')
-                    or 300.0)
-    user = job_user(job.spec())
-    with throwaway_tls(host) as tls, worker_client() as client:
+    user = job_user(spec)
+    with throwaway(host) as tls, worker_client() as client:
         pems = [Path(p).read_text() for p in tls]
         port = free_port(host)
-        with user_tls(pems, user, job.folder) as theirs, \
+        with private_copies(pems, job.folder, user) as theirs, \
                 _rendezvous(job, spec, host, port, theirs, user, attempt,
                             grace):
             rendezvous = f'tls://{host}:{port}'
@@ -108,41 +138,22 @@ def _round(job, spec, placed, grace, attempt):
             with Driver(client, name, lambda event: None) as driver:
                 driver.start(gang_rank, [
                     (str(job.folder), rank, len(placed), list(ids),
-                     rendezvous, name, pems, grace, timeout, attempt)
+                     rendezvous, name, pems, grace, spec.collective_timeout,
+                     attempt)
                     for rank, (_, ids) in enumerate(placed)],
                     [w for w, _ in placed],
-                    [rank_resources(spec['gpus'], infos.get(w, {}))
+                    [rank_resources(spec.gpus, infos.get(w, {}))
                      for w, _ in placed])
-                epochs = Epochs(job)
+                announcer = EpochAnnouncer(job)
 
                 def cancelled():  # at every look: the epochs told too
-                    epochs.tell()
+                    announcer.tell()
                     return (job.folder / 'cancel').exists()
-                outcome = driver.watch(
-                    failed=lambda result: result['code'] not in ENDS,
+                result = driver.watch(
+                    failed=lambda result: result.code not in ENDS,
                     interrupt=cancelled)
                 driver.stop(grace + 10)
-                first = driver.futures[0]
-                if outcome.kind == 'failed' and outcome.value.echo() and \
-                        first.status == 'finished' and \
-                        first.result()['code'] in ENDS:
-                    # Rank 0 ended the run (pruned, stopped): the others
-                    # lost it as a peer.
-                    return first.result()['code'], None, 0, None
-    if outcome.kind == 'interrupted':
-        return None, f'every rank stopped (grace {grace:g} s)', None, None
-    if outcome.kind == 'done':
-        return outcome.value[0]['code'], None, 0, None
-    if outcome.kind == 'lost':
-        rank = [w for w, _ in placed].index(outcome.value[0])
-        return -9, (f'its worker ({outcome.value[0]}) died; `dasktrain '
-                    f'requeue {job.id}` resumes the job from its last '
-                    'checkpoint'), rank, outcome.value
-    failure = outcome.value
-    result = failure.result or {}
-    how = result.get('why') or result.get('last') or failure.why or \
-        f'{type(failure.error).__name__}: {failure.error}'
-    return result.get('code', 1) or 1, how, failure.rank, None
+                return dataclasses.replace(result, results=driver.results())
 
 
 @contextlib.contextmanager
@@ -174,30 +185,6 @@ def _rendezvous(job, spec, host, port, tls, user, attempt, grace):
         finish(contain)
 
 
-@contextlib.contextmanager
-def user_tls(pems, user, where):
-    """The rendezvous' CA, certificate and key (``pems``, PEM texts) as
-    files only ``user`` (None: this process's) may read, in a folder of
-    the job's folder ``where`` (what a killed worker leaves goes with the
-    job), removed on exit: ``(ca, cert, key)`` paths."""
-    folder = tempfile.mkdtemp(prefix='.rendezvous-tls-', dir=where)  # 0700
-    try:
-        paths = []
-        for name, text in zip(('ca.pem', 'cert.pem', 'key.pem'), pems):
-            path = os.path.join(folder, name)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, 'w') as f:
-                f.write(text)
-            if user is not None:
-                os.chown(path, user.uid, user.gid)
-            paths.append(path)
-        if user is not None:
-            os.chown(folder, user.uid, user.gid)
-        yield tuple(paths)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def _rank_log(folder, rank, user):
     """Rank 0's output: the job's ``output.log``; rank r's:
     ``rank{r}.log`` beside it (:func:`_job_log`)."""
@@ -224,8 +211,8 @@ def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
     """The task of rank ``rank`` of ``size``: the job's training program
     as its submitter, holding the GPUs ``ids`` of this worker (none: a
     CPU slot), joined to the others through ``rendezvous``; stopped when
-    the driver says (the job's cancel, another rank's failure). Returns
-    ``{'rank', 'code', 'last', 'why'}``."""
+    the driver says (the job's cancel, another rank's failure). A
+    :class:`~dasktrain.run.driver.RankResult`."""
     from distributed import get_worker
     from distributed.comm.addressing import get_address_host
 
@@ -233,19 +220,19 @@ def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
     job = Job(folder.name, folder)
     spec = job.spec()
     user = job_user(spec)
-    program = job_program(spec, folder, user)
+    program = spec.program(folder, user)
     worker = get_worker()
     kept_in = containment.in_force()
     where = containment.jobs_folder()
     contain = contained(job.id, f'{attempt}-rank{rank}', spec, where,
                         containment.cluster_mark(), job_pids(),
                         kept_in.controllers if where else ())
-    held = GpuPool.acquire(spec['gpus'], want=ids) if spec['gpus'] else []
+    held = GpuPool.acquire(spec.gpus, want=ids) if spec.gpus else []
     try:
         env = job_environment(submitted_env(folder), held, job_threads(
             os.sched_getaffinity(0), len(held),
             worker.state.total_resources), user)
-        with Stop(name) as stop, user_tls(pems, user, folder) as tls, \
+        with Stop(name) as stop, private_copies(pems, folder, user) as tls, \
                 _rank_log(folder, rank, user) as log:
             env.update(rank_environment(
                 rank, size, rendezvous, name,
@@ -257,27 +244,12 @@ def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
             kept = keeper.start(program.argv, env, grace, stdout=log,
                                 user=user, cwd=program.cwd,
                                 stdin=program.stdin, contain=contain)
-            stopped = False
             with kept_for(kept, job.id):
                 try:
-                    while kept.poll() is None:
-                        if stop.is_set() and not stopped:
-                            kept.stop(grace)
-                            stopped = True
-                        time.sleep(POLL)
+                    ended = kept.watch(stop.is_set, grace, poll=POLL)
                 finally:
                     finish(contain)
-            error = kept.start_error()
     finally:
         GpuPool.release(held)
-    if error is not None:
-        return {'rank': rank, 'code': keeper.CANNOT_START, 'last': None,
-                'why': error}
-    code = 0 if stopped else kept.returncode
-    return {'rank': rank, 'code': code, 'why': None,
-            'last': _last_line(folder, rank, user)}
-
-
-def _last_line(folder, rank, user):
-    return last_line(folder, user, name='output.log' if rank == 0
-                     else f'rank{rank}.log')
+    return RankResult.of(rank, ended, last=last_line(
+        folder, user, name='output.log' if rank == 0 else f'rank{rank}.log'))

@@ -176,7 +176,7 @@ def _own_contexts(ids, env):
     another process's environment."""
     if env is not os.environ or not ids:
         return []
-    from dasktrain.parallel.devices import primary_contexts
+    from dasktrain.parallel.cuda_driver import primary_contexts
     active = primary_contexts() or []
     return [entry for entry, on in zip(ids, active) if on]
 

@@ -1,81 +1,23 @@
-"""A job's program on its worker: what it runs (:func:`job_program`: its
-command, or its training program ``python -m dasktrain.jobs.worker.child
-FOLDER``), how its keeper holds it (:func:`contained`: its cgroup, its
-marker, its limits; :func:`finish`: nothing of it left), and which
-keepers of jobs run in this worker process (:func:`kept_for`,
-:func:`job_children`: who uses a GPU is told by them). What
-:mod:`~dasktrain.jobs.worker.task` (a job's one attempt) and
-:mod:`~dasktrain.jobs.worker.gang` (each rank of a job across workers)
-both start.
+"""A job's program on its worker (what it runs is its record's,
+:meth:`~dasktrain.jobs.record.JobRecord.program`): how its keeper holds
+it (:func:`contained`: its cgroup, its marker, its limits;
+:func:`finish`: nothing of it left), which keepers of jobs run in this
+worker process (:func:`kept_for`, :func:`job_children`: who uses a GPU
+is told by them), and its epochs told to the scheduler
+(:class:`EpochAnnouncer`). What :mod:`~dasktrain.jobs.worker.task` (a
+job's one attempt) and :mod:`~dasktrain.jobs.worker.gang` (each rank of
+a job across workers) both start.
 """
 import contextlib
-import json
 import logging
 import os
 import time
 from pathlib import Path  # noqa: F401  (doctests)
-from typing import NamedTuple
 
 from dasktrain import containment
-from dasktrain.jobs.job import CHILD, JobError
-from dasktrain.spawn import python
 
 logger = logging.getLogger(__name__)
 ANNOUNCE = 2.0  # s between two announcements of a job's epochs, at least
-
-# Child modules that job folders written by earlier versions name, and
-# what runs them now: such a folder still runs (or resumes) as it was meant.
-FORMER_CHILDREN = {
-    'dasktrain.jobs': CHILD,
-    'dasktrain.cluster.jobs': CHILD,
-    'dasktrain.jobs.worker': CHILD,
-    'dasktrain.trials': 'dasktrain.tuning.trials',
-}
-
-
-def child_module(spec):
-    """The module a training job's program runs, from its ``job.json``:
-    its ``child`` (a former name mapped to today's), else
-    :data:`~dasktrain.jobs.job.CHILD`.
-
-    Examples
-    --------
-    >>> child_module({})
-    'dasktrain.jobs.worker.child'
-    >>> child_module({'child': 'dasktrain.cluster.jobs'})
-    'dasktrain.jobs.worker.child'
-    >>> child_module({'child': 'dasktrain.tuning.trials'})
-    'dasktrain.tuning.trials'
-    """
-    module = spec.get('child') or CHILD
-    return FORMER_CHILDREN.get(module, module)
-
-
-class JobProgram(NamedTuple):
-    """What a job runs: ``argv`` in ``cwd``, given ``stdin`` (text or
-    None); ``ours``: dasktrain's own training program, which prints its
-    one-line error last and exits :data:`~dasktrain.jobs.job.PRUNED`
-    when pruned."""
-    argv: list
-    cwd: str
-    stdin: str | None
-    ours: bool
-
-
-def job_program(spec, folder, user):
-    """The program of the job ``spec`` (its ``job.json``) in ``folder``,
-    run as ``user``: its command, or its training program. JobError for a
-    module that is not dasktrain's (``job.json`` names code)."""
-    if spec.get('command'):
-        return JobProgram(list(spec['command']), spec['cwd'], None, False)
-    module = child_module(spec)
-    if not module.startswith('dasktrain.'):
-        raise JobError(f'{module!r} is not ours')
-    # Its submitter cannot read root's job.json: the spec comes on stdin.
-    return JobProgram(python(module, folder) +
-                      (['--spec-stdin'] if user else []), str(folder),
-                      json.dumps(spec) if user else None, True)
-
 
 _children = {}  # {pid: job id} of the jobs' keepers running here
 
@@ -100,24 +42,28 @@ def kept_for(kept, job_id):
 
 def contained(job_id, attempt, spec, where=None, mark=None, pids=None,
               controllers=()):
-    """How the attempt ``attempt`` of the job ``job_id`` (its ``job.json``
-    is ``spec``) is kept (:func:`dasktrain.keeper.start`'s ``contain``):
-    its cgroup in ``where`` (this worker's folder of the cluster's
-    subtree; None: no cgroup), its marker under the cluster's ``mark``,
+    """How the attempt ``attempt`` of the job ``job_id`` (its record is
+    ``spec``, a :class:`~dasktrain.jobs.record.JobRecord`) is kept
+    (:func:`dasktrain.keeper.start`'s ``contain``): its cgroup in
+    ``where`` (this worker's folder of the cluster's subtree; None: no
+    cgroup), its marker under the cluster's ``mark``,
     its ``--mem`` and the cluster's ``pids`` limit where those
     ``controllers`` are enabled, its submitter's rlimits.
 
-    >>> c = contained('j-1', 2, {'mem': 2 ** 30}, Path('/cg/worker-7'),
-    ...               mark='c1', pids=512, controllers=('memory',))
+    >>> from dasktrain.jobs.record import JobRecord
+    >>> spec = JobRecord.of({'version': 1, 'submitted': 0.0, 'gpus': 0,
+    ...                      'command': ['true'], 'mem': 2 ** 30})
+    >>> c = contained('j-1', 2, spec, Path('/cg/worker-7'), mark='c1',
+    ...               pids=512, controllers=('memory',))
     >>> c['cgroup'], c['mark'], c['mem'], c['pids']
     ('/cg/worker-7/job-j-1-2', 'c1/j-1/2', 1073741824, None)
     """
     return {'cgroup': str(where / f'job-{job_id}-{attempt}')
             if where is not None else None,
             'mark': f'{mark or "dasktrain"}/{job_id}/{attempt}',
-            'mem': spec.get('mem') if 'memory' in controllers else None,
+            'mem': spec.mem if 'memory' in controllers else None,
             'pids': pids if 'pids' in controllers else None,
-            'rlimits': spec.get('rlimits')}
+            'rlimits': spec.rlimits}
 
 
 def finish(contain):
@@ -135,10 +81,10 @@ def finish(contain):
     return containment.sweep(contain.get('mark'))
 
 
-class Epochs:
+class EpochAnnouncer:
     """Tells the scheduler each epoch the job ``job`` ends (its log
-    changed), at most every :data:`ANNOUNCE` seconds: the monitor and
-    the jobs page follow it."""
+    changed), at most every :data:`ANNOUNCE` seconds, at each
+    :meth:`tell`: the monitor and the jobs page follow it."""
 
     def __init__(self, job):
         self.job, self.log = job, job.folder / 'out' / 'log'

@@ -5,7 +5,7 @@ cluster (a ``job.json`` with ``uid``, which only root can write) the
 worker is root and the job runs as its submitter, as Slurm's slurmd
 does: :func:`job_user` is that user as this worker's password database
 knows them, with their groups (``os.getgrouplist``); the keeper starts
-the program as them (:func:`dasktrain.keeper.popen_options`). What a
+the program as them (:func:`dasktrain.as_user.popen_options`). What a
 user controls (``output.log``) is opened by root without following a
 symlink (:func:`open_output`), and read from its end only
 (:func:`last_line`).
@@ -23,20 +23,21 @@ User.__doc__ = "A job's submitter as this worker's password database says."
 
 
 def job_user(spec):
-    """The :class:`User` a job of ``spec`` (its ``job.json``) runs as, or
+    """The :class:`User` a job of ``spec`` (its
+    :class:`~dasktrain.jobs.record.JobRecord`) runs as, or
     None: a job of a cluster of your own runs as the worker's user.
     JobError where this worker knows no such uid (machines of a shared
     cluster share their users, e.g. through LDAP)."""
-    uid = spec.get('uid')
+    uid = spec.uid
     if uid is None:
         return None
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:
-        raise JobError(f'uid {uid} ({spec.get("user")}) has no entry in '
+        raise JobError(f'uid {uid} ({spec.user}) has no entry in '
                        "this worker's password database; the machines of "
                        'a shared cluster must share their users') from None
-    gid = spec.get('gid', entry.pw_gid)
+    gid = entry.pw_gid if spec.gid is None else spec.gid
     return User(uid, gid, entry.pw_name, entry.pw_dir, entry.pw_shell,
                 os.getgrouplist(entry.pw_name, gid))
 

@@ -1,15 +1,18 @@
-"""A training job's program: ``python -m dasktrain.jobs.worker.child
-FOLDER`` trains the job's config (:func:`run_child`), under its keeper,
+"""A training job's program: ``python -m dasktrain.jobs.worker.train_job
+FOLDER`` trains the job's config (:func:`train_job`), under its keeper,
 as its submitter in a shared cluster (given its ``job.json`` on standard
 input: ``--spec-stdin``, for root's file is not theirs to read).
 
-It sees exactly its GPUs (``CUDA_VISIBLE_DEVICES``, as 0..k-1) and
-always resumes from its last checkpoint. What it prints goes to the job's
+It trains here: as the job's one process, or as one rank of its gang
+(:mod:`~dasktrain.jobs.worker.gang`: its peers are then a launch's),
+never as the driver of ranks of its own. It sees exactly its GPUs
+(``CUDA_VISIBLE_DEVICES``, as 0..k-1) and always resumes from its last
+checkpoint. What it prints goes to the job's
 ``output.log``, which is why this module, a process of its own, prints:
 a user's mistake in one last line (``error: ...``: the job's error), the
 whole traceback for anything else. It exits 0, 1,
-:data:`~dasktrain.jobs.job.PRUNED` when an epoch callback raised
-:class:`~dasktrain.jobs.job.Pruned`, or :data:`~dasktrain.jobs.job.STOPPED`
+:data:`~dasktrain.jobs.ending.PRUNED` when an epoch callback raised
+:class:`~dasktrain.jobs.job.Pruned`, or :data:`~dasktrain.jobs.ending.STOPPED`
 when a ``stop`` command (``dasktrain ctl``, ChainerUI) ended it.
 """
 import json
@@ -19,14 +22,9 @@ import traceback
 
 from dasktrain.config import TrainConfig
 from dasktrain.errors import Error, plural
-from dasktrain.jobs.job import (
-    PRUNED,
-    SPEC_LIMIT,
-    STOPPED,
-    Pruned,
-    read_file,
-)
-from dasktrain.parallel.comm.rendezvous import launched
+from dasktrain.jobs.ending import PRUNED, STOPPED
+from dasktrain.jobs.job import SPEC_LIMIT, Pruned, read_file
+from dasktrain.jobs.record import JobRecord
 from dasktrain.parallel.gpus import VISIBLE, place_devices
 
 
@@ -42,37 +40,36 @@ def _log_devices(devices):
 
 
 def read_spec(folder, argv=()):
-    """The job's ``job.json``: from standard input where ``argv`` says
-    ``--spec-stdin`` (a shared cluster's job), else from ``folder``."""
+    """The job's record (its ``job.json``): from standard input where
+    ``argv`` says ``--spec-stdin`` (a shared cluster's job), else from
+    ``folder``."""
     if list(argv) == ['--spec-stdin']:
-        return json.load(sys.stdin)
-    return read_file(folder, 'job.json', SPEC_LIMIT)
+        return JobRecord.of(json.load(sys.stdin))
+    return JobRecord.of(read_file(folder, 'job.json', SPEC_LIMIT))
 
 
-def run_child(folder, callbacks=(), spec=None):
-    """Train the job's config, calling ``callbacks`` after each epoch; the
-    exit code (see the module).
+def train_job(folder, callbacks=(), spec=None):
+    """Train the job's config (``spec``, its record; default read from
+    ``folder``), calling ``callbacks`` after each epoch; the exit code
+    (see the module).
 
     Examples
     --------
-    >>> sys.exit(run_child(folder, callbacks=[reporter]))  # doctest: +SKIP
+    >>> sys.exit(train_job(folder, callbacks=[reporter]))  # doctest: +SKIP
     """
     if spec is None:
         spec = read_spec(folder)
-    config = TrainConfig.from_json(json.dumps(spec['config']))
-    if launched():
-        # A rank of a gang (jobs.worker.gang): its peers are launch's.
-        config = config.replace(workers=None, scheduler=None,
-                                gpus_per_worker=None)
-    elif config.workers is not None:  # its ranks driven from here
-        config = config.replace(scheduler=spec['scheduler'])
-    from dasktrain.run.train import train  # Chainer: the child only
+    # Here, never ranks of its own: a gang's rank joins its peers, which
+    # its environment names (jobs.worker.gang).
+    config = TrainConfig.from_json(json.dumps(spec.config)).replace(
+        workers=None, scheduler=None, gpus_per_worker=None)
+    from dasktrain.run.train import train  # Chainer: the program only
     try:
-        if spec['gpus'] and config.workers is None:
+        if spec.gpus:
             # CUDA_VISIBLE_DEVICES shows this job its GPUs as 0..k-1.
             config = config.replace(devices=place_devices(
-                config.devices, range(spec['gpus'])))
-        _log_devices(config.devices if spec['gpus'] else None)
+                config.devices, range(spec.gpus)))
+        _log_devices(config.devices if spec.gpus else None)
         summary = train(config, callbacks=callbacks)
     except Pruned as e:
         print(f'pruned: {e}', flush=True)
@@ -114,5 +111,5 @@ def _curves(out):
 
 
 if __name__ == '__main__':
-    sys.exit(run_child(sys.argv[1], spec=read_spec(sys.argv[1],
+    sys.exit(train_job(sys.argv[1], spec=read_spec(sys.argv[1],
                                                     sys.argv[2:])))

@@ -5,10 +5,10 @@ what a shared install needs, where each job runs as its submitter.
 dasktrain is installed) to pick the Python of the shared venv, the first
 of its candidates that every user can execute, of Python >= 3.10:
 
-    python -I dasktrain/everyone.py python "$(PYTHON)" /usr/bin/python3
+    python -I dasktrain/shared_install.py python "$(PYTHON)" /usr/bin/python3
 
 and, once installed, to check the venv (``PREFIX/bin/python -I -m
-dasktrain.everyone check``).
+dasktrain.shared_install check``).
 ``dasktrain cluster start --shared`` asks :func:`install_problem` of its
 own interpreter and package before it starts, and refuses in one line.
 
@@ -170,7 +170,7 @@ def main(argv=None):
         print(f'every user can run {sys.executable} and read '
               f'{os.path.dirname(os.path.abspath(__file__))}')
         return 0
-    print('usage: everyone.py python CANDIDATE... | check',
+    print('usage: shared_install.py python CANDIDATE... | check',
           file=sys.stderr)
     return 2
 

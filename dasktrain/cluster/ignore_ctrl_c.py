@@ -1,6 +1,7 @@
-"""A Dask worker preload (``preload=['dasktrain.cluster.calm']``): the
-worker ignores Ctrl-C, and keeps quiet about the tasks its command
-cancels on the way out.
+"""The local workers' Dask preload
+(``preload=['dasktrain.cluster.ignore_ctrl_c']``): a worker ignores
+Ctrl-C, and keeps quiet about the tasks its command cancels on the way
+out.
 
 A terminal sends SIGINT to every process of its foreground group, local
 worker processes included; each would print a screen of tracebacks while
