@@ -10,7 +10,8 @@ MODULES = [
     'dasktrain.jobs.wire',
     'dasktrain.jobs.status', 'dasktrain.jobs.end_notice',
     'dasktrain.jobs.client.route', 'dasktrain.jobs.scheduler.policy',
-    'dasktrain.jobs.worker.task', 'dasktrain.jobs.worker.program',
+    'dasktrain.jobs.ending', 'dasktrain.jobs.record', 'dasktrain.jobs.fields',
+    'dasktrain.jobs.worker.program',
     'dasktrain.jobs.worker.environment', 'dasktrain.jobs.worker.gpu_use',
     'dasktrain.run.driver', 'dasktrain.run.launch', 'dasktrain.keeper']
 
