@@ -119,12 +119,42 @@ _load_installed()
 import dasktrain.chainermn  # noqa: E402,F401  (then takes the name)
 '''
 
+#: The folder's ``mpi4py/__init__.py``: ``from mpi4py import MPI`` on a
+#: launched rank gets dasktrain.chainermn.mpi, mpi4py's calls on the
+#: ranks' own connections (its ``COMM_WORLD``: every rank of the launch).
+MPI4PY_SHIM = '''"""`import mpi4py` on a rank of `dasktrain launch`: its
+`MPI` is dasktrain.chainermn.mpi, mpi4py's calls on the ranks' own
+connections, without MPI (`dasktrain launch --no-chainermn` leaves the
+installed mpi4py). Written by dasktrain.parallel.comm.rendezvous for one
+launch, removed when it ends."""
+import sys
+
+from dasktrain.chainermn import mpi as MPI
+
+sys.modules[__name__ + '.MPI'] = MPI
+__version__ = '3.1.0'
+
+
+def get_include():
+    raise ImportError('mpi4py on a rank of dasktrain launch is '
+                      'dasktrain.chainermn.mpi: it has no C headers')
+
+
+class _Config:
+    initialize = threads = True
+    finalize = None
+    thread_level = 'multiple'
+
+
+rc = _Config()
+'''
+
 
 @contextlib.contextmanager
 def chainermn_folder(out):
     """A folder in ``out`` (the launch's output folder, which every rank
-    reaches) holding :data:`CHAINERMN_SHIM` as ``chainermn``; removed on
-    leaving.
+    reaches) holding :data:`CHAINERMN_SHIM` as ``chainermn`` and
+    :data:`MPI4PY_SHIM` as ``mpi4py``; removed on leaving.
 
     Examples
     --------
@@ -135,10 +165,12 @@ def chainermn_folder(out):
     try:
         with open(os.path.join(folder, CHAINERMN_MARK), 'w'):
             pass
-        os.mkdir(os.path.join(folder, 'chainermn'))
-        with open(os.path.join(folder, 'chainermn', '__init__.py'),
-                  'w') as f:
-            f.write(CHAINERMN_SHIM)
+        for package, text in (('chainermn', CHAINERMN_SHIM),
+                              ('mpi4py', MPI4PY_SHIM)):
+            os.mkdir(os.path.join(folder, package))
+            with open(os.path.join(folder, package, '__init__.py'),
+                      'w') as f:
+                f.write(text)
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
