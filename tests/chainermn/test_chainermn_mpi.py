@@ -107,7 +107,7 @@ def test_buffers_statuses_and_names():
     with pytest.raises(ValueError, match='rank 1 sent 4 elements'):
         mpitypes.into(target, np.ones(4), 'rank 1')
     with pytest.raises(AttributeError, match='mpi4py.MPI.Intercomm'):
-        mpi.Intercomm
+        _ = mpi.Intercomm
     # a job of one rank: COMM_WORLD alone, as a script run by itself
     world = mpi.COMM_WORLD
     assert (world.rank, world.size, world.allreduce(5)) == (0, 1, 5)

@@ -125,10 +125,12 @@ assert sub.rank == 1 - r and sub.mpi_comm is not w
 assert chainermn.testing.get_device().xp is np
 assert not nccl._available and not hasattr(nccl, 'get_build_version')
 try:
-    nccl.NcclCommunicator
+    _ = nccl.NcclCommunicator
 except chainermn.Unsupported as e:
     assert 'chainermn.nccl.NcclCommunicator' in str(e), e
     assert '\n' not in str(e)
+else:
+    raise AssertionError('chainermn.nccl gave a name on a CPU rank')
 obj = _communication_utility.chunked_bcast_obj(
     np.arange(10) if r == 1 else None, w, 7, root=1)
 eq(obj, np.arange(10))
@@ -148,9 +150,11 @@ assert naive.mpi_comm is w and not naive.batched_copy and naive.size == 2
 assert _build_ctrl_msg(0, 1, 0, 1, 2).tolist() == [0, 1, 0, 1, 2]
 assert _multi_node_snapshot.multi_node_snapshot
 try:
-    w.Alltoallv
+    _ = w.Alltoallv
 except chainermn.Unsupported as e:
     assert 'mpi4py.MPI.Comm.Alltoallv' in str(e), e
+else:
+    raise AssertionError('Alltoallv was not refused')
 
 # Chainer's debug mode: a mean that is not finite is an error, as
 # ChainerMN's ("Parameters diverged after allreduce.").
