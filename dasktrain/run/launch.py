@@ -439,24 +439,24 @@ def _last_line(path):
 
 def _run_here(argv, n, out, timeout, grace, echo, extra):
     """Run the ranks under keepers started here; the exit status. They
-    start first, the scheduler (Dask's import, most of this process's
-    start-up) while they import theirs: their rendezvous waits for it."""
+    meet without a scheduler: rank 0 listens on a port chosen here, the
+    others dial it first and learn from it where each listens
+    (``DASKTRAIN_RANK0``), so this process imports no Dask."""
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
     environ.update({k: environ.get(k, '1') for k in _BLAS})
     ended = threading.Event()  # set whenever a rank ends
     children = []
     with throwaway_tls() as tls:
-        port = free_port()
-        address = f'tls://127.0.0.1:{port}'
+        rank0 = f'tls://127.0.0.1:{free_port()}'
         try:
             for rank in range(n):
                 env = dict(environ, **rank_environment(
-                    rank, n, address, job, 'tls://127.0.0.1', tls, timeout))
+                    rank, n, None, job, 'tls://127.0.0.1', tls, timeout,
+                    rank0=rank0))
                 children.append(_Child(argv, env, rank, out, echo, ended,
                                        grace))
-            with scheduler_here(port, tls):
-                return _watch_here(children, ended, grace, echo)
+            return _watch_here(children, ended, grace, echo)
         finally:
             for child in children:
                 child.stop(grace)

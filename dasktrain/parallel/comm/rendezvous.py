@@ -8,6 +8,10 @@ starts who it is and where its peers are, and joining them from it.
 ``DASKTRAIN_RANK``         this process's rank, 0 to N - 1
 ``DASKTRAIN_SIZE``         N
 ``DASKTRAIN_RENDEZVOUS``   the Dask scheduler the ranks meet through
+``DASKTRAIN_RANK0``        or, without one, where rank 0 listens for
+                           the others' first connection
+                           (``tls://HOST:PORT``): a launch on one
+                           machine
 ``DASKTRAIN_JOB``          the name the ranks of this launch meet under
 ``DASKTRAIN_LISTEN``       where this rank listens for its peers
                            (``tls://HOST`` or ``tcp://HOST``)
@@ -44,21 +48,24 @@ from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY_ENV
 RANK = 'DASKTRAIN_RANK'
 SIZE = 'DASKTRAIN_SIZE'
 RENDEZVOUS = 'DASKTRAIN_RENDEZVOUS'
+RANK0 = 'DASKTRAIN_RANK0'
 JOB = 'DASKTRAIN_JOB'
 LISTEN = 'DASKTRAIN_LISTEN'
 TLS_CA, TLS_CERT, TLS_KEY = ('DASKTRAIN_TLS_CA', 'DASKTRAIN_TLS_CERT',
                              'DASKTRAIN_TLS_KEY')
 TIMEOUT = 'DASKTRAIN_TIMEOUT'
 SHARED_MEMORY = SHARED_MEMORY_ENV
-ALL = (RANK, SIZE, RENDEZVOUS, JOB, LISTEN, TLS_CA,
+ALL = (RANK, SIZE, RENDEZVOUS, RANK0, JOB, LISTEN, TLS_CA,
        TLS_CERT, TLS_KEY, TIMEOUT)
 
 
 def rank_environment(rank, size, scheduler, job, listen, tls=None,
-                     timeout=300.0):
+                     timeout=300.0, rank0=None):
     """The variables of rank ``rank`` (see the module), as a dict.
 
     ``tls``: ``(ca, cert, key)`` file paths, or None for a TCP cluster.
+    ``rank0``: where rank 0 listens (``tls://HOST:PORT``) where the
+    ranks meet without a scheduler (``scheduler`` None).
 
     Examples
     --------
@@ -67,8 +74,9 @@ def rank_environment(rank, size, scheduler, job, listen, tls=None,
     >>> env['DASKTRAIN_RANK'], env['DASKTRAIN_SIZE']
     ('1', '2')
     """
-    env = {RANK: str(rank), SIZE: str(size), RENDEZVOUS: scheduler, JOB: job,
-           LISTEN: listen, TIMEOUT: f'{float(timeout):g}'}
+    env = {RANK: str(rank), SIZE: str(size), JOB: job, LISTEN: listen,
+           TIMEOUT: f'{float(timeout):g}'}
+    env.update({RENDEZVOUS: scheduler} if rank0 is None else {RANK0: rank0})
     if tls is not None:
         env.update(zip((TLS_CA, TLS_CERT, TLS_KEY), map(str, tls)))
     return env
@@ -218,7 +226,6 @@ def join(environ=None):
     rank, size = position(env)
     if size == 1:
         return Solo()
-    from distributed import Client
     from distributed.security import Security
 
     from dasktrain.parallel.comm.dask import DaskComm
@@ -231,6 +238,12 @@ def join(environ=None):
     else:
         security = Security()
     timeout = float(env.get(TIMEOUT) or 300.0)
+    shared_memory = env.get(SHARED_MEMORY, '1') != '0'
+    if env.get(RANK0):  # no scheduler: rank 0 tells the others
+        return DaskComm.meet(rank, size, env[RANK0], timeout,
+                             listen_host=env[LISTEN], security=security,
+                             shared_memory=shared_memory)
+    from distributed import Client
     try:
         client = Client(env[RENDEZVOUS], security=security,
                         timeout=min(timeout, 60.0), set_as_default=False)
@@ -241,6 +254,6 @@ def join(environ=None):
         return DaskComm.rendezvous(
             env[JOB], rank, size, timeout, client=client,
             listen_host=env[LISTEN], security=security,
-            shared_memory=env.get(SHARED_MEMORY, '1') != '0')
+            shared_memory=shared_memory)
     finally:
         client.close()
