@@ -95,9 +95,10 @@ def run(argv, env, cwd, logs=None):
     text = done.stdout + ''.join(
         p.read_text() for p in Path(logs).glob('rank*.log')) if logs \
         else done.stdout
-    stamps = [list(map(float, found)) for found in re.findall(
-        r'stamps \d+ (\d+\.\d{6}) (\d+\.\d{6}) (\d+\.\d{6}) '
-        r'(\d+\.\d{6})', text)]
+    stamps = list({int(found[0]): list(map(float, found[1:]))
+                   for found in re.findall(
+                       r'stamps (\d+) (\d+\.\d{6}) (\d+\.\d{6}) '
+                       r'(\d+\.\d{6}) (\d+\.\d{6})', text)}.values())
     if stamps:  # the last rank to import, join, finish the collective
         got.update({k: max(s[i] for s in stamps) - start for i, k in
                     enumerate(('imported_s', 'joined_s', 'met_s'), 1)})

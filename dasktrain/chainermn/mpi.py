@@ -31,7 +31,6 @@ line, as MPI's fatal errors do.
 """
 import atexit
 import os
-import socket
 import sys
 import threading
 
@@ -44,18 +43,20 @@ from dasktrain.chainermn.mpitypes import (
     IN_PLACE,
     SUM,
     UNDEFINED,
+    Get_processor_name,
     UnsupportedName,
     buffer_of,
     fill,
     into,
+    ompi_environment,
     reduce_in_order,
     typedict,
 )
 from dasktrain.chainermn.support import Unsupported, fatal
 from dasktrain.parallel.comm.base import CollectiveError, Solo
+from dasktrain.parallel.comm.handover import Handover, Ticket, take, worth_it
 from dasktrain.parallel.comm.mailbox import ANY, Mailbox
-from dasktrain.parallel.comm.rendezvous import LISTEN, join, launched
-from dasktrain.parallel.placement import machine_place
+from dasktrain.parallel.comm.rendezvous import join, launched
 
 #: mpi4py's name of it (ChainerMN reads ``MPI._typedict``).
 _typedict = typedict
@@ -85,6 +86,12 @@ class Comm:
     pairs : dict
         The two-rank NCCL communicators of GPU arrays sent point to point
         (:mod:`dasktrain.chainermn.arrays`'), closed with the connections.
+    sharing : frozenset
+        The other ranks that share this rank's machine and ``/dev/shm``
+        (the communicator's shared-memory probe): large host arrays sent
+        to them go through shared memory (:attr:`handover`).
+    handover : dasktrain.parallel.comm.handover.Handover
+        The segments this rank stows for them.
     """
 
     def __init__(self, comm, p2p=None):
@@ -92,6 +99,11 @@ class Comm:
         self.box = Mailbox(p2p if p2p is not None else comm)
         self.in_flight = None
         self.pairs = {}
+        mine = next((g for g in getattr(comm, 'hosts', ())
+                     if comm.rank in g), [comm.rank])
+        self.sharing = frozenset(mine) - {comm.rank} \
+            if comm.size > 1 else frozenset()
+        self.handover = Handover()
         self.name = 'MPI_COMM_WORLD'
         self._closed = False
         if comm.size > 1:
@@ -215,6 +227,7 @@ class Comm:
             for pair in self.pairs.values():
                 pair.close()
             self.pairs.clear()
+            self.handover.close()
             if self._p2p is not None:
                 self._p2p.close()
             self.dask.close()
@@ -320,6 +333,15 @@ class Comm:
 
     # ------------------------------------------------ point to point
 
+    def stow(self, array, dest):
+        """``array`` as it travels to rank ``dest``: a
+        :class:`~dasktrain.parallel.comm.handover.Ticket` of a
+        shared-memory segment where ``dest`` shares this machine and the
+        array is large, else itself."""
+        if worth_it(array, dest in self.sharing):
+            return self.handover.stow(array)
+        return array
+
     def _check_peer(self, rank, what):
         if not 0 <= rank < self.size or rank == self.rank:
             raise ValueError(f'{what} must be another rank of 0..'
@@ -385,14 +407,16 @@ class Comm:
         """Send the host buffer ``buf`` to rank ``dest`` (a copy of it is
         on its way when this returns)."""
         self._check_peer(dest, 'dest')
-        data = np.array(buffer_of(buf, 'Send buffer'), copy=True)
+        data = self.stow(np.array(buffer_of(buf, 'Send buffer'), copy=True),
+                         dest)
         self.box.send(('buffer', data, None, None), dest, self._tag(tag))
 
     @fatal
     def Ssend(self, buf, dest, tag=0):
         """:meth:`Send`, returning once ``dest`` has received it."""
         self._check_peer(dest, 'dest')
-        data = np.array(buffer_of(buf, 'Ssend buffer'), copy=True)
+        data = self.stow(np.array(buffer_of(buf, 'Ssend buffer'),
+                                  copy=True), dest)
         self.box.send(('buffer', data, None, None), dest, self._tag(tag),
                       sync=True)
 
@@ -408,6 +432,8 @@ class Comm:
         if kind != 'buffer':
             raise TypeError(f'rank {source} sent {kind} with tag {got}, '
                             'which Recv does not take')
+        if isinstance(data, Ticket):
+            data = take(data)
         raw = target.view(np.uint8)
         if data.nbytes > raw.nbytes:
             raise ValueError(f'message truncated: rank {source} sent '
@@ -516,32 +542,11 @@ _world = []
 _world_lock = threading.Lock()
 
 
-#: The variables ``mpiexec`` (Open MPI's) gives a rank, which scripts
-#: and ChainerMN's tests read: a launched rank whose ``mpi4py`` is this
-#: module has them from its ``COMM_WORLD``'s join on.
-OMPI = ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
-        'OMPI_COMM_WORLD_LOCAL_RANK', 'OMPI_COMM_WORLD_LOCAL_SIZE',
-        'OMPI_COMM_WORLD_NODE_RANK')
-
-
-def ompi_environment(machines, rank):
-    """:data:`OMPI`'s values for ``rank``, given every rank's machine.
-
-    Examples
-    --------
-    >>> ompi_environment(['a', 'b', 'a'], 2)['OMPI_COMM_WORLD_LOCAL_RANK']
-    '1'
-    """
-    intra, intra_size, inter, _ = machine_place(machines, rank)
-    return dict(zip(OMPI, map(str, (rank, len(machines), intra,
-                                    intra_size, inter))))
-
-
 def world():
     """``COMM_WORLD``: every rank of the launch, joined (from the
     environment ``dasktrain launch`` sets) at its first use; one rank
     alone outside a launch. Where it is a launched rank's ``mpi4py.MPI``,
-    the rank then has ``mpiexec``'s variables (:data:`OMPI`) too."""
+    the rank then has ``mpiexec``'s variables (``mpitypes.OMPI``) too."""
     with _world_lock:
         if not _world:
             comm = Comm.over(join())
@@ -558,16 +563,6 @@ def self_comm():
     comm = Comm(Solo())
     comm.name = 'MPI_COMM_SELF'
     return comm
-
-
-def Get_processor_name():
-    """This rank's machine as the ranks tell machines apart: the host it
-    listens on under ``dasktrain launch`` (clones of one image share a
-    hostname, never an address), else the hostname."""
-    listen = os.environ.get(LISTEN)
-    if launched() and listen:
-        return listen.split('://', 1)[-1]
-    return socket.gethostname()
 
 
 def __getattr__(name):

@@ -8,11 +8,15 @@ mpi4py name not offered, refused in one line. And the answers about
 the environment (``Is_initialized``, ``Wtime``, ...).
 """
 import operator
+import os
+import socket
 import time
 
 import numpy as np
 
 from dasktrain.chainermn.support import Unsupported
+from dasktrain.parallel.comm.rendezvous import LISTEN, launched
+from dasktrain.parallel.placement import machine_place
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -282,10 +286,41 @@ def Get_library_version():
     return 'dasktrain.chainermn.mpi (mpi4py on Dask, no MPI)'
 
 
+#: The variables ``mpiexec`` (Open MPI's) gives a rank, which scripts
+#: and ChainerMN's tests read: a launched rank whose ``mpi4py`` is this
+#: module has them from its ``COMM_WORLD``'s join on.
+OMPI = ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+        'OMPI_COMM_WORLD_LOCAL_RANK', 'OMPI_COMM_WORLD_LOCAL_SIZE',
+        'OMPI_COMM_WORLD_NODE_RANK')
+
+
+def ompi_environment(machines, rank):
+    """:data:`OMPI`'s values for ``rank``, given every rank's machine.
+
+    Examples
+    --------
+    >>> ompi_environment(['a', 'b', 'a'], 2)['OMPI_COMM_WORLD_LOCAL_RANK']
+    '1'
+    """
+    intra, intra_size, inter, _ = machine_place(machines, rank)
+    return dict(zip(OMPI, map(str, (rank, len(machines), intra,
+                                    intra_size, inter))))
+
+
+def Get_processor_name():
+    """This rank's machine as the ranks tell machines apart: the host it
+    listens on under ``dasktrain launch`` (clones of one image share a
+    hostname, never an address), else the hostname."""
+    listen = os.environ.get(LISTEN)
+    if launched() and listen:
+        return listen.split('://', 1)[-1]
+    return socket.gethostname()
+
+
 #: What ``MPI.*`` shows of this module: mpi4py's names.
 __all__ = sorted(name for name, value in list(globals().items())
                  if name.isupper() and not name.startswith('_') or name in (
                      'Datatype', 'Op', 'Status', 'Is_initialized',
                      'Is_finalized', 'Init', 'Init_thread', 'Finalize',
                      'Query_thread', 'Wtime', 'Wtick', 'Get_version',
-                     'Get_library_version'))
+                     'Get_library_version', 'Get_processor_name'))

@@ -151,3 +151,34 @@ def test_a_synchronous_send_returns_once_received():
     assert sender.waiting() == {} and receiver.waiting() == {}
     sender.send('plain', dest=1)  # back at once, nothing waited for
     assert receiver.recv_tagged(0) == (0, 'plain')
+
+
+def test_a_handed_over_array_is_one_private_segment_freed_when_read():
+    from dasktrain.parallel.comm.base import CollectiveError
+    from dasktrain.parallel.comm.handover import (
+        Handover,
+        Ticket,
+        take,
+        worth_it,
+    )
+    handover = Handover()
+    big = np.arange(1 << 14, dtype=np.float32).reshape(128, 128)[:, ::2]
+    ticket = handover.stow(big)  # a strided view: its elements, in order
+    assert isinstance(ticket, Ticket) and ticket.shape == (128, 64)
+    path = Path('/dev/shm') / ticket.name
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert ticket.name.startswith(handover.prefix)
+    got = take(ticket)
+    np.testing.assert_array_equal(got, big)
+    assert got.flags.writeable and not path.exists()  # freed when read
+    with pytest.raises(CollectiveError, match='gone'):
+        take(ticket)  # read once
+    with pytest.raises(CollectiveError, match='not one'):
+        take(Ticket('../etc/passwd', (1,), '<f4'))
+    # one nobody took goes when its sender closes
+    unread = handover.stow(np.ones(1 << 14))
+    assert (Path('/dev/shm') / unread.name).exists()
+    handover.close()
+    assert not (Path('/dev/shm') / unread.name).exists()
+    small = np.ones(3)
+    assert not worth_it(small, True) and not worth_it(big, False)

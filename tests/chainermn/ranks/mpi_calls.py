@@ -6,7 +6,8 @@ messages matched by tag with their ``Status``; ``ssend`` back only once
 received, ``send`` at once; ``Split``/``Dup``; ChainerMN's own modules
 (``chainermn.testing``, ``_communication_utility``, ``MpiCommunicatorBase``
 subclassed, its communicator classes, ``chainermn.nccl`` refused on a
-CPU); debug mode's divergence; ``finalize`` on one rank alone.
+CPU); large arrays through shared memory; debug mode's divergence;
+``finalize`` on one rank alone.
 
     dasktrain launch -n 2 -- python mpi_calls.py
 """
@@ -110,6 +111,36 @@ else:
     received = time.time()
     assert w.recv(source=0, tag=7) == 'sync'
     w.send(received, dest=0, tag=8)
+
+# Large arrays to a rank of this machine go through shared memory: a
+# segment of their own (0600), its name over the connection, freed when
+# read; small ones inline.
+assert w.sharing == {1 - r}
+big = np.arange(1 << 15, dtype=np.float64)  # 256 KiB
+
+
+def segments(prefix):
+    return [f for f in os.listdir('/dev/shm') if f.startswith(prefix)]
+
+
+if r == 0:
+    comm.send((big, big[:4]), dest=1, tag=20)
+    w.send(w.handover.prefix, dest=1, tag=21)
+    w.Send(big, dest=1, tag=22)
+else:
+    prefix = w.recv(source=0, tag=21)
+    waiting = segments(prefix)
+    assert len(waiting) in (1, 2), waiting  # the tuple's large array
+    assert all(os.stat(f'/dev/shm/{f}').st_mode & 0o777 == 0o600
+               for f in waiting)
+    got = comm.recv(0, tag=20)
+    eq(got[0], big)
+    eq(got[1], big[:4])
+    into = np.empty_like(big)
+    w.Recv(into, source=0, tag=22)
+    eq(into, big)
+    assert segments(prefix) == []  # freed when read
+w.barrier()
 
 # Communicators of their own: Split, Dup, COMM_NULL.
 alone = w.Split(color=r, key=0)
