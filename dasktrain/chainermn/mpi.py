@@ -56,10 +56,21 @@ from dasktrain.chainermn.support import Unsupported, fatal
 from dasktrain.parallel.comm.base import CollectiveError, Solo
 from dasktrain.parallel.comm.handover import Handover, Ticket, take, worth_it
 from dasktrain.parallel.comm.mailbox import ANY, Mailbox
+from dasktrain.parallel.comm.nearby import Nearby, Routes
 from dasktrain.parallel.comm.rendezvous import join, launched
 
 #: mpi4py's name of it (ChainerMN reads ``MPI._typedict``).
 _typedict = typedict
+
+
+def sharing(comm):
+    """The other ranks of ``comm`` that share this rank's machine and
+    ``/dev/shm``, as its shared-memory probe found (none where
+    ``DASKTRAIN_SHARED_MEMORY=0``)."""
+    if comm.size == 1:
+        return frozenset()
+    mine = next((g for g in comm.hosts if comm.rank in g), [comm.rank])
+    return frozenset(mine) - {comm.rank}
 
 
 class Comm:
@@ -69,10 +80,11 @@ class Comm:
     ----------
     comm : dasktrain.parallel.comm.base.Communicator
         Its collectives (a ``DaskComm``, or a ``Solo`` for one rank).
-    p2p : Communicator, optional
-        Its point-to-point messages' own connections (a split of ``comm``
-        with every rank in it: a message waiting for its receive never
-        stands in a collective's way); None for one rank.
+    p2p : optional
+        Its point-to-point messages' own connections (``send(obj, dest)``,
+        ``recv(source)``, ``close()``: :meth:`over`'s, so that a message
+        waiting for its receive never stands in a collective's way); None
+        for one rank.
 
     Attributes
     ----------
@@ -99,10 +111,7 @@ class Comm:
         self.box = Mailbox(p2p if p2p is not None else comm)
         self.in_flight = None
         self.pairs = {}
-        mine = next((g for g in getattr(comm, 'hosts', ())
-                     if comm.rank in g), [comm.rank])
-        self.sharing = frozenset(mine) - {comm.rank} \
-            if comm.size > 1 else frozenset()
+        self.sharing = sharing(comm)
         self.handover = Handover()
         self.name = 'MPI_COMM_WORLD'
         self._closed = False
@@ -111,11 +120,17 @@ class Comm:
 
     @classmethod
     def over(cls, comm):
-        """A Comm over ``comm``, its point-to-point connections split off
-        (a collective: every rank of ``comm`` calls it)."""
+        """A Comm over ``comm`` with point-to-point connections of its
+        own (a collective: every rank of ``comm`` calls it): Unix domain
+        sockets to the ranks of this machine, and, where some rank is on
+        another machine, a split of ``comm`` with every rank in it."""
         if comm.size == 1:
             return cls(comm)
-        return cls(comm, comm.split(0, comm.rank, shared_memory=False))
+        near = Nearby.connect(comm, sharing(comm))
+        far = None
+        if len(comm.hosts) > 1:
+            far = comm.split(0, comm.rank, shared_memory=False)
+        return cls(comm, Routes(near, far))
 
     def __repr__(self):
         return f'<dasktrain MPI.Comm {self.name}: rank {self.rank} of ' \

@@ -1,0 +1,210 @@
+"""Point-to-point messages between the ranks of one machine over Unix
+domain sockets: blocking calls in the caller's own thread.
+
+A message over a communicator's Dask comms crosses threads twice on each
+side (to its event loop and back) and goes through TLS on loopback: each
+crossing is a wake-up, which a busy machine serves late. Between ranks
+that share a machine, :class:`Nearby` sends it down a Unix domain socket
+from the sending thread and the receiving thread reads it there: one
+wake-up, no encryption (the kernel carries it, to no one else).
+
+Only the ranks of the job reach the sockets: each rank listens in a
+folder of its own (mode 0700, in ``/dev/shm``, which the ranks that share
+memory share), its path and a one-time token of its own handed out over
+the communicator's TLS comms; a rank accepts a connection only from a
+process of its own user (``SO_PEERCRED``) that names a rank and that
+rank's token, and removes the folder once its peers are connected.
+
+A message is its length and its pickle (protocol 5); large arrays travel
+beside it through shared memory
+(:mod:`~dasktrain.parallel.comm.handover`). Every wait is bounded by the
+communicator's timeout; a peer that is gone or silent raises
+:class:`~dasktrain.parallel.comm.base.CollectiveError`.
+"""
+import os
+import pickle
+import secrets
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+
+from dasktrain.parallel.comm.base import (
+    PEER_GONE,
+    PEER_SILENT,
+    CollectiveError,
+)
+from dasktrain.parallel.comm.shm import SHM_DIR
+
+#: A message's header: its pickle's length.
+LENGTH = struct.Struct('<Q')
+#: A connection's first bytes: the dialling rank and its token for the
+#: rank it dials.
+HELLO = struct.Struct('<I16s')
+_UCRED = struct.Struct('3i')  # struct ucred: pid, uid, gid
+
+
+def peer_uid(sock):
+    """The user id of the process at the other end of Unix socket
+    ``sock`` (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                          _UCRED.size)
+    return _UCRED.unpack(raw)[1]
+
+
+def _read_exactly(sock, n, what):
+    """``n`` bytes from ``sock``; CollectiveError where the peer closed
+    or stayed silent past the socket's timeout."""
+    data = bytearray(n)
+    view, got = memoryview(data), 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            raise CollectiveError(f'{what} did not arrive within the '
+                                  f'collective_timeout: {PEER_SILENT}') \
+                from None
+        except OSError as e:
+            raise CollectiveError(f'{what} was lost ({e}): {PEER_GONE}') \
+                from None
+        if k == 0:
+            raise CollectiveError(f'{what}: the peer closed its '
+                                  f'connection: {PEER_GONE}')
+        got += k
+    return data
+
+
+class Nearby:
+    """Unix domain sockets from this rank to its ``peers`` of the same
+    machine; made by :meth:`connect`, every rank of ``comm`` calling it.
+
+    Attributes
+    ----------
+    peers : frozenset
+        The ranks it reaches.
+    """
+
+    def __init__(self, rank, socks, timeout):
+        self.rank, self._socks, self.timeout = rank, socks, timeout
+        self.peers = frozenset(socks)
+        self._locks = {peer: threading.Lock() for peer in socks}
+
+    @classmethod
+    def connect(cls, comm, peers):
+        """Connect this rank of ``comm`` (a communicator for the set-up:
+        two all-gathers) to ``peers``, the ranks of its machine that share
+        its ``/dev/shm``: a collective, every rank of ``comm`` calls it
+        with its own peers."""
+        peers = sorted(peers)
+        folder = tempfile.mkdtemp(prefix='dasktrain-p2p-', dir=SHM_DIR) \
+            if peers else None
+        listener, token, socks = None, secrets.token_bytes(16), {}
+        try:
+            if peers:
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                listener.bind(os.path.join(folder, 's'))
+                listener.listen(len(peers))
+                listener.settimeout(comm.timeout)
+            where = comm.allgather(
+                (listener.getsockname(), token) if peers else None)
+            # Lower ranks dial the higher ones (queued by the listener,
+            # so no rank waits for another to accept), then accept theirs.
+            for peer in (p for p in peers if p > comm.rank):
+                path, theirs = where[peer]
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(comm.timeout)
+                sock.connect(path)
+                sock.sendall(HELLO.pack(comm.rank, theirs))
+                socks[peer] = sock
+            for _ in (p for p in peers if p < comm.rank):
+                try:
+                    sock, _ = listener.accept()
+                except TimeoutError:
+                    raise CollectiveError('a rank of this machine did not '
+                                          'connect within the collective_'
+                                          f'timeout: {PEER_SILENT}') from None
+                sock.settimeout(comm.timeout)
+                rank, theirs = HELLO.unpack(_read_exactly(
+                    sock, HELLO.size, 'a peer\'s hello'))
+                if peer_uid(sock) != os.getuid() or theirs != token or \
+                        rank not in peers or rank in socks:
+                    sock.close()
+                    raise CollectiveError(
+                        f'rank {comm.rank} was dialled by a process that '
+                        'is not a rank of this job')
+                socks[rank] = sock
+            comm.allgather(None)  # every rank connected: folders can go
+        except BaseException:
+            for sock in socks.values():
+                sock.close()
+            raise
+        finally:
+            if listener is not None:
+                listener.close()
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        return cls(comm.rank, socks, comm.timeout)
+
+    def send(self, obj, dest):
+        """Send ``obj`` to rank ``dest`` (one of :attr:`peers`); returns
+        once it is in the socket (the kernel holds it for the peer)."""
+        data = pickle.dumps(obj, protocol=5)
+        header = LENGTH.pack(len(data))
+        with self._locks[dest]:
+            sock = self._socks[dest]
+            try:
+                if len(data) < 1 << 16:  # one write, one wake-up
+                    sock.sendall(header + data)
+                else:  # not copied again to join them
+                    sock.sendall(header)
+                    sock.sendall(data)
+            except TimeoutError:
+                raise CollectiveError(f'rank {dest} did not read within '
+                                      f'the collective_timeout: '
+                                      f'{PEER_SILENT}') from None
+            except OSError as e:
+                raise CollectiveError(f'rank {dest} closed its connection '
+                                      f'({e}): {PEER_GONE}') from None
+
+    def recv(self, source):
+        """The next object rank ``source`` sent here."""
+        sock, what = self._socks[source], f'a message from rank {source}'
+        (n,) = LENGTH.unpack(_read_exactly(sock, LENGTH.size, what))
+        return pickle.loads(_read_exactly(sock, n, what))
+
+    def close(self):
+        for sock in self._socks.values():
+            sock.close()
+
+
+class Routes:
+    """Point-to-point messages to every rank of a communicator: those of
+    this machine over :class:`Nearby`'s sockets, the others over
+    ``far`` (a communicator's ``send``/``recv``; None where every rank is
+    near)."""
+
+    def __init__(self, near, far=None):
+        self.near, self.far = near, far
+
+    def send(self, obj, dest):
+        if dest in self.near.peers:
+            self.near.send(obj, dest)
+        else:
+            self._far('send to', dest).send(obj, dest)
+
+    def recv(self, source):
+        if source in self.near.peers:
+            return self.near.recv(source)
+        return self._far('receive from', source).recv(source)
+
+    def _far(self, what, rank):
+        if self.far is None:
+            raise CollectiveError(f'cannot {what} rank {rank}: not a rank '
+                                  'of this communicator')
+        return self.far
+
+    def close(self):
+        self.near.close()
+        if self.far is not None:
+            self.far.close()
