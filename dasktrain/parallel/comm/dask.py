@@ -57,6 +57,7 @@ from dasktrain.parallel.comm.base import (
 )
 from dasktrain.parallel.comm.links import STREAMS, plain_asked
 from dasktrain.parallel.comm.links import connect as link
+from dasktrain.parallel.comm.nearby import Nearby, NearGroup
 from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY
 from dasktrain.parallel.comm.shm import SharedMemoryReducer
 from dasktrain.parallel.comm.staging import (
@@ -214,8 +215,12 @@ class DaskComm(Communicator):
         hosts = host_groups(self.allgather(host))
         mine = next(g for g in hosts if self.rank in g)
         if shared_memory and len(mine) > 1:
-            self._shm = SharedMemoryReducer.connect(
-                self.group(mine, f'host{mine[0]}'))
+            group = self.group(mine, f'host{mine[0]}')
+            self._shm = SharedMemoryReducer.connect(group)
+            if self._shm is not None:  # its barriers over Unix sockets
+                near = Nearby.connect(group, set(range(len(mine))) -
+                                      {group.rank})
+                self._shm.comm = NearGroup(near, group.rank, group.size)
         # A host whose ranks cannot share memory is as many hosts.
         joined = self.allgather(self._shm is not None or len(mine) == 1)
         self.hosts = [g for g in hosts if all(joined[r] for r in g)] + \
@@ -265,6 +270,8 @@ class DaskComm(Communicator):
             self._links.close()
         if self._shm is not None:
             self._shm.close()
+            if isinstance(self._shm.comm, NearGroup):
+                self._shm.comm.close()
         async def shut():
             for comm in self._comms.values():
                 comm.abort()
@@ -540,6 +547,7 @@ class _Group:
     def __init__(self, comm, members, name):
         self.comm, self.members, self.name = comm, list(members), name
         self.rank, self.size = self.members.index(comm.rank), len(members)
+        self.timeout = comm.timeout
 
     def _tag(self, kind):
         calls = self.comm._groups.get(self.name, 0) + 1

@@ -208,3 +208,39 @@ class Routes:
         self.near.close()
         if self.far is not None:
             self.far.close()
+
+
+class NearGroup:
+    """The ranks of one machine as a communicator of small messages
+    (``allgather``, ``bcast``, ``barrier``) over :class:`Nearby`'s sockets
+    of their own, in the caller's thread: the barriers of a shared-memory
+    sum without the event loop's wake-ups.
+
+    Parameters
+    ----------
+    near : Nearby
+        Connected to every other rank of the group (group numbering).
+    rank, size : int
+        This rank's place in the group, and its size.
+    """
+
+    def __init__(self, near, rank, size):
+        self.near, self.rank, self.size = near, rank, size
+        self.timeout = near.timeout
+
+    def allgather(self, obj):
+        others = [r for r in range(self.size) if r != self.rank]
+        for peer in others:  # small: the sockets hold them all
+            self.near.send(obj, peer)
+        got = {peer: self.near.recv(peer) for peer in others}
+        got[self.rank] = obj
+        return [got[r] for r in range(self.size)]
+
+    def bcast(self, obj):
+        return self.allgather(obj if self.rank == 0 else None)[0]
+
+    def barrier(self):
+        self.allgather(None)
+
+    def close(self):
+        self.near.close()

@@ -14,7 +14,10 @@ pickle framing per message; MPI and NCCL use shared memory instead. So does
 5. every rank copies the whole result back into its arrays (the
    all-gather is a read).
 
-The barriers are small messages over the ranks' ``DaskComm``, which
+The barriers are small messages among the host's ranks (over Unix
+domain sockets in the caller's thread: :class:`~dasktrain.parallel.comm.
+nearby.NearGroup`, which :class:`~dasktrain.parallel.comm.dask.DaskComm`
+gives it once connected; over its ``DaskComm`` for the set-up), which
 also carry each rank's signature (dtypes and sizes), so ranks that are out
 of step fail instead of reading garbage. Two result segments alternate
 between calls: a fast rank writing call k+1's sums never overwrites call
