@@ -204,10 +204,15 @@ class SharedMemoryReducer:
             lo, hi = bounds(count, self.size)[self.rank]
             if hi > lo:  # past the dtype's range: inf, as DaskComm's
                 acc = result.view(dtype, offset, count)[lo:hi]
-                acc[...] = ins[0].view(dtype, offset, count)[lo:hi]
+                parts = [peer.view(dtype, offset, count)[lo:hi]
+                         for peer in ins]
                 with np.errstate(over='ignore', invalid='ignore'):
-                    for peer in ins[1:]:
-                        acc += peer.view(dtype, offset, count)[lo:hi]
+                    if len(parts) == 1:
+                        acc[...] = parts[0]
+                    else:  # the first two added straight into the sum
+                        np.add(parts[0], parts[1], out=acc)
+                    for part in parts[2:]:
+                        acc += part
         self.comm.barrier()  # 4. every slice summed
         if between is not None:
             if self.rank == 0:
