@@ -169,19 +169,22 @@ def main():
     machine = (f'{platform.node()}: {os.cpu_count()} CPUs '
                f'({platform.processor() or platform.machine()}), load '
                f'average {min(loads):.2f} to {max(loads):.2f} before the '
-               'runs')
+               "runs (the bench's own ranks count about 2)")
     (out / 'chainermn.json').write_text(json.dumps(
         {'machine': machine, 'args': vars(args), 'runs': runs}, indent=2))
     print(f'\n{machine}; {args.epochs} epochs of {args.n_train} images, '
           f'MLP 784-{args.unit}-{args.unit}-10, batch {args.batchsize}, '
           f'CPU ranks, median of {args.rounds} interleaved rounds\n')
     print('| run | ranks | launcher | images/s | training s | wall s | '
-          'dasktrain / mpiexec |')
+          'dasktrain / mpiexec (each round\'s) |')
     print('|---|---|---|---|---|---|---|')
     for kind, by_launcher in runs.items():
         med = {name: {k: statistics.median(g[k] for g in got)
                       for k in got[0]} for name, got in by_launcher.items()}
         mine, theirs = (med[name] for name in launchers)
+        key = 'met_s' if kind == 'start' else 'images_per_s'
+        rounds = ', '.join(f'{a[key] / b[key]:.2f}' for a, b in zip(
+            *(by_launcher[name] for name in launchers)))
         for name in launchers:
             m = med[name]
             if kind == 'start':
@@ -191,12 +194,12 @@ def main():
                       f' s, joined {m["joined_s"]:.2f} s, one collective '
                       f'{m["met_s"]:.2f} s) | {RANKS[kind]} | {name} | | | '
                       f'{m["wall_s"]:.2f} | '
-                      f'{ratio:.2f}x the time |')
+                      f'{ratio:.2f}x the time ({rounds}) |')
                 continue
             ratio = mine['images_per_s'] / theirs['images_per_s']
             print(f'| {kind} | {RANKS[kind]} | {name} | '
                   f'{m["images_per_s"]:.0f} | {m["train_s"]:.2f} | '
-                  f'{m["wall_s"]:.2f} | {ratio:.2f}x the speed |')
+                  f'{m["wall_s"]:.2f} | {ratio:.2f}x the speed ({rounds}) |')
 
 
 if __name__ == '__main__':
