@@ -22,7 +22,6 @@ import numpy as np
 
 from dasktrain.chainermn.mpi import ANY_TAG, fill
 from dasktrain.chainermn.support import fatal
-from dasktrain.parallel.comm.handover import Ticket, take
 from dasktrain.parallel.comm.mailbox import ANY
 from dasktrain.parallel.comm.ncclpair import (
     NcclPair,
@@ -128,9 +127,7 @@ class ArrayCalls:
         direct = [g and way == 'nccl' for g in gpu]
         header = {'many': many, 'gpu': gpu, 'direct': direct,
                   'specs': [(a.shape, a.dtype.str) for a in arrays]}
-        # host arrays to a rank of this machine: through shared memory
-        held = [None if d else self.mpi_comm.stow(host(a), dest)
-                for a, d in zip(arrays, direct)]
+        held = [None if d else host(a) for a, d in zip(arrays, direct)]
         if way != 'nccl':
             self.box.send(('arrays', header, held, None), dest, tag)
             return
@@ -160,7 +157,7 @@ class ArrayCalls:
         if kind != 'arrays':
             raise TypeError(f'rank {source} sent an object with tag {tag}, '
                             'which recv_obj takes, not recv')
-        arrays = [take(a) if isinstance(a, Ticket) else a for a in held]
+        arrays = list(held)
         if buffer is not None:
             import cupy
             specs = [s for s, d in zip(header['specs'], header['direct'])

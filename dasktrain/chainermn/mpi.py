@@ -54,7 +54,6 @@ from dasktrain.chainermn.mpitypes import (
 )
 from dasktrain.chainermn.support import Unsupported, fatal
 from dasktrain.parallel.comm.base import CollectiveError, Solo
-from dasktrain.parallel.comm.handover import Handover, Ticket, take, worth_it
 from dasktrain.parallel.comm.mailbox import ANY, Mailbox
 from dasktrain.parallel.comm.nearby import Nearby, Routes
 from dasktrain.parallel.comm.rendezvous import join, launched
@@ -100,10 +99,9 @@ class Comm:
         (:mod:`dasktrain.chainermn.arrays`'), closed with the connections.
     sharing : frozenset
         The other ranks that share this rank's machine and ``/dev/shm``
-        (the communicator's shared-memory probe): large host arrays sent
-        to them go through shared memory (:attr:`handover`).
-    handover : dasktrain.parallel.comm.handover.Handover
-        The segments this rank stows for them.
+        (the communicator's shared-memory probe): messages to them go
+        down Unix domain sockets, their large host arrays through shared
+        memory (:mod:`~dasktrain.parallel.comm.nearby`).
     """
 
     def __init__(self, comm, p2p=None):
@@ -112,7 +110,6 @@ class Comm:
         self.in_flight = None
         self.pairs = {}
         self.sharing = sharing(comm)
-        self.handover = Handover()
         self.name = 'MPI_COMM_WORLD'
         self._closed = False
         if comm.size > 1:
@@ -242,7 +239,6 @@ class Comm:
             for pair in self.pairs.values():
                 pair.close()
             self.pairs.clear()
-            self.handover.close()
             if self._p2p is not None:
                 self._p2p.close()
             self.dask.close()
@@ -348,15 +344,6 @@ class Comm:
 
     # ------------------------------------------------ point to point
 
-    def stow(self, array, dest):
-        """``array`` as it travels to rank ``dest``: a
-        :class:`~dasktrain.parallel.comm.handover.Ticket` of a
-        shared-memory segment where ``dest`` shares this machine and the
-        array is large, else itself."""
-        if worth_it(array, dest in self.sharing):
-            return self.handover.stow(array)
-        return array
-
     def _check_peer(self, rank, what):
         if not 0 <= rank < self.size or rank == self.rank:
             raise ValueError(f'{what} must be another rank of 0..'
@@ -422,16 +409,14 @@ class Comm:
         """Send the host buffer ``buf`` to rank ``dest`` (a copy of it is
         on its way when this returns)."""
         self._check_peer(dest, 'dest')
-        data = self.stow(np.array(buffer_of(buf, 'Send buffer'), copy=True),
-                         dest)
+        data = np.array(buffer_of(buf, 'Send buffer'), copy=True)
         self.box.send(('buffer', data, None, None), dest, self._tag(tag))
 
     @fatal
     def Ssend(self, buf, dest, tag=0):
         """:meth:`Send`, returning once ``dest`` has received it."""
         self._check_peer(dest, 'dest')
-        data = self.stow(np.array(buffer_of(buf, 'Ssend buffer'),
-                                  copy=True), dest)
+        data = np.array(buffer_of(buf, 'Ssend buffer'), copy=True)
         self.box.send(('buffer', data, None, None), dest, self._tag(tag),
                       sync=True)
 
@@ -447,8 +432,6 @@ class Comm:
         if kind != 'buffer':
             raise TypeError(f'rank {source} sent {kind} with tag {got}, '
                             'which Recv does not take')
-        if isinstance(data, Ticket):
-            data = take(data)
         raw = target.view(np.uint8)
         if data.nbytes > raw.nbytes:
             raise ValueError(f'message truncated: rank {source} sent '

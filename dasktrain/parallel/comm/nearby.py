@@ -21,24 +21,41 @@ beside it through shared memory
 communicator's timeout; a peer that is gone or silent raises
 :class:`~dasktrain.parallel.comm.base.CollectiveError`.
 """
+import collections
+import io
 import os
 import pickle
 import secrets
+import select
 import shutil
 import socket
 import struct
 import tempfile
 import threading
 
+import numpy as np
+
 from dasktrain.parallel.comm.base import (
     PEER_GONE,
     PEER_SILENT,
     CollectiveError,
 )
+from dasktrain.parallel.comm.handover import (
+    INLINE_BYTES,
+    Inbox,
+    Outbox,
+    Placed,
+    take,
+    worth_it,
+)
 from dasktrain.parallel.comm.shm import SHM_DIR
 
-#: A message's header: its pickle's length.
-LENGTH = struct.Struct('<Q')
+#: A frame's header: its kind, then for a message its pickle's length,
+#: for a credit the ring's size and how far it was read.
+FRAME = struct.Struct('<BQQ')
+#: A frame's kinds: a message's pickle; a credit; the ticket of a
+#: message's pickle put in shared memory (a large one).
+MESSAGE, CREDIT, PICKLE_HANDED = 0, 1, 2
 #: A connection's first bytes: the dialling rank and its token for the
 #: rank it dials.
 HELLO = struct.Struct('<I16s')
@@ -79,16 +96,34 @@ class Nearby:
     """Unix domain sockets from this rank to its ``peers`` of the same
     machine; made by :meth:`connect`, every rank of ``comm`` calling it.
 
+    A message is a frame (:data:`FRAME`: its kind and length) and its
+    pickle; a host array of at least
+    :data:`~dasktrain.parallel.comm.handover.INLINE_BYTES` in it goes
+    into shared memory (the peer's
+    :class:`~dasktrain.parallel.comm.handover.Outbox` ring, else a segment
+    of its own) and only its ticket into the pickle. The receiver takes
+    the arrays out as the message arrives and answers with a credit frame
+    (how far it read the ring), which the sender reads when it needs room.
+
     Attributes
     ----------
     peers : frozenset
         The ranks it reaches.
+    prefix : str
+        The names of its shared-memory segments begin so.
     """
 
     def __init__(self, rank, socks, timeout):
         self.rank, self._socks, self.timeout = rank, socks, timeout
         self.peers = frozenset(socks)
-        self._locks = {peer: threading.Lock() for peer in socks}
+        self.prefix = f'dasktrain-p2p-{secrets.token_hex(4)}'
+        self._out = {p: Outbox(f'{self.prefix}-{p}') for p in socks}
+        self._in = {p: Inbox() for p in socks}
+        self._pending = {p: collections.deque() for p in socks}
+        # a send may read credits (never waiting for the lock); a receive
+        # may send a credit: re-entrant for a send that reads a message
+        self._sending = {p: threading.RLock() for p in socks}
+        self._receiving = {p: threading.Lock() for p in socks}
 
     @classmethod
     def connect(cls, comm, peers):
@@ -148,34 +183,114 @@ class Nearby:
 
     def send(self, obj, dest):
         """Send ``obj`` to rank ``dest`` (one of :attr:`peers`); returns
-        once it is in the socket (the kernel holds it for the peer)."""
-        data = pickle.dumps(obj, protocol=5)
-        header = LENGTH.pack(len(data))
-        with self._locks[dest]:
+        once it is in the socket and shared memory (the kernel holds it
+        for the peer)."""
+        with self._sending[dest]:
+            buffer = io.BytesIO()
+            pickler = pickle.Pickler(buffer, protocol=5)
+            pickler.persistent_id = lambda o: self._hand_over(o, dest)
+            pickler.dump(obj)
+            payload = buffer.getbuffer()
+            if len(payload) >= INLINE_BYTES:
+                # a large pickle (objects, no large arrays) goes through
+                # shared memory too: two ranks sending each other large
+                # messages before receiving never both wait in a socket
+                ticket = self._hand_over(np.frombuffer(payload, np.uint8),
+                                         dest)
+                if ticket is not None:
+                    self._frame(dest, PICKLE_HANDED, pickle.dumps(
+                        ticket, protocol=5))
+                    return
+            self._frame(dest, MESSAGE, payload)
+
+    def _hand_over(self, obj, dest):
+        """pickle's ``persistent_id``: a large host array's ticket, once
+        the array is in shared memory; None for anything else."""
+        if type(obj) is not np.ndarray or not worth_it(obj, True):
+            return None
+        out = self._out[dest]
+        placed = out.place(obj)
+        if placed is None:  # read the credits that came, then again
+            self._read_credits(dest)
+            placed = out.place(obj)
+        if placed is None:
+            placed = out.stow(obj)
+            if placed is obj:  # no shared memory for it: inline
+                return None
+        return placed
+
+    def _frame(self, dest, kind, payload=b'', a=0, b=0):
+        sock = self._socks[dest]
+        header = FRAME.pack(kind, a if kind == CREDIT else len(payload), b)
+        try:
+            if len(payload) < 1 << 16:  # one write, one wake-up
+                sock.sendall(header + bytes(payload))
+            else:  # not copied again to join them
+                sock.sendall(header)
+                sock.sendall(payload)
+        except TimeoutError:
+            raise CollectiveError(f'rank {dest} did not read within the '
+                                  f'collective_timeout: {PEER_SILENT}') \
+                from None
+        except OSError as e:
+            raise CollectiveError(f'rank {dest} closed its connection '
+                                  f'({e}): {PEER_GONE}') from None
+
+    def _read_credits(self, dest):
+        """Read what ``dest`` has sent so far without waiting for more:
+        its credits, and its messages, kept for :meth:`recv` (skipped
+        where a receive is under way on another thread)."""
+        if not self._receiving[dest].acquire(blocking=False):
+            return
+        try:
             sock = self._socks[dest]
-            try:
-                if len(data) < 1 << 16:  # one write, one wake-up
-                    sock.sendall(header + data)
-                else:  # not copied again to join them
-                    sock.sendall(header)
-                    sock.sendall(data)
-            except TimeoutError:
-                raise CollectiveError(f'rank {dest} did not read within '
-                                      f'the collective_timeout: '
-                                      f'{PEER_SILENT}') from None
-            except OSError as e:
-                raise CollectiveError(f'rank {dest} closed its connection '
-                                      f'({e}): {PEER_GONE}') from None
+            while select.select([sock], [], [], 0)[0]:
+                got = self._read_frame(dest)
+                if got is not None:
+                    self._pending[dest].append(got[0])
+        finally:
+            self._receiving[dest].release()
+
+    def _read_frame(self, source):
+        """The next frame from ``source``: a message, as ``(obj,)``, or
+        None for a credit (applied)."""
+        sock, what = self._socks[source], f'a message from rank {source}'
+        kind, a, b = FRAME.unpack(_read_exactly(sock, FRAME.size, what))
+        if kind == CREDIT:
+            self._out[source].credit(a, b)
+            return None
+        inbox = self._in[source]
+
+        def hand(placed):
+            return inbox.take(placed) if isinstance(placed, Placed) else \
+                take(placed)
+        read = inbox.read
+        data = _read_exactly(sock, a, what)
+        if kind == PICKLE_HANDED:  # the pickle itself in shared memory
+            data = hand(pickle.loads(data))
+        unpickler = pickle.Unpickler(io.BytesIO(data))
+        unpickler.persistent_load = hand
+        obj = unpickler.load()
+        if inbox.read != read:  # the ring was read further: say so
+            with self._sending[source]:
+                self._frame(source, CREDIT, a=inbox.ring, b=inbox.read)
+        return (obj,)
 
     def recv(self, source):
         """The next object rank ``source`` sent here."""
-        sock, what = self._socks[source], f'a message from rank {source}'
-        (n,) = LENGTH.unpack(_read_exactly(sock, LENGTH.size, what))
-        return pickle.loads(_read_exactly(sock, n, what))
+        with self._receiving[source]:
+            if self._pending[source]:
+                return self._pending[source].popleft()
+            while True:
+                got = self._read_frame(source)
+                if got is not None:
+                    return got[0]
 
     def close(self):
         for sock in self._socks.values():
             sock.close()
+        for box in (*self._out.values(), *self._in.values()):
+            box.close()
 
 
 class Routes:

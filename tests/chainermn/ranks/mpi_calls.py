@@ -112,11 +112,12 @@ else:
     assert w.recv(source=0, tag=7) == 'sync'
     w.send(received, dest=0, tag=8)
 
-# Large arrays to a rank of this machine go through shared memory: a
-# segment of their own (0600), its name over the connection, freed when
-# read; small ones inline.
+# Large arrays to a rank of this machine go through shared memory (a
+# ring of the sender's, named over the Unix socket, its name removed once
+# mapped; the space reused once read); small ones inline.
 assert w.sharing == {1 - r}
 big = np.arange(1 << 15, dtype=np.float64)  # 256 KiB
+near = w.box.comm.near
 
 
 def segments(prefix):
@@ -124,23 +125,28 @@ def segments(prefix):
 
 
 if r == 0:
-    comm.send((big, big[:4]), dest=1, tag=20)
-    w.send(w.handover.prefix, dest=1, tag=21)
+    w.send(near.prefix, dest=1, tag=21)
+    for i in range(20):  # the ring's space is reused: 5 MiB through 4
+        comm.send((big + i, big[:4]), dest=1, tag=20)
     w.Send(big, dest=1, tag=22)
+    assert near._out[1]._written > 0  # the ring, not one-off segments
 else:
     prefix = w.recv(source=0, tag=21)
-    waiting = segments(prefix)
-    assert len(waiting) in (1, 2), waiting  # the tuple's large array
-    assert all(os.stat(f'/dev/shm/{f}').st_mode & 0o777 == 0o600
-               for f in waiting)
-    got = comm.recv(0, tag=20)
-    eq(got[0], big)
-    eq(got[1], big[:4])
+    for i in range(20):
+        got = comm.recv(0, tag=20)
+        eq(got[0], big + i)
+        eq(got[1], big[:4])
     into = np.empty_like(big)
     w.Recv(into, source=0, tag=22)
     eq(into, big)
-    assert segments(prefix) == []  # freed when read
+    assert segments(prefix) == []  # names removed once mapped or read
 w.barrier()
+# Both ranks send each other large messages before either receives:
+# nothing waits for the other's receive (MPI's buffered send).
+w.send(list(range(100_000)), dest=1 - r, tag=30)  # a 0.5 MB pickle
+comm.send(big * r, dest=1 - r, tag=31)
+assert w.recv(source=1 - r, tag=30) == list(range(100_000))
+eq(comm.recv(1 - r, tag=31), big * (1 - r))
 
 # Communicators of their own: Split, Dup, COMM_NULL.
 alone = w.Split(color=r, key=0)
