@@ -135,7 +135,9 @@ def _segment(path, nbytes):
     except OSError:
         return None
     try:
-        os.ftruncate(fd, nbytes)
+        # its pages taken now: a /dev/shm too small says so here (ENOSPC),
+        # not with a SIGBUS at a later write into the mapping
+        os.posix_fallocate(fd, 0, nbytes)
         return mmap.mmap(fd, nbytes)
     except OSError:
         os.unlink(path)
