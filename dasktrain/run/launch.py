@@ -12,8 +12,8 @@ files): ``dasktrain.chainermn.create_communicator()`` in the program
 joins the other ranks from it, peer to peer. CPU ranks on this machine
 (no ``scheduler``, no GPUs) are started here instead, as ``mpiexec``
 starts them (:func:`_run_here`): under their keepers, children of this
-process, all at once, with a scheduler in this process for their
-rendezvous and no worker processes.
+process, all at once, with no scheduler and no worker processes: rank 0
+tells the others where each listens (``DASKTRAIN_RANK0``).
 
 Output: rank 0's stdout and stderr come back live (Dask events, so from
 any machine; pipes, for ranks started here) and also go to ``rank0.log``
@@ -432,10 +432,11 @@ def _last_line(path):
 
 # ------------------------------------------------- ranks started here
 # A CPU launch on this machine starts its ranks as children of this
-# process, as mpiexec does, all at once, with a scheduler in this process
-# (no workers) for their rendezvous: no worker processes to start, import
-# Dask in, register and stop, which were most of a short job's wall time
-# (bench/startup.py). Keepers, output, faults and stopping as on workers.
+# process, as mpiexec does, all at once, meeting through rank 0 (no
+# scheduler, no workers): nothing of Dask's to start, import, register
+# and stop here, which were most of a short job's wall time
+# (bench/startup.py, bench/chainermn.py). Keepers, output, faults and
+# stopping as on workers.
 
 def _run_here(argv, n, out, timeout, grace, echo, extra):
     """Run the ranks under keepers started here; the exit status. They
@@ -482,29 +483,6 @@ def free_port(host='127.0.0.1'):
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def scheduler_here(port, tls, host='127.0.0.1'):
-    """A scheduler in this process on ``host``:``port`` (TLS, no
-    dashboard, no workers), for the ranks' rendezvous."""
-    from distributed import LocalCluster
-    from distributed.security import Security
-    ca, cert, key = tls
-    security = Security(tls_ca_file=ca, tls_client_cert=cert,
-                        tls_client_key=key, tls_scheduler_cert=cert,
-                        tls_scheduler_key=key, require_encryption=True)
-    try:
-        cluster = LocalCluster(
-            n_workers=0, processes=False, host=host, protocol='tls',
-            scheduler_port=port, security=security,
-            dashboard_address=f'{host}:0',
-            scheduler_kwargs={'dashboard': False})
-    except OSError as e:
-        raise LaunchError(f'the ranks\' rendezvous cannot listen on '
-                          f'{host}:{port} ({e}); launch again') from None
-    with cluster:
-        yield
 
 
 def _watch_here(children, ended, grace, echo):
