@@ -185,7 +185,7 @@ class ArrayCalls:
     def _exchange(self, send, receive):
         if self.size == 1:  # a Solo: nothing to send or read
             return {}
-        return self.comm.exchange(send, receive)
+        return self.mpi_comm.small.exchange(send, receive)
 
     @fatal
     def bcast(self, x, root=0, max_buf_len=None):
@@ -239,7 +239,7 @@ class ArrayCalls:
     def allgather(self, x):
         """Every rank's array, in rank order, on every rank (in ``x``'s
         array module, on its device)."""
-        got = self.comm.allgather(host(x))
+        got = self.mpi_comm.small.allgather(host(x))
         gpu = on_gpu(x)
         return tuple(copy(x) if p == self.rank else land(a, gpu, x)
                      for p, a in enumerate(got))
@@ -293,7 +293,7 @@ class ArrayCalls:
         """Rank ``root``'s ``obj`` on every rank."""
         self._check_root(root)
         if root == 0:
-            return self.comm.bcast(obj)
+            return self.mpi_comm.small.bcast(obj)
         if self.rank == root:
             self._exchange(dict.fromkeys(self._others(), obj), [])
             return obj
@@ -304,7 +304,7 @@ class ArrayCalls:
         """Every rank's ``obj``, in rank order, on ``root``; else None."""
         self._check_root(root)
         if root == 0:
-            return self.comm.gather(obj)
+            return self.mpi_comm.small.gather(obj)
         if self.rank != root:
             self._exchange({root: obj}, [])
             return None

@@ -241,7 +241,7 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
     @fatal
     def allreduce_obj(self, obj):
         """The sum (``+``) of every rank's ``obj``, in rank order."""
-        got = self.comm.allgather(obj)
+        got = self.mpi_comm.small.allgather(obj)
         total = got[0]
         for other in got[1:]:
             total = total + other

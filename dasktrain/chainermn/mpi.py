@@ -55,7 +55,7 @@ from dasktrain.chainermn.mpitypes import (
 from dasktrain.chainermn.support import Unsupported, fatal
 from dasktrain.parallel.comm.base import CollectiveError, Solo
 from dasktrain.parallel.comm.mailbox import ANY, Mailbox
-from dasktrain.parallel.comm.nearby import Nearby, Routes
+from dasktrain.parallel.comm.nearby import Nearby, NearCollectives, Routes
 from dasktrain.parallel.comm.rendezvous import join, launched
 
 #: mpi4py's name of it (ChainerMN reads ``MPI._typedict``).
@@ -104,8 +104,11 @@ class Comm:
         memory (:mod:`~dasktrain.parallel.comm.nearby`).
     """
 
-    def __init__(self, comm, p2p=None):
+    def __init__(self, comm, p2p=None, small=None):
         self.dask, self._p2p = comm, p2p
+        #: the collectives of objects: ``small``'s where every rank is on
+        #: this machine (NearCollectives), else the Dask comms'
+        self.small = small or comm
         self.box = Mailbox(p2p if p2p is not None else comm)
         self.in_flight = None
         self.pairs = {}
@@ -124,10 +127,13 @@ class Comm:
         if comm.size == 1:
             return cls(comm)
         near = Nearby.connect(comm, sharing(comm))
-        far = None
+        far = small = None
         if len(comm.hosts) > 1:
             far = comm.split(0, comm.rank, shared_memory=False)
-        return cls(comm, Routes(near, far))
+        else:  # every rank here: object collectives over sockets too
+            small = NearCollectives(Nearby.connect(comm, sharing(comm)),
+                                    comm.rank, comm.size)
+        return cls(comm, Routes(near, far), small)
 
     def __repr__(self):
         return f'<dasktrain MPI.Comm {self.name}: rank {self.rank} of ' \
@@ -241,6 +247,8 @@ class Comm:
             self.pairs.clear()
             if self._p2p is not None:
                 self._p2p.close()
+            if self.small is not self.dask:
+                self.small.close()
             self.dask.close()
 
     # ------------------------------------------------ objects
@@ -256,13 +264,13 @@ class Comm:
     def _exchange(self, send, receive):
         if self.size == 1:
             return {}
-        return self.dask.exchange(send, receive)
+        return self.small.exchange(send, receive)
 
     @fatal
     def barrier(self):
         """Return once every rank has called it."""
         self._settle()
-        self.dask.barrier()
+        self.small.barrier()
 
     Barrier = barrier
 
@@ -274,7 +282,7 @@ class Comm:
         if self.size == 1:
             return obj
         if root == 0:
-            return self.dask.bcast(obj)
+            return self.small.bcast(obj)
         if self.rank == root:
             self._exchange(dict.fromkeys(self._others(), obj), [])
             return obj
@@ -289,7 +297,7 @@ class Comm:
         if self.size == 1:
             return [sendobj]
         if root == 0:
-            return self.dask.gather(sendobj)
+            return self.small.gather(sendobj)
         if self.rank != root:
             self._exchange({root: sendobj}, [])
             return None
@@ -316,7 +324,7 @@ class Comm:
     def allgather(self, sendobj):
         """Every rank's ``sendobj``, in rank order, on every rank."""
         self._settle()
-        return self.dask.allgather(sendobj)
+        return self.small.allgather(sendobj)
 
     @fatal
     def alltoall(self, sendobj):
@@ -471,7 +479,7 @@ class Comm:
         if op is SUM:
             self.dask.allreduce([target])
             return
-        into(target, reduce_in_order(self.dask.allgather(target), op.ufunc),
+        into(target, reduce_in_order(self.small.allgather(target), op.ufunc),
              'the sum')
 
     @fatal
@@ -491,7 +499,7 @@ class Comm:
         """Every rank's ``sendbuf``, in rank order, one after the other in
         every rank's ``recvbuf``."""
         self._settle()
-        got = self.dask.allgather(np.array(
+        got = self.small.allgather(np.array(
             buffer_of(sendbuf, 'Allgather send buffer'), copy=True))
         into(buffer_of(recvbuf, 'Allgather receive buffer'),
               np.concatenate([g.reshape(-1) for g in got]), 'the parts')

@@ -52,6 +52,7 @@ from dasktrain.parallel.comm.base import (
     PEER_GONE,
     CollectiveError,
     Communicator,
+    PeerLost,
     batches,
     signature,
 )
@@ -66,10 +67,6 @@ from dasktrain.parallel.comm.staging import (
     from_host,
     to_host,
 )
-
-
-class PeerLost(CollectiveError):
-    """A peer's connection closed."""
 
 
 class DaskComm(Communicator):

@@ -39,6 +39,7 @@ from dasktrain.parallel.comm.base import (
     PEER_GONE,
     PEER_SILENT,
     CollectiveError,
+    PeerLost,
 )
 from dasktrain.parallel.comm.handover import (
     INLINE_BYTES,
@@ -70,24 +71,26 @@ def peer_uid(sock):
     return _UCRED.unpack(raw)[1]
 
 
-def _read_exactly(sock, n, what):
-    """``n`` bytes from ``sock``; CollectiveError where the peer closed
-    or stayed silent past the socket's timeout."""
+def _read_exactly(sock, n, what, source=None):
+    """``n`` bytes from ``sock`` (from rank ``source``, where known);
+    PeerLost where the peer closed, CollectiveError where it stayed silent
+    past the socket's timeout (``no answer from rank(s) [r]``, as over
+    the Dask comms)."""
     data = bytearray(n)
     view, got = memoryview(data), 0
     while got < n:
         try:
             k = sock.recv_into(view[got:])
         except TimeoutError:
-            raise CollectiveError(f'{what} did not arrive within the '
-                                  f'collective_timeout: {PEER_SILENT}') \
-                from None
+            who = f'rank(s) [{source}]' if source is not None else what
+            raise CollectiveError(
+                f'no answer from {who} within {sock.gettimeout():g} s '
+                f'(collective_timeout): {PEER_SILENT}') from None
         except OSError as e:
-            raise CollectiveError(f'{what} was lost ({e}): {PEER_GONE}') \
-                from None
+            raise PeerLost(f'{what} was lost ({e}): {PEER_GONE}') from None
         if k == 0:
-            raise CollectiveError(f'{what}: the peer closed its '
-                                  f'connection: {PEER_GONE}')
+            raise PeerLost(f'{what}: the peer closed its connection: '
+                           f'{PEER_GONE}')
         got += k
     return data
 
@@ -233,8 +236,8 @@ class Nearby:
                                   f'collective_timeout: {PEER_SILENT}') \
                 from None
         except OSError as e:
-            raise CollectiveError(f'rank {dest} closed its connection '
-                                  f'({e}): {PEER_GONE}') from None
+            raise PeerLost(f'rank {dest} closed its connection ({e}): '
+                           f'{PEER_GONE}') from None
 
     def _read_credits(self, dest):
         """Read what ``dest`` has sent so far without waiting for more:
@@ -255,7 +258,8 @@ class Nearby:
         """The next frame from ``source``: a message, as ``(obj,)``, or
         None for a credit (applied)."""
         sock, what = self._socks[source], f'a message from rank {source}'
-        kind, a, b = FRAME.unpack(_read_exactly(sock, FRAME.size, what))
+        kind, a, b = FRAME.unpack(_read_exactly(sock, FRAME.size, what,
+                                                source))
         if kind == CREDIT:
             self._out[source].credit(a, b)
             return None
@@ -265,7 +269,7 @@ class Nearby:
             return inbox.take(placed) if isinstance(placed, Placed) else \
                 take(placed)
         read = inbox.read
-        data = _read_exactly(sock, a, what)
+        data = _read_exactly(sock, a, what, source)
         if kind == PICKLE_HANDED:  # the pickle itself in shared memory
             data = hand(pickle.loads(data))
         unpickler = pickle.Unpickler(io.BytesIO(data))
@@ -359,3 +363,69 @@ class NearGroup:
 
     def close(self):
         self.near.close()
+
+
+class NearCollectives:
+    """Every rank of a communicator, all on this machine, as collectives
+    of objects over :class:`Nearby`'s sockets of their own, in the
+    caller's thread: ``exchange``, ``allgather``, ``gather``, ``bcast``
+    and ``barrier`` as :class:`~dasktrain.parallel.comm.dask.DaskComm`
+    has them (root 0), without its event loop's wake-ups. Each message
+    carries its collective's kind and count: ranks out of step fail
+    with one line, as over the Dask comms."""
+
+    def __init__(self, near, rank, size):
+        self.near, self.rank, self.size = near, rank, size
+        self._calls = 0
+
+    def exchange(self, send=None, receive=(), kind='exchange'):
+        """Send ``send[peer]`` to each peer named there, then read one
+        object from each rank in ``receive``: {rank: object}."""
+        self._calls += 1
+        tag = (kind, self._calls)
+        for peer, obj in (send or {}).items():
+            self.near.send((tag, obj), peer)
+        got = {}
+        for peer in receive:
+            theirs, obj = self.near.recv(peer)
+            if theirs != tag:
+                raise CollectiveError(
+                    f'rank {peer} is out of step: it is in {_words(theirs)}'
+                    f' while rank {self.rank} is in {_words(tag)}')
+            got[peer] = obj
+        return got
+
+    def _others(self):
+        return [r for r in range(self.size) if r != self.rank]
+
+    def allgather(self, obj):
+        got = self.exchange(dict.fromkeys(self._others(), obj),
+                            self._others(), 'allgather')
+        got[self.rank] = obj
+        return [got[r] for r in range(self.size)]
+
+    def gather(self, obj):
+        if self.rank != 0:
+            self.exchange({0: obj}, (), 'gather')
+            return None
+        got = self.exchange({}, self._others(), 'gather')
+        got[0] = obj
+        return [got[r] for r in range(self.size)]
+
+    def bcast(self, obj):
+        if self.rank == 0:
+            self.exchange(dict.fromkeys(self._others(), obj), (), 'bcast')
+            return obj
+        return self.exchange({}, [0], 'bcast')[0]
+
+    def barrier(self):
+        self.allgather(None)
+
+    def close(self):
+        self.near.close()
+
+
+def _words(tag):
+    """A collective's tag in words: ``('bcast', 3)`` -> 'a bcast'."""
+    kind = tag[0] if isinstance(tag, tuple) and tag else str(tag)
+    return f'{"an" if kind[:1] in "aeiou" else "a"} {kind}'
