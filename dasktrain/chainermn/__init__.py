@@ -14,7 +14,10 @@ messages and collectives (:mod:`~dasktrain.chainermn.functions`),
 ``MultiNodeChainList`` and ``create_multi_node_n_step_rnn``
 (:mod:`~dasktrain.chainermn.links`), the multi-node iterators
 (:mod:`~dasktrain.chainermn.iterators`) and ``comm.split`` for both at
-once. :mod:`~dasktrain.chainermn.global_except_hook` as ChainerMN's.
+once. :mod:`~dasktrain.chainermn.global_except_hook` as ChainerMN's;
+:mod:`~dasktrain.chainermn.mpi` is mpi4py's ``MPI`` on the same ranks
+(``comm.mpi_comm``, and a launched rank's ``from mpi4py import MPI``),
+:mod:`~dasktrain.chainermn.nccl` ChainerMN's ``chainermn.nccl``.
 """
 import sys
 
@@ -28,6 +31,8 @@ from dasktrain.chainermn import (
     global_except_hook,
     iterators,
     links,
+    mpi,
+    nccl,
     optimizers,
     substitution,
 )
@@ -71,8 +76,8 @@ __all__ = ['NAMES', 'CommunicatorBase', 'DaskCommunicator', 'DataSizeError',
            'create_multi_node_early_stopping_trigger',
            'create_multi_node_evaluator', 'create_multi_node_n_step_rnn',
            'create_multi_node_optimizer', 'datasets', 'extensions',
-           'functions', 'global_except_hook', 'iterators', 'links',
-           'optimizers', 'scatter_dataset', 'scatter_index']
+           'functions', 'global_except_hook', 'iterators', 'links', 'mpi',
+           'nccl', 'optimizers', 'scatter_dataset', 'scatter_index']
 
 global_except_hook._add_hook_if_enabled()
 substitution.take_the_name(sys.modules[__name__])

@@ -20,6 +20,7 @@ the sender's module, on the current device.
 """
 import numpy as np
 
+from dasktrain.chainermn.mpi import ANY_TAG, fill
 from dasktrain.chainermn.support import fatal
 from dasktrain.parallel.comm.mailbox import ANY
 from dasktrain.parallel.comm.ncclpair import (
@@ -62,10 +63,38 @@ def copy(array):
     return np.array(array, copy=True)
 
 
+def arrived(mpi_comm, source, message):
+    """The hook of ``mpi_comm``'s mailbox: a message whose GPU arrays
+    follow over NCCL takes them now, in the order they were sent (the
+    two-rank NCCL communicators of each direction are ``mpi_comm.pairs``,
+    shared by every communicator on it, as its messages are)."""
+    kind, header, held, _ = message
+    if kind != 'arrays' or 'nccl' not in header:
+        return message
+    import cupy
+    sent, pairs = header['nccl'], mpi_comm.pairs
+    key = ('from', source, sent['device'])
+    if sent['new']:
+        old = pairs.pop(key, None)
+        if old is not None:
+            old.close()
+        pairs[key] = NcclPair(1, sent['new'], cupy.cuda.Device().id,
+                              mpi_comm.dask.timeout)
+    pair = pairs[key]
+    specs = [s for s, d in zip(header['specs'], header['direct']) if d]
+    total = byte_layout([np.dtype(d).itemsize * int(np.prod(s))
+                         for s, d in specs])[1]
+    with cupy.cuda.Device(pair.device):
+        buffer = cupy.empty(total, dtype=cupy.uint8)
+    pair.pull(buffer)
+    return kind, header, held, buffer
+
+
 class ArrayCalls:
     """ChainerMN's array calls; the communicator provides ``comm`` (the
     rank's collectives), ``box`` (its tagged point-to-point messages,
-    a :class:`~dasktrain.parallel.comm.mailbox.Mailbox`) and
+    a :class:`~dasktrain.parallel.comm.mailbox.Mailbox`), ``mpi_comm``
+    (whose ``pairs`` are the NCCL point-to-point communicators) and
     ``gpu_direct`` (whether every rank can send GPU arrays over NCCL)."""
 
     def _check_root(self, root):
@@ -104,7 +133,8 @@ class ArrayCalls:
             return
         mine = [a for a, d in zip(arrays, direct) if d]
         device = mine[0].device.id
-        pair = self._pairs.get(('to', dest, device))
+        pairs = self.mpi_comm.pairs
+        pair = pairs.get(('to', dest, device))
         buffer = pack(mine, device)
         uid = None
         if pair is None:  # the first message of this direction: its id
@@ -113,34 +143,9 @@ class ArrayCalls:
         header['nccl'] = {'device': device, 'new': uid}
         self.box.send(('arrays', header, held, None), dest, tag)
         if pair is None:
-            pair = self._pairs[('to', dest, device)] = NcclPair(
+            pair = pairs[('to', dest, device)] = NcclPair(
                 0, uid, device, self.comm.timeout)
         pair.push(buffer)
-
-    def _arrived(self, source, message):
-        """The mailbox's hook: a message whose GPU arrays follow over NCCL
-        takes them now, in the order they were sent."""
-        kind, header, held, _ = message
-        if kind != 'arrays' or 'nccl' not in header:
-            return message
-        import cupy
-        sent = header['nccl']
-        key = ('from', source, sent['device'])
-        if sent['new']:
-            old = self._pairs.pop(key, None)
-            if old is not None:
-                old.close()
-            self._pairs[key] = NcclPair(1, sent['new'],
-                                        cupy.cuda.Device().id,
-                                        self.comm.timeout)
-        pair = self._pairs[key]
-        specs = [s for s, d in zip(header['specs'], header['direct']) if d]
-        total = byte_layout([np.dtype(d).itemsize * int(np.prod(s))
-                             for s, d in specs])[1]
-        with cupy.cuda.Device(pair.device):
-            buffer = cupy.empty(total, dtype=cupy.uint8)
-        pair.pull(buffer)
-        return kind, header, held, buffer
 
     @fatal
     def recv(self, source, tag=0):
@@ -180,7 +185,7 @@ class ArrayCalls:
     def _exchange(self, send, receive):
         if self.size == 1:  # a Solo: nothing to send or read
             return {}
-        return self.comm.exchange(send, receive)
+        return self.mpi_comm.small.exchange(send, receive)
 
     @fatal
     def bcast(self, x, root=0, max_buf_len=None):
@@ -234,7 +239,7 @@ class ArrayCalls:
     def allgather(self, x):
         """Every rank's array, in rank order, on every rank (in ``x``'s
         array module, on its device)."""
-        got = self.comm.allgather(host(x))
+        got = self.mpi_comm.small.allgather(host(x))
         gpu = on_gpu(x)
         return tuple(copy(x) if p == self.rank else land(a, gpu, x)
                      for p, a in enumerate(got))
@@ -271,13 +276,16 @@ class ArrayCalls:
 
     @fatal
     def recv_obj(self, source, status=None, tag=None):
-        """The object rank ``source`` sent with ``tag`` (any tag: None,
-        as MPI's ``ANY_TAG``)."""
+        """The object rank ``source`` sent with ``tag`` (any tag: None or
+        ``MPI.ANY_TAG``, as ChainerMN's default); ``status`` (an
+        ``MPI.Status``) is set to its source and tag, as ChainerMN's."""
         self._check_peer(source, 'source')
-        kind, obj, _, _ = self.box.recv(source, ANY if tag is None else tag)
+        got, (kind, obj, _, _) = self.box.recv_tagged(
+            source, ANY if tag is None or tag == ANY_TAG else tag)
         if kind != 'obj':
-            raise TypeError(f'rank {source} sent arrays with tag {tag}, '
+            raise TypeError(f'rank {source} sent {kind} with tag {got}, '
                             'which recv takes, not recv_obj')
+        fill(status, source, got)
         return obj
 
     @fatal
@@ -285,7 +293,7 @@ class ArrayCalls:
         """Rank ``root``'s ``obj`` on every rank."""
         self._check_root(root)
         if root == 0:
-            return self.comm.bcast(obj)
+            return self.mpi_comm.small.bcast(obj)
         if self.rank == root:
             self._exchange(dict.fromkeys(self._others(), obj), [])
             return obj
@@ -296,7 +304,7 @@ class ArrayCalls:
         """Every rank's ``obj``, in rank order, on ``root``; else None."""
         self._check_root(root)
         if root == 0:
-            return self.comm.gather(obj)
+            return self.mpi_comm.small.gather(obj)
         if self.rank != root:
             self._exchange({root: obj}, [])
             return None

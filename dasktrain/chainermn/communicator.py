@@ -2,39 +2,37 @@
 
 :func:`create_communicator` takes any ChainerMN communicator name and
 returns a :class:`DaskCommunicator`: the ChainerMN
-:class:`chainermn.CommunicatorBase` interface over the dasktrain
-communicator that :func:`dasktrain.parallel.comm.rendezvous.join` makes
-from the environment ``dasktrain launch`` sets: shared memory between the
-ranks of one machine, TLS (or TCP) between machines. ChainerMN names a
-transport (MPI, NCCL, CUDA-aware or not); here the best one for where the
-ranks are is taken whatever the name, and rank 0 says once which.
+:class:`chainermn.CommunicatorBase` interface over an mpi4py-like
+communicator of dasktrain's (:mod:`dasktrain.chainermn.mpi`), by default
+``MPI.COMM_WORLD``, as in ChainerMN: every rank ``dasktrain launch``
+started, joined once per process from the environment it sets, talking
+through shared memory on one machine, TLS (or TCP) between machines.
+ChainerMN names a transport (MPI, NCCL, CUDA-aware or not); here the best
+one for where the ranks are is taken whatever the name, and rank 0 says
+once which. ChainerMN's class names
+(``NaiveCommunicator(mpi_comm)``, ...) build the same communicator.
 
 Its parts: the ranks (``rank``, ``size``, ``intra_rank``, ...),
-``split``, ``finalize`` and leaving at exit here; the array and object
-calls (``send``/``recv`` matched by source and tag, the collectives from
-any root) are :mod:`~dasktrain.chainermn.arrays`'; the calls on a
-model's arrays (``bcast_data``, ``multi_node_mean_grad``, batch
-normalisation's mean), each one collective of packed buffers, are
-:mod:`~dasktrain.chainermn.models`'.
-
-Point-to-point messages travel over connections of their own (a split
-of the ranks' communicator with every rank in it, MPI's duplicate), so
-that a message waiting for its ``recv`` never stands in a collective's
-way.
+``split`` and ``finalize`` here; the array and object calls
+(``send``/``recv`` matched by source and tag, the collectives from any
+root) are :mod:`~dasktrain.chainermn.arrays`'; the calls on a model's
+arrays (``bcast_data``, ``multi_node_mean_grad``, batch normalisation's
+mean), each one collective of packed buffers, are
+:mod:`~dasktrain.chainermn.models`'. The connections, and leaving at
+exit, are ``mpi_comm``'s: communicators made on the same ``mpi_comm``
+share them, as ChainerMN's share an MPI communicator.
 """
-import atexit
+import functools
 import os
-import sys
 
 import numpy as np
 from chainermn.communicators.communicator_base import CommunicatorBase
 
-from dasktrain.chainermn.arrays import ArrayCalls
+from dasktrain.chainermn import mpi
+from dasktrain.chainermn.arrays import ArrayCalls, arrived
 from dasktrain.chainermn.models import ModelCalls
 from dasktrain.chainermn.support import Unsupported, fatal, say
-from dasktrain.parallel.comm.base import CollectiveError, Solo
-from dasktrain.parallel.comm.mailbox import Mailbox
-from dasktrain.parallel.comm.rendezvous import JOB, join
+from dasktrain.parallel.comm.base import Communicator
 from dasktrain.parallel.placement import machine_place
 
 #: Every name ChainerMN (any version) accepts; all run on the same
@@ -45,16 +43,19 @@ NAMES = ('pure_nccl', 'hierarchical', 'two_dimensional', 'single_node',
 
 def create_communicator(communicator_name='pure_nccl', mpi_comm=None,
                         **kwargs):
-    """A communicator joining this process to the other ranks that
-    ``dasktrain launch`` started (a job of one rank when run alone).
+    """A communicator of the ranks that ``dasktrain launch`` started (a
+    job of one rank when run alone), as ChainerMN's.
 
     Parameters
     ----------
     communicator_name : str
         Any of ChainerMN's names (:data:`NAMES`); the transport is chosen
         by where the ranks are, not by the name.
-    mpi_comm : None
-        MPI communicators do not exist here: one given is an error.
+    mpi_comm : dasktrain.chainermn.mpi.Comm, optional
+        The ranks to run on, as ChainerMN's ``mpi_comm``: ``MPI.COMM_WORLD``
+        (every rank; the default, as in ChainerMN) or a communicator made
+        from it (``Split``, ``Dup``). A real mpi4py communicator is
+        refused: a launched rank has no MPI.
     **kwargs
         ChainerMN's ``allreduce_grad_dtype`` (``pure_nccl`` only, as in
         ChainerMN: gradients are summed in this float dtype, e.g.
@@ -74,9 +75,6 @@ def create_communicator(communicator_name='pure_nccl', mpi_comm=None,
     if communicator_name not in NAMES:
         raise ValueError(f'unrecognized communicator: {communicator_name!r}'
                          f' (ChainerMN names: {", ".join(NAMES)})')
-    if mpi_comm is not None:
-        raise Unsupported('create_communicator(mpi_comm=...)',
-                          'ranks meet through `dasktrain launch`, not MPI')
     dtype = kwargs.pop('allreduce_grad_dtype', None)
     batched_copy = kwargs.pop('batched_copy', True)
     if kwargs:
@@ -85,29 +83,11 @@ def create_communicator(communicator_name='pure_nccl', mpi_comm=None,
     if dtype is not None and communicator_name != 'pure_nccl':
         raise ValueError("allreduce_grad_dtype is only available at "
                          "'pure_nccl' communicator.")
-    comm = DaskCommunicator(join(_environment()), communicator_name)
+    comm = DaskCommunicator(mpi.world() if mpi_comm is None else mpi_comm,
+                            communicator_name)
     comm.set_config('allreduce_grad_dtype', dtype)
     comm.set_config('batched_copy', batched_copy)
-    if comm.rank == 0 and comm.size > 1:
-        say(f'dasktrain.chainermn: {communicator_name!r} runs on '
-            f'{comm.transport} among {comm.size} ranks on '
-            f'{comm.inter_size} machine(s)'
-            + ('; GPU arrays go rank to rank over NCCL'
-               if comm.gpu_direct else ''))
     return comm
-
-
-_made = [0]  # communicators this process has made
-
-
-def _environment():
-    """The environment the next communicator joins from: every call makes
-    a new one (as ChainerMN's), all ranks in the same order, each meeting
-    under a name of its own (``DASKTRAIN_JOB#k``)."""
-    made, _made[0] = _made[0], _made[0] + 1
-    if made == 0 or JOB not in os.environ:
-        return os.environ
-    return dict(os.environ, **{JOB: f'{os.environ[JOB]}#{made}'})
 
 
 def gpu_direct_possible(environ=None):
@@ -126,76 +106,75 @@ def gpu_direct_possible(environ=None):
     return nccl_problem(nccl) is None
 
 
+_told = set()  # the transports rank 0 has named, once each
+
+
 class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
-    """ChainerMN's communicator interface over a dasktrain communicator.
+    """ChainerMN's communicator interface over an mpi4py-like communicator
+    of dasktrain's (:class:`dasktrain.chainermn.mpi.Comm`), as ChainerMN's
+    communicators are over an mpi4py one.
 
     Parameters
     ----------
-    comm : dasktrain.parallel.comm.base.Communicator
-        The rank's collectives (``DaskComm`` or ``Solo``).
+    mpi_comm : dasktrain.chainermn.mpi.Comm or Communicator
+        The ranks (``MPI.COMM_WORLD``, or one split from it); a dasktrain
+        communicator (``DaskComm``, ``Solo``) is made one.
     name : str
         The ChainerMN name it was created with.
 
     Attributes
     ----------
+    mpi_comm : dasktrain.chainermn.mpi.Comm
+        As ChainerMN's: mpi4py's calls on the same ranks and connections.
     box : dasktrain.parallel.comm.mailbox.Mailbox
-        Point-to-point messages, matched by source and tag.
+        Point-to-point messages, matched by source and tag (``mpi_comm``'s:
+        a message sent by ``send_obj`` is received by ``mpi_comm.recv``).
     gpu_direct : bool
         Whether GPU arrays sent to a rank travel over NCCL (every rank
         has NCCL), rather than through host memory.
     """
 
-    def __init__(self, comm, name='pure_nccl'):
+    def __init__(self, mpi_comm, name='pure_nccl'):
         super().__init__()
-        self.comm, self.name = comm, name
+        if not isinstance(mpi_comm, mpi.Comm):
+            if not isinstance(mpi_comm, Communicator):
+                raise Unsupported(
+                    f'create_communicator(mpi_comm={mpi_comm!r})',
+                    'a launched rank has no MPI: give MPI.COMM_WORLD of '
+                    "`from mpi4py import MPI` under `dasktrain launch`, or "
+                    'a communicator split from it')
+            mpi_comm = mpi.Comm.over(mpi_comm)
+        self.mpi_comm, self.name = mpi_comm, name
+        self.comm = mpi_comm.dask
+        self.box = mpi_comm.box
+        self.box.arrival = functools.partial(arrived, mpi_comm)
         # intra_rank: the rank's place among its machine's ranks, by the
         # machine the communicator knows it on (its listening host, which
         # clones of one image do not share, unlike their hostname).
-        facts = comm.allgather((comm.machine,
-                                comm.size > 1 and gpu_direct_possible()))
-        self._ranks = machine_place([m for m, _ in facts], comm.rank)
-        self.gpu_direct = all(ok for _, ok in facts) and comm.size > 1
+        facts = mpi_comm.allgather((mpi_comm.machine, self.size > 1 and
+                                    gpu_direct_possible()))
+        self._ranks = machine_place([m for m, _ in facts], self.rank)
+        self.gpu_direct = all(ok for _, ok in facts) and self.size > 1
         self.allreduce_grad_dtype = None  # set_config's
         self.batched_copy = True
-        self._closed = False
         self._nccl = None  # NcclComm, or False: decided at the first GPU sum
-        self._pending = None  # double buffering: (reduction, packed)
-        self._side = None     # ... its side stream, made once
-        self._pairs = {}      # NCCL point to point, one per direction
-        # Point to point on connections of its own (MPI's Comm_dup).
-        self._p2p = comm.split(0, comm.rank, shared_memory=False) \
-            if comm.size > 1 else comm
-        self.box = Mailbox(self._p2p, arrival=self._arrived)
-        # Most ChainerMN scripts never call finalize(): leave at exit.
-        atexit.register(self._at_exit)
+        self._side = None     # double buffering's side stream, made once
+        if self.rank == 0 and self.size > 1 and \
+                (name, self.transport) not in _told:
+            _told.add((name, self.transport))
+            say(f'dasktrain.chainermn: {name!r} runs on {self.transport} '
+                f'among {self.size} ranks on {self.inter_size} machine(s)'
+                + ('; GPU arrays go rank to rank over NCCL'
+                   if self.gpu_direct else ''))
+
+    def _settle(self):
+        """Finish what runs in the background on these ranks (a
+        double-buffered mean) before the next call."""
+        self.mpi_comm._settle()
 
     def _at_exit(self):
-        """A normal exit leaves as ``DaskComm`` does: rank 0 releases the
-        others once all have come, so that no rank closes while a message
-        of its own is unread (a closed socket can drop it). After an
-        uncaught error (``sys.last_value``), the connections just close:
-        the peers fail fast."""
-        if self._closed:
-            return
-        try:
-            if getattr(sys, 'last_value', None) is None and self.size > 1:
-                self._finish_mean()  # no collective beside the last
-                self.comm.bcast(None)
-        except CollectiveError:  # a peer already gone: nothing to wait for
-            pass
-        finally:
-            self._close()
-
-    def _close(self):
-        if not self._closed:
-            self._closed = True
-            for pair in self._pairs.values():
-                pair.close()
-            if self._nccl:
-                self._nccl.close()
-            if self._p2p is not self.comm:
-                self._p2p.close()
-            self.comm.close()
+        """Leave as a rank does at exit (see ``mpi.Comm``)."""
+        self.mpi_comm._at_exit()
 
     @property
     def transport(self):
@@ -254,8 +233,7 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
         """
         if not isinstance(color, (int, np.integer)) or color < 0:
             raise ValueError(f'color must be an int >= 0, got {color!r}')
-        sub = self.comm.split(int(color), key) if self.size > 1 else Solo()
-        child = DaskCommunicator(sub, self.name)
+        child = type(self)(self.mpi_comm.Split(int(color), key), self.name)
         for name, value in self.get_config().items():
             child.set_config(name, value)
         return child
@@ -263,7 +241,7 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
     @fatal
     def allreduce_obj(self, obj):
         """The sum (``+``) of every rank's ``obj``, in rank order."""
-        got = self.comm.allgather(obj)
+        got = self.mpi_comm.small.allgather(obj)
         total = got[0]
         for other in got[1:]:
             total = total + other
@@ -271,11 +249,63 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
 
     @fatal
     def finalize(self):
-        """Leave the job: every rank waits for the others, then the
-        connections close. Called again, it does nothing."""
-        if self._closed:
-            return
-        try:
-            self.comm.barrier()
-        finally:
-            self._close()
+        """As ChainerMN's: free what the communicator holds beyond its
+        ranks' connections (its NCCL communicators, after a barrier where
+        it has one, as ``PureNcclCommunicator.finalize``); the
+        connections are ``mpi_comm``'s and close at exit. It waits for no
+        rank that has none, so one rank may call it alone."""
+        if self._nccl:
+            self.mpi_comm.barrier()
+            self._nccl.close()
+        self._nccl = None
+
+
+class NaiveCommunicator(DaskCommunicator):
+    """ChainerMN's class names: ``NaiveCommunicator(mpi_comm)`` is
+    ``create_communicator('naive', mpi_comm)``, and so on (ChainerMN's
+    modules ``chainermn.communicators.naive_communicator``, ... hold them
+    on a launched rank)."""
+
+    def __init__(self, mpi_comm=None, name='naive'):
+        super().__init__(mpi.world() if mpi_comm is None else mpi_comm,
+                         name)
+        self.set_config('batched_copy', False)  # ChainerMN's default
+
+
+class FlatCommunicator(NaiveCommunicator):
+    __doc__ = NaiveCommunicator.__doc__
+
+    def __init__(self, mpi_comm=None, name='flat'):
+        super().__init__(mpi_comm, name)
+
+
+class NonCudaAwareCommunicator(NaiveCommunicator):
+    __doc__ = NaiveCommunicator.__doc__
+
+    def __init__(self, mpi_comm=None, name='non_cuda_aware'):
+        super().__init__(mpi_comm, name)
+
+
+class PureNcclCommunicator(NaiveCommunicator):
+    __doc__ = NaiveCommunicator.__doc__
+
+    def __init__(self, mpi_comm=None, name='pure_nccl'):
+        super().__init__(mpi_comm, name)
+
+
+class DummyCommunicator(NaiveCommunicator):
+    __doc__ = NaiveCommunicator.__doc__
+
+    def __init__(self, mpi_comm=None, name='dummy'):
+        super().__init__(mpi_comm, name)
+
+
+#: ChainerMN's modules of its communicator classes, and the class each
+#: holds (a launched rank's ``chainermn.communicators.<module>``).
+CLASS_MODULES = {
+    'naive_communicator': NaiveCommunicator,
+    'flat_communicator': FlatCommunicator,
+    'non_cuda_aware_communicator': NonCudaAwareCommunicator,
+    'pure_nccl_communicator': PureNcclCommunicator,
+    'dummy_communicator': DummyCommunicator,
+}

@@ -36,7 +36,8 @@ class MultiNodeBatchNormalization(chainermn.links.MultiNodeBatchNormalization):
     """Batch normalisation over the ranks of ``comm`` (ChainerMN's
     arguments; every ``communication_backend``, ``'auto'``, ``'mpi'`` or
     ``'nccl'``, means the communicator's own transport: NCCL for GPU
-    arrays where every rank has it)."""
+    arrays where every rank has it; ``'nccl'`` is refused, as by
+    ChainerMN, for a communicator not made as ``pure_nccl``)."""
 
     def __init__(self, size, comm, decay=0.9, eps=2e-5, dtype=None,
                  use_gamma=True, use_beta=True, initial_gamma=None,
@@ -44,6 +45,12 @@ class MultiNodeBatchNormalization(chainermn.links.MultiNodeBatchNormalization):
         if communication_backend not in ('auto', 'mpi', 'nccl'):
             raise ValueError('MultiNodeBatchNormalization does not support '
                              f'{communication_backend!r}')
+        if communication_backend == 'nccl' and \
+                getattr(comm, 'name', 'pure_nccl') != 'pure_nccl':
+            raise ValueError(f"communication_backend 'nccl' is not supported"
+                             f' in MultiNodeBatchNormalization when using '
+                             f'a {comm.name!r} communicator (ChainerMN: '
+                             "'pure_nccl' only)")
         # ChainerMN's __init__ without its backend probe, which imports
         # mpi4py: the same persistent values and parameters.
         chainer.Link.__init__(self)

@@ -15,6 +15,8 @@ The maths are ChainerMN's: parameters in ``sorted(namedparams())`` order,
 the sum multiplied by ``1 / size``. Every array is written where it
 lies, on its own device, whatever device is current.
 """
+import functools
+
 import chainer
 import numpy as np
 
@@ -172,9 +174,29 @@ def unpack_mean(packed, size):
         spread(flat, members)
 
 
+def diverged(arrays):
+    """ChainerMN's check in debug mode: ``ValueError`` where any of
+    ``arrays`` holds a value that is not finite.
+
+    Examples
+    --------
+    >>> diverged([np.ones(2)])
+    >>> diverged([np.array([1.0, np.nan])])
+    Traceback (most recent call last):
+    ...
+    ValueError: Parameters diverged after allreduce.
+    """
+    for a in arrays:
+        xp = chainer.backend.get_array_module(a)
+        if not bool(xp.isfinite(a).all()):
+            raise ValueError('Parameters diverged after allreduce.')
+
+
 class ModelCalls:
     """ChainerMN's calls on a model's arrays; the communicator provides
-    ``comm``, ``rank``, ``size``, ``_nccl``, ``_pending`` and ``_side``."""
+    ``comm``, ``mpi_comm`` (whose ``in_flight`` holds a double-buffered
+    mean until the next call finishes it), ``rank``, ``size``, ``_nccl``
+    and ``_side``."""
 
     @fatal
     def bcast_data(self, model):
@@ -216,8 +238,13 @@ class ModelCalls:
     @fatal
     def multi_node_mean_grad(self, model, zero_fill=False):
         """Every parameter's gradient made the mean over the ranks (summed
-        in ``allreduce_grad_dtype`` where it is set)."""
-        self._mean(self._grads(model, zero_fill), self.allreduce_grad_dtype)
+        in ``allreduce_grad_dtype`` where it is set). In Chainer's debug
+        mode a mean that is not finite raises ``ValueError``, as
+        ChainerMN's (``Parameters diverged after allreduce.``)."""
+        grads = self._grads(model, zero_fill)
+        self._mean(grads, self.allreduce_grad_dtype)
+        if chainer.is_debug():
+            diverged(grads)
 
     @fatal
     def multi_node_mean_grad_async(self, model, zero_fill=False):
@@ -236,8 +263,10 @@ class ModelCalls:
         if self._side is None or self._side.device != device:
             self._side = SideStream(device)
         event, side = mark(device), self._side
-        self._pending = (self._summing(flats).iallreduce(
-            flats, around=lambda: side.after(event)), packed)
+        reduction = self._summing(flats).iallreduce(
+            flats, around=lambda: side.after(event))
+        self.mpi_comm.in_flight = functools.partial(
+            self._finish_mean, reduction, packed)
 
     @fatal
     def wait_mean(self):
@@ -245,12 +274,9 @@ class ModelCalls:
         them the mean; nothing to do without one (any collective call
         waits for it first)."""
 
-    def _finish_mean(self):
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            reduction, packed = pending
-            reduction.wait()
-            unpack_mean(packed, self.size)
+    def _finish_mean(self, reduction, packed):
+        reduction.wait()
+        unpack_mean(packed, self.size)
 
     @fatal
     def _multi_node_mean(self, sendbuf, recvbuf):

@@ -38,9 +38,10 @@ class Launch(Command):
                                  'before the job fails (default: '
                                  '%(default)s)')
         parser.add_argument('--no-chainermn', action='store_true',
-                            help="leave the ranks' `import chainermn` to "
-                                 'the installed ChainerMN (default: '
-                                 'dasktrain.chainermn, ChainerMN on Dask)')
+                            help="leave the ranks' `import chainermn` and "
+                                 '`import mpi4py` to the installed ones '
+                                 '(default: dasktrain.chainermn, ChainerMN '
+                                 'and its MPI on Dask)')
         parser.add_argument('program', nargs=argparse.REMAINDER,
                             help='after --: the program and its arguments')
 

@@ -12,9 +12,9 @@ files): ``dasktrain.chainermn.create_communicator()`` in the program
 joins the other ranks from it, peer to peer. CPU ranks on this machine
 (no ``scheduler``, no GPUs) are the same driver's children instead
 (:meth:`~dasktrain.run.driver.Driver.start_here`), started as ``mpiexec``
-starts them: under their keepers, all at once, with a scheduler in this
-process for their rendezvous (:func:`scheduler_here`) and no worker
-processes.
+starts them: under their keepers, all at once, with no scheduler and no
+worker processes: rank 0 tells the others where each listens
+(``DASKTRAIN_RANK0``).
 
 Output: rank 0's stdout and stderr come back live (Dask events, so from
 any machine; pipes, for ranks started here) and also go to ``rank0.log``
@@ -356,52 +356,31 @@ def _send(worker, job, name, text):
 
 # ------------------------------------------------- ranks started here
 # A CPU launch on this machine starts its ranks as children of this
-# process, as mpiexec does, all at once, with a scheduler in this process
-# (no workers) for their rendezvous: no worker processes to start, import
-# Dask in, register and stop, which were most of a short job's wall time
-# (bench/startup.py). Keepers, output, faults and stopping as on workers.
+# process, as mpiexec does, all at once, meeting through rank 0 (no
+# scheduler, no workers): nothing of Dask's to start, import, register
+# and stop here, which were most of a short job's wall time
+# (bench/startup.py, bench/chainermn.py). Keepers, output, faults and
+# stopping as on workers.
 
 def _run_here(argv, n, out, timeout, grace, echo, extra):
     """Run the ranks as the driver's children; the exit status. They
-    start first, the scheduler (Dask's import, most of this process's
-    start-up) while they import theirs: their rendezvous waits for it."""
+    meet without a scheduler: rank 0 listens on a port chosen here, the
+    others dial it first and learn from it where each listens
+    (``DASKTRAIN_RANK0``), so this process starts no Dask."""
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
     environ.update({k: environ.get(k, '1') for k in _BLAS})
     with throwaway() as tls, Driver(None, job, _relay(echo, {})) as driver:
-        port = free_port()
-        address = f'tls://127.0.0.1:{port}'
+        rank0 = f'tls://127.0.0.1:{free_port()}'
         driver.start_here(argv, [dict(environ, **rank_environment(
-            rank, n, address, job, 'tls://127.0.0.1', tls, timeout))
-            for rank in range(n)],
+            rank, n, None, job, 'tls://127.0.0.1', tls, timeout,
+            rank0=rank0)) for rank in range(n)],
             [str(out / f'rank{rank}.log') for rank in range(n)], grace)
         try:
-            with scheduler_here(port, tls):
-                result = driver.watch()
+            result = driver.watch()
         finally:
             driver.stop(grace)
             driver.relay_events()
     return _exit_status(result, echo)
 
 
-@contextlib.contextmanager
-def scheduler_here(port, tls, host='127.0.0.1'):
-    """A scheduler in this process on ``host``:``port`` (TLS, no
-    dashboard, no workers), for the ranks' rendezvous."""
-    from distributed import LocalCluster
-    from distributed.security import Security
-    ca, cert, key = tls
-    security = Security(tls_ca_file=ca, tls_client_cert=cert,
-                        tls_client_key=key, tls_scheduler_cert=cert,
-                        tls_scheduler_key=key, require_encryption=True)
-    try:
-        cluster = LocalCluster(
-            n_workers=0, processes=False, host=host, protocol='tls',
-            scheduler_port=port, security=security,
-            dashboard_address=f'{host}:0',
-            scheduler_kwargs={'dashboard': False})
-    except OSError as e:
-        raise LaunchError(f'the ranks\' rendezvous cannot listen on '
-                          f'{host}:{port} ({e}); launch again') from None
-    with cluster:
-        yield

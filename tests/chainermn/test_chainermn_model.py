@@ -276,9 +276,10 @@ def test_the_pure_decisions():
         np.testing.assert_array_equal(a, b)
         assert a.size == 0 or np.shares_memory(a, buffer)
     import collections
-    kept = collections.deque([(2, 'b'), (1, 'a'), (2, 'c')])
-    assert take(kept, 2) == ('b', True) and take(kept, None) == ('a', True)
-    assert list(kept) == [(2, 'c')]
+    kept = collections.deque([(2, 'b', None), (1, 'a', 7), (2, 'c', None)])
+    assert take(kept, 2) == ((2, 'b', None), True)
+    assert take(kept, None) == ((1, 'a', 7), True)
+    assert list(kept) == [(2, 'c', None)]
     # a model's gradients: one buffer per dtype (and device)
     arrays = [np.zeros(3), np.zeros(2, np.float32), np.zeros((2, 2))]
     assert [len(g) for g in groups(arrays)] == [2, 1]

@@ -41,6 +41,10 @@ class CollectiveError(Error, RuntimeError):
     """A peer died, hung past the timeout, or fell out of step."""
 
 
+class PeerLost(CollectiveError):
+    """A peer's connection closed."""
+
+
 class Communicator(abc.ABC):
     """What every communicator offers: the collectives of a job's ranks.
 

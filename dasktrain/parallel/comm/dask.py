@@ -52,11 +52,13 @@ from dasktrain.parallel.comm.base import (
     PEER_GONE,
     CollectiveError,
     Communicator,
+    PeerLost,
     batches,
     signature,
 )
 from dasktrain.parallel.comm.links import STREAMS, plain_asked
 from dasktrain.parallel.comm.links import connect as link
+from dasktrain.parallel.comm.nearby import Nearby, NearGroup
 from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY
 from dasktrain.parallel.comm.shm import SharedMemoryReducer
 from dasktrain.parallel.comm.staging import (
@@ -65,10 +67,6 @@ from dasktrain.parallel.comm.staging import (
     from_host,
     to_host,
 )
-
-
-class PeerLost(CollectiveError):
-    """A peer's connection closed."""
 
 
 class DaskComm(Communicator):
@@ -152,6 +150,28 @@ class DaskComm(Communicator):
         return mesh.connect(cls, rank, size, timeout, listen_host, security,
                             publish, lookup, shared_memory, plain, streams)
 
+    @classmethod
+    def meet(cls, rank, size, rank0, timeout=300.0, listen_host=None,
+             security=None, shared_memory=None, plain=None,
+             streams=STREAMS):
+        """Meet the other ranks without a scheduler: rank 0 listens at
+        ``rank0`` (``tls://HOST:PORT``, known to every rank), the others
+        dial it first and learn from it where each listens
+        (:func:`~dasktrain.parallel.comm.mesh.connect`'s
+        ``through_rank0``); then as :meth:`rendezvous`. What a launch of
+        ranks on one machine uses: no scheduler to start, import or dial.
+        """
+        from distributed.comm.addressing import parse_host_port
+        _, host_port = rank0.split('://', 1)
+        port = parse_host_port(host_port)[1]
+
+        def lookup(peer, limit):
+            return rank0
+        return mesh.connect(cls, rank, size, timeout, listen_host, security,
+                            None, lookup, shared_memory, plain, streams,
+                            port=port if rank == 0 else 0,
+                            through_rank0=True)
+
     def split(self, color, key, shared_memory=None):
         """A communicator of the ranks that give the same ``color``,
         ranked by ``key`` (ties by this communicator's rank), as MPI's
@@ -192,8 +212,12 @@ class DaskComm(Communicator):
         hosts = host_groups(self.allgather(host))
         mine = next(g for g in hosts if self.rank in g)
         if shared_memory and len(mine) > 1:
-            self._shm = SharedMemoryReducer.connect(
-                self.group(mine, f'host{mine[0]}'))
+            group = self.group(mine, f'host{mine[0]}')
+            self._shm = SharedMemoryReducer.connect(group)
+            if self._shm is not None:  # its barriers over Unix sockets
+                near = Nearby.connect(group, set(range(len(mine))) -
+                                      {group.rank})
+                self._shm.comm = NearGroup(near, group.rank, group.size)
         # A host whose ranks cannot share memory is as many hosts.
         joined = self.allgather(self._shm is not None or len(mine) == 1)
         self.hosts = [g for g in hosts if all(joined[r] for r in g)] + \
@@ -243,6 +267,8 @@ class DaskComm(Communicator):
             self._links.close()
         if self._shm is not None:
             self._shm.close()
+            if isinstance(self._shm.comm, NearGroup):
+                self._shm.comm.close()
         async def shut():
             for comm in self._comms.values():
                 comm.abort()
@@ -518,6 +544,7 @@ class _Group:
     def __init__(self, comm, members, name):
         self.comm, self.members, self.name = comm, list(members), name
         self.rank, self.size = self.members.index(comm.rank), len(members)
+        self.timeout = comm.timeout
 
     def _tag(self, kind):
         calls = self.comm._groups.get(self.name, 0) + 1

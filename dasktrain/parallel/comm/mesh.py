@@ -38,16 +38,24 @@ def group(colors, color):
 
 
 def connect(cls, rank, size, timeout, listen_host, security, publish,
-            lookup, shared_memory=None, plain=None, streams=None):
+            lookup, shared_memory=None, plain=None, streams=None,
+            port=0, through_rank0=False):
     """A ``cls`` (a DaskComm) joining ``size`` ranks as ``rank``: listen
-    on ``listen_host``, ``publish(address)``, dial every lower rank at
-    ``lookup(peer, seconds left)`` and wait for the higher ones, all
-    within ``timeout`` seconds (else :class:`CollectiveError`). It runs
-    its connections on an event loop thread of its own. Then the routes
-    of its arrays (``shared_memory``, ``plain``, ``streams``:
+    on ``listen_host`` (on ``port``; 0: any), ``publish(address)``, dial
+    every lower rank at ``lookup(peer, seconds left)`` and wait for the
+    higher ones, all within ``timeout`` seconds (else
+    :class:`CollectiveError`). It runs its connections on an event loop
+    thread of its own. Then the routes of its arrays (``shared_memory``,
+    ``plain``, ``streams``:
     :meth:`~dasktrain.parallel.comm.dask.DaskComm.routes`; None: its
     defaults): shared memory among the ranks of a host, links between
-    hosts."""
+    hosts.
+
+    ``through_rank0``: no place to publish at (no scheduler): rank 0
+    listens on ``port``, known to all (``lookup(0, ...)``); every other
+    rank dials it first, saying where it listens itself, and once all
+    have, rank 0 answers each with every rank's address, which the later
+    dials use (``publish`` and ``lookup`` of the others unused)."""
     from distributed.comm import connect as dial_address
     from distributed.comm import listen
     from distributed.comm.addressing import get_address_host, parse_address
@@ -58,15 +66,20 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
                               name=f'dasktrain-comm-{rank}')
     thread.start()
     comms, arrived = {}, asyncio.Event()
+    heard = {}  # rank -> where it listens (through rank 0: rank 0's map)
 
     async def accept(comm):
         hello = await comm.read()
         comms[hello['rank']] = comm
+        heard[hello['rank']] = hello.get('address')
         if len(comms) == size - 1:
+            if through_rank0 and rank == 0:
+                for peer in sorted(comms):
+                    await comms[peer].write({'addresses': heard})
             arrived.set()
 
     async def start():
-        listener = listen(f'{listen_host}:0', accept, **listen_args)
+        listener = listen(f'{listen_host}:{port}', accept, **listen_args)
         await listener.start()
         return listener
 
@@ -78,13 +91,18 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
     self = cls(rank, size, comms, loop, thread, listener, timeout)
     self.joined = (listen_host, security)
     try:
-        publish(listener.contact_address)
+        if not through_rank0:
+            publish(listener.contact_address)
         for peer in range(rank):
-            address = lookup(peer, max(0.1, deadline - time.monotonic()))
+            address = heard[peer] if through_rank0 and peer else \
+                lookup(peer, max(0.1, deadline - time.monotonic()))
 
             async def dial(address=address, peer=peer):
                 comm = await dial_address(address, **connect_args)
-                await comm.write({'rank': rank})
+                await comm.write({'rank': rank,
+                                  'address': listener.contact_address})
+                if through_rank0 and peer == 0:  # every rank's address
+                    heard.update((await comm.read())['addresses'])
                 comms[peer] = comm
                 if len(comms) == size - 1:
                     arrived.set()

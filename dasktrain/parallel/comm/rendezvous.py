@@ -8,6 +8,10 @@ starts who it is and where its peers are, and joining them from it.
 ``DASKTRAIN_RANK``         this process's rank, 0 to N - 1
 ``DASKTRAIN_SIZE``         N
 ``DASKTRAIN_RENDEZVOUS``   the Dask scheduler the ranks meet through
+``DASKTRAIN_RANK0``        or, without one, where rank 0 listens for
+                           the others' first connection
+                           (``tls://HOST:PORT``): a launch on one
+                           machine
 ``DASKTRAIN_JOB``          the name the ranks of this launch meet under
 ``DASKTRAIN_LISTEN``       where this rank listens for its peers
                            (``tls://HOST`` or ``tcp://HOST``)
@@ -18,9 +22,11 @@ starts who it is and where its peers are, and joining them from it.
 =========================  ==============================================
 
 and, set by the user rather than ``launch``, ``DASKTRAIN_SHARED_MEMORY=0``:
-ranks of one machine send arrays over links
-(:mod:`~dasktrain.parallel.comm.links`) instead of shared memory (to
-compare, or where ``/dev/shm`` is too small); ``DASKTRAIN_LINKS=tcp`` on
+ranks of one machine sum arrays over links
+(:mod:`~dasktrain.parallel.comm.links`) instead of shared memory, and
+send point-to-point messages over the Dask comms instead of
+:mod:`~dasktrain.parallel.comm.nearby`'s sockets (to compare, or where
+``/dev/shm`` is too small); ``DASKTRAIN_LINKS=tcp`` on
 every rank: links between machines unencrypted, for a trusted network.
 
 :func:`join` reads them and returns the rank's
@@ -44,21 +50,24 @@ from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY_ENV
 RANK = 'DASKTRAIN_RANK'
 SIZE = 'DASKTRAIN_SIZE'
 RENDEZVOUS = 'DASKTRAIN_RENDEZVOUS'
+RANK0 = 'DASKTRAIN_RANK0'
 JOB = 'DASKTRAIN_JOB'
 LISTEN = 'DASKTRAIN_LISTEN'
 TLS_CA, TLS_CERT, TLS_KEY = ('DASKTRAIN_TLS_CA', 'DASKTRAIN_TLS_CERT',
                              'DASKTRAIN_TLS_KEY')
 TIMEOUT = 'DASKTRAIN_TIMEOUT'
 SHARED_MEMORY = SHARED_MEMORY_ENV
-ALL = (RANK, SIZE, RENDEZVOUS, JOB, LISTEN, TLS_CA,
+ALL = (RANK, SIZE, RENDEZVOUS, RANK0, JOB, LISTEN, TLS_CA,
        TLS_CERT, TLS_KEY, TIMEOUT)
 
 
 def rank_environment(rank, size, scheduler, job, listen, tls=None,
-                     timeout=300.0):
+                     timeout=300.0, rank0=None):
     """The variables of rank ``rank`` (see the module), as a dict.
 
     ``tls``: ``(ca, cert, key)`` file paths, or None for a TCP cluster.
+    ``rank0``: where rank 0 listens (``tls://HOST:PORT``) where the
+    ranks meet without a scheduler (``scheduler`` None).
 
     Examples
     --------
@@ -67,8 +76,9 @@ def rank_environment(rank, size, scheduler, job, listen, tls=None,
     >>> env['DASKTRAIN_RANK'], env['DASKTRAIN_SIZE']
     ('1', '2')
     """
-    env = {RANK: str(rank), SIZE: str(size), RENDEZVOUS: scheduler, JOB: job,
-           LISTEN: listen, TIMEOUT: f'{float(timeout):g}'}
+    env = {RANK: str(rank), SIZE: str(size), JOB: job, LISTEN: listen,
+           TIMEOUT: f'{float(timeout):g}'}
+    env.update({RENDEZVOUS: scheduler} if rank0 is None else {RANK0: rank0})
     if tls is not None:
         env.update(zip((TLS_CA, TLS_CERT, TLS_KEY), map(str, tls)))
     return env
@@ -119,12 +129,42 @@ _load_installed()
 import dasktrain.chainermn  # noqa: E402,F401  (then takes the name)
 '''
 
+#: The folder's ``mpi4py/__init__.py``: ``from mpi4py import MPI`` on a
+#: launched rank gets dasktrain.chainermn.mpi, mpi4py's calls on the
+#: ranks' own connections (its ``COMM_WORLD``: every rank of the launch).
+MPI4PY_SHIM = '''"""`import mpi4py` on a rank of `dasktrain launch`: its
+`MPI` is dasktrain.chainermn.mpi, mpi4py's calls on the ranks' own
+connections, without MPI (`dasktrain launch --no-chainermn` leaves the
+installed mpi4py). Written by dasktrain.parallel.comm.rendezvous for one
+launch, removed when it ends."""
+import sys
+
+from dasktrain.chainermn import mpi as MPI
+
+sys.modules[__name__ + '.MPI'] = MPI
+__version__ = '3.1.0'
+
+
+def get_include():
+    raise ImportError('mpi4py on a rank of dasktrain launch is '
+                      'dasktrain.chainermn.mpi: it has no C headers')
+
+
+class _Config:
+    initialize = threads = True
+    finalize = None
+    thread_level = 'multiple'
+
+
+rc = _Config()
+'''
+
 
 @contextlib.contextmanager
 def chainermn_folder(out):
     """A folder in ``out`` (the launch's output folder, which every rank
-    reaches) holding :data:`CHAINERMN_SHIM` as ``chainermn``; removed on
-    leaving.
+    reaches) holding :data:`CHAINERMN_SHIM` as ``chainermn`` and
+    :data:`MPI4PY_SHIM` as ``mpi4py``; removed on leaving.
 
     Examples
     --------
@@ -135,10 +175,12 @@ def chainermn_folder(out):
     try:
         with open(os.path.join(folder, CHAINERMN_MARK), 'w'):
             pass
-        os.mkdir(os.path.join(folder, 'chainermn'))
-        with open(os.path.join(folder, 'chainermn', '__init__.py'),
-                  'w') as f:
-            f.write(CHAINERMN_SHIM)
+        for package, text in (('chainermn', CHAINERMN_SHIM),
+                              ('mpi4py', MPI4PY_SHIM)):
+            os.mkdir(os.path.join(folder, package))
+            with open(os.path.join(folder, package, '__init__.py'),
+                      'w') as f:
+                f.write(text)
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -186,7 +228,6 @@ def join(environ=None):
     rank, size = position(env)
     if size == 1:
         return Solo()
-    from distributed import Client
     from distributed.security import Security
 
     from dasktrain.parallel.comm.dask import DaskComm
@@ -199,6 +240,12 @@ def join(environ=None):
     else:
         security = Security()
     timeout = float(env.get(TIMEOUT) or 300.0)
+    shared_memory = env.get(SHARED_MEMORY, '1') != '0'
+    if env.get(RANK0):  # no scheduler: rank 0 tells the others
+        return DaskComm.meet(rank, size, env[RANK0], timeout,
+                             listen_host=env[LISTEN], security=security,
+                             shared_memory=shared_memory)
+    from distributed import Client
     try:
         client = Client(env[RENDEZVOUS], security=security,
                         timeout=min(timeout, 60.0), set_as_default=False)
@@ -209,6 +256,6 @@ def join(environ=None):
         return DaskComm.rendezvous(
             env[JOB], rank, size, timeout, client=client,
             listen_host=env[LISTEN], security=security,
-            shared_memory=env.get(SHARED_MEMORY, '1') != '0')
+            shared_memory=shared_memory)
     finally:
         client.close()

@@ -14,11 +14,18 @@ pickle framing per message; MPI and NCCL use shared memory instead. So does
 5. every rank copies the whole result back into its arrays (the
    all-gather is a read).
 
-The barriers are small messages over the ranks' ``DaskComm``, which
+The barriers are small messages among the host's ranks (over Unix
+domain sockets in the caller's thread: :class:`~dasktrain.parallel.comm.
+nearby.NearGroup`, which :class:`~dasktrain.parallel.comm.dask.DaskComm`
+gives it once connected; over its ``DaskComm`` for the set-up), which
 also carry each rank's signature (dtypes and sizes), so ranks that are out
 of step fail instead of reading garbage. Two result segments alternate
 between calls: a fast rank writing call k+1's sums never overwrites call
 k's result while a slower rank still reads it.
+
+A sum of at most :data:`SMALL_BYTES` (a batch normalisation's
+statistics) skips the segments: one exchange of the ranks' copies, each
+rank adding them in rank order (the same bits).
 
 Segments are files in ``/dev/shm`` (mode 0600), created on first use for
 each buffer size and *unlinked as soon as every rank has mapped them*: the
@@ -41,6 +48,9 @@ SHM_DIR = '/dev/shm'
 #: ``DASKTRAIN_SHARED_MEMORY=0``: ranks of one host do not sum through it.
 ENV = 'DASKTRAIN_SHARED_MEMORY'
 ALIGN = 64  # bytes: each dtype's region starts on a cache line
+#: Bytes up to which a sum travels as one exchange of copies, each rank
+#: adding them: two barriers cost more than those bytes.
+SMALL_BYTES = 1 << 16
 
 
 def available():
@@ -68,6 +78,17 @@ def bounds(count, size):
     for r in range(size):
         edges.append(edges[-1] + base + (1 if r < extra else 0))
     return list(zip(edges[:-1], edges[1:]))
+
+
+def _check(theirs, signature, rank):
+    """CollectiveError where a rank's signature (the first of each of
+    ``theirs``, in rank order) is not this one's."""
+    for peer, (other, _) in enumerate(theirs):
+        if other != signature:
+            raise CollectiveError(
+                f'rank {peer} sums {len(other)} arrays where rank {rank} '
+                f'sums {len(signature)} (or of other sizes): the ranks are '
+                'out of step (different models or optimizer state)')
 
 
 class _Segment:
@@ -181,6 +202,8 @@ class SharedMemoryReducer:
         counts = {k: sum(a.size for a in arrays)
                   for k, arrays in groups.items()}
         regions, nbytes = layout(counts)
+        if between is None and nbytes <= SMALL_BYTES:
+            return self._allreduce_small(groups, signature)
         ins, outs = self._open(nbytes)
         result = outs[self._calls % 2]
         self._calls += 1
@@ -190,21 +213,20 @@ class SharedMemoryReducer:
                 flat[start:start + a.size].reshape(a.shape)[...] = a
                 start += a.size
         theirs = self.comm.allgather(signature)  # 2. inputs written
-        for peer, other in enumerate(theirs):
-            if other != signature:
-                raise CollectiveError(
-                    f'rank {peer} sums {len(other)} arrays where rank '
-                    f'{self.rank} sums {len(signature)} (or of other '
-                    'sizes): the ranks are out of step (different models '
-                    'or optimizer state)')
+        _check([(other, None) for other in theirs], signature, self.rank)
         for _, dtype, offset, count in regions:  # 3. my slice's sums
             lo, hi = bounds(count, self.size)[self.rank]
             if hi > lo:  # past the dtype's range: inf, as DaskComm's
                 acc = result.view(dtype, offset, count)[lo:hi]
-                acc[...] = ins[0].view(dtype, offset, count)[lo:hi]
+                parts = [peer.view(dtype, offset, count)[lo:hi]
+                         for peer in ins]
                 with np.errstate(over='ignore', invalid='ignore'):
-                    for peer in ins[1:]:
-                        acc += peer.view(dtype, offset, count)[lo:hi]
+                    if len(parts) == 1:
+                        acc[...] = parts[0]
+                    else:  # the first two added straight into the sum
+                        np.add(parts[0], parts[1], out=acc)
+                    for part in parts[2:]:
+                        acc += part
         self.comm.barrier()  # 4. every slice summed
         if between is not None:
             if self.rank == 0:
@@ -215,6 +237,28 @@ class SharedMemoryReducer:
             flat, start = result.view(dtype, offset, count), 0
             for a in groups[key]:
                 a[...] = flat[start:start + a.size].reshape(a.shape)
+                start += a.size
+
+    def _allreduce_small(self, groups, signature):
+        """A sum of at most :data:`SMALL_BYTES`: every rank's flat copies
+        go to every rank with its signature (one exchange, not two
+        barriers), each rank adds them in rank order: the same bits as
+        the segments' sum, on every rank."""
+        flats = {key: np.concatenate([np.asarray(a).reshape(-1)
+                                      for a in arrays])
+                 for key, arrays in groups.items()}
+        theirs = self.comm.allgather((signature, flats))
+        _check(theirs, signature, self.rank)
+        for key, arrays in groups.items():
+            with np.errstate(over='ignore', invalid='ignore'):
+                total = theirs[0][1][key]
+                if len(theirs) > 1:
+                    total = np.add(total, theirs[1][1][key])
+                for _, other in theirs[2:]:
+                    total += other[key]
+            start = 0
+            for a in arrays:
+                a[...] = total[start:start + a.size].reshape(a.shape)
                 start += a.size
 
     def close(self):
