@@ -206,3 +206,28 @@ def test_a_device_that_is_not_there_is_refused_before_anything_is_said(
         "dasktrain train: error: device '@cupy:0' is not available (No "
         "module named 'cupy'); available: @numpy"]
     assert not (tmp_path / 'runs').exists()
+
+
+def test_a_run_stopped_by_sigterm_before_its_first_checkpoint_leaves_nothing(
+        tmp_path):
+    # `kill PID` (SIGTERM) while the first epoch trains: the folder the
+    # run created goes, as after Ctrl-C; one line, no traceback.
+    import signal
+    import time
+
+    from children import child
+    with child('train', '--dataset', 'sample', '--model', 'tiny',
+               '--epochs', '1', '--train-size', '2000', '--out', 'r',
+               cwd=tmp_path) as run:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / 'r' / 'args').exists() and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / 'r' / 'args').exists()
+        assert not (tmp_path / 'r' / 'checkpoint.npz').exists()
+        run.signal(signal.SIGTERM)
+        assert run.wait(60) == 130
+        err = run.stderr()
+    assert 'Traceback' not in err
+    assert err.strip().splitlines()[-1] == 'dasktrain train: interrupted'
+    assert not (tmp_path / 'r').exists()
