@@ -164,3 +164,13 @@ def test_an_abbreviated_option_is_refused_naming_the_whole_one(capsys):
             'options are never abbreviated: --epoch is not --epochs')
     from dasktrain.commands.options import given_fields
     assert given_fields(['--epoch', '1']) == set()
+
+
+def test_examples():
+    import doctest
+
+    import dasktrain.commands
+    import dasktrain.commands.cluster
+    for module in (dasktrain.commands, dasktrain.commands.cluster):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
