@@ -50,6 +50,27 @@ def offered(state):
     return f'{resources} on each of {workers} workers'
 
 
+def moved(asked, link):
+    """Why the dashboard is not on the port asked for, in words (Dask
+    moves it to a free one where that port is taken), or ''.
+
+    >>> print(moved(8787, 'http://127.0.0.1:41234/status'))
+    ... # doctest: +ELLIPSIS
+     (port 8787 is in use, by another cluster or program: --dashboard-port...
+    >>> moved(0, 'http://127.0.0.1:41234/status'), moved(8787, None)
+    ('', '')
+    """
+    from urllib.parse import urlsplit
+    try:
+        port = urlsplit(link).port if link else None
+    except ValueError:
+        port = None
+    if not asked or port is None or port == asked:
+        return ''
+    return (f' (port {asked} is in use, by another cluster or program: '
+            '--dashboard-port to choose)')
+
+
 class Cluster(Command):
     name = 'cluster'
     help = 'start, inspect or stop a Dask cluster on this machine'
@@ -192,7 +213,8 @@ class Cluster(Command):
             tls = ', '.join(state['tls'].values()) if state['tls'] else \
                 'none (--insecure)'
             print(f"scheduler: {state['scheduler']}\n"
-                  f"dashboard: {state['dashboard']}")
+                  f"dashboard: {state['dashboard']}"
+                  f"{moved(args.dashboard_port, state['dashboard'])}")
             for what, link in links(state['dashboard']).items():
                 print(f'{what}: {link}')
             where = state.get('shared')
