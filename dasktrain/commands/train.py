@@ -162,13 +162,17 @@ class Train(Command):
         """Refuse, in one line and before anything is said, what the run
         would refuse later: its devices (here), its ``--out`` (another
         run's, or a run's without ``--resume``)."""
+        from dasktrain.parallel.comm.rendezvous import launched
         from dasktrain.training.checkpoint import check_out
         if config.workers is None:
             from dasktrain.parallel.cuda_check import check_gpus_usable
-            from dasktrain.parallel.gpus import gpu_ids
             check_gpus_usable(config.devices)
-            if config.devices and gpu_ids(config.devices):
-                from dasktrain.parallel.devices import check_available
+        if launched():  # a rank: its devices are the launch's, its
+            return      # --out rank 0's, which holds it as the others run
+        if config.workers is None and config.devices:
+            from dasktrain.parallel.devices import check_available
+            from dasktrain.parallel.gpus import gpu_ids
+            if gpu_ids(config.devices):
                 check_available(config.devices)
         check_out(config.out, config.resume)
 
