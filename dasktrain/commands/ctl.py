@@ -269,9 +269,10 @@ def progress(out, job):
 
 
 def refusal(config, done, values, schedule):
-    """Why the run will refuse a command, known now, or None: a
-    hyperparameter its optimizer (``config``'s, None: unknown) lacks or
-    a value it cannot take (:class:`~dasktrain.training.hyperparams.
+    """Why a dasktrain run (``config``, its settings; None: not one, a
+    Trainer script's, whose extension has rules of its own) will refuse
+    a command, known now, or None: a hyperparameter its optimizer lacks
+    or a value it cannot take (:class:`~dasktrain.training.hyperparams.
     Hyperparameters`' check), an epoch or iteration already passed
     (``done``: epochs completed and iteration, as its log says), an
     epoch it never reaches.
@@ -285,6 +286,8 @@ def refusal(config, done, values, schedule):
     epoch 30 never comes: the run trains 20 epochs
     >>> refusal(None, (3, 300), {}, {'key': 'iteration', 'value': 301})
     """
+    if config is None:
+        return None
     epochs, iteration = done
     if schedule is not None:
         key, value = schedule['key'], schedule['value']
@@ -292,10 +295,10 @@ def refusal(config, done, values, schedule):
                 key == 'iteration' and value < iteration:
             return (f'{key} {value} has passed: the run has completed '
                     f'{plural(epochs, "epoch")} (iteration {iteration})')
-        if key == 'epoch' and config is not None and value > config.epochs:
+        if key == 'epoch' and value > config.epochs:
             return (f'epoch {value} never comes: the run trains '
                     f'{plural(config.epochs, "epoch")}')
-    if values and config is not None:
+    if values:
         from dasktrain.training.commandfile import Refused
         from dasktrain.training.hyperparams import Hyperparameters
         from dasktrain.training.loop import make_optimizer
