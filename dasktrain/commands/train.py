@@ -7,7 +7,10 @@ be had (not in ``--data-dir``, no mirror, the official host unreachable)
 saying so first; without a GPU and without ``--epochs``,
 ``--train-size`` or ``--test-size`` it trains a short run
 (:data:`SHORT_CPU_RUN`, :func:`short_cpu_run`), saying how to ask for the
-full one.
+full one. Without ``--out`` each run trains into a new folder of its own
+(``runs/train-YYYYmmdd-HHMMSS``); what the run would refuse (a device not
+there, an ``--out`` another run holds or one holding a run without
+``--resume``) is refused in one line before anything else is said.
 """
 import dataclasses
 import json
