@@ -253,15 +253,12 @@ def progress(out, job):
     """``(epochs completed, iteration)`` of the run as its log says,
     ``(0, 0)`` before its first epoch's row."""
     from dasktrain.files import read_json
-    from dasktrain.jobs.job import DEPTH, LOG_LIMIT, log_rows_of
-    if job is not None:
-        rows = job.log_rows()
-    else:
-        try:
-            rows = log_rows_of(read_json(Path(out) / 'log',
-                                         limit=LOG_LIMIT, depth=DEPTH))
-        except (OSError, ValueError):
-            rows = []
+    from dasktrain.jobs.job import DEPTH, LOG_LIMIT, JobError, log_rows_of
+    try:
+        rows = job.log_rows() if job is not None else log_rows_of(
+            read_json(Path(out) / 'log', limit=LOG_LIMIT, depth=DEPTH))
+    except (JobError, OSError, ValueError):  # unknown: the run tells
+        rows = []
     if not rows:
         return 0, 0
     iteration = rows[-1].get('iteration')
