@@ -35,7 +35,7 @@ STAMP := $(VENV)/.dasktrain-installed-$(subst $(comma),+,$(CUDA_EXTRA))
 # SQLAlchemy < 1.4 and Flask < 2.3, which the main environment cannot take.
 CHAINERUI_VENV ?= .venv-chainerui
 CHAINERUI_PORT ?= 5000
-RUNS ?= results
+RUNS ?= runs
 
 # Honoured by pip's isolated build environments too, which is what chainer's
 # sdist needs (its setup.py imports pkg_resources).

@@ -5,7 +5,7 @@ The subcommands are :mod:`dasktrain.commands`' modules; :data:`COMMANDS`
 lists them in the order ``dasktrain --help`` shows them. A usage error
 prints the usage line, the error and where the help is (as git and pip
 do); a :class:`~dasktrain.errors.UserError` prints one line; neither a
-traceback.
+traceback; nor is a reader that closed the output (``| head``) one.
 """
 import contextlib
 import logging
@@ -15,7 +15,7 @@ import sys
 import threading
 
 from dasktrain import __version__
-from dasktrain.commands import Parser, printable
+from dasktrain.commands import Parser, closed_output_survived, printable
 from dasktrain.commands.bench import Bench
 from dasktrain.commands.cluster import Cluster
 from dasktrain.commands.ctl import Ctl
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     show_logs()
     parser = build_parser()
     # Library messages name arguments (`lr`); here they name flags (`--lr`).
-    with flag_names(), quiet_on_interrupt():
+    with closed_output_survived(), flag_names(), quiet_on_interrupt():
         return _run(parser, argv)
 
 

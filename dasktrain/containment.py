@@ -529,13 +529,15 @@ def jobs_folder():
 
 # ------------------------------------------------------ a whole cluster
 
-def end_all(containment, mark, grace=0.0):
+def end_all(containment, mark, grace=0.0, own=None):
     """End every job process a cluster left (``cluster stop`` once its
     own processes are gone; ``cluster start`` before it runs anything):
     the processes marked with the cluster's ``mark`` prefix and every
     cgroup under its subtree get ``grace`` seconds to end by themselves
     (their keepers are stopping them), then SIGKILL; returns once none is
-    left. How many cgroups or processes were killed."""
+    left. How many cgroups or processes were killed. ``own``: the name
+    :func:`prepare` gave the subtree, removed with them (a stopped
+    cluster's; a ``--cgroup`` given stays)."""
     deadline = time.monotonic() + grace
     cgroups = _job_cgroups(containment)
     while time.monotonic() < deadline and (
@@ -549,7 +551,10 @@ def end_all(containment, mark, grace=0.0):
         except OSError as e:
             logger.warning('cannot end %s: %s', c.path, e)
     killed += sweep(mark)
-    for folder in _worker_folders(containment):
+    root = [Path(containment.root)] if own and containment and \
+        containment.kind == 'cgroup' else []
+    for folder in _worker_folders(containment) + \
+            [r for r in root if r.name == own]:
         try:
             folder.rmdir()
         except OSError:  # a live worker's (another cluster's start)

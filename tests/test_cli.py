@@ -124,3 +124,53 @@ def test_the_jobs_table_escapes_pages_and_says_what_it_left_out(capsys):
             'see `dasktrain jobs --help`']
     assert main(['jobs', '--mine', '--user', 'bob']) == 2
     assert 'not allowed with argument' in capsys.readouterr().err
+
+
+def _with_closed_stdout(argv, env=None, timeout=60):
+    """``dasktrain ARGV`` whose stdout's reader has gone, as after
+    ``| head``: the pipe's read end closed before the command writes."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [str(Path(sys.executable).with_name('dasktrain')), *argv],
+            stdout=write, stderr=subprocess.PIPE, text=True, env=env,
+            timeout=timeout)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize('argv', [
+    ['--help'], ['train', '--help'], ['jobs'], ['jobs', '--all'],
+    ['jobs', '--watch', '--interval', '0.1'],
+], ids=' '.join)
+def test_a_closed_stdout_ends_the_output_not_the_command(argv, tmp_path):
+    # `dasktrain jobs | head -1`: no BrokenPipeError, no "Exception
+    # ignored"; a --watch ends, with nothing more to show anyone.
+    env = dict(os.environ, DASKTRAIN_JOBS_DIR=str(tmp_path / 'jobs'),
+               DASKTRAIN_HOME=str(tmp_path / 'home'))
+    done = _with_closed_stdout(argv, env)
+    assert (done.returncode, done.stderr) == (0, '')
+
+
+def test_an_abbreviated_option_is_refused_naming_the_whole_one(capsys):
+    # A ChainerMN script's `--epoch 1` given to `dasktrain train` once
+    # became --epochs 1 without a word (and the short CPU run was off).
+    for argv, prog in ((['train', '--epoch', '1'], 'train'),
+                       (['submit', '--', '--epoch', '1'], 'submit --')):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.splitlines()[-2] == (
+            f'dasktrain {prog}: error: unrecognized arguments: --epoch 1; '
+            'options are never abbreviated: --epoch is not --epochs')
+    from dasktrain.commands.options import given_fields
+    assert given_fields(['--epoch', '1']) == set()
+
+
+def test_examples():
+    import doctest
+
+    import dasktrain.commands
+    import dasktrain.commands.cluster
+    for module in (dasktrain.commands, dasktrain.commands.cluster):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

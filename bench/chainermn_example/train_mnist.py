@@ -76,7 +76,8 @@ def main():
     parser.add_argument('--communicator', default='pure_nccl')
     parser.add_argument('--epoch', '-e', type=int, default=5)
     parser.add_argument('--gpu', '-g', action='store_true')
-    parser.add_argument('--out', '-o', default='result')
+    # its outputs beside dasktrain's runs (git-ignored), not in the cwd
+    parser.add_argument('--out', '-o', default='runs/train_mnist')
     parser.add_argument('--unit', '-u', type=int, default=1000)
     parser.add_argument('--n-train', type=int, default=6000)
     parser.add_argument('--n-test', type=int, default=1000)

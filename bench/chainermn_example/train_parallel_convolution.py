@@ -109,7 +109,9 @@ def main():
     parser.add_argument('--epoch', '-e', type=int, default=5)
     parser.add_argument('--learnrate', '-l', type=float, default=0.01)
     parser.add_argument('--gpu', '-g', action='store_true')
-    parser.add_argument('--out', '-o', default='result')
+    # its outputs beside dasktrain's runs (git-ignored), not in the cwd
+    parser.add_argument('--out', '-o',
+                        default='runs/train_parallel_convolution')
     parser.add_argument('--n-train', type=int, default=2000)
     parser.add_argument('--n-test', type=int, default=500)
     parser.add_argument('--seed', type=int, default=0)

@@ -1,9 +1,11 @@
 """A dask.distributed cluster on this machine: start, status, stop.
 
 ``start_cluster`` runs the standard ``dask scheduler`` and one ``dask
-worker`` as background processes. The worker owns the machine's GPUs and
-advertises them as the resource ``GPU=n`` (on a machine without GPUs, ``CPU``
-slots), so jobs that ask for K GPUs wait until a worker has K free. The
+worker`` (``workers=N``: N of them, the machine's GPUs shared out among
+them, each its own: a job across N workers runs on one machine) as
+background processes. A worker owns its GPUs and advertises them as the
+resource ``GPU=n`` (on a machine without GPUs, ``CPU`` slots), so jobs that
+ask for K GPUs wait until a worker has K free. The
 addresses are recorded in ``$DASKTRAIN_HOME/cluster.json`` (default
 ``~/.dasktrain``) for later commands. Another machine joins with the
 standard ``dask worker ADDRESS --resources GPU=n`` and the TLS files.
@@ -57,6 +59,7 @@ from dasktrain.containment import (
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
 from dasktrain.parallel.cuda_check import unusable_gpus_here
+from dasktrain.parallel.gpus import VISIBLE, split_gpus, visible_gpus
 from dasktrain.spawn import python
 
 logger = logging.getLogger(__name__)
@@ -219,8 +222,9 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
                   tls_key=None, insecure=False, timeout=60,
                   dashboard_host=None, notify=None, busy_mib=None,
                   folder=None, env=None, umask=-1, cgroup=None, limits=None,
-                  shared=False):
-    """Start a scheduler and a worker in the background; record them.
+                  shared=False, workers=1):
+    """Start a scheduler and ``workers`` workers in the background;
+    record them.
 
     Parameters
     ----------
@@ -229,10 +233,15 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
     port, dashboard_port : int, default 8786, 8787
         0 picks free ports.
     gpus : int, optional
-        GPUs the worker advertises; default: the machine's count.
+        GPUs the workers advertise in all; default: the machine's count.
     cpu_slots : int, default 1
-        CPU jobs (``--gpus 0``) the worker runs at once, beside its GPU
+        CPU jobs (``--gpus 0``) each worker runs at once, beside its GPU
         jobs (advertised as ``CPU``).
+    workers : int, default 1
+        Dask workers on this machine. Several share out its GPUs in
+        order (:func:`~dasktrain.parallel.gpus.split_gpus`: each its own,
+        as its ``CUDA_VISIBLE_DEVICES``), so a job across ``workers``
+        ranks (``submit -- --workers N``) runs here.
     tls_ca_file, tls_cert, tls_key : str, optional
         PEM files of your own; default: the cluster's own CA and node
         certificate in :func:`tls_dir`, made on first use.
@@ -272,18 +281,28 @@ def start_cluster(host='127.0.0.1', port=8786, dashboard_port=8787,
     """
     # checked before anything starts
     extra = settings(notify, busy_mib, shared=shared, **(limits or {}))
+    if type(workers) is not int or workers < 1:
+        raise ClusterError(f'{argument("workers")} must be >= 1, got '
+                           f'{workers!r}')
     folder = Path(folder or home())
     with starting(folder):
         return _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
                       tls_cert, tls_key, insecure, timeout, dashboard_host,
-                      extra, folder, env or {}, umask, cgroup)
+                      extra, folder, env or {}, umask, cgroup, workers)
+
+
+def own_cgroup(tag):
+    """The name of the cgroup a cluster (tagged ``tag``) makes for its
+    jobs, beside ``cluster start``'s own, where no ``--cgroup`` is
+    given; ``cluster stop`` removes it."""
+    return f'dasktrain-{tag}'
 
 
 def _contain(folder, cgroup):
     """The containment of the cluster in ``folder`` (:mod:`dasktrain.
     containment`), with what a cluster there before left ended first."""
     tag = cluster_tag(folder.resolve())
-    found = prepare(cgroup, name=f'dasktrain-{tag}')
+    found = prepare(cgroup, name=own_cgroup(tag))
     left = end_all(found, f'{tag}/')
     if left:
         logger.warning('ended %d process(es) or cgroup(s) the jobs of a '
@@ -293,7 +312,7 @@ def _contain(folder, cgroup):
 
 def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
            tls_cert, tls_key, insecure, timeout, dashboard_host, extra,
-           folder, more_env, umask, cgroup):
+           folder, more_env, umask, cgroup, workers):
     given = any((tls_ca_file, tls_cert, tls_key))
     if insecure and given:
         raise ClusterError(f'{argument("insecure")} and the TLS files '
@@ -322,8 +341,13 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
                 'warning: %s; until then the worker offers none of them, '
                 'only CPU slots (--gpus N offers them anyway, to programs '
                 'that need no CuPy)', unusable)
+    # Each worker its own GPUs (one worker: as the machine shows them).
+    shares = split_gpus(visible_gpus(os.environ, count=gpus), workers) \
+        if workers > 1 else [None]
     # CPU slots on every machine: a GPU server runs CPU jobs (--gpus 0) too.
-    resources = f'GPU={gpus} CPU={cpu_slots}' if gpus else f'CPU={cpu_slots}'
+    owned = [gpus if share is None else len(share) for share in shares]
+    resources = [f'GPU={n} CPU={cpu_slots}' if n else f'CPU={cpu_slots}'
+                 for n in owned]
     logs = folder / 'logs'
     logs.mkdir(parents=True, exist_ok=True)
     scheduler_file = folder / 'scheduler.json'
@@ -351,26 +375,34 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
                         timeout, 'the scheduler', processes, logs,
                         ClusterError)
         address = info['address']
-        processes.append(spawn(python(
-            'dask', 'worker', address, '--preload', WORKER_PRELOAD,
-            '--nworkers', '1',
-            # glibc's allocator settings, not Dask's (cluster/malloc.py)
-            '--preload-nanny', 'dasktrain.cluster.malloc',
-            # One thread more than slots: a scale-out job's driver holds
-            # a thread (and no GPU) while its ranks hold the slots.
-            '--nthreads', str(gpus + max(cpu_slots, 1) + 1),
-            '--resources', resources, '--host', host,
-            # Its HTTP server (/health, /metrics) would bind every
-            # interface otherwise.
-            '--dashboard-address', _with_port(host, 0),
-            '--local-directory', str(folder / 'worker-space'),
-            *tls_args), logs / 'worker.log', env, umask,
-            # its jobs' keepers stop them within their grace first
-            grace=max_grace(env) + GRACE))
+        for n, (share, count, offer) in enumerate(zip(shares, owned,
+                                                      resources)):
+            own_env = env if share is None else \
+                dict(env, **{VISIBLE: ','.join(share)}) if share else env
+            processes.append(spawn(python(
+                'dask', 'worker', address, '--preload', WORKER_PRELOAD,
+                '--nworkers', '1',
+                # glibc's allocator settings, not Dask's (cluster/malloc.py)
+                '--preload-nanny', 'dasktrain.cluster.malloc',
+                # One thread more than slots: a scale-out job's driver
+                # holds a thread (and no GPU) while its ranks hold the
+                # slots.
+                '--nthreads', str(count + max(cpu_slots, 1) + 1),
+                '--resources', offer, '--host', host,
+                # Its HTTP server (/health, /metrics) would bind every
+                # interface otherwise.
+                '--dashboard-address', _with_port(host, 0),
+                '--local-directory', str(folder / 'worker-space'),
+                *tls_args),
+                logs / ('worker.log' if n == 0 else f'worker-{n}.log'),
+                own_env, umask,
+                # its jobs' keepers stop them within their grace first
+                grace=max_grace(env) + GRACE))
         client = connect(address, security_from(**tls) if tls else None)
         with client:
-            wait_for(lambda: worker_info(client) or None, timeout,
-                     'the worker', processes, logs, ClusterError)
+            wait_for(lambda: len(worker_info(client)) >= workers or None,
+                     timeout, 'the workers' if workers > 1 else 'the worker',
+                     processes, logs, ClusterError)
             dashboard = client.dashboard_link
     except BaseException:
         for process in processes:
@@ -379,7 +411,9 @@ def _start(host, port, dashboard_port, gpus, cpu_slots, tls_ca_file,
     state = {'scheduler': address, 'dashboard': dashboard,
              'pids': [p.pid for p in processes],
              'created': [p.created for p in processes],
-             'resources': resources, 'host': host, 'tls': tls,
+             'resources': resources[0] if len(set(resources)) == 1 else
+             ', '.join(resources), 'workers': workers,
+             'host': host, 'tls': tls,
              'started': time.time(), 'tag': tag,
              'contain': dataclasses.asdict(contain), **extra}
     _write_state(state, folder)
@@ -433,6 +467,6 @@ def stop_cluster(folder=None):
     contain = state.get('contain')
     if state.get('tag'):
         end_all(Containment(**contain) if contain else None,
-                f"{state['tag']}/")
+                f"{state['tag']}/", own=own_cgroup(state['tag']))
     state_path(folder).unlink(missing_ok=True)
     return dict(state, stale=not alive)

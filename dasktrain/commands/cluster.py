@@ -9,6 +9,7 @@ from dasktrain.commands import (
     add_scheduler,
     printable,
 )
+from dasktrain.errors import plural
 
 
 def _add_shared_arguments(parser, what):
@@ -33,6 +34,43 @@ def _add_tls_arguments(parser):
                              'run any code as you')
 
 
+def offered(state):
+    """What a started cluster's workers offer, in words.
+
+    >>> offered({'resources': 'CPU=1', 'workers': 2})
+    'CPU=1 on each of 2 workers'
+    >>> offered({'resources': 'GPU=2 CPU=1, GPU=1 CPU=1', 'workers': 2})
+    'GPU=2 CPU=1, GPU=1 CPU=1 (2 workers)'
+    """
+    workers, resources = state.get('workers') or 1, state['resources']
+    if workers == 1:
+        return resources
+    if ',' in resources:
+        return f'{resources} ({workers} workers)'
+    return f'{resources} on each of {workers} workers'
+
+
+def moved(asked, link):
+    """Why the dashboard is not on the port asked for, in words (Dask
+    moves it to a free one where that port is taken), or ''.
+
+    >>> print(moved(8787, 'http://127.0.0.1:41234/status'))
+    ... # doctest: +ELLIPSIS
+     (port 8787 is in use, by another cluster or program: --dashboard-port...
+    >>> moved(0, 'http://127.0.0.1:41234/status'), moved(8787, None)
+    ('', '')
+    """
+    from urllib.parse import urlsplit
+    try:
+        port = urlsplit(link).port if link else None
+    except ValueError:
+        port = None
+    if not asked or port is None or port == asked:
+        return ''
+    return (f' (port {asked} is in use, by another cluster or program: '
+            '--dashboard-port to choose)')
+
+
 class Cluster(Command):
     name = 'cluster'
     help = 'start, inspect or stop a Dask cluster on this machine'
@@ -41,8 +79,8 @@ class Cluster(Command):
         actions = parser.add_subparsers(dest='action', metavar='ACTION',
                                         required=True, parser_class=Parser)
         p = actions.add_parser('start', help='start a scheduler and a worker '
-                               'owning this machine\'s GPUs, in the '
-                               'background')
+                               'owning this machine\'s GPUs (or --workers '
+                               'N sharing them out), in the background')
         p.add_argument('--host', default='127.0.0.1',
                        help='interface to bind (default: %(default)s)')
         p.add_argument('--port', type=int, default=8786,
@@ -56,10 +94,15 @@ class Cluster(Command):
                             'metrics, which anyone who reaches it may read '
                             '(default: --host)')
         p.add_argument('--gpus', type=int, default=None,
-                       help='GPUs the worker advertises (default: all '
+                       help='GPUs the workers advertise (default: all '
                             'found)')
+        p.add_argument('--workers', type=int, default=1, metavar='N',
+                       help='Dask workers on this machine, its GPUs shared '
+                            'out among them (each its own): a job across '
+                            'N workers (submit -- --workers N) runs here '
+                            '(default: %(default)s)')
         p.add_argument('--cpu-slots', type=int, default=1,
-                       help='jobs at once on a worker without GPUs '
+                       help='CPU jobs (--gpus 0) at once on each worker '
                             '(default: %(default)s)')
         p.add_argument('--notify', default=None, metavar='URL',
                        help='tell every job\'s end that names no --notify '
@@ -148,11 +191,12 @@ class Cluster(Command):
                 if args.action == 'start':
                     shared.check_install()
         if args.action == 'start':
-            if args.max_gpus_per_user is not None and \
-                    args.max_gpus_per_user < 1:  # before anything starts
-                args.command_parser.error(
-                    f'--max-gpus-per-user must be >= 1, got '
-                    f'{args.max_gpus_per_user}')
+            for flag in ('max_gpus_per_user', 'workers'):
+                value = getattr(args, flag)  # before anything starts
+                if value is not None and value < 1:
+                    args.command_parser.error(
+                        f'--{flag.replace("_", "-")} must be >= 1, got '
+                        f'{value}')
             start = shared.start_shared if args.shared else \
                 cluster.start_cluster
             more = {'root': args.shared_dir} if args.shared else {}
@@ -163,17 +207,19 @@ class Cluster(Command):
                 tls_cert=args.tls_cert, tls_key=args.tls_key,
                 insecure=args.insecure, dashboard_host=args.dashboard_host,
                 notify=args.notify, busy_mib=args.busy_mib,
-                cgroup=args.cgroup, limits=self.limits(args), **more)
+                cgroup=args.cgroup, limits=self.limits(args),
+                workers=args.workers, **more)
             from dasktrain.jobs.scheduler.metrics import links
             tls = ', '.join(state['tls'].values()) if state['tls'] else \
                 'none (--insecure)'
             print(f"scheduler: {state['scheduler']}\n"
-                  f"dashboard: {state['dashboard']}")
+                  f"dashboard: {state['dashboard']}"
+                  f"{moved(args.dashboard_port, state['dashboard'])}")
             for what, link in links(state['dashboard']).items():
                 print(f'{what}: {link}')
             where = state.get('shared')
             from dasktrain.containment import Containment
-            print(f"worker resources: {state['resources']}\n"
+            print(f'worker resources: {offered(state)}\n'
                   f"jobs kept in: {Containment(**state['contain']).words()}"
                   f'\nTLS: {tls}\nrecorded in '
                   f'{where.record if where else cluster.state_path()}')
@@ -200,7 +246,7 @@ class Cluster(Command):
                                       worker['resources'].items())
                 print(printable(f"worker {address} ({worker['name']}): "
                                 f"{resources or 'no resources'}, "
-                                f"{worker['threads']} threads"))
+                                f"{plural(worker['threads'], 'thread')}"))
             if status.get('contain'):
                 print(printable(f"jobs kept in: {status['contain']}"))
             for line in status.get('rules') or ():

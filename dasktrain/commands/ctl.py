@@ -108,6 +108,11 @@ class Ctl(Command):
         out, job = self.target(args.target, args.jobs_dir)
         name = ACTIONS[args.action]
         gone = self.check_running(out, job, name, schedule)
+        what = f"{args.action}{' ' + ' '.join(args.values) if values else ''}"
+        reason = refusal(run_settings(out, job), progress(out, job), values,
+                         schedule)
+        if reason:  # what the run would answer later, said now
+            raise JobError(f'{args.target}: {what} refused: {reason}')
         body = {'hyperparam': values} if values else None
         try:
             if job is not None:  # a queued job of your own has none yet
@@ -118,7 +123,6 @@ class Ctl(Command):
         except OSError as e:
             raise JobError(f'cannot write {out / steering.COMMANDS} '
                            f'({e.strerror or e})') from None
-        what = f"{args.action}{' ' + ' '.join(args.values) if values else ''}"
         if schedule:
             print(f"{args.target}: {what} at {schedule['key']} "
                   f"{schedule['value']} requested; the run answers in "
@@ -149,8 +153,20 @@ class Ctl(Command):
         path = Path(target)
         if path.is_dir() and not (path / 'job.json').exists():
             return path, None
-        job = Job(path.name, path) if path.is_dir() else \
-            find(target, jobs_dir)
+        neither = JobError(f'no run folder and no job named {target!r}: '
+                           "give a run's folder (its --out) or a job id "
+                           '(`dasktrain jobs` lists them)')
+        if path.is_dir():
+            job = Job(path.name, path)
+        elif os.sep in target:  # a path, and no job id has one
+            raise neither
+        else:
+            try:
+                job = find(target, jobs_dir)
+            except JobError as e:
+                if str(e).startswith('no job '):
+                    raise neither from None
+                raise
         owner, me = job.spec().user, current_user()
         if owner not in (None, me):
             raise JobError(f'job {job.id} was submitted by {owner}; only '
@@ -205,6 +221,90 @@ class Ctl(Command):
                       f"{f' ({ending})' if ending else ''}")
                 return
             time.sleep(0.2)
+
+
+def run_settings(out, job):
+    """The run's settings, a TrainConfig: a job's as submitted, a run
+    folder's from ``OUT/args`` (each resume's changes applied); None for
+    a command job, or a folder without dasktrain's ``args`` (a Trainer
+    script's)."""
+    import dataclasses
+    import json
+
+    from dasktrain.config import ConfigError, TrainConfig
+    from dasktrain.jobs.job import JobError
+    from dasktrain.training.outdir import recorded_settings
+    try:
+        settings = job.spec().config if job is not None else \
+            recorded_settings(out)
+    except JobError:
+        return None
+    if not isinstance(settings, dict):
+        return None
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:
+        return TrainConfig.from_json(json.dumps(
+            {k: v for k, v in settings.items() if k in names}))
+    except (ConfigError, TypeError, ValueError):
+        return None
+
+
+def progress(out, job):
+    """``(epochs completed, iteration)`` of the run as its log says,
+    ``(0, 0)`` before its first epoch's row."""
+    from dasktrain.files import read_json
+    from dasktrain.jobs.job import DEPTH, LOG_LIMIT, JobError, log_rows_of
+    try:
+        rows = job.log_rows() if job is not None else log_rows_of(
+            read_json(Path(out) / 'log', limit=LOG_LIMIT, depth=DEPTH))
+    except (JobError, OSError, ValueError):  # unknown: the run tells
+        rows = []
+    if not rows:
+        return 0, 0
+    iteration = rows[-1].get('iteration')
+    return rows[-1]['epoch'], iteration if type(iteration) is int else 0
+
+
+def refusal(config, done, values, schedule):
+    """Why a dasktrain run (``config``, its settings; None: not one, a
+    Trainer script's, whose extension has rules of its own) will refuse
+    a command, known now, or None: a hyperparameter its optimizer lacks
+    or a value it cannot take (:class:`~dasktrain.training.hyperparams.
+    Hyperparameters`' check), an epoch or iteration already passed
+    (``done``: epochs completed and iteration, as its log says), an
+    epoch it never reaches.
+
+    >>> from dasktrain.config import TrainConfig
+    >>> print(refusal(TrainConfig(), (3, 300), {}, {'key': 'epoch',
+    ...                                             'value': 2}))
+    epoch 2 has passed: the run has completed 3 epochs (iteration 300)
+    >>> print(refusal(TrainConfig(), (3, 300), {}, {'key': 'epoch',
+    ...                                             'value': 30}))
+    epoch 30 never comes: the run trains 20 epochs
+    >>> refusal(None, (3, 300), {}, {'key': 'iteration', 'value': 301})
+    """
+    if config is None:
+        return None
+    epochs, iteration = done
+    if schedule is not None:
+        key, value = schedule['key'], schedule['value']
+        if key == 'epoch' and value < epochs or \
+                key == 'iteration' and value < iteration:
+            return (f'{key} {value} has passed: the run has completed '
+                    f'{plural(epochs, "epoch")} (iteration {iteration})')
+        if key == 'epoch' and value > config.epochs:
+            return (f'epoch {value} never comes: the run trains '
+                    f'{plural(config.epochs, "epoch")}')
+    if values:
+        from dasktrain.training.commandfile import Refused
+        from dasktrain.training.hyperparams import Hyperparameters
+        from dasktrain.training.loop import make_optimizer
+        try:
+            Hyperparameters([make_optimizer(config)]).check(
+                {'hyperparam': values})
+        except Refused as e:
+            return str(e)
+    return None
 
 
 def _holder(out):

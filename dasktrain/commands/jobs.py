@@ -10,6 +10,7 @@ from dasktrain.commands import (
     Command,
     add_jobs_dir,
     add_scheduler,
+    output_closed,
     printable,
     train_config,
 )
@@ -182,16 +183,18 @@ class Jobs(Command):
         clear = '\x1b[H\x1b[2J' if sys.stdout.isatty() else '\n'
         poller = SchedulerPoller(args.interval)
         try:
-            while True:
+            while not output_closed():  # `| head`: nothing more to show
                 table = self.table(*rows(args.jobs_dir, poller.ask, **cut))
                 sys.stdout.write(f"{clear}every {args.interval:g} s, Ctrl-C "
                                  f"to stop; {time.strftime('%H:%M:%S')}\n"
                                  f'{table}\n')
                 sys.stdout.flush()
-                time.sleep(args.interval)
+                if not output_closed():
+                    time.sleep(args.interval)
         except KeyboardInterrupt:  # the way out of --watch, not an error
-            poller.stop()
-            return 0
+            pass
+        poller.stop()
+        return 0
 
     @staticmethod
     def table(rows, unreadable=(), counts=None):
@@ -278,7 +281,7 @@ class Logs(_JobCommand):
                 if not text:
                     break
                 last = text[-1]
-            if done or not args.follow:
+            if done or not args.follow or output_closed():
                 # A last line cut short (a process killed mid-line, a
                 # progress bar's \r) ends here, not in the shell's prompt.
                 if last != '\n' and not args.raw:

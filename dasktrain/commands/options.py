@@ -170,7 +170,8 @@ def add_arguments(parser):
              'later steps of one already checked; always: every step '
              '(default: %(default)s)')
     add('--out', default=d.out, metavar='DIR',
-        help='log, args, checkpoint and models (default: %(default)s)')
+        help='log, args, checkpoint and models (default: a new folder '
+             'runs/train-YYYYmmdd-HHMMSS; a queued job: its own out/)')
     add_data_arguments(parser)
     add('--augment', choices=('auto', 'crop-flip', 'crop', 'none'),
         default=d.augment,

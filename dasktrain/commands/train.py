@@ -7,7 +7,10 @@ be had (not in ``--data-dir``, no mirror, the official host unreachable)
 saying so first; without a GPU and without ``--epochs``,
 ``--train-size`` or ``--test-size`` it trains a short run
 (:data:`SHORT_CPU_RUN`, :func:`short_cpu_run`), saying how to ask for the
-full one.
+full one. Without ``--out`` each run trains into a new folder of its own
+(``runs/train-YYYYmmdd-HHMMSS``); what the run would refuse (a device not
+there, an ``--out`` another run holds or one holding a run without
+``--resume``) is refused in one line before anything else is said.
 """
 import dataclasses
 import json
@@ -18,7 +21,7 @@ from dasktrain.commands.options import (
     add_data_arguments,
     given_fields,
 )
-from dasktrain.errors import plural
+from dasktrain.errors import UserError, plural
 
 
 class Download(Command):
@@ -106,16 +109,20 @@ class Train(Command):
         add_arguments(parser)
 
     def run(self, args):
+        from dasktrain.cluster.start_lock import signals_raise
         from dasktrain.run.train import train
         config = config_from_args(args)
+        given = given_fields(args.argv[1:])
+        config = self.out(config, given)
         if config.resume:
             config = self.resumed(config, args)
-        if config.workers is None:  # before a first run's lines: one line
-            from dasktrain.parallel.cuda_check import check_gpus_usable
-            check_gpus_usable(config.devices)
+        self.check(config)  # before a first run's lines: one line
         if not config.resume:
-            config = self.first_run(config, given_fields(args.argv[1:]))
-        summary = train(config)
+            config = self.first_run(config, given)
+        # A SIGTERM (kill, a closed terminal's SIGHUP) ends the run as
+        # Ctrl-C does: a folder it created and holds nothing of is gone.
+        with signals_raise():
+            summary = train(config)
         if summary.get('rank'):  # a rank of a launch: rank 0 tells
             return 0
         final, stop = summary['final'], summary.get('stopped_by_request')
@@ -136,6 +143,41 @@ class Train(Command):
                   f"{summary['out']}")
             self.curves(summary['out'])
         return 0
+
+    @staticmethod
+    def out(config, given):
+        """``config`` with its ``--out``: as given, else a new folder of
+        its own under ``runs/`` (each ``dasktrain train`` its own: a
+        second one never meets the first's checkpoint). ``--resume``
+        needs the folder named."""
+        from dasktrain.training.outdir import new_run_folder, newest_run
+        if 'out' in given:
+            return config
+        if config.resume:
+            newest = newest_run()
+            hint = f'pass --out {newest} (the newest run here)' if newest \
+                else 'pass --out DIR, the folder of the run to continue'
+            raise UserError(f'--resume continues the run in --out: {hint}')
+        return config.replace(out=str(new_run_folder()))
+
+    @staticmethod
+    def check(config):
+        """Refuse, in one line and before anything is said, what the run
+        would refuse later: its devices (here), its ``--out`` (another
+        run's, or a run's without ``--resume``)."""
+        from dasktrain.parallel.comm.rendezvous import launched
+        from dasktrain.training.checkpoint import check_out
+        if config.workers is None:
+            from dasktrain.parallel.cuda_check import check_gpus_usable
+            check_gpus_usable(config.devices)
+        if launched():  # a rank: its devices are the launch's, its
+            return      # --out rank 0's, which holds it as the others run
+        if config.workers is None and config.devices:
+            from dasktrain.parallel.devices import check_available
+            from dasktrain.parallel.gpus import gpu_ids
+            if gpu_ids(config.devices):
+                check_available(config.devices)
+        check_out(config.out, config.resume)
 
     @staticmethod
     def curves(out):

@@ -54,9 +54,20 @@ def resolve_devices(devices):
     devices = list(devices)
     if not devices:
         raise ValueError('devices must name at least one device, got []')
+    return [chainer.get_device(spec) for spec in check_available(devices)]
+
+
+def check_available(devices):
+    """The Chainer specifiers of ``devices`` (GPU ids, ``'@cupy:N'``,
+    ``'@numpy'``, ``'cpu'``), each one this process can use; else one
+    :class:`DeviceError` line naming it, why, and what is available (or
+    :func:`~dasktrain.parallel.cuda_check.check_gpus_usable`'s line where
+    the machine has GPUs CuPy cannot use). What :func:`resolve_devices`
+    checks, without a Chainer device: a command asks it before it says
+    anything else."""
     count, reason = gpu_count()
     available = available_devices(count)
-    resolved = []
+    specs = []
     for d in devices:
         spec = (f'@cupy:{d}' if isinstance(d, (int, np.integer))
                 else '@numpy' if d == 'cpu' else d)
@@ -69,8 +80,8 @@ def resolve_devices(devices):
                 if spec.startswith('@cupy') else 'no such device'
             raise DeviceError(f'device {d!r} is not available ({why}); '
                               f'available: {", ".join(available)}')
-        resolved.append(chainer.get_device(spec))
-    return resolved
+        specs.append(spec)
+    return specs
 
 
 def gpus_of(devices):

@@ -102,6 +102,38 @@ def with_visible_gpus(env, gpus):
     return env
 
 
+def split_gpus(entries, workers):
+    """``entries`` (a machine's ``CUDA_VISIBLE_DEVICES`` entries) shared
+    out among ``workers`` Dask workers of that machine, in order, as
+    evenly as they go (the first ones one more): each worker owns its
+    own, none shares one. GpuError where there are GPUs, but fewer than
+    workers (a worker without its GPU would offer only CPU slots).
+
+    >>> split_gpus(['0', '1', '2'], 2)
+    [['0', '1'], ['2']]
+    >>> split_gpus([], 2)
+    [[], []]
+    >>> split_gpus(['0'], 2)
+    Traceback (most recent call last):
+    ...
+    dasktrain.parallel.gpus.GpuError: workers 2 on 1 GPU: each worker owns \
+GPUs of its own; ask for at most 1 worker, or for gpus 0 (CPU workers)
+    """
+    if entries and len(entries) < workers:
+        raise GpuError(f'{argument("workers")} {workers} on '
+                       f'{plural(len(entries), "GPU")}: each worker owns '
+                       f'GPUs of its own; ask for at most '
+                       f'{plural(len(entries), "worker")}, or for '
+                       f'{argument("gpus")} 0 (CPU workers)')
+    share, more = divmod(len(entries), workers)
+    shares, start = [], 0
+    for w in range(workers):
+        end = start + share + (w < more)
+        shares.append(list(entries[start:end]))
+        start = end
+    return shares
+
+
 def gpu_ids(devices):
     """The distinct GPU ids a device tuple names, in first-use order.
 

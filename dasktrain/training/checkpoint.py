@@ -23,7 +23,7 @@ from chainer.serializers import DictionarySerializer
 from dasktrain.errors import UserError, argument
 from dasktrain.files import atomic_write
 from dasktrain.training.models import read_npz
-from dasktrain.training.outdir import claim
+from dasktrain.training.outdir import check_free, claim
 
 CHECKPOINT = 'checkpoint.npz'
 
@@ -96,8 +96,20 @@ def prepare_out(config):
     checkpoint. Refuses to overwrite a run without ``config.resume``."""
     with claim(config.out, keep=lambda out: (out / CHECKPOINT).exists()) \
             as out:
-        if (out / CHECKPOINT).exists() and not config.resume:
-            raise UserError(f'{out} already holds a run ({CHECKPOINT}); pass '
-                            f'{argument("resume")} to continue it, or choose '
-                            f'another {argument("out")}')
+        _refuse_another(out, config.resume)
         yield out
+
+
+def check_out(out, resume):
+    """Refuse (UserError, one line) what :func:`prepare_out` would refuse
+    of ``out`` now, before a command says anything else: another run's,
+    or holding a run and not ``resume``d."""
+    check_free(out)
+    _refuse_another(out, resume)
+
+
+def _refuse_another(out, resume):
+    if os.path.exists(os.path.join(out, CHECKPOINT)) and not resume:
+        raise UserError(f'{out} already holds a run ({CHECKPOINT}); pass '
+                        f'{argument("resume")} to continue it, or choose '
+                        f'another {argument("out")}')

@@ -1,5 +1,7 @@
-"""A run's output folder (``--out``): checked, locked, cleaned up; a
-launch's new folder for its rank logs (:func:`launch_folder`).
+"""A run's output folder (``--out``): checked, locked, cleaned up; the
+new folders under ``runs/`` of a ``dasktrain train`` that names none
+(:func:`new_run_folder`) and of a launch's rank logs
+(:func:`launch_folder`).
 
 :func:`claim` is the first thing a run does, before any data is loaded:
 it creates the folder, makes sure it can be written, and takes an
@@ -81,6 +83,30 @@ def claim(out, keep=lambda out: True):
             lock.close()  # releases the lock
 
 
+def check_free(out):
+    """Refuse (OutputError, one line) ``out`` where another run holds its
+    lock now: what :func:`claim` would say, asked before a command says
+    anything else. Takes nothing: the lock is tried and let go."""
+    try:
+        fd = os.open(Path(out) / LOCK, os.O_RDONLY)
+    except OSError:
+        return  # no lock file, or none this process may open: claim says
+    with open(fd) as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(out, lock) from None
+        except OSError:
+            return
+
+
+def _in_use(out, lock):
+    holder = lock.read().strip() or 'a process that did not say which'
+    return OutputError(f'{argument("out")} {out} is in use by another run '
+                       f'({holder}); wait for it to end, or choose another '
+                       f'{argument("out")}')
+
+
 def _lock(out):
     """The open, locked ``OUT/run.lock``; OutputError if ``out`` cannot be
     written or another run holds it."""
@@ -96,12 +122,9 @@ def _lock(out):
         # A file besides the lock: atomic writes create files here.
         tempfile.TemporaryFile(dir=out).close()
     except BlockingIOError:
-        holder = lock.read().strip() or 'a process that did not say which'
+        error = _in_use(out, lock)
         lock.close()
-        raise OutputError(f'{argument("out")} {out} is in use by another run '
-                          f'({holder}); wait for it to end, or choose another '
-                          f'{argument("out")}') \
-            from None
+        raise error from None
     except OSError as e:
         lock.close()
         raise unwritable(e) from None
@@ -184,15 +207,50 @@ def record_steering(out, epoch, iteration, changed):
         pass
 
 
-def launch_folder(root='runs', now=None):
+RUNS = 'runs'  # where runs' outputs go (git-ignored in a checkout)
+
+
+def _dated(kind, root, now):
+    return Path(root) / time.strftime(f'{kind}-%Y%m%d-%H%M%S',
+                                      time.localtime(now))
+
+
+def launch_folder(root=RUNS, now=None):
     """A new ``root/launch-YYYYmmdd-HHMMSS`` for a launch's rank logs
     (``-2``, ``-3``... for another launch of that second): under ``runs/``,
     where runs' outputs go (git-ignored in a checkout), not the cwd."""
-    base = Path(root).absolute() / time.strftime(
-        'launch-%Y%m%d-%H%M%S', time.localtime(now))
+    base = _dated('launch', Path(root).absolute(), now)
     base.parent.mkdir(parents=True, exist_ok=True)
     for n in itertools.count(1):
         with contextlib.suppress(FileExistsError):
             folder = base.with_name(base.name + (f'-{n}' if n > 1 else ''))
             folder.mkdir()
             return folder
+
+
+def new_run_folder(root=RUNS, now=None):
+    """``root/train-YYYYmmdd-HHMMSS``, the output folder of a ``dasktrain
+    train`` that names no ``--out`` (``-2``, ``-3``... where that name is
+    taken): each run its own, the newest last in name order. Not created:
+    :func:`claim` creates it, and removes it again if the run fails
+    before it holds anything worth keeping.
+
+    >>> import tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> first = new_run_folder(root, now=0.0)
+    >>> first.mkdir()
+    >>> new_run_folder(root, now=0.0).name == first.name + '-2'
+    True
+    """
+    base = _dated('train', root, now)
+    for n in itertools.count(1):
+        folder = base.with_name(base.name + (f'-{n}' if n > 1 else ''))
+        if not os.path.lexists(folder):
+            return folder
+
+
+def newest_run(root=RUNS):
+    """The newest folder :func:`new_run_folder` made under ``root`` that
+    holds a run's ``args``, or None."""
+    found = [p for p in Path(root).glob('train-*') if (p / 'args').exists()]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)

@@ -3,6 +3,7 @@ cluster's commands and its TLS, and the throwaway local workers of one
 run. The helpers here (:class:`Processes`, :func:`job_config`,
 :func:`wait_until`) start the clusters of the other cluster tests too
 (test_jobs.py, test_monitor.py, test_tune.py, tests/gpu)."""
+import contextlib
 import importlib.util
 import json
 import os
@@ -113,14 +114,21 @@ def job_config(data_dir, **kw):
 def test_cluster_commands_start_status_and_stop(tmp_path, monkeypatch,
                                                 capsys):
     monkeypatch.setenv('DASKTRAIN_HOME', str(tmp_path / 'home'))
-    assert main(['cluster', 'start', '--port', '0', '--dashboard-port', '0',
-                 '--gpus', '2']) == 0
+    with socket.socket() as taken:  # the dashboard's port is someone's
+        taken.bind(('127.0.0.1', 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(['cluster', 'start', '--port', '0', '--dashboard-port',
+                     str(port), '--gpus', '2']) == 0
     state = json.loads((tmp_path / 'home' / 'cluster.json').read_text())
     try:
         out = capsys.readouterr().out
         assert state['scheduler'].startswith('tls://127.0.0.1:')
         assert f"scheduler: {state['scheduler']}" in out
-        assert 'dashboard: http://127.0.0.1:' in out
+        # Dask moved it to a free port: said, with why
+        assert f"dashboard: {state['dashboard']} (port {port} is in use, " \
+            'by another cluster or program: --dashboard-port to choose)\n' \
+            in out
         page = requests.get(state['dashboard'], timeout=30)
         assert page.status_code == 200
         assert 'needs bokeh' not in page.text  # what Dask says without it
@@ -139,6 +147,85 @@ def test_cluster_commands_start_status_and_stop(tmp_path, monkeypatch,
             os.kill(pid, 0)
     assert main(['cluster', 'status']) == 1
     assert 'no cluster is recorded' in capsys.readouterr().err
+
+
+def test_cluster_start_workers_shares_out_the_gpus_and_runs_a_gang(
+        tmp_path, data_dir, capsys):
+    # `cluster start --workers 2` (here with its output piped into a
+    # reader that is gone, as `| head`): two workers, the GPUs shared out,
+    # each its own; a job across both runs on this one machine; `cluster
+    # stop` leaves no cgroup behind.
+    home = tmp_path / 'home'
+    env = dict(os.environ, DASKTRAIN_HOME=str(home))
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [str(Path(sys.executable).with_name('dasktrain')), 'cluster',
+             'start', '--port', '0', '--dashboard-port', '0', '--workers',
+             '2', '--gpus', '3', '--max-gpus-per-user', '2'],
+            stdout=write, stderr=subprocess.PIPE, text=True, env=env,
+            timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, '')
+    state = json.loads((home / 'cluster.json').read_text())
+    assert (state['workers'], state['resources']) == (
+        2, 'GPU=2 CPU=1, GPU=1 CPU=1')
+    joined = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv('DASKTRAIN_HOME', str(home))
+        try:
+            from dasktrain.cluster import connect
+            with connect() as client:
+                seen = client.run(lambda dask_worker: (
+                    os.environ.get('CUDA_VISIBLE_DEVICES'),
+                    dask_worker.state.total_resources['GPU']))
+            assert sorted(seen.values()) == [('0,1', 2), ('2', 1)]
+            jobs = str(tmp_path / 'jobs')
+            assert main(['submit', '--gpus', '0', '--jobs-dir', jobs, '--',
+                         '--workers', '2', '--model', 'tiny', '--epochs',
+                         '1', '--devices', 'cpu', '--data-dir',
+                         str(data_dir), '--train-size', '200',
+                         '--test-size', '50']) == 0
+            job = Job.find(capsys.readouterr().out.strip(), jobs)
+            result = job.result(timeout=180)
+            assert result['final']['epoch'] == 1
+            assert (job.folder / 'rank1.log').is_file()  # two ranks
+            # a worker that joined by hand with one thread says so
+            tls = home / 'tls'
+            joined = subprocess.Popen(
+                [sys.executable, '-m', 'dask', 'worker', state['scheduler'],
+                 '--no-nanny', '--nthreads', '1', '--host', '127.0.0.1',
+                 '--dashboard-address', '127.0.0.1:0', '--local-directory',
+                 str(tmp_path / 'space'), '--tls-ca-file',
+                 str(tls / 'ca.pem'), '--tls-cert', str(tls / 'node.pem'),
+                 '--tls-key', str(tls / 'node-key.pem')],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+            with connect() as client:
+                wait_until(lambda: len(client.scheduler_info(
+                    n_workers=-1)['workers']) == 3, 60, 'the third worker')
+            assert main(['cluster', 'status']) == 0
+            lines = capsys.readouterr().out.splitlines()
+            assert sorted(line.split('): ')[1] for line in lines
+                          if line.startswith('worker ')) == [
+                'GPU=1, CPU=1, 3 threads', 'GPU=2, CPU=1, 4 threads',
+                'no resources, 1 thread']
+        finally:
+            if joined is not None:
+                joined.kill()
+                joined.wait()
+            assert main(['cluster', 'stop']) == 0
+    import psutil
+    for pid in state['pids']:  # ended (orphans this process may reap)
+        assert not psutil.pid_exists(pid) or \
+            psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    contain = state['contain']
+    if contain['kind'] == 'cgroup':  # where the machine gives cgroups
+        assert not Path(contain['root']).exists()
 
 
 @pytest.mark.skipif(importlib.util.find_spec('cupy') is not None,

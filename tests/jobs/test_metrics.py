@@ -255,6 +255,33 @@ def test_jobs_page_routes_are_read_only_and_linked(cluster, capsys):
     assert e.value.code == 404
 
 
+def test_after_a_restart_the_jobs_page_reads_what_jobs_reads(
+        cluster, data_dir, capsys):
+    # A scheduler started after a job ended heard none of its events:
+    # its board (as the scheduler's preload makes it, on the jobs dir)
+    # reads the job's progress, accuracy and curves from its files, as
+    # `dasktrain jobs` does.
+    from dasktrain.jobs.scheduler.board import JobBoard
+    job = submitted(job_config(data_dir, epochs=2), 'before-restart')
+    job.result(timeout=120)
+    status = job.status()
+    base = _page_server(JobBoard(job.folder.parent), None)
+    jobs = json.load(urllib.request.urlopen(base + '/dasktrain/api/jobs',
+                                            timeout=10))['jobs']
+    row = next(j for j in jobs if j['id'] == job.id)['row']
+    assert row is not None
+    assert (row['epoch'], row['validation/main/accuracy']) == \
+        (status['epoch'], status['accuracy']) == (2, status['accuracy'])
+    curves = json.load(urllib.request.urlopen(
+        f'{base}/dasktrain/api/jobs/{job.id}/log', timeout=10))
+    assert [r['epoch'] for r in curves] == [1, 2]
+    assert main(['jobs', '--jobs-dir', str(job.folder.parent)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith(job.id))
+    # ID NAME USER STATE GPUS PROGRESS ACCURACY ...
+    assert line.split()[5:7] == ['2/2', f"{status['accuracy']:.4f}"]
+
+
 def test_jobs_watch_refreshes_until_interrupted(cluster, data_dir, capsys):
     assert main(['jobs', '--watch', '--interval', '0']) == 2
     assert '--interval must be > 0, got 0' in capsys.readouterr().err

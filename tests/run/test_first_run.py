@@ -17,13 +17,14 @@ import pytest
 import dasktrain.commands.options as options
 import dasktrain.commands.train as train_command
 import dasktrain.data.sample as sample
+import dasktrain.training.outdir as outdir
 import dasktrain.training.progress as progress
 from dasktrain.cli import main
 from dasktrain.config import TrainConfig
 
 
 @pytest.mark.parametrize('module', [sample, train_command, progress,
-                                    options])
+                                    options, outdir])
 def test_examples(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -143,3 +144,90 @@ def test_a_gpu_server_without_cupy_refuses_to_train_on_its_cpu(gpu_server,
         'training on the CPU, 1 replica (@numpy)'
     assert 'done: epoch 1, test accuracy ' in done.stdout
     assert 'CuPy' not in done.stdout + done.stderr  # asked for: no warning
+
+
+def test_each_train_run_gets_a_folder_of_its_own_and_refusals_come_first(
+        tmp_path, monkeypatch, capsys):
+    # README's next commands after `make train`: another `dasktrain train`
+    # trains into a new folder under runs/, never meeting the first's
+    # checkpoint; a refusal is the only line, before any other.
+    monkeypatch.setattr(sample, 'reachable',
+                        lambda url, timeout=3.0: 'offline (test)')
+    monkeypatch.chdir(tmp_path)
+    small = ['--model', 'tiny', '--epochs', '1', '--train-size', '200',
+             '--test-size', '100', '--no-progress']
+    for _ in range(2):
+        assert main(['train', *small]) == 0
+    first, second = sorted((tmp_path / 'runs').iterdir())
+    assert first.name.startswith('train-') and \
+        second.name.startswith('train-')
+    assert (first / 'checkpoint.npz').is_file()
+    assert (second / 'checkpoint.npz').is_file()
+    done = capsys.readouterr().out
+    assert f'outputs in runs/{second.name}' in done
+    # A run into a folder that holds one: refused, nothing said before
+    # (no sample line, no short-run line), nothing trained.
+    assert main(['train', '--model', 'tiny', '--out', str(first)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ''
+    assert err.splitlines() == [
+        f'dasktrain train: error: {first} already holds a run '
+        '(checkpoint.npz); pass --resume to continue it, or choose another '
+        '--out']
+    # --resume names the folder it continues: the newest, as a hint
+    assert main(['train', '--resume']) == 1
+    out, err = capsys.readouterr()
+    assert out == ''
+    assert err.splitlines() == [
+        'dasktrain train: error: --resume continues the run in --out: pass '
+        f'--out runs/{second.name} (the newest run here)']
+    # a folder another run holds now: the same, one line first
+    from dasktrain.training.outdir import claim
+    with claim(tmp_path / 'busy'):
+        assert main(['train', '--model', 'tiny', '--out', 'busy']) == 1
+    out, err = capsys.readouterr()
+    assert out == ''
+    assert err.startswith('dasktrain train: error: --out busy is in use by '
+                          f'another run (pid {os.getpid()} on ')
+    assert len(os.listdir(tmp_path / 'runs')) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec('cupy') is not None,
+                    reason='CuPy is installed here')
+def test_a_device_that_is_not_there_is_refused_before_anything_is_said(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sample, 'reachable',
+                        lambda url, timeout=3.0: 'offline (test)')
+    monkeypatch.chdir(tmp_path)
+    assert main(['train', '--devices', '0', '--model', 'tiny']) == 1
+    out, err = capsys.readouterr()
+    assert out == ''
+    assert err.splitlines() == [
+        "dasktrain train: error: device '@cupy:0' is not available (No "
+        "module named 'cupy'); available: @numpy"]
+    assert not (tmp_path / 'runs').exists()
+
+
+def test_a_run_stopped_by_sigterm_before_its_first_checkpoint_leaves_nothing(
+        tmp_path):
+    # `kill PID` (SIGTERM) while the first epoch trains: the folder the
+    # run created goes, as after Ctrl-C; one line, no traceback.
+    import signal
+    import time
+
+    from children import child
+    with child('train', '--dataset', 'sample', '--model', 'tiny',
+               '--epochs', '1', '--train-size', '2000', '--out', 'r',
+               cwd=tmp_path) as run:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / 'r' / 'args').exists() and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / 'r' / 'args').exists()
+        assert not (tmp_path / 'r' / 'checkpoint.npz').exists()
+        run.signal(signal.SIGTERM)
+        assert run.wait(60) == 130
+        err = run.stderr()
+    assert 'Traceback' not in err
+    assert err.strip().splitlines()[-1] == 'dasktrain train: interrupted'
+    assert not (tmp_path / 'r').exists()

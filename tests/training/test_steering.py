@@ -319,6 +319,14 @@ def test_ctl_steers_a_run_folder_and_says_what_was_done(data_dir, tmp_path,
     assert main(['ctl', str(out), 'stop']) == 1
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 'No such' not in err
+    # neither a folder nor a job: said so, not "no job"
+    for target in (str(out), 'nonexistent'):
+        assert main(['ctl', target, 'stop', '--jobs-dir',
+                     str(tmp_path / 'jobs')]) == 1
+        assert capsys.readouterr().err == (
+            f'dasktrain ctl: error: no run folder and no job named '
+            f"{target!r}: give a run's folder (its --out) or a job id "
+            '(`dasktrain jobs` lists them)\n')
     reached, asked = threading.Event(), threading.Event()
 
     def hold(row):  # epoch 1's end waits for ctl to have written
@@ -360,6 +368,73 @@ def test_ctl_steers_a_run_folder_and_says_what_was_done(data_dir, tmp_path,
                                            "iteration=N, got 'epoch=x'")]:
         assert main(['ctl', str(out), *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_docs_ctl_lines_steer_the_run_the_docs_start(
+        data_dir, tmp_path, monkeypatch, capsys):
+    # docs/training.md's ctl block, its lines as written, on the run its
+    # first line starts (smaller here, its optimizer the docs': the
+    # default, Adam); what the run would refuse is refused at once.
+    import re
+    import shlex
+    import time
+    from pathlib import Path
+
+    from dasktrain.commands import train_config
+    page = (Path(__file__).resolve().parents[2] / 'docs' / 'training.md')
+    block = next(b for _, b in re.findall(r'^```([^\n]*)\n(.*?)^```',
+                                          page.read_text(), re.M | re.S)
+                 if 'dasktrain ctl runs/' in b)
+    first, *lines = block.splitlines()
+    started = shlex.split(first.split('going on: ')[1].split(',')[0])
+    assert started[:2] == ['dasktrain', 'train']
+    docs = train_config(started[2:], 'dasktrain train')
+    assert docs.optimizer == 'adam' and docs.out == 'runs/steer'
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / docs.out
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(train(
+        docs.replace(model='tiny', data_dir=str(data_dir), train_size=100,
+                     test_size=50, batch_size=25, devices=('@numpy',),
+                     progress=False),
+        callbacks=[lambda row: time.sleep(1)])), daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / 'log').exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for argv, reason in [
+                (['set', 'momentum=0.8'], "set momentum=0.8 refused: this "
+                 "run's optimizer is Adam, which has no momentum; it takes "
+                 'lr (its alpha), alpha, beta1, beta2, eps, eta, '
+                 'weight_decay_rate'),
+                (['set', 'beta1=1'], 'set beta1=1 refused: beta1 must be a '
+                 'number in [0, 1), got 1'),
+                (['stop', '--at', 'epoch=0'], 'stop refused: epoch 0 has '
+                 'passed: the run has completed '),
+                (['stop', '--at', 'epoch=41'], 'stop refused: epoch 41 '
+                 'never comes: the run trains 40 epochs')]:
+            assert main(['ctl', docs.out, *argv]) == 1
+            err = capsys.readouterr().err
+            assert err.startswith(f'dasktrain ctl: error: {docs.out}: '
+                                  f'{reason}'), err
+        assert not (out / 'commands').exists()  # nothing asked of the run
+        ran = 0
+        for line in lines:
+            words = shlex.split(line.split('#')[0])
+            if words[2] != docs.out:  # a job's line: tests/jobs has them
+                continue
+            assert main(words[1:]) == 0, (line, capsys.readouterr().err)
+            ran += 1
+        assert ran == 5
+    finally:
+        runner.join(120)
+    said = capsys.readouterr().out
+    assert f'{docs.out}: lr 0.001 -> 0.0005 (Adam) at iteration ' in said
+    assert f'{docs.out}: stopped at iteration ' in said
+    assert result['stopped_by_request']['epoch'] < 10
+    assert [c['response']['status'] for c in commands(out)] == [
+        SUCCESS, SUCCESS, FAILURE, FAILURE, SUCCESS]  # the last stop acts
 
 
 def _wait_for_request(out, timeout=60):

@@ -92,15 +92,19 @@ class JobBoard(SchedulerPlugin):
 
     def _read(self, known):
         """Every job's summary from its files (in a thread): its request
-        and recorded status, and its last log row as its events told it
-        (nothing of the job's user is read here)."""
+        and recorded status, and its last log row as its events told it;
+        where none did (a job of before this scheduler: a cluster
+        restarted), as its log says, read as ``dasktrain jobs`` and the
+        log route read it (bounded, a regular file of the job's user)."""
         found = {}
         for job in list_jobs(self.jobs_dir):
             try:
-                summary = job.summary(rows=False)
                 before = known.get(job.id) or {}
-                summary['row'] = before.get('row')
-                summary['epoch_seconds'] = before.get('epoch_seconds')
+                told = before.get('row') is not None
+                summary = job.summary(rows=not told)
+                if told:
+                    summary['row'] = before['row']
+                    summary['epoch_seconds'] = before.get('epoch_seconds')
             except JobError as e:  # damaged: one row that says why
                 if not os.path.lexists(job.folder):  # purged meanwhile
                     continue
