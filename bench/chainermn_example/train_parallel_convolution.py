@@ -69,7 +69,10 @@ class VGG(chainer.Chain):
             self.fc = L.Linear(None, n_classes)
 
     def forward(self, x):
-        h = F.max_pooling_2d(F.relu(self.conv1(x)), 2)
+        # ChainerMN's multi-node iterator sends the other ranks a pair
+        # dataset's arrays as float32: a float64 model takes them in its own
+        h = F.cast(x, self.conv1.W.dtype)
+        h = F.max_pooling_2d(F.relu(self.conv1(h)), 2)
         h = F.max_pooling_2d(F.relu(self.conv2(h)), 2)
         return self.fc(h)
 
@@ -90,7 +93,9 @@ class Classifier(L.Classifier):
 
 
 def synthetic_cifar(n_train, n_test, seed=0):
-    """CIFAR-shaped data: 10 class centres in 3 x 32 x 32, noise."""
+    """CIFAR-shaped data: 10 class centres in 3 x 32 x 32, noise; each
+    value a float32 (ChainerMN sends them as such), so every rank convolves
+    the same images whatever Chainer's dtype."""
     rng = np.random.RandomState(seed)
     dtype = chainer.get_dtype()
     centres = rng.normal(0, 0.5, (10, 3, 32, 32))
@@ -98,7 +103,8 @@ def synthetic_cifar(n_train, n_test, seed=0):
     def make(n):
         labels = rng.randint(0, 10, n).astype(np.int32)
         x = centres[labels] + rng.normal(0, 2.0, (n, 3, 32, 32))
-        return chainer.datasets.TupleDataset(x.astype(dtype), labels)
+        return chainer.datasets.TupleDataset(
+            x.astype(np.float32).astype(dtype), labels)
     return make(n_train), make(n_test)
 
 
