@@ -121,17 +121,20 @@ import dasktrain.chainermn  # noqa: E402,F401  (then takes the name)
 
 
 @contextlib.contextmanager
-def chainermn_folder(out):
-    """A folder in ``out`` (the launch's output folder, which every rank
-    reaches) holding :data:`CHAINERMN_SHIM` as ``chainermn``; removed on
-    leaving.
+def chainermn_folder(where=None):
+    """A private folder (0700, this user's) holding :data:`CHAINERMN_SHIM`
+    as ``chainermn``, made in ``where`` (default the system's temporary
+    folder, on the machine of the ranks that use it); removed on leaving.
+    Never in a run's output folder: a folder first on a rank's
+    ``PYTHONPATH`` is code the rank runs, and one another user could
+    swap would run theirs (a ``sitecustomize.py``) as the rank's user.
 
     Examples
     --------
-    >>> with chainermn_folder('.') as folder:  # doctest: +SKIP
+    >>> with chainermn_folder() as folder:  # doctest: +SKIP
     ...     env = chainermn_environment(folder, os.environ)
     """
-    folder = tempfile.mkdtemp(prefix='.chainermn-', dir=out)
+    folder = tempfile.mkdtemp(prefix='dasktrain-chainermn-', dir=where)
     try:
         with open(os.path.join(folder, CHAINERMN_MARK), 'w'):
             pass
