@@ -18,7 +18,9 @@ processes.
 
 Output: rank 0's stdout and stderr come back live (Dask events, so from
 any machine; pipes, for ranks started here) and also go to ``rank0.log``
-in the output folder; every other rank's to ``rank{r}.log``, shown in
+in the output folder (one only you can change:
+:func:`~dasktrain.training.outdir.check_own`; logs never written through
+a symlink); every other rank's to ``rank{r}.log``, shown in
 full when that rank fails.
 
 Faults: the first rank to exit non-zero (or to lose its worker) ends the
@@ -41,8 +43,9 @@ from pathlib import Path
 from dasktrain.cluster.local import connect, restore_default_scheduler
 from dasktrain.cluster.start_lock import signals_raise
 from dasktrain.cluster.tls import private_copies, throwaway
-from dasktrain.cluster.workers import local_device_workers
+from dasktrain.cluster.workers import HEALTH_ONLY, local_device_workers
 from dasktrain.errors import UserError, argument, plural
+from dasktrain.files import open_for_writing
 from dasktrain.keeper import exit_words
 from dasktrain.parallel.comm.rendezvous import (
     LISTEN,
@@ -57,11 +60,10 @@ from dasktrain.run.driver import (
     RankResult,
     RunState,
     Stop,
-    free_port,
     last_line,
     start_program,
 )
-from dasktrain.training.outdir import launch_folder
+from dasktrain.training.outdir import check_own, launch_folder
 
 logger = logging.getLogger(__name__)
 
@@ -149,16 +151,17 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
         raise LaunchError(f'cannot start {argv[0]}: no such program')
     out = Path(out).absolute() if out else launch_folder()
     out.mkdir(parents=True, exist_ok=True)
+    check_own(out)  # the ranks' logs: no stranger's folder
     echo = echo or (lambda stream, text: None)
     local = scheduler is None and client is None  # workers started here
     with contextlib.ExitStack() as stack:
         # A queue's cancel (SIGTERM) or a closed terminal (SIGHUP) stops
         # the ranks as Ctrl-C does, rather than orphaning them.
         stack.enter_context(signals_raise())
-        # Not dasktrain.chainermn's import here: Chainer's, a second.
-        extra = chainermn_environment(stack.enter_context(
-            chainermn_folder(out)), os.environ) if chainermn else {}
         if local and not gpus:  # CPU ranks on this machine: started here
+            # Not dasktrain.chainermn's import here: Chainer's, a second.
+            extra = chainermn_environment(stack.enter_context(
+                chainermn_folder()), os.environ) if chainermn else {}
             return _run_here(argv, n, out, timeout, grace, echo, extra)
         if client is None:
             stack.enter_context(restore_default_scheduler(always=True))
@@ -169,7 +172,7 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
                     tuple(f'@cupy:{g}' for g in gpus)))
         tls = stack.enter_context(_tls_files(client.security))
         return _run(client, argv, n, bool(gpus), out, timeout, grace, echo,
-                    tls, local, extra)
+                    tls, local, chainermn)
 
 
 @contextlib.contextmanager
@@ -200,11 +203,11 @@ def _relay(echo, pids):
 
 
 def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local,
-         extra):
+         chainermn):
     from distributed.comm.addressing import parse_address
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     scheme = parse_address(client.scheduler.address)[0]
-    environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
+    environ = dict(os.environ, PYTHONUNBUFFERED='1')
     if not gpus:  # one core per CPU rank, unless the user chose
         environ.update({k: environ.get(k, '1') for k in _BLAS})
     pids = {}
@@ -222,7 +225,8 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local,
             (argv, dict(environ, **rank_environment(
                 rank, n, client.scheduler.address, job, scheme, tls,
                 timeout)), os.getcwd(), str(out / f'rank{rank}.log'), rank,
-             job, grace, gpus) for rank in range(n)], placed, [resources] * n)
+             job, grace, gpus, chainermn) for rank in range(n)], placed,
+            [resources] * n)
         try:
             result = driver.watch()
         finally:
@@ -300,10 +304,13 @@ def variable(client, job, rank, what='started'):
     return Variable(f'{job}/{what}{rank}', client=client)
 
 
-def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
-    """The task body of one rank: start the program under its keeper,
-    relay rank 0's output, stop it when the launch says so; a
-    :class:`~dasktrain.run.driver.RankResult`."""
+def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus,
+             chainermn=False):
+    """The task body of one rank: start the program under its keeper
+    (with ``chainermn``, its ``import chainermn`` dasktrain's: a shim
+    folder of its own on this machine), relay rank 0's output, stop it
+    when the launch says so; a :class:`~dasktrain.run.driver.RankResult`.
+    """
     from distributed import get_worker
     from distributed.comm.addressing import get_address_host, parse_address
     worker = get_worker()
@@ -317,10 +324,13 @@ def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
                         f'{get_address_host(worker.address)}'})
     held = GpuPool.acquire(1) if gpus else []
     try:
-        with Stop(job) as stop:
+        with Stop(job) as stop, (chainermn_folder() if chainermn else
+                                 contextlib.nullcontext()) as shim:
+            if shim is not None:
+                env.update(chainermn_environment(shim, env))
             env[VISIBLE] = _machine_gpus(worker, job, rank, int(env[SIZE]),
                                          held, stop) if gpus else ''
-            with open(log_path, 'wb') as log:
+            with open_for_writing(log_path) as log:
                 kept, readers = start_program(
                     argv, env, grace, log, None if rank else
                     functools.partial(_send, worker, job), cwd=cwd)
@@ -362,22 +372,25 @@ def _send(worker, job, name, text):
 # (bench/startup.py). Keepers, output, faults and stopping as on workers.
 
 def _run_here(argv, n, out, timeout, grace, echo, extra):
-    """Run the ranks as the driver's children; the exit status. They
-    start first, the scheduler (Dask's import, most of this process's
-    start-up) while they import theirs: their rendezvous waits for it."""
+    """Run the ranks as the driver's children; the exit status. Their
+    rendezvous listens first, on a port the kernel chose when it bound
+    it (:func:`scheduler_here`): a port told to the ranks before it is
+    bound is one another user of the machine could take first."""
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
     environ.update({k: environ.get(k, '1') for k in _BLAS})
-    with throwaway() as tls, Driver(None, job, _relay(echo, {})) as driver:
-        port = free_port()
-        address = f'tls://127.0.0.1:{port}'
-        driver.start_here(argv, [dict(environ, **rank_environment(
-            rank, n, address, job, 'tls://127.0.0.1', tls, timeout))
-            for rank in range(n)],
-            [str(out / f'rank{rank}.log') for rank in range(n)], grace)
+    with throwaway() as tls, scheduler_here(tls) as address, \
+            Driver(None, job, _relay(echo, {})) as driver:
         try:
-            with scheduler_here(port, tls):
-                result = driver.watch()
+            driver.start_here(argv, [dict(environ, **rank_environment(
+                rank, n, address, job, 'tls://127.0.0.1', tls, timeout))
+                for rank in range(n)],
+                [str(out / f'rank{rank}.log') for rank in range(n)], grace)
+        except OSError as e:  # a log it may not write (a planted symlink)
+            raise LaunchError(f'cannot write {e.filename} ({e.strerror}); '
+                              'launch again') from None
+        try:
+            result = driver.watch()
         finally:
             driver.stop(grace)
             driver.relay_events()
@@ -385,9 +398,12 @@ def _run_here(argv, n, out, timeout, grace, echo, extra):
 
 
 @contextlib.contextmanager
-def scheduler_here(port, tls, host='127.0.0.1'):
-    """A scheduler in this process on ``host``:``port`` (TLS, no
-    dashboard, no workers), for the ranks' rendezvous."""
+def scheduler_here(tls, host='127.0.0.1'):
+    """A scheduler in this process on ``host`` (TLS, no workers), for the
+    ranks' rendezvous: its address, once it listens on a port of the
+    kernel's choosing. Its web server answers ``/health`` alone, on
+    ``host`` (:data:`~dasktrain.cluster.workers.HEALTH_ONLY`)."""
+    import dask
     from distributed import LocalCluster
     from distributed.security import Security
     ca, cert, key = tls
@@ -395,13 +411,14 @@ def scheduler_here(port, tls, host='127.0.0.1'):
                         tls_client_key=key, tls_scheduler_cert=cert,
                         tls_scheduler_key=key, require_encryption=True)
     try:
-        cluster = LocalCluster(
-            n_workers=0, processes=False, host=host, protocol='tls',
-            scheduler_port=port, security=security,
-            dashboard_address=f'{host}:0',
-            scheduler_kwargs={'dashboard': False})
+        with dask.config.set(HEALTH_ONLY):
+            cluster = LocalCluster(
+                n_workers=0, processes=False, host=host, protocol='tls',
+                scheduler_port=0, security=security,
+                dashboard_address=f'{host}:0',
+                scheduler_kwargs={'dashboard': False})
     except OSError as e:
         raise LaunchError(f'the ranks\' rendezvous cannot listen on '
-                          f'{host}:{port} ({e}); launch again') from None
+                          f'{host} ({e}); launch again') from None
     with cluster:
-        yield
+        yield cluster.scheduler_address
