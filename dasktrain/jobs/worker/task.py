@@ -157,6 +157,12 @@ def _attempt(job, spec, status, program, user, held, worker, placed):
             left = plural(ended.report['left'], 'process', 'processes')
             log.write(f'=== it ended; the {left} it left running were '
                       'killed by SIGKILL after its grace ===\n'.encode())
+        outlived = ended.report.get('outlived')
+        if outlived:
+            log.write(f'=== {plural(len(outlived), "process", "processes")}'
+                      f' outlived its SIGKILL (pids '
+                      f'{", ".join(map(str, outlived))}): not waited for '
+                      '===\n'.encode())
         oom = ended.report.get('oom')
         if oom:
             oom = plural(oom, 'process', 'processes')
