@@ -159,17 +159,20 @@ def keep_finished(env=None):
     return _number(KEEP_ENV, env)
 
 
-def clear_nccl(env=None):
+def clear_nccl(env=None, shared=False):
     """Whether a job's GPU ranks on several machines may sum over NCCL,
     whose sockets are neither encrypted nor authenticated (``cluster
-    start --allow-clear-nccl``; a shared cluster's default: no, they use
-    sealed links; a cluster of your own's: yes).
+    start --allow-clear-nccl``); where this process was not told (a
+    worker joined by hand), a ``shared`` cluster's default: no, they use
+    sealed links; a cluster of your own's: yes.
 
     >>> clear_nccl({}), clear_nccl({CLEAR_NCCL_ENV: 'False'})
     (True, False)
+    >>> clear_nccl({}, shared=True)
+    False
     """
-    return (os.environ if env is None else env).get(CLEAR_NCCL_ENV) != \
-        'False'
+    told = (os.environ if env is None else env).get(CLEAR_NCCL_ENV)
+    return not shared if told is None else told != 'False'
 
 
 def _duration(seconds):

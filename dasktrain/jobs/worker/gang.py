@@ -144,11 +144,14 @@ def _round(job, spec, placed, grace, attempt):
             if isinstance(rendezvous, Failure):  # it never listened
                 return RunResult(RunState.FAILED, failure=rendezvous)
             infos = worker_info(client)
+            # NCCL between machines only where the cluster allows it:
+            # decided here, once, for every rank.
+            clear = clear_nccl(shared=user is not None)
             with Driver(client, name, lambda event: None) as driver:
                 driver.start(gang_rank, [
                     (str(job.folder), rank, len(placed), list(ids),
                      rendezvous, name, pems, grace, spec.collective_timeout,
-                     attempt)
+                     attempt, clear)
                     for rank, (_, ids) in enumerate(placed)],
                     [w for w, _ in placed],
                     [rank_resources(spec.gpus, infos.get(w, {}))
@@ -266,11 +269,13 @@ def _job_log(folder, name, user):
 
 
 def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
-              timeout, attempt):
+              timeout, attempt, clear=False):
     """The task of rank ``rank`` of ``size``: the job's training program
     as its submitter, holding the GPUs ``ids`` of this worker (none: a
     CPU slot), joined to the others through ``rendezvous``; stopped when
-    the driver says (the job's cancel, another rank's failure). A
+    the driver says (the job's cancel, another rank's failure); ``clear``:
+    whether it may sum over NCCL with ranks on other machines (its
+    driver's word, the same for every rank). A
     :class:`~dasktrain.run.driver.RankResult`."""
     from distributed import get_worker
     from distributed.comm.addressing import get_address_host
@@ -296,8 +301,7 @@ def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
             env.update(rank_environment(
                 rank, size, rendezvous, name,
                 f'tls://{get_address_host(worker.address)}', tls, timeout))
-            # NCCL between machines only where the cluster allows it.
-            env[CLEAR_NCCL] = '1' if clear_nccl() else '0'
+            env[CLEAR_NCCL] = '1' if clear else '0'
 
             log.write(f'=== rank {rank} of {size} on {worker.address}, GPUs '
                       f'{",".join(g.id for g in held) or "none"} ===\n'
