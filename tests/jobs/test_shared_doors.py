@@ -114,8 +114,9 @@ def running_as(lab, who, function, *args):
     try:
         yield reported
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
+        for kill in (os.killpg, os.kill):  # (before its setsid: itself)
+            with contextlib.suppress(ProcessLookupError):
+                kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(read)
 
