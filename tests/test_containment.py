@@ -138,6 +138,43 @@ def test_a_jobs_normal_end_waits_until_what_it_left_is_gone(tmp_path, kind,
         _none_left(mark)
 
 
+# Processes that carry a marker, started again as soon as they are gone,
+# from outside the keeper's tree: what a keeper could never see the end
+# of (a process SIGKILL does not end, a stranger with the marker).
+RESPAWN = """
+import os, subprocess, sys, time
+env = {'DASKTRAIN_JOB_MARK': sys.argv[1], 'PATH': os.environ['PATH']}
+children = []
+while True:
+    children = [c for c in children if c.poll() is None]
+    while len(children) < 10:
+        children.append(subprocess.Popen(['sleep', '30'], env=env,
+                                         start_new_session=True))
+    time.sleep(0.002)
+"""
+
+
+def test_a_keeper_never_waits_without_bound(tmp_path):
+    mark = f'test-{uuid.uuid4().hex[:8]}/job/1'
+    respawn = subprocess.Popen([sys.executable, '-c', RESPAWN, mark],
+                               start_new_session=True)
+    try:
+        wait_for = time.monotonic() + 30
+        while not marked(mark) and time.monotonic() < wait_for:
+            time.sleep(0.05)
+        began = time.monotonic()
+        kept = keeper.start(['true'], {'PATH': os.environ['PATH']}, 1.0,
+                            contain={'mark': mark})
+        assert kept.wait(30) == 0
+        # The grace, then keeper.GIVE_UP seconds of SIGKILLs, then done.
+        assert time.monotonic() - began < 1.0 + keeper.GIVE_UP + 5
+        assert kept.ending()['outlived'], kept.ending()
+    finally:
+        os.killpg(respawn.pid, signal.SIGKILL)
+        respawn.wait()
+        _none_left(mark)
+
+
 def test_what_ended_a_stopped_program_is_told_as_it_happened(tmp_path):
     # It ignores SIGTERM and ends by itself 2 s later, within its grace:
     # not "stopped by SIGTERM".
