@@ -368,16 +368,21 @@ def process_table():
     ``/proc``."""
     table = {}
     for entry in os.listdir('/proc'):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f'/proc/{entry}/stat', 'rb') as f:
-                fields = f.read().rsplit(b')', 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        table[int(entry)] = (int(fields[1]), fields[0], int(fields[2]),
-                             int(fields[3]))
+        if entry.isdigit():
+            found = _stat(int(entry))
+            if found is not None:
+                table[int(entry)] = found
     return table
+
+
+def _stat(pid):
+    """``(parent, state, group, session)`` of ``pid`` now; None if gone."""
+    try:
+        with open(f'/proc/{pid}/stat', 'rb') as f:
+            fields = f.read().rsplit(b')', 1)[1].split()
+    except OSError:  # gone meanwhile
+        return None
+    return int(fields[1]), fields[0], int(fields[2]), int(fields[3])
 
 
 def descendants(root, table=None):
@@ -414,6 +419,13 @@ def marked(mark, table=None):
         for entry in env.split(b'\0'):
             if entry == want or prefix and entry.startswith(want):
                 found.append(pid)
+                # Its group and session read again, now that its marked
+                # environment shows it has exec'd: the table may have
+                # seen it just forked, still in its parent's session
+                # (which a job's sweep would then end with it).
+                now = _stat(pid)
+                if now is not None:
+                    table[pid] = now
                 break
     return found
 

@@ -1,7 +1,8 @@
 """Files written atomically: a reader sees the old file or the new one,
-never half of either, and a failed write leaves nothing behind; files
-read from a place someone else controls (:func:`read_regular`: never
-through a symlink, never a FIFO, only a regular file of the owner
+never half of either, and a failed write leaves nothing behind; a log
+opened for writing never through a symlink (:func:`open_for_writing`);
+files read from a place someone else controls (:func:`read_regular`:
+never through a symlink, never a FIFO, only a regular file of the owner
 expected), decoded a chunk at a time (:func:`decode_upto`), and JSON
 read with bounds on its size and its nesting (:func:`read_json`,
 :func:`loads_bounded`), whatever the file holds: a reader fails in one
@@ -46,6 +47,16 @@ def atomic_write(path, write, mode=None):
 def write_json(path, obj, indent=4, mode=None):
     atomic_write(path, lambda f: f.write(
         json.dumps(obj, indent=indent).encode() + b'\n'), mode=mode)
+
+
+def open_for_writing(path):
+    """``path`` open for binary writing, made if missing (``0666`` less
+    the umask) and emptied, never through a symlink at its last
+    component (OSError ELOOP where one was planted: a log written
+    through ``rank0.log -> ~/.bashrc`` would overwrite it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, 'wb')
 
 
 def read_regular(path, owner=None, offset=0, limit=None):

@@ -26,7 +26,10 @@ command line. The keeper:
   descendant, SIGKILL to what is left after the grace (the program then
   reads as killed by SIGKILL: the grace was not enough);
 * when the program ends: the same to whatever it left running, then it
-  ends as the program did (its exit code, or killed by the same signal).
+  ends as the program did (its exit code, or killed by the same signal);
+  what SIGKILL has not ended (or what is still found, again and again)
+  the grace after (at least :data:`GIVE_UP` seconds) is reported as
+  having outlived it (``outlived``: its pids), not waited for.
 
 A program that cannot start is reported through a pipe (one line of JSON)
 and the keeper exits :data:`CANNOT_START`. Who the program runs as is the
@@ -67,6 +70,10 @@ PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 CANNOT_START = 127
 POLL = 0.05  # s between looks at the program's processes
 WATCH = 0.1  # s between a starter's looks at its program (KeptProgram.watch)
+# s after the SIGKILL (the grace, at least this) that a keeper goes on
+# killing what it finds of a program that ended before it gives up and
+# reports what outlived it: it never waits without bound.
+GIVE_UP = 5.0
 ARGV = [sys.executable, '-I', '-m', 'dasktrain.keeper']
 
 
@@ -518,6 +525,7 @@ def keep(spec):
     grace = float(spec.get('grace', 30))
     status = ended = deadline = None
     killed, left = False, set()  # the program by SIGKILL; what it left
+    outlived = []  # what was still found when the keeper gave up
     quiet = 0  # a sweep: scans in a row that found none
     while True:
         while True:  # reap: the program, and orphans handed to us
@@ -548,6 +556,11 @@ def keep(spec):
                     killed = True
                 else:
                     left |= found - {child.pid}
+                    if time.monotonic() > deadline + max(grace, GIVE_UP):
+                        # Bounded: what SIGKILL does not end, or what
+                        # keeps being found, is reported, not waited for.
+                        outlived = sorted(found)
+                        break
         time.sleep(POLL if deadline is None or status is None else PAUSE)
     if box.cgroup is not None:
         oom = box.cgroup.oom_kills()
@@ -560,7 +573,7 @@ def keep(spec):
         'status': status, 'stopped': bool(stop),
         'after': None if not stop or ended is None or ended < stop[0]
         else ended - stop[0], 'killed': program_killed, 'left': len(left),
-        'grace': grace, 'oom': oom}})
+        'grace': grace, 'oom': oom, 'outlived': outlived[:100]}})
     return status
 
 

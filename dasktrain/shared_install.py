@@ -12,6 +12,15 @@ dasktrain.shared_install check``).
 ``dasktrain cluster start --shared`` asks :func:`install_problem` of its
 own interpreter and package before it starts, and refuses in one line.
 
+The other way round, root's processes of a shared cluster import this
+interpreter's code: :func:`root_only_problem` names the first place
+(the interpreter, its standard library, its prefix, every folder on its
+``sys.path``, the folders above each) that a user other than root could
+change (:func:`dasktrain.writers.opening`): a group-writable
+``/usr/local`` would let its members replace a module every root
+process of the queue imports. ``cluster start --shared`` refuses it in
+one line, whatever else it allows.
+
 The rule, :func:`blocked`, is a pure function of the permission bits: a
 user who is neither the owner nor in the group needs ``x`` on every folder
 above a path, and ``x`` (a program) or ``r`` (a file; ``r`` and ``x`` for
@@ -95,6 +104,41 @@ def install_problem(executable=None, package=None, mode_of=_mode,
     return None
 
 
+def loaded_from(executable=None):
+    """Where this interpreter's code comes from: ``executable`` (default
+    ``sys.executable``), its prefixes, its standard library and
+    site-packages, every existing folder (or zip) on ``sys.path``; in
+    that order, once each."""
+    import sysconfig
+    places = [executable or sys.executable, sys.prefix, sys.exec_prefix,
+              sys.base_prefix, sys.base_exec_prefix,
+              *sysconfig.get_paths().values(),
+              os.path.dirname(os.path.abspath(__file__)), *sys.path]
+    found = []
+    for place in places:
+        place = os.path.abspath(place) if place else None
+        if place and place not in found and os.path.exists(place):
+            found.append(place)
+    return found
+
+
+def root_only_problem(places=None, opening=None):
+    """One line naming the first of ``places`` (default
+    :func:`loaded_from`) that a user other than root can change, and how,
+    or None where root alone can. ``opening``: the rule
+    (:func:`dasktrain.writers.opening`, imported here: this file also
+    runs alone, before dasktrain is installed)."""
+    if opening is None:
+        from dasktrain.writers import opening
+    from dasktrain.writers import words
+    for place in loaded_from() if places is None else places:
+        found = opening(place, {0})
+        if found is not None:
+            return (f'{place} holds code that root runs, and users other '
+                    f'than root can change it: {words(found)}')
+    return None
+
+
 def python_version(python):
     """``python``'s ``(major, minor)``, or None if it does not run."""
     try:
@@ -163,7 +207,7 @@ def main(argv=None):
         print(python)
         return 0
     if argv == ['check']:  # run by the installed venv's Python
-        why = install_problem()
+        why = install_problem() or root_only_problem()
         if why:
             print(f'error: {why}', file=sys.stderr)
             return 1

@@ -2,11 +2,13 @@
 where every job's end is told unless the job names its own (``cluster
 start --notify``) and where a webhook may go at all (``--notify-allow``);
 the GPU memory a process outside the queue may hold before its GPU
-counts as busy (``--busy-mib``); the longest grace a job gets between
-the SIGTERM and the SIGKILL of a stop (``--max-grace``); the processes a
-job may have at once (``--pids-per-job``); and a shared cluster's
-limits per user: jobs queued at once (``--max-queued-per-user``), bytes
-of their jobs' files the queue keeps (``--max-bytes-per-user``), and how
+counts as busy (``--busy-mib``); whether a job's GPU ranks on several
+machines may sum over NCCL, in clear (``--allow-clear-nccl``); the
+longest grace a job gets between the SIGTERM and the SIGKILL of a stop
+(``--max-grace``); the processes a job may have at once
+(``--pids-per-job``); and a shared cluster's limits per user: jobs
+queued at once (``--max-queued-per-user``), bytes of their jobs' files
+the queue keeps (``--max-bytes-per-user``), and how
 long an ended job is kept before it is purged (``--keep-finished``).
 
 :func:`settings` checks them (one line naming the argument) into the
@@ -33,13 +35,16 @@ PIDS_ENV = 'DASKTRAIN_PIDS_PER_JOB'
 QUEUED_ENV = 'DASKTRAIN_MAX_QUEUED'
 BYTES_ENV = 'DASKTRAIN_MAX_BYTES'
 KEEP_ENV = 'DASKTRAIN_KEEP_FINISHED'
-# A shared cluster's defaults (a cluster of your own has no such limit).
+CLEAR_NCCL_ENV = 'DASKTRAIN_ALLOW_CLEAR_NCCL'
+# A shared cluster's defaults (a cluster of your own has no such limit,
+# and its GPU ranks, yours, use NCCL between machines).
 SHARED = {'max_queued_per_user': 1000, 'max_bytes_per_user': 256 * 2 ** 20,
-          'keep_finished': 30 * 86400.0, 'notify_allow': list(SHARED_ALLOW)}
+          'keep_finished': 30 * 86400.0, 'notify_allow': list(SHARED_ALLOW),
+          'allow_clear_nccl': False}
 _ENV = {'notify': NOTIFY_ENV, 'busy_mib': BUSY_ENV, 'max_grace': GRACE_ENV,
         'pids_per_job': PIDS_ENV, 'max_queued_per_user': QUEUED_ENV,
         'max_bytes_per_user': BYTES_ENV, 'keep_finished': KEEP_ENV,
-        'notify_allow': ALLOW_ENV}
+        'notify_allow': ALLOW_ENV, 'allow_clear_nccl': CLEAR_NCCL_ENV}
 
 
 def _positive(value, name, kind=int, zero=False):
@@ -55,7 +60,8 @@ def _positive(value, name, kind=int, zero=False):
 
 def settings(notify=None, busy_mib=None, max_grace=None, pids_per_job=None,
              notify_allow=None, max_queued_per_user=None,
-             max_bytes_per_user=None, keep_finished=None, shared=False):
+             max_bytes_per_user=None, keep_finished=None,
+             allow_clear_nccl=None, shared=False):
     """The settings, checked; ``shared``: a shared cluster's defaults for
     those not given.
 
@@ -83,7 +89,9 @@ def settings(notify=None, busy_mib=None, max_grace=None, pids_per_job=None,
               else _positive(max_bytes_per_user, 'max_bytes_per_user'),
               'keep_finished': None if keep_finished is None else
               math.inf if keep_finished == math.inf else float(
-                  _positive(keep_finished, 'keep_finished', float))}
+                  _positive(keep_finished, 'keep_finished', float)),
+              'allow_clear_nccl': None if allow_clear_nccl is None else
+              bool(allow_clear_nccl)}
     if shared:
         chosen.update({k: v for k, v in SHARED.items()
                        if chosen[k] is None})
@@ -151,6 +159,22 @@ def keep_finished(env=None):
     return _number(KEEP_ENV, env)
 
 
+def clear_nccl(env=None, shared=False):
+    """Whether a job's GPU ranks on several machines may sum over NCCL,
+    whose sockets are neither encrypted nor authenticated (``cluster
+    start --allow-clear-nccl``); where this process was not told (a
+    worker joined by hand), a ``shared`` cluster's default: no, they use
+    sealed links; a cluster of your own's: yes.
+
+    >>> clear_nccl({}), clear_nccl({CLEAR_NCCL_ENV: 'False'})
+    (True, False)
+    >>> clear_nccl({}, shared=True)
+    False
+    """
+    told = (os.environ if env is None else env).get(CLEAR_NCCL_ENV)
+    return not shared if told is None else told != 'False'
+
+
 def _duration(seconds):
     if seconds == math.inf:
         return 'never'
@@ -165,7 +189,7 @@ def rules(env=None):
     line each (``cluster status``).
 
     >>> rules({'DASKTRAIN_MAX_QUEUED': '1000', 'DASKTRAIN_KEEP_FINISHED':
-    ...        '2592000'})[1:]
+    ...        '2592000'})[1:3]
     ['per user: at most 1000 jobs queued or running', \
 'ended jobs purged after 30 d (--keep-finished)']
     """
@@ -185,6 +209,10 @@ def rules(env=None):
     if keep is not None and keep != math.inf:
         lines.append(f'ended jobs purged after {_duration(keep)} '
                      '(--keep-finished)')
+    lines.append('GPU ranks on several machines: NCCL, in clear on the '
+                 'network (--allow-clear-nccl)' if clear_nccl(env) else
+                 'GPU ranks on several machines: sealed links, not NCCL '
+                 "(in clear; cluster start --allow-clear-nccl allows it)")
     allowed = env.get(ALLOW_ENV)
     if allowed:
         try:

@@ -124,6 +124,28 @@ def check_install(env=None, problem=_ASK):
             '/usr/local/bin, on sudo\'s PATH)')
 
 
+def check_root_only(root, problem=_ASK):
+    """ClusterError (one line, naming the path, its owner and mode) where
+    a user other than root can change the code the cluster's root
+    processes run (:func:`dasktrain.shared_install.root_only_problem`,
+    or ``problem``) or a folder above the shared place ``root`` (they
+    could swap it for theirs); whatever
+    ``$DASKTRAIN_SHARED_PRIVATE_PYTHON`` says."""
+    from dasktrain.writers import opening, words
+    if problem is _ASK:
+        from dasktrain.shared_install import root_only_problem
+        problem = root_only_problem()
+    if problem is None:
+        found = opening(Path(root).parent, {0})
+        if found is not None:
+            problem = (f'the shared place {root} lies where users other '
+                       f'than root can change it: {words(found)}')
+    if problem:
+        raise ClusterError(f'{problem}; a shared cluster runs as root with '
+                           "it: make it root's alone (chown root, chmod "
+                           'go-w), or install and place it elsewhere')
+
+
 def owner_uid(env=None):
     """The uid of who ran ``sudo dasktrain cluster start --shared``
     (``$SUDO_UID``), None without sudo (systemd: root alone owns it).
@@ -154,6 +176,7 @@ def prepare(root):
     check_root()
     found = layout(root)
     found.root.parent.mkdir(parents=True, exist_ok=True)
+    check_root_only(found.root)
     _folder(found.root, 0o755)
     _folder(found.jobs, 0o711)
     _folder(found.private, 0o700)

@@ -29,6 +29,25 @@ _QUIET = {'distributed.worker.profile.enabled': False, **malloc.CONFIG,
           'distributed.admin.tick.interval': '500ms',
           'distributed.worker.memory.monitor-interval': '1s',
           'distributed.admin.system-monitor.interval': '2s'}
+#: The Dask web routes of a run's throwaway processes and of a job of
+#: ranks' rendezvous: ``/health`` alone. Dask's others (its info pages:
+#: workers' logs, where a failed task's ``repr`` shows its arguments, a
+#: rank's environment among them; its JSON, proxy and metrics routes)
+#: would be every local user's, with no login in front.
+HEALTH_ONLY = {
+    'distributed.scheduler.http.routes': ['distributed.http.health'],
+    'distributed.worker.http.routes': ['distributed.http.health']}
+
+
+def health_only_env():
+    """:data:`HEALTH_ONLY` as a Dask process started elsewhere reads it:
+    its environment's variables.
+
+    >>> health_only_env()['DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES']
+    "['distributed.http.health']"
+    """
+    return {'DASK_' + key.upper().replace('.', '__').replace('-', '_'):
+            repr(value) for key, value in HEALTH_ONLY.items()}
 
 
 @contextlib.contextmanager
@@ -75,8 +94,9 @@ def local_device_workers(devices, blas_threads=1):
         common, dashboard_address='127.0.0.1:0', dashboard=False)}
     malloc.users_environ()  # the workers inherit it: not Dask's leftover
     with restore_default_scheduler(always=True), dask.config.set(
-            _QUIET), SpecCluster(workers=workers, scheduler=scheduler,
-                                 security=security) as cluster:
+            dict(_QUIET, **HEALTH_ONLY)), SpecCluster(
+                workers=workers, scheduler=scheduler,
+                security=security) as cluster:
         with Client(cluster, security=security,
                     set_as_default=False) as client:
             client.wait_for_workers(len(ids))
@@ -161,9 +181,14 @@ def local_workers(n, blas_threads=1, dashboard=True, method=None):
         # The preload: a terminal's Ctrl-C reaches every process of its
         # group; the workers leave it to this process, which shuts them
         # down, instead of each printing its own traceback.
-        config = dict(_QUIET, **{
+        # Their web servers: /health alone (and the dashboard's pages
+        # with dashboard=True), see HEALTH_ONLY.
+        config = dict(_QUIET, **HEALTH_ONLY, **{
             'distributed.worker.multiprocessing-method': method} if method
             else {})
+        if dashboard:
+            config['distributed.scheduler.http.routes'] = [
+                'distributed.http.health', 'distributed.http.statics']
         with restore_default_scheduler(always=True), dask.config.set(
                 config), LocalCluster(
                 n_workers=n, threads_per_worker=1, processes=True,

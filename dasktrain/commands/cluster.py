@@ -126,6 +126,12 @@ class Cluster(Command):
                        metavar='N',
                        help='processes one job may have at once (pids.max '
                             'of its cgroup; default: no limit)')
+        p.add_argument('--allow-clear-nccl', action='store_true',
+                       default=None,
+                       help='let a job\'s GPU ranks on several machines sum '
+                            'over NCCL, whose sockets are neither encrypted '
+                            'nor authenticated (default with --shared: no, '
+                            'sealed links instead; else yes)')
         p.add_argument('--cgroup', default=None, metavar='PATH',
                        help='the cgroup v2 folder its jobs\' cgroups go '
                             'under, e.g. a systemd unit\'s delegated one '
@@ -291,7 +297,8 @@ class Cluster(Command):
                 'pids_per_job': args.pids_per_job,
                 'notify_allow': args.notify_allow,
                 'max_queued_per_user': args.max_queued_per_user,
-                'max_bytes_per_user': size, 'keep_finished': keep}
+                'max_bytes_per_user': size, 'keep_finished': keep,
+                'allow_clear_nccl': args.allow_clear_nccl}
 
     @staticmethod
     def recover(state, jobs_dir, max_gpus_per_user=None):

@@ -21,7 +21,9 @@ numberings therefore meet whenever dasktrain hands GPUs around:
   instead, without asking for the CPU, is refused (:func:`gpu_refusal`);
 * the ranks of one job compare their own GPUs (:func:`rank_gpu`, however
   the devices were spelt) and refuse to share one
-  (:func:`refuse_shared_gpu`).
+  (:func:`refuse_shared_gpu`);
+* ranks on several machines sum over NCCL, whose sockets are in clear,
+  only where their cluster allows it (:func:`nccl_between`).
 
 Everything here is a pure function of the environment and counts it is
 given, so the tests check, on a machine without GPUs, what a GPU machine
@@ -468,6 +470,42 @@ def use_nccl(devices, nccl):
     (the NCCL library loaded, ``nccl.available``, which the cupy-cudaXXx
     wheels do not bring; version 2.26 or later)."""
     return bool(gpu_ids(devices)) and nccl_problem(nccl) is None
+
+
+#: In a rank's environment: '0' where its ranks on different machines
+#: may not sum over NCCL (a shared cluster's gang, unless ``cluster start
+#: --allow-clear-nccl``); unset or '1', they may.
+CLEAR_NCCL = 'DASKTRAIN_CLEAR_NCCL'
+CLEAR_NCCL_REFUSED = (
+    'NCCL between machines sends arrays in clear (unencrypted, '
+    'unauthenticated), and this cluster does not allow it (cluster start '
+    '--allow-clear-nccl): the ranks sum over sealed links instead')
+
+
+def clear_nccl_allowed(env=None):
+    """Whether this rank's environment (``env``, default this process's)
+    allows NCCL's sockets between machines (:data:`CLEAR_NCCL` not '0')."""
+    env = os.environ if env is None else env
+    return env.get(CLEAR_NCCL, '1') != '0'
+
+
+def nccl_between(ranks):
+    """Whether the ranks ``ranks`` (each ``(machine, allowed)``: its
+    machine, and :func:`clear_nccl_allowed` of its environment) may sum
+    over NCCL as far as the network goes: all on one machine (NCCL's
+    shared memory and NVLink stay inside it), or every one allows NCCL's
+    sockets, which are neither encrypted nor authenticated, between
+    machines. Every rank decides it from the same list: all agree.
+
+    >>> nccl_between([('10.0.0.5', False), ('10.0.0.5', False)])
+    True
+    >>> nccl_between([('10.0.0.5', True), ('10.0.0.6', False)])
+    False
+    >>> nccl_between([('10.0.0.5', True), ('10.0.0.6', True)])
+    True
+    """
+    return len({machine for machine, _ in ranks}) <= 1 or \
+        all(allowed for _, allowed in ranks)
 
 
 NCCL_MISSING = ('warning: NCCL is not installed (cupy.cuda.nccl.available is '

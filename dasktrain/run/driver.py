@@ -38,6 +38,7 @@ import time
 from typing import NamedTuple
 
 from dasktrain import keeper
+from dasktrain.files import open_for_writing
 from dasktrain.parallel.comm.base import ECHO_PHRASES
 
 logger = logging.getLogger(__name__)
@@ -86,12 +87,13 @@ class RankResult:
 
 
 class Failure(NamedTuple):
-    """A rank that failed: its ``rank``, the ``error`` its task raised
+    """A rank that failed: its ``rank`` (None: the job failed before any
+    rank started, ``why`` says how), the ``error`` its task raised
     (None where it returned a failure, or its task was lost), its
     ``result`` (a :class:`RankResult`, or None), ``seen``, when it ended
     (``time.time()``), and ``why`` where its task was lost or
     cancelled."""
-    rank: int
+    rank: int | None
     error: BaseException | None
     result: RankResult | None
     seen: float
@@ -203,15 +205,6 @@ class Stop:
         self.close()
 
 
-def free_port(host='127.0.0.1'):
-    """A port of ``host`` free now, for the rendezvous scheduler the
-    ranks are told of before it starts."""
-    import socket
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 # ------------------------------------------------ a rank that is a program
 
 def start_program(argv, env, grace, log, relay=None, cwd=None):
@@ -279,7 +272,7 @@ class Child:
         self.rank, self.log, self.grace = rank, log, grace
         self.status, self.ended, self._result = 'pending', None, None
         self.stopping = threading.Event()
-        self._file = open(log, 'wb')
+        self._file = open_for_writing(log)  # never through a symlink
         try:
             self.kept, self.readers = start_program(
                 argv, env, grace, self._file,

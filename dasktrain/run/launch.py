@@ -18,7 +18,9 @@ worker processes: rank 0 tells the others where each listens
 
 Output: rank 0's stdout and stderr come back live (Dask events, so from
 any machine; pipes, for ranks started here) and also go to ``rank0.log``
-in the output folder; every other rank's to ``rank{r}.log``, shown in
+in the output folder (one only you can change:
+:func:`~dasktrain.training.outdir.check_own`; logs never written through
+a symlink); every other rank's to ``rank{r}.log``, shown in
 full when that rank fails.
 
 Faults: the first rank to exit non-zero (or to lose its worker) ends the
@@ -34,6 +36,7 @@ import logging
 import os
 import shutil
 import signal
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -43,6 +46,7 @@ from dasktrain.cluster.start_lock import signals_raise
 from dasktrain.cluster.tls import private_copies, throwaway
 from dasktrain.cluster.workers import local_device_workers
 from dasktrain.errors import UserError, argument, plural
+from dasktrain.files import open_for_writing
 from dasktrain.keeper import exit_words
 from dasktrain.parallel.comm.rendezvous import (
     LISTEN,
@@ -57,11 +61,10 @@ from dasktrain.run.driver import (
     RankResult,
     RunState,
     Stop,
-    free_port,
     last_line,
     start_program,
 )
-from dasktrain.training.outdir import launch_folder
+from dasktrain.training.outdir import check_own, launch_folder
 
 logger = logging.getLogger(__name__)
 
@@ -149,16 +152,17 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
         raise LaunchError(f'cannot start {argv[0]}: no such program')
     out = Path(out).absolute() if out else launch_folder()
     out.mkdir(parents=True, exist_ok=True)
+    check_own(out)  # the ranks' logs: no stranger's folder
     echo = echo or (lambda stream, text: None)
     local = scheduler is None and client is None  # workers started here
     with contextlib.ExitStack() as stack:
         # A queue's cancel (SIGTERM) or a closed terminal (SIGHUP) stops
         # the ranks as Ctrl-C does, rather than orphaning them.
         stack.enter_context(signals_raise())
-        # Not dasktrain.chainermn's import here: Chainer's, a second.
-        extra = chainermn_environment(stack.enter_context(
-            chainermn_folder(out)), os.environ) if chainermn else {}
         if local and not gpus:  # CPU ranks on this machine: started here
+            # Not dasktrain.chainermn's import here: Chainer's, a second.
+            extra = chainermn_environment(stack.enter_context(
+                chainermn_folder()), os.environ) if chainermn else {}
             return _run_here(argv, n, out, timeout, grace, echo, extra)
         if client is None:
             stack.enter_context(restore_default_scheduler(always=True))
@@ -169,7 +173,7 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
                     tuple(f'@cupy:{g}' for g in gpus)))
         tls = stack.enter_context(_tls_files(client.security))
         return _run(client, argv, n, bool(gpus), out, timeout, grace, echo,
-                    tls, local, extra)
+                    tls, local, chainermn)
 
 
 @contextlib.contextmanager
@@ -200,11 +204,11 @@ def _relay(echo, pids):
 
 
 def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local,
-         extra):
+         chainermn):
     from distributed.comm.addressing import parse_address
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     scheme = parse_address(client.scheduler.address)[0]
-    environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
+    environ = dict(os.environ, PYTHONUNBUFFERED='1')
     if not gpus:  # one core per CPU rank, unless the user chose
         environ.update({k: environ.get(k, '1') for k in _BLAS})
     pids = {}
@@ -222,7 +226,8 @@ def _run(client, argv, n, gpus, out, timeout, grace, echo, tls, local,
             (argv, dict(environ, **rank_environment(
                 rank, n, client.scheduler.address, job, scheme, tls,
                 timeout)), os.getcwd(), str(out / f'rank{rank}.log'), rank,
-             job, grace, gpus) for rank in range(n)], placed, [resources] * n)
+             job, grace, gpus, chainermn) for rank in range(n)], placed,
+            [resources] * n)
         try:
             result = driver.watch()
         finally:
@@ -300,10 +305,13 @@ def variable(client, job, rank, what='started'):
     return Variable(f'{job}/{what}{rank}', client=client)
 
 
-def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
-    """The task body of one rank: start the program under its keeper,
-    relay rank 0's output, stop it when the launch says so; a
-    :class:`~dasktrain.run.driver.RankResult`."""
+def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus,
+             chainermn=False):
+    """The task body of one rank: start the program under its keeper
+    (with ``chainermn``, its ``import chainermn`` dasktrain's: a shim
+    folder of its own on this machine), relay rank 0's output, stop it
+    when the launch says so; a :class:`~dasktrain.run.driver.RankResult`.
+    """
     from distributed import get_worker
     from distributed.comm.addressing import get_address_host, parse_address
     worker = get_worker()
@@ -317,10 +325,13 @@ def run_rank(argv, env, cwd, log_path, rank, job, grace, gpus):
                         f'{get_address_host(worker.address)}'})
     held = GpuPool.acquire(1) if gpus else []
     try:
-        with Stop(job) as stop:
+        with Stop(job) as stop, (chainermn_folder() if chainermn else
+                                 contextlib.nullcontext()) as shim:
+            if shim is not None:
+                env.update(chainermn_environment(shim, env))
             env[VISIBLE] = _machine_gpus(worker, job, rank, int(env[SIZE]),
                                          held, stop) if gpus else ''
-            with open(log_path, 'wb') as log:
+            with open_for_writing(log_path) as log:
                 kept, readers = start_program(
                     argv, env, grace, log, None if rank else
                     functools.partial(_send, worker, job), cwd=cwd)
@@ -364,18 +375,26 @@ def _send(worker, job, name, text):
 
 def _run_here(argv, n, out, timeout, grace, echo, extra):
     """Run the ranks as the driver's children; the exit status. They
-    meet without a scheduler: rank 0 listens on a port chosen here, the
-    others dial it first and learn from it where each listens
-    (``DASKTRAIN_RANK0``), so this process starts no Dask."""
+    meet without a scheduler: rank 0 listens on a port the kernel chose
+    and writes its address to a file in a private folder made here
+    (``DASKTRAIN_RANK0``); the others read it, dial rank 0 first and
+    learn from it where each listens. This process starts no Dask, and
+    no port is named before it is bound (one another user of the
+    machine could take first)."""
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
     environ.update({k: environ.get(k, '1') for k in _BLAS})
-    with throwaway() as tls, Driver(None, job, _relay(echo, {})) as driver:
-        rank0 = f'tls://127.0.0.1:{free_port()}'
-        driver.start_here(argv, [dict(environ, **rank_environment(
-            rank, n, None, job, 'tls://127.0.0.1', tls, timeout,
-            rank0=rank0)) for rank in range(n)],
-            [str(out / f'rank{rank}.log') for rank in range(n)], grace)
+    with throwaway() as tls, private_folder('dasktrain-meet-') as meet, \
+            Driver(None, job, _relay(echo, {})) as driver:
+        rank0 = os.path.join(meet, 'rank0')
+        try:
+            driver.start_here(argv, [dict(environ, **rank_environment(
+                rank, n, None, job, 'tls://127.0.0.1', tls, timeout,
+                rank0=rank0)) for rank in range(n)],
+                [str(out / f'rank{rank}.log') for rank in range(n)], grace)
+        except OSError as e:  # a log it may not write (a planted symlink)
+            raise LaunchError(f'cannot write {e.filename} ({e.strerror}); '
+                              'launch again') from None
         try:
             result = driver.watch()
         finally:
@@ -384,3 +403,12 @@ def _run_here(argv, n, out, timeout, grace, echo, extra):
     return _exit_status(result, echo)
 
 
+@contextlib.contextmanager
+def private_folder(prefix):
+    """A folder only this user may enter (0700, in the system's temporary
+    folder), removed with what it holds on leaving."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

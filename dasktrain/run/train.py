@@ -64,8 +64,11 @@ from dasktrain.parallel.devices import (
     resolve_devices,
 )
 from dasktrain.parallel.gpus import (
+    CLEAR_NCCL_REFUSED,
     GpuPool,
+    clear_nccl_allowed,
     gpu_ids,
+    nccl_between,
     nccl_problem,
     place_devices,
     refuse_shared_gpu,
@@ -347,13 +350,20 @@ def rank_comm(host, devices, progress):
     use it on its ``devices`` (the ranks agree: one collective), else
     ``host`` itself, with a warning on ``progress`` for a GPU rank that
     cannot. In that collective the ranks also compare their own GPUs:
-    GpuError (one line, on every rank) where two would hold one."""
+    GpuError (one line, on every rank) where two would hold one. Ranks on
+    several machines use NCCL, in clear on the network, only where their
+    cluster allows it (:func:`~dasktrain.parallel.gpus.nccl_between`);
+    else they sum over their links, sealed on a TLS cluster."""
     module = _nccl_module()
     nccl = use_nccl(devices, module)
-    facts = host.allgather((nccl, own_gpu(devices, host.machine)))
-    refuse_shared_gpu([gpu for _, gpu in facts])
-    if all(ok for ok, _ in facts):
-        return NcclComm(host, gpu_ids(devices)[0])
+    facts = host.allgather((nccl, own_gpu(devices, host.machine),
+                            (host.machine, clear_nccl_allowed())))
+    refuse_shared_gpu([gpu for _, gpu, _ in facts])
+    if all(ok for ok, _, _ in facts):
+        if nccl_between([where for _, _, where in facts]):
+            return NcclComm(host, gpu_ids(devices)[0])
+        progress.warn(f'warning: {CLEAR_NCCL_REFUSED}')
+        return host
     if gpu_ids(devices) and not nccl:
         progress.warn(nccl_problem(module))
     return host

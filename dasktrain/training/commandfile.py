@@ -15,8 +15,10 @@ The format is ChainerUI 0.11's (its ``CommandItem`` and
   "body"}``. Writers replace the whole file (a temp file renamed).
 
 The file is the user's (ChainerUI's server writes it as them): it is read
-with bounds (:data:`MAX_BYTES`, a regular file only), and what cannot be
-read is said, never raised into the run.
+with bounds (:data:`MAX_BYTES`, :data:`MAX_DEPTH`, a regular file only),
+and what cannot be read is said, never raised into the run. dasktrain's
+writers lock it with a file of the user's alone, waited for a bounded
+time (:func:`writing`).
 
 Owns the files' format; when a command acts is
 :mod:`~dasktrain.training.steering`'s.
@@ -30,12 +32,15 @@ import time
 import uuid
 from pathlib import Path
 
-from dasktrain.files import read_regular, write_json
+from dasktrain.files import nests_within, read_regular, write_json
 
 COMMANDS = 'commands'           # ChainerUI's CommandItem.DEFAULT_FILE_NAME
 STATE = '.chainerui_commands'   # ChainerUI's CommandsState file
 SUCCESS, FAILURE = 'SUCCESS', 'FAILURE'
 MAX_BYTES = 1 << 20   # a commands file larger than this is not read
+MAX_DEPTH = 16        # nor one nested deeper (a command is 5 deep)
+LOCK = '.commands.lock'  # dasktrain's writers' lock (not ChainerUI's)
+LOCK_WAIT = 5.0       # s a writer waits for another's lock, at most
 
 
 class Refused(Exception):
@@ -81,6 +86,9 @@ def read_commands(out):
         return None, f'is larger than {MAX_BYTES // 2 ** 20} MiB'
     if not data.strip():
         return [], None
+    if not nests_within(data, MAX_DEPTH):  # json's RecursionError
+        return None, (f'nests more than {MAX_DEPTH} deep (a list of '
+                      'commands nests 5)')
     try:
         entries = json.loads(data)
     except ValueError as e:
@@ -102,23 +110,37 @@ def signature(out):
 
 
 @contextlib.contextmanager
-def writing(out):
-    """Hold the lock dasktrain's writers of ``OUT/commands`` take (a
-    ``flock`` on the folder itself, no file of its own): ``dasktrain ctl``
-    and the run never lose each other's changes. ChainerUI's server takes
-    none; the run keeps what it did in memory, so a command is never done
-    twice however the file is rewritten. Where the filesystem cannot lock,
-    no lock."""
+def writing(out, wait=LOCK_WAIT):
+    """Hold the lock dasktrain's writers of ``OUT/commands`` take, a
+    ``flock`` on ``OUT/.commands.lock``: ``dasktrain ctl`` and the run
+    never lose each other's changes. The file is the run's user's alone
+    (0600, never opened through a symlink, not used where another user
+    owns it): no one else can open it to hold the lock. Nor can a writer
+    of theirs that hangs hang the others: the lock is waited for
+    ``wait`` seconds at most, then the writer goes on without it.
+    ChainerUI's server takes none; the run keeps what it did in memory,
+    so a command is never done twice however the file is rewritten.
+    Where the lock cannot be had (a filesystem that cannot lock, a
+    folder one may not write), no lock."""
     try:
-        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(Path(out) / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
     except OSError:
         yield
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
+        if os.fstat(fd).st_uid == os.geteuid():
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break  # a writer that hangs: on without it
+                    time.sleep(0.05)
+                except OSError:
+                    break
         yield
     finally:
         os.close(fd)

@@ -7,8 +7,11 @@ new folders under ``runs/`` of a ``dasktrain train`` that names none
 it creates the folder, makes sure it can be written, and takes an
 exclusive lock on it for the whole run: ``fcntl.flock`` on ``OUT/run.lock``
 (which then names the holder's pid and host; the kernel drops the lock when
-the holder exits, however it exits). A second run into the same folder is
-refused with one line instead of mixing its files with the first's. A run
+the holder exits, however it exits; never opened through a symlink). A
+folder someone else could change (:func:`check_own`: another user's, or
+one they may write, or below one) is refused in one line. A second run
+into the same folder is refused with one line instead of mixing its
+files with the first's. A run
 that fails before it has written anything worth keeping removes the folder
 again if it created it: a failed start leaves no empty folder behind.
 :func:`record_args` writes ``OUT/args`` so that a resumed run keeps the
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from dasktrain.errors import UserError, argument
 from dasktrain.files import write_json
+from dasktrain.writers import opening, words
 
 LOCK = 'run.lock'
 
@@ -67,6 +71,7 @@ def claim(out, keep=lambda out: True):
                           f'another {argument("out")}') from None
     lock = None
     try:
+        check_own(out)
         lock = _lock(out)
         yield out
     except BaseException:
@@ -88,7 +93,8 @@ def check_free(out):
     lock now: what :func:`claim` would say, asked before a command says
     anything else. Takes nothing: the lock is tried and let go."""
     try:
-        fd = os.open(Path(out) / LOCK, os.O_RDONLY)
+        fd = os.open(Path(out) / LOCK, os.O_RDONLY | os.O_NOFOLLOW |
+                     os.O_NONBLOCK | os.O_CLOEXEC)  # no symlink, no FIFO
     except OSError:
         return  # no lock file, or none this process may open: claim says
     with open(fd) as lock:
@@ -101,10 +107,26 @@ def check_free(out):
 
 
 def _in_use(out, lock):
-    holder = lock.read().strip() or 'a process that did not say which'
+    holder = lock.read(200).strip() or 'a process that did not say which'
     return OutputError(f'{argument("out")} {out} is in use by another run '
                        f'({holder}); wait for it to end, or choose another '
                        f'{argument("out")}')
+
+
+def check_own(out):
+    """OutputError (one line) where someone other than you and root could
+    change what the folder ``out`` holds: it, or a folder above it, is
+    another user's or writable by them (:func:`dasktrain.writers.
+    opening`). They could plant a file among the run's (a
+    ``sitecustomize.py`` its ranks import, a symlink where a log is
+    written) or swap the folder for theirs."""
+    found = opening(out, {0, os.geteuid()})
+    if found is not None:
+        raise OutputError(
+            f'{argument("out")} {out}: {words(found)}, so another user '
+            'could plant files in it or swap it; choose a folder that only '
+            f'you can write (e.g. mkdir -m 700), or {argument("out")} '
+            'under one')
 
 
 def _lock(out):
@@ -113,8 +135,9 @@ def _lock(out):
     def unwritable(e):
         return OutputError(f'{argument("out")} {out} is not writable '
                            f'({e.strerror}); choose another {argument("out")}')
-    try:
-        lock = open(os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o666), 'r+')
+    try:  # never through a symlink: truncated below
+        lock = open(os.open(out / LOCK, os.O_RDWR | os.O_CREAT |
+                            os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), 'r+')
     except OSError as e:
         raise unwritable(e) from None
     try:

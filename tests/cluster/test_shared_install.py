@@ -104,6 +104,80 @@ def test_a_shared_start_from_a_private_python_is_one_line(tmp_path):
     assert not (tmp_path / 'q').exists()  # nothing started, nothing made
 
 
+def test_a_shared_start_refuses_what_another_user_could_change():
+    """A group-writable folder above the shared place, or a group-writable
+    prefix of the interpreter root runs: eve, in that group, could swap
+    the place or a module every root process of the queue imports
+    (she really can write there); `cluster start --shared` refuses, in
+    one line naming the folder, its owner, group and mode."""
+    if os.geteuid() != 0:
+        pytest.skip('only root starts a shared cluster and creates a '
+                    'second Unix user')
+    if not shutil.which('useradd'):
+        pytest.skip('no useradd here to create a second Unix user')
+    top = Path(tempfile.mkdtemp(prefix='dasktrain-root-only-'))
+    os.chmod(top, 0o755)
+    name = f'dtro{uuid.uuid4().hex[:6]}'
+    places = [top / 'group' / 'q', top / 'q']
+    try:
+        added = subprocess.run(['useradd', '--system', '--no-create-home',
+                                name], capture_output=True, text=True)
+        if added.returncode:
+            pytest.skip(f'cannot create a second Unix user here (useradd: '
+                        f'{added.stderr.strip()})')
+        gid = pwd.getpwnam(name).pw_gid
+        mode = f'drwxrwxr-x, owner root, group {name}) is writable by the ' \
+            f'group {name}'
+        env = dict(os.environ, DASKTRAIN_SHARED_PRIVATE_PYTHON='1')
+
+        def start(python, place):
+            return subprocess.run(
+                [str(python), '-m', 'dasktrain.cli', 'cluster', 'start',
+                 '--shared', '--shared-dir', str(place), '--port', '0',
+                 '--dashboard-port', '0', '--gpus', '0'],
+                capture_output=True, text=True, env=env, timeout=180)
+
+        def group_writable(path):
+            path.mkdir()
+            os.chown(path, 0, gid)
+            os.chmod(path, 0o775)
+            done = subprocess.run(['runuser', '-u', name, '--', 'touch',
+                                   str(path / 'eve-was-here')])
+            assert done.returncode == 0  # she can
+        # The shared place below a folder eve's group may write.
+        group_writable(top / 'group')
+        done = start(sys.executable, places[0])
+        assert done.returncode == 1 and done.stderr.count('\n') == 1, done
+        assert done.stderr.startswith(
+            f'dasktrain cluster: error: the shared place {places[0]} lies '
+            f'where users other than root can change it: {top / "group"} '
+            f'({mode}; a shared cluster runs as root with it'), done.stderr
+        # An interpreter whose prefix eve's group may write.
+        venv = top / 'venv'
+        group_writable(venv)
+        subprocess.run([sys._base_executable, '-m', 'venv', '--without-pip',
+                        str(venv)], check=True, timeout=120)
+        site = next(venv.glob('lib/python*/site-packages'))
+        ours = next(Path(sys.prefix).glob('lib/python*/site-packages'))
+        (site / 'ours.pth').write_text(
+            f'import site; site.addsitedir({str(ours)!r})\n')
+        done = start(venv / 'bin' / 'python', places[1])
+        assert done.returncode == 1 and done.stderr.count('\n') == 1, done
+        assert done.stderr.startswith(
+            f'dasktrain cluster: error: {venv / "bin" / "python"} holds code '
+            'that root runs, and users other than root can change it: '
+            f'{venv} ({mode}; a shared cluster runs'), done.stderr
+        assert not places[1].exists()  # nothing started, nothing made
+    finally:
+        for place in places:
+            if (place / 'private').exists():  # (a start that went ahead)
+                subprocess.run([str(CONSOLE), 'cluster', 'stop', '--shared',
+                                '--shared-dir', str(place)],
+                               capture_output=True, timeout=120)
+        subprocess.run(['userdel', name], capture_output=True)
+        shutil.rmtree(top, ignore_errors=True)
+
+
 @pytest.mark.timeout(1500)
 def test_install_shared_then_a_second_user_trains_through_the_queue():
     if os.geteuid() != 0:

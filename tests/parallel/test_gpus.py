@@ -401,3 +401,36 @@ def test_no_step_synchronises_a_whole_device(options, monkeypatch):
         model.step(*batch(6, step), total=12 if comm else None)
     model.end_epoch()
     assert calls == []
+
+
+def test_nccl_between_machines_only_where_the_cluster_allows_it():
+    # What a gang's GPU ranks decide from their allgather: one machine,
+    # NCCL; several, NCCL only where every rank was told it may (its
+    # sockets are in clear); a shared cluster's gang is told no unless
+    # `cluster start --allow-clear-nccl`, a cluster of your own yes.
+    import doctest
+
+    from dasktrain.cluster import settings
+    from dasktrain.parallel import gpus
+    from dasktrain.parallel.gpus import (
+        CLEAR_NCCL,
+        clear_nccl_allowed,
+        nccl_between,
+    )
+    assert nccl_between([('10.0.0.5', False)] * 2)
+    assert not nccl_between([('10.0.0.5', True), ('10.0.0.6', False)])
+    assert nccl_between([('10.0.0.5', True), ('10.0.0.6', True)])
+    assert clear_nccl_allowed({}) and not clear_nccl_allowed(
+        {CLEAR_NCCL: '0'})
+    shared = settings.environment({}, settings.settings(shared=True))
+    assert not settings.clear_nccl(shared)
+    assert settings.clear_nccl(settings.environment({}, settings.settings(
+        allow_clear_nccl=True, shared=True)))
+    assert settings.clear_nccl({}) and not settings.clear_nccl(
+        {}, shared=True)  # a worker joined by hand to a shared cluster
+    assert any(line.startswith('GPU ranks on several machines: sealed '
+                               'links, not NCCL') for line in
+               settings.rules(shared))
+    for module in (gpus, settings):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, module.__name__

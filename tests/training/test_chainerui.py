@@ -70,7 +70,9 @@ def free_port():
 @contextlib.contextmanager
 def serving(runs, home):
     """`make chainerui RUNS=runs` on a free port, ChainerUI's database in
-    ``home``; yields its API's base URL once it answers. Stopped (its
+    ``home``; yields its API's base URL and a requests session that
+    carries the server's token (printed on its owner's terminal: the
+    gate answers no one without it), once it answers. Stopped (its
     process group) on leaving."""
     port = free_port()
     # ChainerUI keeps its database in ~/.chainerui: a HOME of the test's.
@@ -82,17 +84,32 @@ def serving(runs, home):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)
     try:
+        printed = []  # make's lines, then the address to open
+        threading.Thread(target=lambda: printed.extend(
+            line.decode(errors='replace') for line in server.stdout),
+            daemon=True).start()
+        deadline = time.monotonic() + 120
+        while not any('?token=' in line for line in printed):
+            assert not any('Running on' in line for line in printed), \
+                f'no token printed: {printed}'
+            assert server.poll() is None, ''.join(printed)
+            assert time.monotonic() < deadline, 'ChainerUI did not start'
+            time.sleep(0.1)
+        token = next(line for line in printed if '?token=' in line).split(
+            '?token=')[1].strip()
+        session = requests.Session()
+        session.headers['Authorization'] = f'token {token}'
         api = f'http://127.0.0.1:{port}/api/v1'
         deadline = time.monotonic() + 120
         while True:
             try:
-                requests.get(f'{api}/projects', timeout=5).json()
+                session.get(f'{api}/projects', timeout=5).json()
                 break
             except requests.ConnectionError:
-                assert server.poll() is None, server.stdout.read().decode()
+                assert server.poll() is None, ''.join(printed)
                 assert time.monotonic() < deadline, 'ChainerUI did not start'
                 time.sleep(0.5)
-        yield api
+        yield api, session
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
@@ -104,11 +121,11 @@ def test_make_chainerui_serves_the_log_of_a_run(make_cifar_dir, tmp_path,
         model='tiny', epochs=2, batch_size=25, devices=('@numpy',), lr=0.01,
         data_dir=str(make_cifar_dir(100, 100, 3)), progress=False,
         out=str(tmp_path / 'runs' / 'tiny')))
-    with serving(tmp_path / 'runs', tmp_path / 'home') as api:
-        projects = requests.get(f'{api}/projects', timeout=30).json()
+    with serving(tmp_path / 'runs', tmp_path / 'home') as (api, http):
+        projects = http.get(f'{api}/projects', timeout=30).json()
         project, = projects['projects']
         assert project['pathName'] == str(tmp_path / 'runs')
-        results = requests.get(f"{api}/projects/{project['id']}/results",
+        results = http.get(f"{api}/projects/{project['id']}/results",
                                timeout=30).json()['results']
         result, = results
         assert result['pathName'] == str(tmp_path / 'runs' / 'tiny')
@@ -118,7 +135,7 @@ def test_make_chainerui_serves_the_log_of_a_run(make_cifar_dir, tmp_path,
             r['validation/main/accuracy'] for r in summary['log']]
         assert {a['key']: a['value'] for a in result['args']}['model'] == \
             'tiny'  # OUT/args
-        page = requests.get(api.replace('/api/v1', '/'), timeout=30)
+        page = http.get(api.replace('/api/v1', '/'), timeout=30)
         assert '<title>ChainerUI</title>' in page.text
 
 
@@ -144,11 +161,11 @@ def test_chainerui_steers_a_running_run_through_its_http_api(
     runner.start()
     try:
         assert reached.wait(120)
-        with serving(runs, tmp_path / 'home') as api:
-            project, = requests.get(f'{api}/projects',
+        with serving(runs, tmp_path / 'home') as (api, http):
+            project, = http.get(f'{api}/projects',
                                     timeout=30).json()['projects']
             results = f"{api}/projects/{project['id']}/results"
-            result, = requests.get(results, timeout=30).json()['results']
+            result, = http.get(results, timeout=30).json()['results']
             url = f"{results}/{result['id']}"
             for command in (
                     {'name': 'adjust_hyperparams',
@@ -158,7 +175,7 @@ def test_chainerui_steers_a_running_run_through_its_http_api(
                      'schedule': {'key': 'iteration', 'value': 30}},
                     {'name': 'stop', 'body': None,
                      'schedule': {'key': 'epoch', 'value': 3}}):
-                sent = requests.post(f'{url}/commands', json=command,
+                sent = http.post(f'{url}/commands', json=command,
                                      timeout=30)
                 assert sent.status_code == 200, sent.text
             go.set()
@@ -166,7 +183,7 @@ def test_chainerui_steers_a_running_run_through_its_http_api(
             assert not runner.is_alive()
             deadline = time.monotonic() + 60
             while True:  # ChainerUI crawls a result every 4 s at most
-                result = requests.get(url, timeout=30).json()['result']
+                result = http.get(url, timeout=30).json()['result']
                 if all(c['response'] for c in result['commands']) and \
                         len(result['logs']) == 3:
                     break
@@ -185,7 +202,7 @@ def test_chainerui_steers_a_running_run_through_its_http_api(
             assert [s['name'] for s in result['snapshots']] == \
                 ['snapshot_iter_30']
             # A stopped run takes no more: ChainerUI says so itself.
-            refused = requests.post(f'{url}/commands',
+            refused = http.post(f'{url}/commands',
                                     json={'name': 'take_snapshot'},
                                     timeout=30)
             assert refused.status_code == 400

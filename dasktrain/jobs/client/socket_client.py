@@ -23,6 +23,25 @@ from dasktrain.jobs.wire import (
 TIMEOUT = 60.0  # seconds a shared cluster's socket may take to answer
 
 
+def _connect(s, path, timeout):
+    """Connect ``s`` to the Unix socket ``path``, trying again while its
+    listen backlog is full (``EAGAIN``: someone floods it, or many ask at
+    once), for ``timeout`` seconds at most, a few milliseconds apart with
+    a random spread (the asker who tries again first gets in)."""
+    import random
+    import time
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        try:
+            return s.connect(path)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError from None
+            time.sleep(pause * random.uniform(0.5, 1.5))
+            pause = min(pause * 2, 0.05)
+
+
 class SocketClient:
     """The client of a shared cluster's socket at ``path``; ``record``:
     its public record, if known (addresses, owner, for display)."""
@@ -45,7 +64,7 @@ class SocketClient:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(self.timeout)
-                s.connect(str(self.path))
+                _connect(s, str(self.path), self.timeout)
                 s.sendall(data)
                 s.shutdown(socket.SHUT_WR)
                 chunks, size = [], 0

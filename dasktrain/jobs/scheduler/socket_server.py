@@ -20,7 +20,9 @@ names.
 
 No user can use it up for others: each may hold :data:`PER_USER`
 connections at once (all users :data:`CONNECTIONS`; one over is
-answered with one line and closed at once), and may have at most the
+answered with one line and closed as it is accepted, before anything is
+made for it, from a backlog of :data:`BACKLOG`: a user who opens
+thousands as fast as they can fills neither), and may have at most the
 cluster's ``--max-queued-per-user`` jobs queued or running and
 ``--max-bytes-per-user`` of job files kept
 (:mod:`dasktrain.cluster.settings`); a job's grace may not exceed
@@ -102,6 +104,8 @@ READ_TIMEOUT = 10.0  # seconds a client has to send its request
 WRITE_TIMEOUT = 30.0  # seconds a client has to take its answer
 PER_USER = 16  # connections one user may hold open at once
 CONNECTIONS = 1024  # connections open at once, all users
+BACKLOG = 4096  # connections waiting to be accepted (somaxconn caps it)
+ACCEPTS = 256  # connections taken from the backlog at one look
 ROWS_FRESH = 1.0  # s: the jobs table's rows are built again at most this often
 _CRED = struct.calcsize('3i')
 # What anyone may see of a job's status (the rest: its owner's).
@@ -124,6 +128,7 @@ class SocketServer(SchedulerPlugin):
         self.owners = {0} | ({owner} if owner is not None else set())
         self.gpu_use = gpu_use
         self.scheduler = self.server = None
+        self.serving = set()  # the tasks serving a connection now
         self.open = collections.Counter()  # {uid: connections open}
         self.rows = (-1.0, [], [])  # (when, rows, unreadable): the table
         self.sizes = {}  # {job id: bytes of root's files for it}
@@ -133,18 +138,58 @@ class SocketServer(SchedulerPlugin):
         path = str(self.where.socket)
         if os.path.lexists(path):  # a crashed scheduler's; root's place
             os.unlink(path)
-        self.server = await asyncio.start_unix_server(
-            self.handle, path=path, limit=MAX_REQUEST + 1)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
         os.chmod(path, 0o666)  # every local user may knock
+        listener.listen(BACKLOG)
+        listener.setblocking(False)
+        self.server = listener
+        asyncio.get_running_loop().add_reader(listener.fileno(),
+                                              self.accept)
         logger.info('dasktrain shared queue: %s', path)
 
     async def close(self):
         if self.server is not None:
-            self.server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server.wait_closed(), 5)
+                asyncio.get_running_loop().remove_reader(
+                    self.server.fileno())
+            self.server.close()
+            self.server = None
         with contextlib.suppress(OSError):
             os.unlink(self.where.socket)
+
+    def accept(self):
+        """Take what waits in the listen backlog, up to :data:`ACCEPTS`
+        at a time: a connection over its user's (or everyone's) limit is
+        answered its one line and closed here, before anything is made
+        for it (no stream, no task: a flood of them costs the loop little
+        and leaves the backlog free for others); the others are served
+        (:meth:`handle`)."""
+        for _ in range(ACCEPTS):
+            try:
+                connection, _ = self.server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors: said, later
+                logger.warning('dasktrain shared queue: accept: %s', e)
+                return
+            try:
+                peer = peer_credentials(connection.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED))
+            except Exception:  # no one to answer
+                connection.close()
+                continue
+            crowded = self.crowded(peer)
+            if crowded:  # a line fits the socket's buffer: never blocks
+                with contextlib.suppress(OSError):
+                    connection.setblocking(False)
+                    connection.send(encode({'ok': False, 'error': crowded}))
+                connection.close()
+                continue
+            self.open[peer.uid] += 1
+            task = asyncio.ensure_future(self.handle(connection, peer))
+            self.serving.add(task)  # held until done: never collected
+            task.add_done_callback(self.serving.discard)
 
     def crowded(self, peer):
         """Why ``peer`` may not open one more connection, or None."""
@@ -157,23 +202,13 @@ class SocketServer(SchedulerPlugin):
                     'again in a moment')
         return None
 
-    async def handle(self, reader, writer):
-        """One connection: its request, its answer, closed."""
+    async def handle(self, connection, peer):
+        """One connection of ``peer`` (counted in :attr:`open` by
+        :meth:`accept`): its request, its answer, closed."""
+        writer = None
         try:
-            raw = writer.get_extra_info('socket').getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED)
-            peer = peer_credentials(raw)
-        except Exception:  # no one to answer
-            writer.close()
-            return
-        crowded = self.crowded(peer)
-        if crowded:  # answered at once, never read: costs nothing more
-            with contextlib.suppress(Exception):
-                writer.write(encode({'ok': False, 'error': crowded}))
-            writer.close()
-            return
-        self.open[peer.uid] += 1
-        try:
+            reader, writer = await asyncio.open_unix_connection(
+                sock=connection, limit=MAX_REQUEST + 1)
             try:
                 message = decode(await self.read(reader))
                 reply = dict(await self.serve(peer, message), ok=True)
@@ -192,7 +227,10 @@ class SocketServer(SchedulerPlugin):
             self.open[peer.uid] -= 1
             if self.open[peer.uid] <= 0:
                 del self.open[peer.uid]
-            writer.close()
+            if writer is not None:
+                writer.close()
+            else:
+                connection.close()
 
     @staticmethod
     async def read(reader):

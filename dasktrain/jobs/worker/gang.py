@@ -8,9 +8,11 @@ the ranks of ``dasktrain launch`` do
 own, started for the attempt as the submitter (never root: whoever holds
 its key may run code in it) on the gang's first worker, with a CA and
 certificate made for it alone (each copy written 0600 for the
-submitter, removed when its rank ends), and then talk to each other
-peer to peer. Rank 0 writes the job's ``out/`` and
-``output.log``; rank r > 0 its ``rank{r}.log``.
+submitter, removed when its rank ends), listening on a port of the
+kernel's choosing on that worker's address alone (its web server:
+``/health`` only), and then talk to each other peer to peer. Rank 0
+writes the job's ``out/`` and ``output.log``; rank r > 0 its
+``rank{r}.log``.
 
 The gang's task (:func:`run_gang`, root's, holding nothing) starts one
 task per rank (:func:`gang_rank`, holding the rank's GPUs or CPU slot
@@ -26,12 +28,15 @@ ends, to be requeued.
 import contextlib
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 from dasktrain import containment, keeper
 from dasktrain.cluster.local import worker_info
-from dasktrain.cluster.settings import job_pids
+from dasktrain.cluster.settings import clear_nccl, job_pids
 from dasktrain.cluster.tls import private_copies, throwaway
+from dasktrain.cluster.workers import health_only_env
+from dasktrain.files import loads_bounded, read_regular
 from dasktrain.jobs.ending import PRUNED, STOPPED
 from dasktrain.jobs.job import Job
 from dasktrain.jobs.worker.environment import (
@@ -47,18 +52,20 @@ from dasktrain.jobs.worker.program import (
 )
 from dasktrain.jobs.worker.runas import job_user, last_line, open_output
 from dasktrain.parallel.comm.rendezvous import rank_environment
-from dasktrain.parallel.gpus import GpuPool
+from dasktrain.parallel.gpus import CLEAR_NCCL, GpuPool
 from dasktrain.parallel.placement import rank_resources
 from dasktrain.run.driver import (
     Driver,
+    Failure,
     RankResult,
+    RunResult,
     RunState,
     Stop,
-    free_port,
     go_on,
 )
 
 POLL = 0.2  # s between two looks at a rank's program
+RENDEZVOUS_TIMEOUT = 120.0  # s the ranks' scheduler may take to listen
 ENDS = (0, STOPPED, PRUNED)  # how a rank's program ends well
 
 
@@ -109,6 +116,8 @@ def _end(job, spec, result, grace):
             f'rank {rank}: its worker ({result.lost[0]}) died; `dasktrain '
             f'requeue {job.id}` resumes the job from its last checkpoint'))
     failure = result.failure
+    if failure.rank is None:  # no rank started: the job's own why
+        return spec.end(1, failure=failure.why)
     failed = failure.result
     how = (failed and (failed.why or failed.last)) or failure.why or \
         f'{type(failure.error).__name__}: {failure.error}'
@@ -129,17 +138,20 @@ def _round(job, spec, placed, grace, attempt):
     user = job_user(spec)
     with throwaway(host) as tls, worker_client() as client:
         pems = [Path(p).read_text() for p in tls]
-        port = free_port(host)
         with private_copies(pems, job.folder, user) as theirs, \
-                _rendezvous(job, spec, host, port, theirs, user, attempt,
-                            grace):
-            rendezvous = f'tls://{host}:{port}'
+                _rendezvous(job, spec, host, theirs, user, attempt,
+                            grace) as rendezvous:
+            if isinstance(rendezvous, Failure):  # it never listened
+                return RunResult(RunState.FAILED, failure=rendezvous)
             infos = worker_info(client)
+            # NCCL between machines only where the cluster allows it:
+            # decided here, once, for every rank.
+            clear = clear_nccl(shared=user is not None)
             with Driver(client, name, lambda event: None) as driver:
                 driver.start(gang_rank, [
                     (str(job.folder), rank, len(placed), list(ids),
                      rendezvous, name, pems, grace, spec.collective_timeout,
-                     attempt)
+                     attempt, clear)
                     for rank, (_, ids) in enumerate(placed)],
                     [w for w, _ in placed],
                     [rank_resources(spec.gpus, infos.get(w, {}))
@@ -157,19 +169,31 @@ def _round(job, spec, placed, grace, attempt):
 
 
 @contextlib.contextmanager
-def _rendezvous(job, spec, host, port, tls, user, attempt, grace):
-    """The ranks' scheduler on ``host``:``port`` (TLS with the attempt's
-    ``tls`` files, no dashboard) until the block ends: ``dask scheduler``
-    as the job's submitter under its keeper, never root (whoever holds
-    its key may run code in it: only as themselves), its output in the
-    job's ``rendezvous.log``."""
+def _rendezvous(job, spec, host, tls, user, attempt, grace):
+    """The ranks' scheduler on ``host`` (TLS with the attempt's ``tls``
+    files) until the block ends: ``dask scheduler`` as the job's
+    submitter under its keeper, never root (whoever holds its key may
+    run code in it: only as themselves), its output in the job's
+    ``rendezvous.log``. Yields its address once it listens, on a port
+    the kernel chose as it bound it (:func:`_listening`: no port is
+    chosen before, which another user could bind first), or the
+    :class:`~dasktrain.run.driver.Failure` that says why it did not.
+    Its web server answers ``/health`` alone, on ``host``
+    (:data:`~dasktrain.cluster.workers.HEALTH_ONLY`)."""
+    from distributed.comm.addressing import unparse_host_port
+
     from dasktrain.spawn import python
     env = job_environment(submitted_env(job.folder), [], 1, user)
     env['DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION'] = '1'
+    env.update(health_only_env())
     ca, cert, key = tls
+    # In the attempt's folder of TLS copies: the submitter's, 0700.
+    told = os.path.join(os.path.dirname(ca), 'scheduler.json')
     argv = python('distributed.cli.dask_scheduler', '--host', host,
-                  '--port', str(port), '--protocol', 'tls', '--tls-ca-file',
-                  ca, '--tls-cert', cert, '--tls-key', key, '--no-dashboard')
+                  '--port', '0', '--protocol', 'tls', '--tls-ca-file', ca,
+                  '--tls-cert', cert, '--tls-key', key, '--no-dashboard',
+                  '--dashboard-address', unparse_host_port(host, 0),
+                  '--scheduler-file', told)
     where = containment.jobs_folder()
     contain = contained(job.id, f'{attempt}-rendezvous', spec, where,
                         containment.cluster_mark(), job_pids(),
@@ -178,11 +202,49 @@ def _rendezvous(job, spec, host, port, tls, user, attempt, grace):
         kept = keeper.start(argv, env, grace, stdout=log, user=user,
                             cwd=str(job.folder), contain=contain)
     try:
-        yield
+        try:
+            found = _listening(kept, told, host, user)
+        except RendezvousError as e:
+            found = Failure(None, None, None, time.time(), why=str(e))
+        yield found
     finally:
         if kept.poll() is None:
             kept.stop(grace)
         finish(contain)
+
+
+class RendezvousError(Exception):
+    """The ranks' scheduler did not listen: why, in words."""
+
+
+def _listening(kept, told, host, user, timeout=RENDEZVOUS_TIMEOUT):
+    """The address the ranks' scheduler (``kept``) listens on, from the
+    scheduler file it writes once it does (``told``, in the submitter's
+    folder: read only as a small regular file of theirs, never through a
+    symlink), checked to be on ``host``; RendezvousError where it ended
+    first, or said nothing within ``timeout`` seconds."""
+    from distributed.comm.addressing import get_address_host, parse_address
+    owner = user.uid if user is not None else os.getuid()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            info = loads_bounded(read_regular(told, owner, limit=65536),
+                                 limit=65536, name='its scheduler file')
+            address = info['address']
+            if parse_address(address)[0] == 'tls' and \
+                    get_address_host(address) == host:
+                return address
+            raise RendezvousError(f'its rendezvous said it listens on '
+                                  f'{address!r}, not on {host}')
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not written yet, or half
+        if kept.poll() is not None:
+            raise RendezvousError('its rendezvous ended before it listened '
+                                  '(see rendezvous.log)')
+        if time.monotonic() > deadline:
+            raise RendezvousError(f'its rendezvous did not listen within '
+                                  f'{timeout:g} s (see rendezvous.log)')
+        time.sleep(POLL)
 
 
 def _rank_log(folder, rank, user):
@@ -207,11 +269,13 @@ def _job_log(folder, name, user):
 
 
 def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
-              timeout, attempt):
+              timeout, attempt, clear=False):
     """The task of rank ``rank`` of ``size``: the job's training program
     as its submitter, holding the GPUs ``ids`` of this worker (none: a
     CPU slot), joined to the others through ``rendezvous``; stopped when
-    the driver says (the job's cancel, another rank's failure). A
+    the driver says (the job's cancel, another rank's failure); ``clear``:
+    whether it may sum over NCCL with ranks on other machines (its
+    driver's word, the same for every rank). A
     :class:`~dasktrain.run.driver.RankResult`."""
     from distributed import get_worker
     from distributed.comm.addressing import get_address_host
@@ -237,6 +301,8 @@ def gang_rank(folder, rank, size, ids, rendezvous, name, pems, grace,
             env.update(rank_environment(
                 rank, size, rendezvous, name,
                 f'tls://{get_address_host(worker.address)}', tls, timeout))
+            env[CLEAR_NCCL] = '1' if clear else '0'
+
             log.write(f'=== rank {rank} of {size} on {worker.address}, GPUs '
                       f'{",".join(g.id for g in held) or "none"} ===\n'
                       .encode())

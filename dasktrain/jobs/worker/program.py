@@ -11,6 +11,7 @@ a job across workers) both start.
 import contextlib
 import logging
 import os
+import secrets
 import time
 from pathlib import Path  # noqa: F401  (doctests)
 
@@ -55,12 +56,18 @@ def contained(job_id, attempt, spec, where=None, mark=None, pids=None,
     ...                      'command': ['true'], 'mem': 2 ** 30})
     >>> c = contained('j-1', 2, spec, Path('/cg/worker-7'), mark='c1',
     ...               pids=512, controllers=('memory',))
-    >>> c['cgroup'], c['mark'], c['mem'], c['pids']
-    ('/cg/worker-7/job-j-1-2', 'c1/j-1/2', 1073741824, None)
+    >>> c['cgroup'], c['mark'][:9], c['mem'], c['pids']
+    ('/cg/worker-7/job-j-1-2', 'c1/j-1/2/', 1073741824, None)
+
+    The marker ends in a secret of the attempt's (no one else can read a
+    process's environment): a stranger who puts the job's public id in
+    an environment of theirs marks nothing of the job's, and holds no
+    keeper waiting for their processes to end.
     """
     return {'cgroup': str(where / f'job-{job_id}-{attempt}')
             if where is not None else None,
-            'mark': f'{mark or "dasktrain"}/{job_id}/{attempt}',
+            'mark': f'{mark or "dasktrain"}/{job_id}/{attempt}/'
+                    f'{secrets.token_hex(16)}',
             'mem': spec.mem if 'memory' in controllers else None,
             'pids': pids if 'pids' in controllers else None,
             'rlimits': spec.rlimits}

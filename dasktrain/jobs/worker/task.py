@@ -157,6 +157,8 @@ def _attempt(job, spec, status, program, user, held, worker, placed):
             left = plural(ended.report['left'], 'process', 'processes')
             log.write(f'=== it ended; the {left} it left running were '
                       'killed by SIGKILL after its grace ===\n'.encode())
+        if ended.report.get('outlived'):
+            log.write(outlived_words(ended.report['outlived']).encode())
         oom = ended.report.get('oom')
         if oom:
             oom = plural(oom, 'process', 'processes')
@@ -168,6 +170,18 @@ def _attempt(job, spec, status, program, user, held, worker, placed):
     return _record(job, spec.end(
         ended.code, ended.stopped, job.cancel_reason(), oom=bool(oom),
         last=lambda: last_line(folder, user)))
+
+
+def outlived_words(pids):
+    """The job's log line for what its keeper gave up on: the ``pids``
+    still found (or not ended by SIGKILL) the grace after it.
+
+    >>> print(outlived_words([4242, 4343]), end='')
+    === 2 processes outlived its SIGKILL (pids 4242, 4343): not waited for ===
+    """
+    return (f'=== {plural(len(pids), "process", "processes")} outlived its '
+            f'SIGKILL (pids {", ".join(map(str, pids))}): not waited for '
+            '===\n')
 
 
 def _gang(job, spec, placed, grace, attempt, user):

@@ -151,25 +151,22 @@ class DaskComm(Communicator):
                             publish, lookup, shared_memory, plain, streams)
 
     @classmethod
-    def meet(cls, rank, size, rank0, timeout=300.0, listen_host=None,
+    def meet(cls, rank, size, tell, find, timeout=300.0, listen_host=None,
              security=None, shared_memory=None, plain=None,
              streams=STREAMS):
-        """Meet the other ranks without a scheduler: rank 0 listens at
-        ``rank0`` (``tls://HOST:PORT``, known to every rank), the others
-        dial it first and learn from it where each listens
-        (:func:`~dasktrain.parallel.comm.mesh.connect`'s
-        ``through_rank0``); then as :meth:`rendezvous`. What a launch of
-        ranks on one machine uses: no scheduler to start, import or dial.
-        """
-        from distributed.comm.addressing import parse_host_port
-        _, host_port = rank0.split('://', 1)
-        port = parse_host_port(host_port)[1]
-
-        def lookup(peer, limit):
-            return rank0
+        """Meet the other ranks without a scheduler: rank 0 listens on a
+        port the kernel chooses and calls ``tell(address)``; the others
+        get it from ``find(seconds left)``, dial rank 0 first and learn
+        from it where each listens (:func:`~dasktrain.parallel.comm.mesh.
+        connect`'s ``through_rank0``); then as :meth:`rendezvous`. What a
+        launch of ranks on one machine uses (through a file in a private
+        folder: :func:`~dasktrain.parallel.comm.rendezvous.join`): no
+        scheduler to start, import or dial, and no port named before it
+        is bound, so no other user of the machine can take it first."""
         return mesh.connect(cls, rank, size, timeout, listen_host, security,
-                            None, lookup, shared_memory, plain, streams,
-                            port=port if rank == 0 else 0,
+                            tell if rank == 0 else None,
+                            lambda peer, limit: find(limit),
+                            shared_memory, plain, streams,
                             through_rank0=True)
 
     def split(self, color, key, shared_memory=None):

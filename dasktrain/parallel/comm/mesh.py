@@ -39,9 +39,9 @@ def group(colors, color):
 
 def connect(cls, rank, size, timeout, listen_host, security, publish,
             lookup, shared_memory=None, plain=None, streams=None,
-            port=0, through_rank0=False):
+            through_rank0=False):
     """A ``cls`` (a DaskComm) joining ``size`` ranks as ``rank``: listen
-    on ``listen_host`` (on ``port``; 0: any), ``publish(address)``, dial
+    on ``listen_host`` (a port the kernel chooses), ``publish(address)``, dial
     every lower rank at ``lookup(peer, seconds left)`` and wait for the
     higher ones, all within ``timeout`` seconds (else
     :class:`CollectiveError`). It runs its connections on an event loop
@@ -51,11 +51,11 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
     defaults): shared memory among the ranks of a host, links between
     hosts.
 
-    ``through_rank0``: no place to publish at (no scheduler): rank 0
-    listens on ``port``, known to all (``lookup(0, ...)``); every other
-    rank dials it first, saying where it listens itself, and once all
-    have, rank 0 answers each with every rank's address, which the later
-    dials use (``publish`` and ``lookup`` of the others unused)."""
+    ``through_rank0``: no place for every rank to publish at (no
+    scheduler): rank 0 alone publishes where it listens, the others find
+    it with ``lookup(0, ...)``; every other rank dials it first, saying
+    where it listens itself, and once all have, rank 0 answers each with
+    every rank's address, which the later dials use."""
     from distributed.comm import connect as dial_address
     from distributed.comm import listen
     from distributed.comm.addressing import get_address_host, parse_address
@@ -79,7 +79,7 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
             arrived.set()
 
     async def start():
-        listener = listen(f'{listen_host}:{port}', accept, **listen_args)
+        listener = listen(f'{listen_host}:0', accept, **listen_args)
         await listener.start()
         return listener
 
@@ -91,7 +91,7 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
     self = cls(rank, size, comms, loop, thread, listener, timeout)
     self.joined = (listen_host, security)
     try:
-        if not through_rank0:
+        if not through_rank0 or rank == 0:
             publish(listener.contact_address)
         for peer in range(rank):
             address = heard[peer] if through_rank0 and peer else \

@@ -8,9 +8,10 @@ starts who it is and where its peers are, and joining them from it.
 ``DASKTRAIN_RANK``         this process's rank, 0 to N - 1
 ``DASKTRAIN_SIZE``         N
 ``DASKTRAIN_RENDEZVOUS``   the Dask scheduler the ranks meet through
-``DASKTRAIN_RANK0``        or, without one, where rank 0 listens for
-                           the others' first connection
-                           (``tls://HOST:PORT``): a launch on one
+``DASKTRAIN_RANK0``        or, without one, the file where rank 0
+                           writes where it listens, once it does (in
+                           a folder only the user may change): the
+                           others' first connection, a launch on one
                            machine
 ``DASKTRAIN_JOB``          the name the ranks of this launch meet under
 ``DASKTRAIN_LISTEN``       where this rank listens for its peers
@@ -41,8 +42,11 @@ launcher's.
 """
 import contextlib
 import os
+import re
 import shutil
+import stat
 import tempfile
+import time
 
 from dasktrain.parallel.comm.base import CollectiveError, Solo
 from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY_ENV
@@ -66,8 +70,9 @@ def rank_environment(rank, size, scheduler, job, listen, tls=None,
     """The variables of rank ``rank`` (see the module), as a dict.
 
     ``tls``: ``(ca, cert, key)`` file paths, or None for a TCP cluster.
-    ``rank0``: where rank 0 listens (``tls://HOST:PORT``) where the
-    ranks meet without a scheduler (``scheduler`` None).
+    ``rank0``: the file where rank 0 writes where it listens
+    (:func:`write_rank0_address`) where the ranks meet without a
+    scheduler (``scheduler`` None).
 
     Examples
     --------
@@ -82,6 +87,75 @@ def rank_environment(rank, size, scheduler, job, listen, tls=None,
     if tls is not None:
         env.update(zip((TLS_CA, TLS_CERT, TLS_KEY), map(str, tls)))
     return env
+
+
+# Rank 0's address, where the ranks meet without a scheduler: written by
+# rank 0 once it listens, read by the others. A port chosen before it is
+# bound (and told to the ranks on their command lines or environment)
+# is one another user of the machine could bind first; this one is the
+# kernel's choice, told through a file in the launch's private folder.
+_ADDRESS = re.compile(r'(tls|tcp)://[0-9A-Za-z.:\[\]-]{1,253}:[0-9]{1,5}')
+
+
+def write_rank0_address(path, address):
+    """Write ``address`` (``tls://HOST:PORT``) to the file ``path``,
+    whole or not at all (a rename), 0600."""
+    folder, name = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(prefix=f'.{name}.', dir=folder or '.')
+    try:
+        with os.fdopen(fd, 'w') as f:
+            f.write(address)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def read_rank0_address(path, timeout, size=None):
+    """The address rank 0 wrote to ``path`` (see
+    :func:`write_rank0_address`), waited for up to ``timeout`` seconds
+    (:class:`CollectiveError` after). Read only from a regular file of
+    this user's, never through a symlink, at most 300 bytes, and only an
+    address (``tls://HOST:PORT`` or ``tcp://...``): a file put there by
+    someone else is refused, not dialled.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), 'rank0')
+    >>> write_rank0_address(path, 'tls://127.0.0.1:40123')
+    >>> read_rank0_address(path, 1)
+    'tls://127.0.0.1:40123'
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise CollectiveError(
+                    f'rank 0{"" if size is None else f" of {size}"} did '
+                    f'not start within {timeout:g} s '
+                    '(collective_timeout)') from None
+            time.sleep(0.02)
+            continue
+        except OSError as e:
+            raise _refused(path, e.strerror) from None
+        with os.fdopen(fd, 'rb') as f:
+            found = os.fstat(f.fileno())
+            if not stat.S_ISREG(found.st_mode) or \
+                    found.st_uid != os.geteuid():
+                raise _refused(path, 'not a regular file of this user\'s')
+            text = f.read(300).decode('ascii', 'replace')
+        if not _ADDRESS.fullmatch(text):
+            raise _refused(path, f'it holds {text[:60]!r}, not an address')
+        return text
+
+
+def _refused(path, why):
+    return CollectiveError(f"rank 0's address file {path} is refused "
+                           f'({why}): launch again')
 
 
 # ``import chainermn`` on a launched rank: dasktrain.chainermn (see
@@ -161,17 +235,21 @@ rc = _Config()
 
 
 @contextlib.contextmanager
-def chainermn_folder(out):
-    """A folder in ``out`` (the launch's output folder, which every rank
-    reaches) holding :data:`CHAINERMN_SHIM` as ``chainermn`` and
-    :data:`MPI4PY_SHIM` as ``mpi4py``; removed on leaving.
+def chainermn_folder(where=None):
+    """A private folder (0700, this user's) holding :data:`CHAINERMN_SHIM`
+    as ``chainermn`` and :data:`MPI4PY_SHIM` as ``mpi4py``, made in
+    ``where`` (default the system's temporary folder, on the machine of
+    the ranks that use it); removed on leaving. Never in a run's output
+    folder: a folder first on a rank's ``PYTHONPATH`` is code the rank
+    runs, and one another user could swap would run theirs (a
+    ``sitecustomize.py``) as the rank's user.
 
     Examples
     --------
-    >>> with chainermn_folder('.') as folder:  # doctest: +SKIP
+    >>> with chainermn_folder() as folder:  # doctest: +SKIP
     ...     env = chainermn_environment(folder, os.environ)
     """
-    folder = tempfile.mkdtemp(prefix='.chainermn-', dir=out)
+    folder = tempfile.mkdtemp(prefix='dasktrain-chainermn-', dir=where)
     try:
         with open(os.path.join(folder, CHAINERMN_MARK), 'w'):
             pass
@@ -242,7 +320,14 @@ def join(environ=None):
     timeout = float(env.get(TIMEOUT) or 300.0)
     shared_memory = env.get(SHARED_MEMORY, '1') != '0'
     if env.get(RANK0):  # no scheduler: rank 0 tells the others
-        return DaskComm.meet(rank, size, env[RANK0], timeout,
+        rank0 = env[RANK0]
+
+        def tell(address):
+            write_rank0_address(rank0, address)
+
+        def find(limit):
+            return read_rank0_address(rank0, limit, size)
+        return DaskComm.meet(rank, size, tell, find, timeout,
                              listen_host=env[LISTEN], security=security,
                              shared_memory=shared_memory)
     from distributed import Client
