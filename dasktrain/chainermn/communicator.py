@@ -131,7 +131,14 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
         a message sent by ``send_obj`` is received by ``mpi_comm.recv``).
     gpu_direct : bool
         Whether GPU arrays sent to a rank travel over NCCL (every rank
-        has NCCL), rather than through host memory.
+        has NCCL, and the network allows it: ``nccl_network``), rather
+        than through host memory.
+    nccl_network : bool
+        Whether NCCL may join these ranks as far as the network goes: all
+        on one machine, or every rank's cluster allows NCCL in clear
+        between machines (:func:`~dasktrain.parallel.gpus.nccl_between`;
+        a shared cluster does unless ``cluster start --allow-clear-nccl``
+        said so); else GPU arrays travel over the ranks' sealed links.
     """
 
     def __init__(self, mpi_comm, name='pure_nccl'):
@@ -151,10 +158,14 @@ class DaskCommunicator(ArrayCalls, ModelCalls, CommunicatorBase):
         # intra_rank: the rank's place among its machine's ranks, by the
         # machine the communicator knows it on (its listening host, which
         # clones of one image do not share, unlike their hostname).
+        from dasktrain.parallel.gpus import clear_nccl_allowed, nccl_between
         facts = mpi_comm.allgather((mpi_comm.machine, self.size > 1 and
-                                    gpu_direct_possible()))
-        self._ranks = machine_place([m for m, _ in facts], self.rank)
-        self.gpu_direct = all(ok for _, ok in facts) and self.size > 1
+                                    gpu_direct_possible(),
+                                    clear_nccl_allowed()))
+        self._ranks = machine_place([m for m, _, _ in facts], self.rank)
+        self.nccl_network = nccl_between([(m, a) for m, _, a in facts])
+        self.gpu_direct = all(ok for _, ok, _ in facts) and \
+            self.size > 1 and self.nccl_network
         self.allreduce_grad_dtype = None  # set_config's
         self.batched_copy = True
         self._nccl = None  # NcclComm, or False: decided at the first GPU sum

@@ -294,12 +294,17 @@ class ModelCalls:
         if self.size == 1 or not any(on_gpu(a) for a in arrays):
             return self.comm
         if self._nccl is None:
-            from dasktrain.parallel.gpus import nccl_problem
+            from dasktrain.parallel.gpus import (
+                CLEAR_NCCL_REFUSED,
+                nccl_problem,
+            )
             try:
                 from cupy.cuda import nccl
                 problem = nccl_problem(nccl)
             except Exception as e:  # a broken CuPy: the host path serves
                 problem = f'cupy.cuda.nccl cannot be imported ({e})'
+            if not self.nccl_network:  # agreed by every rank at creation
+                problem = CLEAR_NCCL_REFUSED
             if all(self.comm.allgather(problem is None)):
                 from dasktrain.parallel.comm.nccl import NcclComm
                 gpu = next(a for a in arrays if on_gpu(a))

@@ -154,6 +154,9 @@ comm = chainermn.create_communicator(sys.argv[1])
 r, n = comm.rank, comm.size
 assert (comm.intra_rank, comm.intra_size) == (r, n)
 assert (comm.inter_rank, comm.inter_size) == (0, 1)
+# one machine: NCCL would not cross the network, whether or not the
+# cluster allows it in clear between machines (DASKTRAIN_CLEAR_NCCL=0)
+assert comm.nccl_network and os.environ['DASKTRAIN_CLEAR_NCCL'] == '0'
 assert comm.bcast_obj({'from': r}, root=1) == {'from': 1}
 assert comm.gather_obj(r * 10) == ([0, 10] if r == 0 else None)
 assert comm.gather_obj(r, root=1) == ([0, 1] if r == 1 else None)
@@ -204,6 +207,7 @@ def test_the_communicator_between_two_ranks(tmp_path, monkeypatch, shared):
     script = tmp_path / 'api.py'
     script.write_text(API)
     monkeypatch.setenv('DASKTRAIN_SHARED_MEMORY', shared)
+    monkeypatch.setenv('DASKTRAIN_CLEAR_NCCL', '0')
     code, out, err = launch(tmp_path, 2, [script, 'hierarchical'])
     assert code == 0, err
     assert ('on shared memory' if shared == '1' else
