@@ -55,16 +55,9 @@ import threading
 import time
 
 from dasktrain.as_user import become, cannot_start, popen_options
-from dasktrain.containment import (
-    MARK_ENV,
-    PAUSE,
-    SCANS,
-    Cgroup,
-    job_processes,
-    own_folder,
-    signal_job,
-)
+from dasktrain.containment import Cgroup, own_folder
 from dasktrain.spawn import die_with_parent
+from dasktrain.sweep import MARK_ENV, PAUSE, SCANS, job_processes, signal_job
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 CANNOT_START = 127

@@ -22,15 +22,13 @@ from dasktrain.containment import (
     Containment,
     end_all,
     folder_of,
-    job_processes,
-    marked,
     mount_of,
     own_folder,
     path_of,
     prepare,
-    process_table,
 )
 from dasktrain.keeper import ending_words
+from dasktrain.sweep import job_processes, marked, process_table
 
 # A program that starts a looper: a process in a session of its own that
 # forks and exits without a pause, ignoring SIGTERM; the program then

@@ -16,7 +16,7 @@ PACKAGE = ROOT / 'dasktrain'
 LAYERS = [
     {'errors', 'files', 'config', '_compat', '_lazy', 'keeper', 'as_user',
      'shared_install', 'spawn', 'userspec', 'notify', 'containment',
-     'numerics', 'writers'},
+     'numerics', 'writers', 'sweep'},
     {'data'},
     {'kernels'},
     {'parallel'},

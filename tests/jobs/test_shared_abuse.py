@@ -38,7 +38,7 @@ from test_cluster import wait_until
 from test_notify import Hook
 from test_shared import CONSOLE, started_lab
 
-from dasktrain.containment import marked
+from dasktrain.sweep import marked
 
 pytestmark = pytest.mark.timeout(600)
 

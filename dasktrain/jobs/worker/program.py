@@ -16,6 +16,7 @@ import time
 from pathlib import Path  # noqa: F401  (doctests)
 
 from dasktrain import containment
+from dasktrain.sweep import sweep
 
 logger = logging.getLogger(__name__)
 ANNOUNCE = 2.0  # s between two announcements of a job's epochs, at least
@@ -85,7 +86,7 @@ def finish(contain):
         except OSError as e:
             logger.warning('dasktrain job: %s', e)
         return left
-    return containment.sweep(contain.get('mark'))
+    return sweep(contain.get('mark'))
 
 
 class EpochAnnouncer:
