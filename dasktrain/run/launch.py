@@ -384,7 +384,8 @@ def _run_here(argv, n, out, timeout, grace, echo, extra):
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
     environ.update({k: environ.get(k, '1') for k in _BLAS})
-    with throwaway() as tls, private_folder('dasktrain-meet-') as meet, \
+    with throwaway() as tls, tempfile.TemporaryDirectory(  # 0700
+            prefix='dasktrain-meet-', ignore_cleanup_errors=True) as meet, \
             Driver(None, job, _relay(echo, {})) as driver:
         rank0 = os.path.join(meet, 'rank0')
         try:
@@ -401,14 +402,3 @@ def _run_here(argv, n, out, timeout, grace, echo, extra):
             driver.stop(grace)
             driver.relay_events()
     return _exit_status(result, echo)
-
-
-@contextlib.contextmanager
-def private_folder(prefix):
-    """A folder only this user may enter (0700, in the system's temporary
-    folder), removed with what it holds on leaving."""
-    folder = tempfile.mkdtemp(prefix=prefix)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)

@@ -44,10 +44,10 @@ import contextlib
 import os
 import re
 import shutil
-import stat
 import tempfile
 import time
 
+from dasktrain.files import atomic_write, read_regular
 from dasktrain.parallel.comm.base import CollectiveError, Solo
 from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY_ENV
 
@@ -100,24 +100,17 @@ _ADDRESS = re.compile(r'(tls|tcp)://[0-9A-Za-z.:\[\]-]{1,253}:[0-9]{1,5}')
 def write_rank0_address(path, address):
     """Write ``address`` (``tls://HOST:PORT``) to the file ``path``,
     whole or not at all (a rename), 0600."""
-    folder, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{name}.', dir=folder or '.')
-    try:
-        with os.fdopen(fd, 'w') as f:
-            f.write(address)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(address.encode()), mode=0o600)
 
 
 def read_rank0_address(path, timeout, size=None):
     """The address rank 0 wrote to ``path`` (see
     :func:`write_rank0_address`), waited for up to ``timeout`` seconds
     (:class:`CollectiveError` after). Read only from a regular file of
-    this user's, never through a symlink, at most 300 bytes, and only an
-    address (``tls://HOST:PORT`` or ``tcp://...``): a file put there by
-    someone else is refused, not dialled.
+    this user's, never through a symlink (:func:`~dasktrain.files.
+    read_regular`), at most 300 bytes, and only an address
+    (``tls://HOST:PORT`` or ``tcp://...``): a file put there by someone
+    else is refused, not dialled.
 
     Examples
     --------
@@ -130,8 +123,8 @@ def read_rank0_address(path, timeout, size=None):
     deadline = time.monotonic() + timeout
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC)
+            data = read_regular(path, owner=os.geteuid(), limit=300)
+            break
         except FileNotFoundError:
             if time.monotonic() > deadline:
                 raise CollectiveError(
@@ -139,18 +132,12 @@ def read_rank0_address(path, timeout, size=None):
                     f'not start within {timeout:g} s '
                     '(collective_timeout)') from None
             time.sleep(0.02)
-            continue
         except OSError as e:
             raise _refused(path, e.strerror) from None
-        with os.fdopen(fd, 'rb') as f:
-            found = os.fstat(f.fileno())
-            if not stat.S_ISREG(found.st_mode) or \
-                    found.st_uid != os.geteuid():
-                raise _refused(path, 'not a regular file of this user\'s')
-            text = f.read(300).decode('ascii', 'replace')
-        if not _ADDRESS.fullmatch(text):
-            raise _refused(path, f'it holds {text[:60]!r}, not an address')
-        return text
+    text = data.decode('ascii', 'replace')
+    if not _ADDRESS.fullmatch(text):
+        raise _refused(path, f'it holds {text[:60]!r}, not an address')
+    return text
 
 
 def _refused(path, why):
