@@ -86,6 +86,77 @@ sys.exit(dasktrain.cli.main(sys.argv[2:]))
 """
 
 
+# ------------------------------------ another user, in a child
+
+def become(lab, who):
+    """This process becomes ``who`` (a lab user, or any user's name)."""
+    entry = pwd.getpwnam(lab.names.get(who, who))
+    os.setgroups([])
+    os.setgid(entry.pw_gid)
+    os.setuid(entry.pw_uid)
+
+
+def as_user(lab, who, function, *args):
+    """``function(*args)`` in a child of this process that became
+    ``who``; what it returned (JSON)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read)
+            become(lab, who)
+            os.write(write, json.dumps(function(*args)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    try:
+        with os.fdopen(read) as f:
+            text = f.read()
+    finally:
+        os.waitpid(pid, 0)
+    return json.loads(text)
+
+
+@contextlib.contextmanager
+def running_as(lab, who, function, *args):
+    """``function(report, *args)`` in a child of this process that became
+    ``who``, in a session of its own, until the block ends (then its
+    whole session is killed); ``report(obj)`` sends a JSON line back.
+    Yields a callable: the lines reported so far."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.setsid()
+            become(lab, who)
+            out = os.fdopen(write, 'w', buffering=1)
+            function(lambda obj: print(json.dumps(obj), file=out), *args)
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.set_blocking(read, False)
+    lines, buffer = [], [b'']
+
+    def reported():
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(read, 65536):
+                buffer[0] += chunk
+        *done, buffer[0] = buffer[0].split(b'\n')
+        lines.extend(json.loads(line) for line in done if line)
+        return lines
+    try:
+        yield reported
+    finally:
+        for kill in (os.killpg, os.kill):  # (before its setsid: itself)
+            with contextlib.suppress(ProcessLookupError):
+                kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read)
+
+
 # ----------------------------------------------------------- the rules
 
 def test_who_may_act_on_a_job_and_the_line_everyone_else_gets():

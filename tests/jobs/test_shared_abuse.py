@@ -36,7 +36,7 @@ import psutil
 import pytest
 from test_cluster import wait_until
 from test_notify import Hook
-from test_shared import CONSOLE, started_lab
+from test_shared import CONSOLE, as_user, started_lab
 
 from dasktrain.sweep import marked
 
@@ -58,43 +58,27 @@ def lab():
 
 # ------------------------------------------------------------- helpers
 
+def _ask(path, requests, timeout):
+    answers = []
+    for request in requests:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(timeout)
+            s.connect(path)
+            s.sendall(request if isinstance(request, bytes) else
+                      json.dumps(request).encode() + b'\n')
+            s.shutdown(socket.SHUT_WR)
+            data = b''
+            while chunk := s.recv(1 << 16):
+                data += chunk
+        answers.append(json.loads(data) if data else None)
+    return answers
+
+
 def raw(lab, who, *requests, timeout=60):
     """Each request (a dict, or bytes sent as they are) on a connection
-    of its own to the front door, as ``who`` (a child of this process
+    of its own to the queue's socket, as ``who`` (a child of this process
     that became them); the answers, decoded (None: none)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the user's client
-        code = 1
-        try:
-            os.close(read)
-            entry = pwd.getpwnam(lab.names.get(who, who))
-            os.setgroups([])
-            os.setgid(entry.pw_gid)
-            os.setuid(entry.pw_uid)
-            answers = []
-            for request in requests:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.settimeout(timeout)
-                    s.connect(str(lab.where.socket))
-                    s.sendall(request if isinstance(request, bytes) else
-                              json.dumps(request).encode() + b'\n')
-                    s.shutdown(socket.SHUT_WR)
-                    data = b''
-                    while chunk := s.recv(1 << 16):
-                        data += chunk
-                answers.append(json.loads(data) if data else None)
-            os.write(write, json.dumps(answers).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    try:
-        with os.fdopen(read) as f:
-            text = f.read()
-    finally:
-        os.waitpid(pid, 0)
-    return json.loads(text)
+    return as_user(lab, who, _ask, str(lab.where.socket), requests, timeout)
 
 
 def program(command, **request):

@@ -23,11 +23,7 @@ now holds:
 The others (2, 3, 6, and 4's ``launch``) are a user's own runs: in
 ``tests/run/test_strangers.py``; 7 (the shared install) in
 ``tests/cluster/test_shared_install.py``."""
-import contextlib
-import json
 import os
-import pwd
-import signal
 import socket
 import subprocess
 import time
@@ -36,7 +32,13 @@ import urllib.request
 import psutil
 import pytest
 from test_cluster import wait_until
-from test_shared import python_runs_as, second_worker, started_lab
+from test_shared import (
+    as_user,
+    python_runs_as,
+    running_as,
+    second_worker,
+    started_lab,
+)
 
 from dasktrain.jobs.client.socket_client import SocketClient
 
@@ -52,74 +54,6 @@ def lab():
 
 
 # ------------------------------------------------------------- helpers
-
-def _become(lab, who):
-    entry = pwd.getpwnam(lab.names[who])
-    os.setgroups([])
-    os.setgid(entry.pw_gid)
-    os.setuid(entry.pw_uid)
-
-
-def as_user(lab, who, function, *args):
-    """``function(*args)`` in a child of this process that became
-    ``who``; what it returned (JSON)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read)
-            _become(lab, who)
-            os.write(write, json.dumps(function(*args)).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    try:
-        with os.fdopen(read) as f:
-            text = f.read()
-    finally:
-        os.waitpid(pid, 0)
-    return json.loads(text)
-
-
-@contextlib.contextmanager
-def running_as(lab, who, function, *args):
-    """``function(report, *args)`` in a child of this process that became
-    ``who``, in a session of its own, until the block ends (then its
-    whole session is killed); ``report(obj)`` sends a JSON line back.
-    Yields a callable: the lines reported so far."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(read)
-            os.setsid()
-            _become(lab, who)
-            out = os.fdopen(write, 'w', buffering=1)
-            function(lambda obj: print(json.dumps(obj), file=out), *args)
-        finally:
-            os._exit(0)
-    os.close(write)
-    os.set_blocking(read, False)
-    lines, buffer = [], [b'']
-
-    def reported():
-        with contextlib.suppress(BlockingIOError):
-            while chunk := os.read(read, 65536):
-                buffer[0] += chunk
-        *done, buffer[0] = buffer[0].split(b'\n')
-        lines.extend(json.loads(line) for line in done if line)
-        return lines
-    try:
-        yield reported
-    finally:
-        for kill in (os.killpg, os.kill):  # (before its setsid: itself)
-            with contextlib.suppress(ProcessLookupError):
-                kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(read)
-
 
 def get(url):
     """(status, body) of a GET, as whoever calls it."""

@@ -28,8 +28,8 @@ import pytest
 from children import child
 from test_chainerui import chainerui_env, serving  # noqa: F401 (fixture)
 from test_cluster import wait_until
-from test_shared import Lab
-from test_shared_doors import as_user, listening, probe, running_as
+from test_shared import Lab, as_user, running_as
+from test_shared_doors import listening, probe
 
 from dasktrain.cli import main
 
