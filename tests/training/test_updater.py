@@ -114,11 +114,10 @@ def test_evaluator_and_report_see_the_master(tmp_path):
     assert_same(params(updater.model.replicas[1]), params(model))
 
 
-@pytest.mark.parametrize('mode', ['dg', 'ipm'])
-def test_snapshot_and_resume_continue_the_run(tmp_path, float64, mode):
-    def updater(it, opt):
-        return DistributedUpdater(it, opt, devices='cpu:2', mode=mode,
-                                  mix_every=3 if mode == 'ipm' else None)
+def whole_and_resumed(updater, tmp_path):
+    """Three epochs in one run, and one epoch, a snapshot, and a fresh
+    trainer resumed from it to the third: (the whole run's trainer, its
+    model, the resumed run's model)."""
     whole, model_whole = trainer(updater, tmp_path / 'whole', epochs=3)
     whole.run()
     first, _ = trainer(updater, tmp_path / 'cut', epochs=1, extend=[
@@ -127,6 +126,15 @@ def test_snapshot_and_resume_continue_the_run(tmp_path, float64, mode):
     again, model_again = trainer(updater, tmp_path / 'cut2', epochs=3)
     chainer.serializers.load_npz(str(tmp_path / 'cut' / 'snap'), again)
     again.run()
+    return whole, model_whole, model_again
+
+
+@pytest.mark.parametrize('mode', ['dg', 'ipm'])
+def test_snapshot_and_resume_continue_the_run(tmp_path, float64, mode):
+    def updater(it, opt):
+        return DistributedUpdater(it, opt, devices='cpu:2', mode=mode,
+                                  mix_every=3 if mode == 'ipm' else None)
+    _, model_whole, model_again = whole_and_resumed(updater, tmp_path)
     assert_same(params(model_whole), params(model_again))
 
 
@@ -144,14 +152,8 @@ def test_a_mixed16_script_scales_its_loss_and_resumes_bit_for_bit(
                                   mix_every=3 if mode == 'ipm' else None)
 
     with chainer.using_config('dtype', chainer.mixed16):
-        whole, model_whole = trainer(updater, tmp_path / 'whole', epochs=3)
-        whole.run()
-        first, _ = trainer(updater, tmp_path / 'cut', epochs=1, extend=[
-            extensions.snapshot(filename='snap')])
-        first.run()
-        again, model_again = trainer(updater, tmp_path / 'cut2', epochs=3)
-        chainer.serializers.load_npz(str(tmp_path / 'cut' / 'snap'), again)
-        again.run()
+        whole, model_whole, model_again = whole_and_resumed(updater,
+                                                            tmp_path)
     optimizers = whole.updater.model.optimizers
     assert all(o._loss_scale == 2.0 ** 12 for o in optimizers)
     assert model_whole.predictor.l1.W.dtype == np.float16
