@@ -109,6 +109,15 @@ def test_workers_give_the_results_of_one_process_with_as_many_replicas(
                                        atol=1e-12, err_msg=key)
 
 
+def launched_train(ranks, data_dir, out, *args):
+    """``dasktrain launch -n 2 -- dasktrain train --model tiny ARGS`` (its
+    ranks' logs in ``ranks``, the run's in ``out``); the exit status."""
+    return main(['launch', '-n', '2', '--out', str(ranks), '--',
+                 str(CONSOLE), 'train', '--model', 'tiny', *args,
+                 '--data-dir', str(data_dir), '--out', str(out),
+                 '--no-progress'])
+
+
 @pytest.mark.equivalence
 @pytest.mark.processes
 @pytest.mark.parametrize('mode', ['dg', 'ipm'])
@@ -123,12 +132,10 @@ def test_train_under_launch_gives_the_results_of_one_process(
     one = train(common.replace(out=str(tmp_path / 'one'),
                                devices=('@numpy',) * 2, in_process=True))
     two = tmp_path / 'two'
-    assert main(['launch', '-n', '2', '--out', str(tmp_path / 'ranks'), '--',
-                 str(CONSOLE), 'train', '--model', 'tiny', '--mode', mode,
-                 '--epochs', '2', '--batch-size', '4', '--lr', '0.01',
-                 '--train-size', '40', '--test-size', '16', '--data-dir',
-                 str(data_dir), '--out', str(two), '--no-progress',
-                 *(['--mix-every', '3'] if extra else [])]) == 0
+    assert launched_train(
+        tmp_path / 'ranks', data_dir, two, '--mode', mode, '--epochs', '2',
+        '--batch-size', '4', '--lr', '0.01', '--train-size', '40',
+        '--test-size', '16', *(['--mix-every', '3'] if extra else [])) == 0
     assert_same_logs(one['log'], log(two))
     for key, value in npz(tmp_path / 'one' / 'model_final.npz').items():
         np.testing.assert_allclose(npz(two / 'model_final.npz')[key], value,
@@ -141,20 +148,15 @@ def test_train_under_launch_gives_the_results_of_one_process(
     assert 'done:' not in (tmp_path / 'ranks' / 'rank1.log').read_text()
     # Again without --resume: rank 0's refusal is the one told, not its
     # peer's lost connection (which may end first).
-    assert main(['launch', '-n', '2', '--out', str(tmp_path / 'again'), '--',
-                 str(CONSOLE), 'train', '--model', 'tiny', '--data-dir',
-                 str(data_dir), '--out', str(two), '--no-progress']) == 1
+    assert launched_train(tmp_path / 'again', data_dir, two) == 1
     err = capfd.readouterr().err
     assert 'rank 0 failed (exit 1)' in err and '--resume' in err, err
 
 
 def test_train_under_launch_refuses_workers_in_one_line(data_dir, tmp_path,
                                                          capfd):
-    code = main(['launch', '-n', '2', '--out', str(tmp_path / 'ranks'), '--',
-                 str(CONSOLE), 'train', '--model', 'tiny', '--workers', '2',
-                 '--data-dir', str(data_dir), '--out', str(tmp_path / 'x'),
-                 '--no-progress'])
-    assert code == 1
+    assert launched_train(tmp_path / 'ranks', data_dir, tmp_path / 'x',
+                          '--workers', '2') == 1
     err = capfd.readouterr().err
     assert 'already a rank of dasktrain launch; leave --workers out' in err
     assert 'Traceback' not in err and not (tmp_path / 'x').exists()
@@ -166,11 +168,8 @@ def test_train_under_launch_refuses_two_ranks_on_one_gpu(data_dir, tmp_path,
     # name GPU 0 of this machine. They compare their GPUs through the
     # rendezvous and refuse in one line before anything starts (here
     # without CUDA: the refusal asks nothing of a GPU).
-    code = main(['launch', '-n', '2', '--out', str(tmp_path / 'ranks'), '--',
-                 str(CONSOLE), 'train', '--model', 'tiny', '--devices', '0',
-                 '--data-dir', str(data_dir), '--out', str(tmp_path / 'x'),
-                 '--no-progress'])
-    assert code == 1
+    assert launched_train(tmp_path / 'ranks', data_dir, tmp_path / 'x',
+                          '--devices', '0') == 1
     err = capfd.readouterr().err
     assert 'ranks 0 and 1 would both train on GPU 0 of 127.0.0.1, which ' \
         'NCCL does not support (it may hang)' in err, err
