@@ -168,8 +168,15 @@ def unpack_mean(packed, size):
     """Each summed wire of :func:`pack_all` made the mean (``* 1 /
     size``, as ChainerMN scales, in the wire's dtype) and written back
     into its arrays."""
-    for members, flat, wire in packed:
+    for _, _, wire in packed:
         scale(wire, 1.0 / size)
+    unpack(packed)
+
+
+def unpack(packed):
+    """Each wire of :func:`pack_all` (a mean already) written back into
+    its arrays."""
+    for members, flat, wire in packed:
         back(flat, wire)
         spread(flat, members)
 
@@ -325,8 +332,10 @@ class ModelCalls:
             return
         packed = pack_all(arrays, dtype)
         wires = [wire for _, _, wire in packed]
-        self._summing(wires).allreduce(wires)
-        unpack_mean(packed, self.size)
+        # the mean as ChainerMN takes it (the sum, then * 1 / size in the
+        # wire's dtype), through shared memory in the same pass
+        self._summing(wires).allreduce(wires, scale=1.0 / self.size)
+        unpack(packed)
 
 
 def _by_dtype(arrays):

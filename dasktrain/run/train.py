@@ -289,9 +289,9 @@ class Stoppable(Communicator):
         if self.stop.is_set():
             raise RankCancelled(f'{self.stop.key} was cancelled')
 
-    def allreduce(self, arrays, check=False):
+    def allreduce(self, arrays, check=False, scale=None):
         self._check()
-        return self.comm.allreduce(arrays, check)
+        return self.comm.allreduce(arrays, check, scale)
 
     def iallreduce(self, arrays, check=False, around=None):
         self._check()

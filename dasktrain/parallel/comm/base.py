@@ -93,10 +93,13 @@ class Communicator(abc.ABC):
         self.rank, self.size, self.timeout = rank, size, timeout
 
     @abc.abstractmethod
-    def allreduce(self, arrays, check=False):
+    def allreduce(self, arrays, check=False, scale=None):
         """Sum ``arrays`` over the ranks, in place, and return them. With
         ``check``, ranks whose arrays differ in dtype or size raise
-        :class:`CollectiveError` instead of summing the wrong elements."""
+        :class:`CollectiveError` instead of summing the wrong elements.
+        ``scale`` (a float, the same on every rank): the sums times it
+        land in the arrays, as ``a *= scale`` after the sum would leave
+        them (a mean, where the communicator can, in the same pass)."""
 
     def allreduce_queued(self, arrays):
         """:meth:`allreduce`, allowed to return before the sums are done
@@ -211,7 +214,8 @@ class Solo(Communicator):
     def __init__(self):
         super().__init__(0, 1, None)
 
-    def allreduce(self, arrays, check=False):
+    def allreduce(self, arrays, check=False, scale=None):
+        scaled(arrays, scale)
         return arrays
 
     def allgather(self, obj):
@@ -225,6 +229,27 @@ class Solo(Communicator):
 
     def close(self):
         pass
+
+
+def scaled(arrays, scale):
+    """``a *= scale`` for each of ``arrays`` (nothing where ``scale`` is
+    None), a GPU array on its own device and current stream: after the
+    work queued there that wrote it.
+
+    Examples
+    --------
+    >>> a = np.ones(2, np.float32)
+    >>> scaled([a], 0.5)[0]
+    array([0.5, 0.5], dtype=float32)
+    """
+    if scale is not None:
+        for a in arrays:
+            if isinstance(a, np.ndarray):
+                a *= scale
+            else:
+                with a.device:
+                    a *= scale
+    return arrays
 
 
 def signature(arrays, where=False):

@@ -54,6 +54,7 @@ from dasktrain.parallel.comm.base import (
     Communicator,
     PeerLost,
     batches,
+    scaled,
     signature,
 )
 from dasktrain.parallel.comm.links import STREAMS, plain_asked
@@ -374,16 +375,18 @@ class DaskComm(Communicator):
 
     # -------------------------------------------------------- collectives
 
-    def allreduce(self, arrays, check=False):
+    def allreduce(self, arrays, check=False, scale=None):
         """Sum ``arrays`` (NumPy or CuPy) over ranks, in place, and return
         them. Each dtype is summed in its own precision, in rank order
         (between hosts' sums, in the order of the hosts' leaders). Ranks
         whose arrays differ in dtype or size raise CollectiveError
-        whatever ``check`` says (the comparison rides with the data)."""
+        whatever ``check`` says (the comparison rides with the data).
+        ``scale``: the sums times it (through shared memory in the same
+        pass, over links on the host buffer before it goes back)."""
         if self.size == 1:
-            return arrays
+            return scaled(arrays, scale)
         if self._shm is not None:
-            return self._allreduce_shared(arrays)
+            return self._allreduce_shared(arrays, scale)
         # One flat host buffer per batch; a flat host array (a gradient
         # bucket's buffer) is summed where it lies.
         self._staging.next_round()
@@ -392,11 +395,11 @@ class DaskComm(Communicator):
         self._links.allreduce([flat for _, flat, _ in packed],
                               signature(arrays))
         for members, flat, made in packed:
-            from_host(members, flat, made)
+            from_host(members, scaled([flat], scale)[0], made)
         self._staged()
         return arrays
 
-    def _allreduce_shared(self, arrays):
+    def _allreduce_shared(self, arrays, scale):
         self._staging.next_round()
         groups, back = {}, []
         for k, (key, members) in enumerate(batches(arrays)):
@@ -413,7 +416,7 @@ class DaskComm(Communicator):
             mine = signature(arrays)
             between = (lambda flats: self._links.allreduce(flats, mine)) \
                 if self._links is not None else (lambda flats: None)
-        self._shm.allreduce(groups, signature(arrays), between)
+        self._shm.allreduce(groups, signature(arrays), between, scale)
         for members, flat, made in back:
             from_host(members, flat, made)
         self._staged()

@@ -22,6 +22,7 @@ from dasktrain.parallel.comm.base import (
     packing,
     place,
     poll,
+    scaled,
     signature,
 )
 
@@ -305,14 +306,16 @@ class NcclComm(Communicator):
         with self._busy_lock:
             self._busy -= 1
 
-    def allreduce(self, arrays, check=False):
+    def allreduce(self, arrays, check=False, scale=None):
         """Sum ``arrays`` over ranks in place: those on this GPU with
         NCCL, the others over ``host``; returns once the sums are done.
         With ``check``, the ranks first compare what they are about to
         sum (needed where counts could differ, e.g. optimizer state) and
         raise CollectiveError on a mismatch rather than hang or corrupt
-        memory."""
-        self._sum(arrays, check, wait=True)
+        memory. ``scale``: each GPU array times it after its sum, on its
+        device's current stream (where its sum was copied back)."""
+        gpu = self._sum(arrays, check, wait=True, scale=scale)
+        scaled(gpu, scale)
         return arrays
 
     def allreduce_queued(self, arrays):
@@ -356,7 +359,9 @@ class NcclComm(Communicator):
         poll(self._settled, time.monotonic() + self.timeout,
              f'NCCL all-reduce on rank {self.rank}', self._abort)
 
-    def _sum(self, arrays, check, wait):
+    def _sum(self, arrays, check, wait, scale=None):
+        """Sum ``arrays`` (host arrays times ``scale`` too); the GPU arrays
+        that NCCL summed."""
         cupy = self._cupy
         if check:
             mine = signature(arrays, where=True)
@@ -371,7 +376,7 @@ class NcclComm(Communicator):
                a.dtype.name in self._TYPES]
         host = [a for a in arrays if not any(a is g for g in gpu)]
         if host:
-            self.host.allreduce(host)
+            self.host.allreduce(host, scale=scale)
         self._enter()
         try:
             with cupy.cuda.Device(self.device):
@@ -388,6 +393,7 @@ class NcclComm(Communicator):
                     self._batch(members, stream, wait)
         finally:
             self._leave()
+        return gpu
 
     def _batch(self, members, stream, wait):
         """Sum one batch (arrays of one dtype) through one flat buffer on

@@ -61,8 +61,8 @@ for p in model.params():
     p.grad = cupy.full(p.shape, float(r), dtype=p.dtype)
 calls = []
 summing = comm._nccl.allreduce  # made by the allreduce above
-comm._nccl.allreduce = lambda arrays, check=False: calls.append(
-    [a.size for a in arrays]) or summing(arrays, check)
+comm._nccl.allreduce = lambda arrays, check=False, scale=None: \
+    calls.append([a.size for a in arrays]) or summing(arrays, check, scale)
 with other:
     comm.multi_node_mean_grad(model)
 assert calls == [[3 * 4 + 4]], calls  # one NCCL call, one buffer

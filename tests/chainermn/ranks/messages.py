@@ -98,9 +98,9 @@ calls = []
 summing = comm.comm.allreduce
 
 
-def spy(arrays, check=False):
+def spy(arrays, check=False, scale=None):
     calls.append([a.size for a in arrays])
-    return summing(arrays, check)
+    return summing(arrays, check, scale)
 
 
 comm.comm.allreduce = spy
@@ -121,8 +121,8 @@ for p in model.params():
     p.grad = np.full(p.shape, (r + 1) / 3, dtype=np.float32)
 dtypes = []
 summing = half.comm.allreduce
-half.comm.allreduce = lambda arrays, check=False: dtypes.extend(
-    a.dtype for a in arrays) or summing(arrays, check)
+half.comm.allreduce = lambda arrays, check=False, scale=None: \
+    dtypes.extend(a.dtype for a in arrays) or summing(arrays, check, scale)
 half.multi_node_mean_grad(model)
 assert dtypes == [np.float16], dtypes
 mean = np.float16(1 / 3) + np.float16(2 / 3)

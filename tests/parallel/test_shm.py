@@ -1,0 +1,133 @@
+"""Sums through shared memory among the ranks of one machine: every path
+(written through, packed whole, small, over TCP with shared memory off)
+against a reference written here, bit for bit, on 2 and 3 ranks that
+``dasktrain launch`` starts (real processes, real segments)."""
+import doctest
+import glob
+import os
+import sys
+import textwrap
+
+import pytest
+
+from dasktrain.parallel.comm import shm
+from tests.children import child
+
+# Each rank of the script below sums, over every path, arrays it draws
+# from its rank's seed; it draws every other rank's too and checks the
+# sums against `reference` (rank order, then the scale, in each dtype).
+RANKS = textwrap.dedent('''
+    import os, sys
+    import numpy as np
+    import dasktrain.chainermn as chainermn
+
+    SHAPES = [((301, 7), 'float32'), ((4099,), 'float32'),
+              ((11, 13, 17), 'float64'), ((2500,), 'float16'),
+              ((1,), 'float32'), ((200003,), 'float32')]
+
+    def draw(rank, call):
+        rng = np.random.default_rng(1000 * call + rank)
+        return [(rng.standard_normal(shape) * 3).astype(dtype)
+                for shape, dtype in SHAPES]
+
+    def reference(size, call, scale):
+        parts = [draw(r, call) for r in range(size)]
+        out = []
+        for k in range(len(SHAPES)):
+            total = np.add(parts[0][k], parts[1][k])
+            for p in parts[2:]:
+                total += p[k]
+            out.append(total if scale is None else
+                       np.multiply(total, scale, out=total))
+        return out
+
+    comm = chainermn.create_communicator('naive').comm  # the DaskComm
+    rank, size = comm.rank, comm.size
+    failed = []
+    for call, (scale, how) in enumerate([
+            (None, 'through'), (1.0 / size, 'through'), (0.5, 'through'),
+            (1.0 / size, 'aliased'), (None, 'strided'),
+            (1.0 / size, 'small')]):
+        arrays = draw(rank, call)
+        want = reference(size, call, scale)
+        if how == 'aliased':  # two views of one buffer: packed whole
+            both = np.concatenate([arrays[1], arrays[1]])
+            arrays[1], extra = both[:4099], both[2049:]
+            theirs = [np.concatenate([draw(r, call)[1]] * 2)[2049:]
+                      for r in range(size)]
+            want_extra = sum(theirs[1:], theirs[0]) * np.float32(scale)
+        if how == 'strided':  # a view with steps: packed whole
+            wide = np.zeros((301, 14), np.float32)
+            wide[:, ::2] = arrays[0]
+            arrays[0] = wide[:, ::2]
+        if how == 'small':
+            arrays, want = arrays[:2], want[:2]
+            arrays[1], want[1] = arrays[1][:3000], None
+        sent = arrays + ([extra] if how == 'aliased' else [])
+        comm.allreduce(sent, scale=scale)
+        if how == 'small':  # a slice of one draw: summed alone
+            part = [draw(r, call)[1][:3000] for r in range(size)]
+            want[1] = np.multiply(sum(part[1:], part[0]), scale)
+        for k, (got, expected) in enumerate(zip(arrays, want)):
+            if how == 'aliased' and k == 1:
+                continue  # overwritten by `extra`, its later view
+            if got.dtype != expected.dtype or \\
+                    got.tobytes() != np.ascontiguousarray(expected).tobytes():
+                failed.append(f'call {call} ({how}) array {k}')
+        if how == 'aliased' and not np.array_equal(extra, want_extra):
+            failed.append(f'call {call} (aliased) the second view')
+    print(f'rank {rank} of {size} via {comm.route}:',
+          'ok' if not failed else failed, flush=True)
+    sys.exit(1 if failed else 0)
+''')
+
+
+def launched(tmp_path, n, shared):
+    script = tmp_path / 'sums.py'
+    script.write_text(RANKS)
+    env = {'DASKTRAIN_SHARED_MEMORY': shared}
+    argv = [sys.executable, '-m', 'dasktrain.cli', 'launch', '-n', str(n),
+            '--out', str(tmp_path / 'ranks'), '--timeout', '60', '--',
+            sys.executable, str(script)]
+    with child(argv, env=dict(os.environ, **env), cwd=tmp_path) as proc:
+        code = proc.wait(120)
+        err = proc.stderr()
+        out = ''.join(proc.lines)
+    logs = ''.join(p.read_text() for p in
+                   sorted((tmp_path / 'ranks').glob('rank*.log')))
+    return code, out + logs, err
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize('n', [2, 3])
+@pytest.mark.parametrize('shared', ['1', '0'], ids=['shm', 'tcp'])
+def test_every_path_sums_the_reference_bits(tmp_path, n, shared):
+    before = set(glob.glob('/dev/shm/dasktrain-*'))  # others' are theirs
+    code, out, err = launched(tmp_path, n, shared)
+    assert code == 0, out + err
+    route = 'shared memory' if shared == '1' else 'links'
+    for rank in range(n):
+        assert f'rank {rank} of {n} via {route}: ok' in out, out + err
+    assert set(glob.glob('/dev/shm/dasktrain-*')) <= before  # unlinked
+
+
+def test_the_slices_and_their_pieces():
+    assert doctest.testmod(shm).failed == 0
+    assert doctest.testmod(shm).attempted >= 6
+    # every rank's slice, cut into pieces of arrays, covers each element
+    # once, in order, whatever the sizes and the chunk
+    sizes = [5, 1, 0, 17, 3]
+    total = sum(sizes)
+    for size in (1, 2, 3, 7):
+        seen = []
+        for lo, hi in shm.bounds(total, size):
+            for step in (None, 1, 4):
+                got = shm.pieces(sizes, lo, hi, step)
+                flat = [f + j for _, _, f, n in got for j in range(n)]
+                assert flat == list(range(lo, hi))
+                for index, start, f_lo, n in got:
+                    assert 0 < n <= (step or n)
+                    assert f_lo == sum(sizes[:index]) + start
+                    assert start + n <= sizes[index]
+            seen.extend(range(lo, hi))
+        assert seen == list(range(total))
