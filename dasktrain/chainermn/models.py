@@ -217,17 +217,28 @@ class ModelCalls:
         parts = [list(g) for g in _by_dtype(arrays)]
         mine = [(np.dtype(g[0].dtype).str, [a.size for a in g])
                 for g in parts]
+        if not any(on_gpu(a) for a in arrays):
+            # host arrays: written where they lie (through shared memory
+            # on one machine, the segments their gradients' sums use)
+            self._same_layout(self.comm.bcast(mine), mine)
+            self.comm.bcast_arrays(arrays)
+            return
         got = self.comm.bcast((mine, [host_flat(g) for g in parts])
                               if self.rank == 0 else None)
         if self.rank == 0:
             return
         layout, flats = got
+        self._same_layout(layout, mine)
+        for members, flat in zip(parts, flats):
+            spread(flat, members)
+
+    def _same_layout(self, layout, mine):
+        """ValueError where rank 0's parameters (``layout``) are not this
+        rank's (``mine``)."""
         if layout != mine:
             raise ValueError(
                 f'rank 0 has parameters {_words(layout)}, rank {self.rank} '
                 f'{_words(mine)}: the models differ')
-        for members, flat in zip(parts, flats):
-            spread(flat, members)
 
     @staticmethod
     def _grads(model, zero_fill):

@@ -224,16 +224,18 @@ class Comm:
         os._exit(errorcode if 0 < errorcode < 256 else 1)
 
     def _at_exit(self):
-        """A normal exit leaves as ``DaskComm`` does: rank 0 releases the
-        others once all have come, so no rank closes while a message of
-        its own is unread. After an uncaught error, the connections just
-        close: the peers fail fast."""
+        """A normal exit leaves as ``DaskComm`` does, as MPI's
+        ``MPI_Finalize`` (collective) leaves: once every rank has come
+        (a barrier), so no rank closes while a peer still reads a message
+        it sent (a connection closed with data unread drops what is still
+        in flight). After an uncaught error, the connections just close:
+        the peers fail fast."""
         if self._closed:
             return
         try:
             if getattr(sys, 'last_value', None) is None:
                 self._settle()
-                self.dask.bcast(None)
+                self.dask.barrier()
         except CollectiveError:  # a peer already gone
             pass
         finally:

@@ -38,6 +38,42 @@ def test_without_the_shim_mpi4py_is_not_dasktrains(tmp_path):
     assert 'mpi4py from' in out and '.chainermn-' not in out
 
 
+LEAVES = '''
+import sys, time
+import chainer.links as L
+import numpy as np
+import chainermn
+comm = chainermn.create_communicator('naive')
+big = np.arange(5_000_003, dtype=np.float32)
+model = L.Linear(2000, 2000)  # 16 MB of parameters
+if comm.rank == 0:
+    model.W.array[...] = 7
+    comm.bcast_data(model)  # the ranks' Dask comms
+    comm.mpi_comm.bcast(big, root=0)  # mpi4py's: the object collectives
+    comm.send(big, dest=1, tag=0)  # point to point: a socket, shared memory
+    print('rank 0 sent', flush=True)
+    sys.exit(0)  # at once: the others have read nothing yet
+time.sleep(2)
+comm.bcast_data(model)
+assert (model.W.array == 7).all()
+assert np.array_equal(comm.mpi_comm.bcast(None, root=0), big)
+assert np.array_equal(comm.recv(source=0, tag=0), big)
+print('rank 1 got it all', flush=True)
+'''
+
+
+def test_a_rank_leaving_after_its_sends_loses_none_of_them(tmp_path):
+    # As MPI_Finalize (the same script passes under mpiexec): a rank's
+    # exit waits for every rank's, so what it sent is still read after it
+    # stops (a connection closed with data in flight drops it).
+    (tmp_path / 'leaves.py').write_text(LEAVES)
+    code, out, err = launch(tmp_path, 2, [tmp_path / 'leaves.py'])
+    assert code == 0, err
+    assert 'rank 0 sent' in out
+    assert 'rank 1 got it all' in (tmp_path / 'ranks' / 'rank1.log'
+                                   ).read_text()
+
+
 STOPS = '''
 import os
 import chainermn

@@ -1,7 +1,9 @@
 """Sums through shared memory among the ranks of one machine: every path
-(written through, packed whole, small, over TCP with shared memory off)
-against a reference written here, bit for bit, on 2 and 3 ranks that
-``dasktrain launch`` starts (real processes, real segments)."""
+(written through, gathered into a copy, each rank choosing alone, small,
+over TCP with shared memory off) against a reference written here, bit
+for bit, and rank 0's arrays broadcast through the same segments, on 2
+and 3 ranks that ``dasktrain launch`` starts (real processes, real
+segments)."""
 import doctest
 import glob
 import os
@@ -47,16 +49,19 @@ RANKS = textwrap.dedent('''
     for call, (scale, how) in enumerate([
             (None, 'through'), (1.0 / size, 'through'), (0.5, 'through'),
             (1.0 / size, 'aliased'), (None, 'strided'),
+            (1.0 / size, 'mixed'), (1.0 / size, 'through'),
             (1.0 / size, 'small')]):
         arrays = draw(rank, call)
         want = reference(size, call, scale)
-        if how == 'aliased':  # two views of one buffer: packed whole
+        if how == 'aliased':  # two views of one buffer: gathered
             both = np.concatenate([arrays[1], arrays[1]])
             arrays[1], extra = both[:4099], both[2049:]
             theirs = [np.concatenate([draw(r, call)[1]] * 2)[2049:]
                       for r in range(size)]
             want_extra = sum(theirs[1:], theirs[0]) * np.float32(scale)
-        if how == 'strided':  # a view with steps: packed whole
+        if how == 'strided' or (how == 'mixed' and rank == 1):
+            # a view with steps: gathered into one copy (in 'mixed' on one
+            # rank alone: the others write through)
             wide = np.zeros((301, 14), np.float32)
             wide[:, ::2] = arrays[0]
             arrays[0] = wide[:, ::2]
@@ -76,6 +81,13 @@ RANKS = textwrap.dedent('''
                 failed.append(f'call {call} ({how}) array {k}')
         if how == 'aliased' and not np.array_equal(extra, want_extra):
             failed.append(f'call {call} (aliased) the second view')
+    # rank 0's arrays everywhere, through the segments of their sums
+    for call in (10, 11):
+        arrays = draw(rank, call)
+        comm.bcast_arrays(arrays)
+        if any(got.tobytes() != want.tobytes()
+               for got, want in zip(arrays, draw(0, call))):
+            failed.append(f'bcast {call}')
     print(f'rank {rank} of {size} via {comm.route}:',
           'ok' if not failed else failed, flush=True)
     sys.exit(1 if failed else 0)

@@ -284,12 +284,13 @@ class DaskComm(Communicator):
 
     def __exit__(self, exc_type, exc, traceback):
         if exc_type is None:
-            # Rank 0 releases the others once it has read all they sent:
-            # no rank leaves while a message of its own is unread. Rank 0
-            # may be gone before its release is read: harmless.
+            # Every rank leaves once all have come (a barrier): no rank
+            # closes while a peer still reads a message it sent, which a
+            # closed connection drops. A peer may be gone before the
+            # barrier's last message is read: harmless.
             try:
-                self.bcast(None)
-            except PeerLost:
+                self.barrier()
+            except CollectiveError:  # PeerLost, or one that never came
                 pass
         self.close()
 
@@ -447,6 +448,34 @@ class DaskComm(Communicator):
             self._run(self._exchange(tag, {p: obj for p in self._others()}))
             return obj
         return self._run(self._exchange(tag, receive=[0]))[0]
+
+    def bcast_arrays(self, arrays):
+        """Rank 0's host ``arrays`` into every rank's ``arrays`` (NumPy,
+        the same dtypes and sizes on every rank, in the same order), in
+        place: through shared memory where every rank is on this machine
+        (the segments a sum of the same arrays uses), else as one
+        message per dtype."""
+        if self.size == 1:
+            return arrays
+        if self.shared_memory:
+            groups = {}
+            for key, members in batches(arrays):
+                groups.setdefault(key, []).extend(members)
+            self._shm.bcast(groups, signature(arrays))
+            return arrays
+        by_dtype = {}
+        for a in arrays:
+            by_dtype.setdefault(np.dtype(a.dtype).str, []).append(a)
+        got = self.bcast({key: np.concatenate([a.reshape(-1) for a in m])
+                          for key, m in by_dtype.items()}
+                         if self.rank == 0 else None)
+        if self.rank != 0:
+            for key, members in by_dtype.items():
+                flat, start = got[key], 0
+                for a in members:
+                    a[...] = flat[start:start + a.size].reshape(a.shape)
+                    start += a.size
+        return arrays
 
     def exchange(self, send=None, receive=()):
         """One collective step of any shape: send ``send[peer]`` to each

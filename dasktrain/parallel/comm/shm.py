@@ -7,41 +7,45 @@ pickle framing per message; MPI and NCCL use shared memory instead. So does
 buffer (np.array_split's bounds):
 
 1. every rank copies the parts of its arrays *outside* its own slice into
-   its own input segment (its own slice never leaves its arrays);
+   its own input segment;
 2. a barrier: all inputs are written;
 3. rank r sums its slice, every rank's part in rank order (for the same
    bits on every rank and as :class:`~dasktrain.parallel.comm.dask.DaskComm`
-   sums), its own part read from its arrays, into the slice of its input
-   segment that step 1 left free, and writes each sum (times ``scale``,
-   where one is given: a mean in the same pass) back into its arrays
-   while it is still in cache: a reduce-scatter, in cache-sized chunks;
+   sums), its own part read from its own arrays, into the slice of its
+   input segment that step 1 left free, in cache-sized chunks: a
+   reduce-scatter;
 4. a barrier: all slices are summed;
-5. every rank copies the other ranks' slices, from their inputs, into its
-   arrays (the all-gather is a read), times ``scale``.
+5. every rank copies each slice from its owner's input into its arrays
+   (the all-gather is a read), times ``scale`` where one is given (a
+   mean in the same pass).
 
-Memory is what a sum of 22 MB costs on a CPU (two ranks share the
-machine's bandwidth and its last-level cache): each rank moves its
-arrays' bytes about four times (half of them out, its slice in and back,
-the other half in), and the segments the ranks touch are one buffer's
-size each; copying everything in, summing into a result segment, copying
-everything out and scaling in place moved them about eight times,
-through twice the segments. Where the arrays cannot be written through
-(a non-contiguous view, two views of one buffer), or where the
-hierarchical path adds the other hosts' sums between the barriers, every
-rank copies all of its arrays in, sums its slice into a result segment,
-and reads all of it.
+Where a rank's arrays are C-contiguous blocks of their own, it writes
+through: its own part of step 3 is read from the arrays themselves and
+each chunk's sum (times ``scale``) goes straight back while it is in
+cache, so each rank moves its arrays' bytes about four times (half of
+them out, its slice in and back, the other half in), where copying
+everything in, summing into a result segment, copying everything out and
+scaling in place moved them about eight times, through twice the
+segments. Otherwise (a non-contiguous view, two views of one buffer) it
+first gathers its arrays into one private copy, which stands for them
+until step 5 writes them all, in order. Each rank chooses alone: the
+segments are used alike either way. Where the hierarchical path adds the
+other hosts' sums between the barriers, every rank packs all of its
+arrays, sums its slice into a result segment, and reads all of it.
 
 The barriers are small messages among the host's ranks (over Unix
 domain sockets in the caller's thread: :class:`~dasktrain.parallel.comm.
 nearby.NearGroup`, which :class:`~dasktrain.parallel.comm.dask.DaskComm`
 gives it once connected; over its ``DaskComm`` for the set-up), which
 also carry each rank's signature (dtypes and sizes), so ranks that are out
-of step fail instead of reading garbage. They also make one set of
-segments serve every call: no rank writes call k+1's sums before every
-rank has passed call k+1's first barrier, which it reaches only once it
-has read call k's, and no rank packs call k+1's input before every rank
-has passed call k's second barrier, which it reaches only once it has
-summed its slice of call k.
+of step fail instead of reading garbage. They also let one set of
+segments (per layout of dtypes and sizes, hence of slices) serve every
+call: no rank writes call k+1's sums before every rank has passed call
+k+1's first barrier, which it reaches only once it has read call k's,
+and no rank packs call k+1's input before every rank has passed call k's
+second barrier, which it reaches only once it has summed its slice of
+call k. :meth:`SharedMemoryReducer.bcast` sends rank 0's arrays through
+the same segments.
 
 A sum of at most :data:`SMALL_BYTES` (a batch normalisation's
 statistics) skips the segments: one exchange of the ranks' copies, each
@@ -56,6 +60,7 @@ several hosts, DaskComm sends over TCP as before.
 Host arrays only, and no sockets of its own: the caller copies GPU arrays
 here and back, and the barriers go over the caller's communicator.
 """
+import hashlib
 import mmap
 import os
 import uuid
@@ -65,6 +70,9 @@ import numpy as np
 from dasktrain.parallel.comm.base import CollectiveError
 
 SHM_DIR = '/dev/shm'
+#: A segment's pages mapped at once (Linux): one call, where faulting
+#: them in one by one at first touch costs a sum of 22 MB about 20 ms.
+POPULATE = getattr(mmap, 'MAP_POPULATE', 0)
 #: ``DASKTRAIN_SHARED_MEMORY=0``: ranks of one host do not sum through it.
 ENV = 'DASKTRAIN_SHARED_MEMORY'
 ALIGN = 64  # bytes: each dtype's region starts on a cache line
@@ -176,7 +184,7 @@ class _Segment:
         try:
             if create:
                 os.ftruncate(fd, nbytes)
-            self.map = mmap.mmap(fd, nbytes)
+            self.map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | POPULATE)
         finally:
             os.close(fd)
         self.path = path
@@ -210,7 +218,7 @@ class SharedMemoryReducer:
     def __init__(self, comm, token):
         self.comm, self._token = comm, token
         self.rank, self.size = comm.rank, comm.size
-        self._segments = {}  # total bytes -> (inputs by rank, result)
+        self._segments = {}  # (layout, whole) -> (inputs by rank, result)
 
     @classmethod
     def connect(cls, comm):
@@ -230,37 +238,49 @@ class SharedMemoryReducer:
                 os.unlink(probe)
         return cls(comm, token) if all(seen) else None
 
-    def _path(self, what, nbytes):
-        return os.path.join(SHM_DIR, f'dasktrain-{self._token}-{what}-'
-                                     f'{nbytes}')
+    def _open(self, regions, nbytes, whole=False):
+        """Every rank's input segment for sums of this layout (``regions``
+        of :func:`layout`), and with ``whole`` a result segment (the path
+        that packs everything), mapped here; their names already
+        unlinked. One set per layout: a layout's slices are where the
+        ranks' sums of it lie between two calls. A rank whose peer made
+        no segment of this name sums other arrays: CollectiveError."""
+        key = (tuple((k, c) for k, _, _, c in regions), whole)
+        if key in self._segments:
+            return self._segments[key]
+        name = hashlib.sha1(repr(key).encode()).hexdigest()[:10]
 
-    def _open(self, nbytes):
-        """Every rank's input segment and the result segment of this size,
-        mapped here; their names already unlinked. (A segment's pages
-        exist once written: the result's only where a sum needs it.)"""
-        if nbytes in self._segments:
-            return self._segments[nbytes]
-        mine = [self._path(f'in{self.rank}', nbytes)]
-        if self.rank == 0:
-            mine.append(self._path('out', nbytes))
+        def path(what):
+            return os.path.join(SHM_DIR, f'dasktrain-{self._token}-{what}-'
+                                         f'{name}')
+        mine = [path(f'in{self.rank}')]
+        if whole and self.rank == 0:
+            mine.append(path('out'))
         made = []
         try:
-            for path in mine:
-                made.append(_Segment(path, nbytes, create=True))
+            for where in mine:
+                made.append(_Segment(where, nbytes, create=True))
             self.comm.barrier()  # every segment exists
-            ins = [made[0] if r == self.rank else
-                   _Segment(self._path(f'in{r}', nbytes), nbytes, False)
-                   for r in range(self.size)]
-            out = made[1] if self.rank == 0 else \
-                _Segment(self._path('out', nbytes), nbytes, False)
-            self.comm.barrier()  # every rank has mapped them all
+            try:
+                ins = [made[0] if r == self.rank else
+                       _Segment(path(f'in{r}'), nbytes, False)
+                       for r in range(self.size)]
+                out = None if not whole else made[1] if self.rank == 0 \
+                    else _Segment(path('out'), nbytes, False)
+            except FileNotFoundError:
+                raise CollectiveError(
+                    f'another rank sums other arrays than rank {self.rank} '
+                    '(other dtypes or sizes): the ranks are out of step '
+                    '(different models or optimizer state)') from None
+            finally:
+                self.comm.barrier()  # every rank has mapped them all
         finally:
             for segment in made:  # the names go; the mappings stay
                 try:
                     os.unlink(segment.path)
                 except FileNotFoundError:
                     pass
-        self._segments[nbytes] = ins, out
+        self._segments[key] = ins, out
         return ins, out
 
     def allreduce(self, groups, signature, between=None, scale=None):
@@ -282,15 +302,69 @@ class SharedMemoryReducer:
         regions, nbytes = layout(counts)
         if between is None and nbytes <= SMALL_BYTES:
             return self._allreduce_small(groups, signature, scale)
-        ins, result = self._open(nbytes)
-        # Written through where every array is a C-contiguous block of its
-        # own and nothing else reads the sums before they land.
+        if between is not None:
+            return self._allreduce_whole(groups, signature, regions, nbytes,
+                                         between, scale)
+        ins, _ = self._open(regions, nbytes)
+        # Each rank's own choice: its arrays written through where each
+        # is a C-contiguous block of its own, else gathered into one copy
+        # (the segments are used alike either way).
         arrays = [a for members in groups.values() for a in members]
-        if between is None and all(
-                isinstance(a, np.ndarray) and a.flags.c_contiguous and
-                a.flags.writeable for a in arrays) and disjoint(arrays):
-            return self._allreduce_through(groups, signature, regions, ins,
-                                           scale)
+        through = all(isinstance(a, np.ndarray) and a.flags.c_contiguous
+                      and a.flags.writeable for a in arrays) and \
+            disjoint(arrays)
+        plan = []  # per dtype: its arrays (flat views, or one copy), ...
+        for key, dtype, offset, count in regions:
+            members = groups[key]
+            flats = [a.reshape(-1) for a in members] if through else \
+                [np.concatenate([np.asarray(a).reshape(-1)
+                                 for a in members])]
+            plan.append((members, flats, [f.size for f in flats], count,
+                         bounds(count, self.size),
+                         max(1, CHUNK_BYTES // dtype.itemsize),
+                         [peer.view(dtype, offset, count) for peer in ins]))
+        for _, flats, sizes, count, edges, _, segs in plan:
+            # 1. all but my slice into my input
+            lo, hi = edges[self.rank]
+            for i, a_lo, f_lo, n in pieces(sizes, 0, lo) + \
+                    pieces(sizes, hi, count):
+                segs[self.rank][f_lo:f_lo + n] = flats[i][a_lo:a_lo + n]
+        theirs = self.comm.allgather(signature)  # 2. inputs written
+        _check([(other, None) for other in theirs], signature, self.rank)
+        for _, flats, sizes, _, edges, step, segs in plan:
+            # 3. my slice, chunk by chunk: summed into my input's own
+            # slice (where the others read it); written back meanwhile
+            # where the arrays are written through
+            lo, hi = edges[self.rank]
+            for i, a_lo, f_lo, n in pieces(sizes, lo, hi, step):
+                own, out = flats[i][a_lo:a_lo + n], \
+                    segs[self.rank][f_lo:f_lo + n]
+                self._sum([own if r == self.rank else seg[f_lo:f_lo + n]
+                           for r, seg in enumerate(segs)], out)
+                if through:
+                    _put(out, own, scale)
+        self.comm.barrier()  # 4. every slice summed
+        for members, flats, sizes, _, edges, _, segs in plan:
+            # 5. the slices from their owners' inputs (through: the others')
+            for owner, (lo, hi) in enumerate(edges):
+                if owner == self.rank and through:
+                    continue
+                for i, a_lo, f_lo, n in pieces(sizes, lo, hi):
+                    _put(segs[owner][f_lo:f_lo + n],
+                         flats[i][a_lo:a_lo + n], scale)
+            if not through:  # the gathered copy into the arrays, in order
+                start = 0
+                for a in members:
+                    a[...] = flats[0][start:start + a.size].reshape(a.shape)
+                    start += a.size
+
+    def _allreduce_whole(self, groups, signature, regions, nbytes, between,
+                         scale):
+        """:meth:`allreduce` where rank 0 adds the other hosts' sums
+        (``between``) to the whole result: every rank packs all of its
+        arrays, sums its slice into the result segment, and reads all of
+        it."""
+        ins, result = self._open(regions, nbytes, whole=True)
         for key, dtype, offset, count in regions:  # 1. pack into my input
             flat, start = ins[self.rank].view(dtype, offset, count), 0
             for a in groups[key]:
@@ -305,16 +379,44 @@ class SharedMemoryReducer:
                 self._sum([peer.view(dtype, offset, count)[lo:hi]
                            for peer in ins], acc)
         self.comm.barrier()  # 4. every slice summed
-        if between is not None:
-            if self.rank == 0:
-                between([result.view(dtype, offset, count)
-                         for _, dtype, offset, count in regions])
-            self.comm.barrier()  # the other hosts' sums added
+        if self.rank == 0:
+            between([result.view(dtype, offset, count)
+                     for _, dtype, offset, count in regions])
+        self.comm.barrier()  # the other hosts' sums added
         for key, dtype, offset, count in regions:  # 5. read the result
             flat, start = result.view(dtype, offset, count), 0
             for a in groups[key]:
                 _put(flat[start:start + a.size].reshape(a.shape), a, scale)
                 start += a.size
+
+    def bcast(self, groups, signature):
+        """Rank 0's arrays into every rank's ``groups`` = {dtype str:
+        [arrays]} (host arrays of the same dtypes and sizes on every rank:
+        ``signature``, compared first; a mismatch raises CollectiveError),
+        through rank 0's input segment for sums of them: rank 0 packs, a
+        barrier, the others read, a barrier (rank 0's next sum may pack
+        again). A model's first broadcast so makes the segments its
+        gradients are then summed through."""
+        theirs = self.comm.allgather(signature)
+        _check([(other, None) for other in theirs], signature, self.rank)
+        counts = {k: sum(a.size for a in arrays)
+                  for k, arrays in groups.items()}
+        regions, nbytes = layout(counts)
+        ins, _ = self._open(regions, nbytes)
+        pairs = []  # (its place in rank 0's input, an array)
+        for key, dtype, offset, count in regions:
+            flat, start = ins[0].view(dtype, offset, count), 0
+            for a in groups[key]:
+                pairs.append((flat[start:start + a.size].reshape(a.shape), a))
+                start += a.size
+        if self.rank == 0:
+            for part, a in pairs:
+                part[...] = a
+        self.comm.barrier()  # rank 0's arrays are in its input
+        if self.rank != 0:
+            for part, a in pairs:
+                a[...] = part
+        self.comm.barrier()  # every rank has read them
 
     @staticmethod
     def _sum(parts, acc):
@@ -327,45 +429,6 @@ class SharedMemoryReducer:
                 np.add(parts[0], parts[1], out=acc)
             for part in parts[2:]:
                 acc += part
-
-    def _allreduce_through(self, groups, signature, regions, ins, scale):
-        """:meth:`allreduce` of C-contiguous arrays, written through (the
-        module's steps 1 to 5); each rank's sums go into its own input
-        segment, in the slice it did not pack."""
-        plan = []  # per dtype: flat views of its arrays, every input's
-        for key, dtype, offset, count in regions:
-            flats = [a.reshape(-1) for a in groups[key]]  # views
-            plan.append((flats, [f.size for f in flats], count,
-                         bounds(count, self.size),
-                         max(1, CHUNK_BYTES // dtype.itemsize),
-                         [peer.view(dtype, offset, count) for peer in ins]))
-        for flats, sizes, count, edges, _, segs in plan:
-            # 1. all but my slice into my input
-            lo, hi = edges[self.rank]
-            for i, a_lo, f_lo, n in pieces(sizes, 0, lo) + \
-                    pieces(sizes, hi, count):
-                segs[self.rank][f_lo:f_lo + n] = flats[i][a_lo:a_lo + n]
-        theirs = self.comm.allgather(signature)  # 2. inputs written
-        _check([(other, None) for other in theirs], signature, self.rank)
-        for flats, sizes, _, edges, step, segs in plan:
-            # 3. my slice, chunk by chunk: summed into my input's own
-            # slice (where the others read it), written back meanwhile
-            lo, hi = edges[self.rank]
-            for i, a_lo, f_lo, n in pieces(sizes, lo, hi, step):
-                own, out = flats[i][a_lo:a_lo + n], \
-                    segs[self.rank][f_lo:f_lo + n]
-                self._sum([own if r == self.rank else seg[f_lo:f_lo + n]
-                           for r, seg in enumerate(segs)], out)
-                _put(out, own, scale)
-        self.comm.barrier()  # 4. every slice summed
-        for flats, sizes, _, edges, _, segs in plan:
-            # 5. the others' slices, from their inputs
-            for owner, (lo, hi) in enumerate(edges):
-                if owner == self.rank:
-                    continue
-                for i, a_lo, f_lo, n in pieces(sizes, lo, hi):
-                    _put(segs[owner][f_lo:f_lo + n],
-                         flats[i][a_lo:a_lo + n], scale)
 
     def _allreduce_small(self, groups, signature, scale=None):
         """A sum of at most :data:`SMALL_BYTES`: every rank's flat copies
@@ -387,6 +450,6 @@ class SharedMemoryReducer:
 
     def close(self):
         for ins, out in self._segments.values():
-            for segment in [*ins, out]:
+            for segment in [*ins, out] if out is not None else ins:
                 segment.close()
         self._segments.clear()
