@@ -268,8 +268,10 @@ class Child:
     its own, it has a Dask future's face for :meth:`Driver.watch`
     (``status``, :meth:`result`)."""
 
-    def __init__(self, argv, env, rank, log, grace, relay=None):
+    def __init__(self, argv, env, rank, log, grace, relay=None,
+                 ended=None):
         self.rank, self.log, self.grace = rank, log, grace
+        self._ended = ended  # called once it has ended
         self.status, self.ended, self._result = 'pending', None, None
         self.stopping = threading.Event()
         self._file = open_for_writing(log)  # never through a symlink
@@ -293,6 +295,8 @@ class Child:
                                      last_line(self.log))
         self.ended = ended.at
         self.status = 'finished'
+        if self._ended is not None:
+            self._ended()
 
     def result(self):
         return self._result
@@ -315,6 +319,9 @@ class Driver:
         self.variables = list(variables)
         self.inbox = queue.SimpleQueue()
         self.futures, self.workers = [], []
+        # set by a rank started here as it ends or writes: watch() looks
+        # then, not only every POLL seconds
+        self._woken = threading.Event()
 
     def __enter__(self):
         if self.client is not None:
@@ -324,13 +331,14 @@ class Driver:
         return self
 
     def __exit__(self, *exc):
-        from distributed import Variable
         try:
             self.relay_events()
         finally:
             if self.client is not None:
                 self.client.unsubscribe_topic(self.name)
             self.stop(0)
+            if self.variables:  # a cluster's (ranks started here: none)
+                from distributed import Variable
             for name in self.variables:
                 try:
                     Variable(f'{self.name}/{name}',
@@ -360,9 +368,11 @@ class Driver:
         def relay(stream, text):
             self.inbox.put((time.time(), {'kind': 'output',
                                           'stream': stream, 'text': text}))
+            self._woken.set()
         self.workers = [None] * len(envs)
         for rank, (env, log) in enumerate(zip(envs, logs)):
-            self.futures.append(Child(argv, env, rank, log, grace, relay))
+            self.futures.append(Child(argv, env, rank, log, grace, relay,
+                                      self._woken.set))
         return self.futures
 
     def relay_events(self):
@@ -425,7 +435,8 @@ class Driver:
                         (roots and now - first >= SETTLE):
                     return self._result(RunState.FAILED,
                                         failure=blame(failures.values()))
-            time.sleep(POLL)
+            self._woken.wait(POLL)
+            self._woken.clear()
 
     def _result(self, state, **more):
         return RunResult(state, self.results(), tuple(self.workers), **more)

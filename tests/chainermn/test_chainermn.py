@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -475,3 +476,22 @@ def test_launch_logs_go_to_a_new_folder_under_runs(tmp_path, monkeypatch):
     assert second == tmp_path / 'runs' / f'{stamp}-2'
     assert first.is_dir() and second.is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ['runs']
+
+
+def test_a_launch_here_never_imports_dask(tmp_path):
+    # CPU ranks on this machine meet through rank 0: the launching
+    # process starts no Dask and imports none, from start to exit (its
+    # import alone is half a second of every launch's wall time).
+    (tmp_path / 'hi.py').write_text('print("hi", flush=True)\n')
+    program = textwrap.dedent(f'''
+        import sys
+        from dasktrain.cli import main
+        code = main(['launch', '-n', '2', '--out', {str(tmp_path / 'ranks')!r},
+                     '--', sys.executable, {str(tmp_path / 'hi.py')!r}])
+        print('code', code, 'dask' in sys.modules,
+              'distributed' in sys.modules, flush=True)
+    ''')
+    with child([sys.executable, '-c', program], cwd=tmp_path) as proc:
+        assert proc.wait(120) == 0, proc.stderr()
+        out = ''.join(proc.lines)
+    assert 'code 0 False False' in out, out
