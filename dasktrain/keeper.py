@@ -48,7 +48,6 @@ import functools
 import importlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -57,7 +56,7 @@ import time
 
 from dasktrain.as_user import become, cannot_start, popen_options
 from dasktrain.containment import Cgroup, own_folder
-from dasktrain.spawn import die_with_parent
+from dasktrain.spawn import ExitWaiter, die_with_parent
 from dasktrain.sweep import MARK_ENV, PAUSE, SCANS, job_processes, signal_job
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -190,7 +189,7 @@ class KeptProgram:
         ``grace``) once ``stop()`` says so; call ``every()`` at each look
         (``poll`` seconds apart). How it ended, an :class:`Ended`."""
         stopped = None
-        exited = _exit_waiter(self.process.pid)
+        exited = ExitWaiter(self.process.pid)
         try:
             while self.process.poll() is None:
                 if stopped is None and stop is not None and stop():
@@ -573,30 +572,6 @@ def keep(spec):
         else ended - stop[0], 'killed': program_killed, 'left': len(left),
         'grace': grace, 'oom': oom, 'outlived': outlived[:100]}})
     return status
-
-
-class _exit_waiter:
-    """``waiter(seconds)`` returns once child ``pid`` has exited (it is
-    not reaped: ``poll()`` then does it) or ``seconds`` have passed:
-    through a pidfd where Linux has one (woken at the exit itself, not at
-    the next look), else by sleeping."""
-
-    def __init__(self, pid):
-        try:
-            self._fd = os.pidfd_open(pid)
-        except (AttributeError, OSError):  # not Linux 5.3+, or gone
-            self._fd = None
-
-    def __call__(self, seconds):
-        if self._fd is None:
-            time.sleep(seconds)
-        else:
-            select.select([self._fd], [], [], seconds)
-
-    def close(self):
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def end_as(status):

@@ -7,14 +7,18 @@ owner, with its certificates. Every process the project spawns (the
 scheduler, the worker, each job's child) starts with :func:`python` and
 in a folder of its own. And :func:`check_main_guard`: local worker
 processes re-import the user's script, which must keep its calls under
-``if __name__ == '__main__':``. Owns those decisions only: it starts
+``if __name__ == '__main__':``. And how a parent waits for a child it
+started: :class:`ExitWaiter`. Owns those decisions only: it starts
 nothing.
 """
 import ast
 import ctypes
 import inspect
+import os
+import select
 import signal
 import sys
+import time
 
 from dasktrain.errors import UserError
 
@@ -108,3 +112,28 @@ def check_main_guard():
             f'{path}, line {line}, starts worker processes from the '
             "script's top level: each would run the script again. Put the "
             "calls under `if __name__ == '__main__':` (see docs/training.md)")
+
+
+class ExitWaiter:
+    """``waiter(seconds)`` returns once child ``pid`` has exited (it is
+    not reaped: the caller's ``poll()`` does it) or ``seconds`` have
+    passed: through a pidfd where Linux has one (woken by the exit
+    itself, not at the caller's next look), else by sleeping. ``close()``
+    once done."""
+
+    def __init__(self, pid):
+        try:
+            self._fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # not Linux 5.3+, or gone
+            self._fd = None
+
+    def __call__(self, seconds):
+        if self._fd is None:
+            time.sleep(seconds)
+        else:
+            select.select([self._fd], [], [], seconds)
+
+    def close(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

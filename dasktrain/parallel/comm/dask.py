@@ -454,27 +454,16 @@ class DaskComm(Communicator):
         the same dtypes and sizes on every rank, in the same order), in
         place: through shared memory where every rank is on this machine
         (the segments a sum of the same arrays uses), else as one
-        message per dtype."""
-        if self.size == 1:
-            return arrays
-        if self.shared_memory:
+        message."""
+        if self.size > 1 and self.shared_memory:
             groups = {}
             for key, members in batches(arrays):
                 groups.setdefault(key, []).extend(members)
             self._shm.bcast(groups, signature(arrays))
-            return arrays
-        by_dtype = {}
-        for a in arrays:
-            by_dtype.setdefault(np.dtype(a.dtype).str, []).append(a)
-        got = self.bcast({key: np.concatenate([a.reshape(-1) for a in m])
-                          for key, m in by_dtype.items()}
-                         if self.rank == 0 else None)
-        if self.rank != 0:
-            for key, members in by_dtype.items():
-                flat, start = got[key], 0
-                for a in members:
-                    a[...] = flat[start:start + a.size].reshape(a.shape)
-                    start += a.size
+        elif self.size > 1:
+            got = self.bcast(list(arrays) if self.rank == 0 else None)
+            for a, theirs in zip(arrays, got if self.rank else ()):
+                a[...] = theirs
         return arrays
 
     def exchange(self, send=None, receive=()):
