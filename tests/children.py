@@ -49,6 +49,14 @@ class Child:
             reader.join(timeout)
         return ''.join(self.err)
 
+    def stdout(self, timeout=5):
+        """What the child printed, once the readers have drained the
+        pipes (as :meth:`stderr`): after ``wait``, ``lines`` may still be
+        filling."""
+        for reader in self.readers:
+            reader.join(timeout)
+        return ''.join(self.lines)
+
     def kill(self):
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):

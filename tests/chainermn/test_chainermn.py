@@ -493,5 +493,5 @@ def test_a_launch_here_never_imports_dask(tmp_path):
     ''')
     with child([sys.executable, '-c', program], cwd=tmp_path) as proc:
         assert proc.wait(120) == 0, proc.stderr()
-        out = ''.join(proc.lines)
+        out = proc.stdout()
     assert 'code 0 False False' in out, out

@@ -68,7 +68,7 @@ def test_modules_planted_where_commands_run_are_never_imported(
     def dasktrain(*args, timeout=180):
         with child([str(CONSOLE), *args], env=env, cwd=shared) as c:
             assert c.wait(timeout) == 0, c.stderr()
-            return ''.join(c.lines)
+            return c.stdout()
     try:
         dasktrain('cluster', 'start', '--port', '0', '--dashboard-port', '0',
                   '--gpus', '0')

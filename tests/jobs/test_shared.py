@@ -634,7 +634,7 @@ print(s.makefile().read())
         with child([sys.executable, '-c', code, str(lab.where.socket),
                     json.dumps(request)], cwd=lab.homes[who]) as c:
             assert c.wait(30) == 0, c.stderr()
-            return json.loads(''.join(c.lines))
+            return json.loads(c.stdout())
     claim = dict(_program(cwd=str(lab.homes['eve'])), uid=bob,
                  user=lab.names['bob'])
     answer = send('eve', claim)
@@ -963,7 +963,7 @@ def test_a_stopped_shared_cluster_brings_back_every_users_jobs(lab):
     with child([str(CONSOLE), 'cluster', 'stop', '--requeue', *shared],
                env=lab.env()) as c:
         assert c.wait(120) == 0, c.stderr()
-        assert f'job {job_id}: queued' in ''.join(c.lines)
+        assert f'job {job_id}: queued' in c.stdout()
     code, _, err = lab.run('bob', 'jobs')
     assert (code, err) == (1, f'dasktrain jobs: error: the shared queue at '
                               f'{lab.where.socket} is not there (No such '
@@ -975,7 +975,7 @@ def test_a_stopped_shared_cluster_brings_back_every_users_jobs(lab):
                env=lab.env(SUDO_UID=str(lab.uid('ann')))) as c:
         assert c.wait(120) == 0, c.stderr()
         assert f'requeued job {job_id} (its cluster had gone)' in \
-            ''.join(c.lines)
+            c.stdout()
     lab.state = json.loads((lab.where.private / 'cluster.json').read_text())
     lab.wait_for(job_id, ('running',))
     assert lab.run('ann', 'cancel', job_id)[:2] == (0, f'{job_id}: '

@@ -155,7 +155,8 @@ def test_3_a_run_refuses_a_folder_another_user_can_change(lab, tmp_path):
     with child('launch', '-n', '1', '--out', str(mine), '--',
                sys.executable, '-c', RANK, cwd=tmp_path) as c:
         assert c.wait(120) == 0, c.stderr()
-        said = [line for line in c.lines if line.startswith('shim ')]
+        said = [line for line in c.stdout().splitlines()
+                if line.startswith('shim ')]
     _, shim, mode, uid = said[0].split()
     assert (mode, uid) == ('0o700', '0') and not shim.startswith(str(mine))
     assert not os.path.exists(shim)  # gone with the launch
