@@ -19,6 +19,7 @@ The shared queue's doors: ``tests/jobs/test_shared_doors.py``."""
 import json
 import os
 import pwd
+import signal
 import subprocess
 import sys
 import threading
@@ -210,6 +211,11 @@ def test_4_a_launchs_rendezvous_and_a_runs_workers_serve_health_alone(
         seen = as_user(lab, 'eve', probe, [p for _, p in where])
         eve_reads = as_user(lab, 'eve', os.access, told, os.R_OK)
         folder = os.stat(os.path.dirname(told))
+        # a Ctrl-C, not the SIGKILL leaving the block would send: the
+        # launch stops its ranks and removes its private folders
+        c.signal(signal.SIGINT)
+        assert c.wait(60) == 130, c.stderr()
+    assert not os.path.exists(os.path.dirname(told))
     assert len(ranks) == 2 and len(where) >= 2, (ranks, where)
     assert all(ip == '127.0.0.1' for ip, _ in where), where
     assert not any(f':{port}' in text for _, port in where
