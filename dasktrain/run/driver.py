@@ -269,9 +269,9 @@ class Child:
     (``status``, :meth:`result`)."""
 
     def __init__(self, argv, env, rank, log, grace, relay=None,
-                 ended=None):
+                 on_end=None):
         self.rank, self.log, self.grace = rank, log, grace
-        self._ended = ended  # called once it has ended
+        self._on_end = on_end  # called once it has ended
         self.status, self.ended, self._result = 'pending', None, None
         self.stopping = threading.Event()
         self._file = open_for_writing(log)  # never through a symlink
@@ -295,8 +295,8 @@ class Child:
                                      last_line(self.log))
         self.ended = ended.at
         self.status = 'finished'
-        if self._ended is not None:
-            self._ended()
+        if self._on_end is not None:
+            self._on_end()
 
     def result(self):
         return self._result

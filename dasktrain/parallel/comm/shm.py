@@ -155,6 +155,20 @@ def disjoint(arrays):
                zip(spans, spans[1:]))
 
 
+def places(groups, regions, segment):
+    """``(part, array)`` for each array of ``groups`` = {dtype str:
+    [arrays]}: its place in ``segment`` (a :class:`_Segment`), as
+    :func:`layout`'s ``regions`` lay the arrays end to end, shaped like
+    it."""
+    found = []
+    for key, dtype, offset, count in regions:
+        flat, start = segment.view(dtype, offset, count), 0
+        for a in groups[key]:
+            found.append((flat[start:start + a.size].reshape(a.shape), a))
+            start += a.size
+    return found
+
+
 def _put(source, target, factor):
     """``target[...] = source`` (times ``factor`` where it is given: one
     pass, the product in ``target``'s dtype as ``target *= factor``)."""
@@ -365,11 +379,8 @@ class SharedMemoryReducer:
         arrays, sums its slice into the result segment, and reads all of
         it."""
         ins, result = self._open(regions, nbytes, whole=True)
-        for key, dtype, offset, count in regions:  # 1. pack into my input
-            flat, start = ins[self.rank].view(dtype, offset, count), 0
-            for a in groups[key]:
-                flat[start:start + a.size].reshape(a.shape)[...] = a
-                start += a.size
+        for part, a in places(groups, regions, ins[self.rank]):
+            part[...] = a  # 1. pack into my input
         theirs = self.comm.allgather(signature)  # 2. inputs written
         _check([(other, None) for other in theirs], signature, self.rank)
         for _, dtype, offset, count in regions:  # 3. my slice's sums
@@ -383,11 +394,8 @@ class SharedMemoryReducer:
             between([result.view(dtype, offset, count)
                      for _, dtype, offset, count in regions])
         self.comm.barrier()  # the other hosts' sums added
-        for key, dtype, offset, count in regions:  # 5. read the result
-            flat, start = result.view(dtype, offset, count), 0
-            for a in groups[key]:
-                _put(flat[start:start + a.size].reshape(a.shape), a, scale)
-                start += a.size
+        for part, a in places(groups, regions, result):
+            _put(part, a, scale)  # 5. read the result
 
     def bcast(self, groups, signature):
         """Rank 0's arrays into every rank's ``groups`` = {dtype str:
@@ -403,12 +411,7 @@ class SharedMemoryReducer:
                   for k, arrays in groups.items()}
         regions, nbytes = layout(counts)
         ins, _ = self._open(regions, nbytes)
-        pairs = []  # (its place in rank 0's input, an array)
-        for key, dtype, offset, count in regions:
-            flat, start = ins[0].view(dtype, offset, count), 0
-            for a in groups[key]:
-                pairs.append((flat[start:start + a.size].reshape(a.shape), a))
-                start += a.size
+        pairs = places(groups, regions, ins[0])
         if self.rank == 0:
             for part, a in pairs:
                 part[...] = a
