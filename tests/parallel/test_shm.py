@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from dasktrain.parallel.comm import shm
+from dasktrain.parallel.comm import board, shm
 from tests.children import child
 
 # Each rank of the script below sums, over every path, arrays it draws
@@ -50,7 +50,8 @@ RANKS = textwrap.dedent('''
             (None, 'through'), (1.0 / size, 'through'), (0.5, 'through'),
             (1.0 / size, 'aliased'), (None, 'strided'),
             (1.0 / size, 'mixed'), (1.0 / size, 'through'),
-            (1.0 / size, 'small')]):
+            (1.0 / size, 'small'), (1.0 / size, 'one'),
+            (1.0 / size, 'one-mixed'), (None, 'one')]):
         arrays = draw(rank, call)
         want = reference(size, call, scale)
         if how == 'aliased':  # two views of one buffer: gathered
@@ -68,6 +69,15 @@ RANKS = textwrap.dedent('''
         if how == 'small':
             arrays, want = arrays[:2], want[:2]
             arrays[1], want[1] = arrays[1][:3000], None
+        if how.startswith('one'):  # one small array: its own path
+            arrays = [arrays[1][:3000].copy()]
+            if how == 'one-mixed' and rank == 1:  # the general one here
+                wide = np.zeros(6000, np.float32)
+                wide[::2] = arrays[0]
+                arrays = [wide[::2]]
+            part = [draw(r, call)[1][:3000] for r in range(size)]
+            total = sum(part[1:], part[0])
+            want = [total if scale is None else np.multiply(total, scale)]
         sent = arrays + ([extra] if how == 'aliased' else [])
         comm.allreduce(sent, scale=scale)
         if how == 'small':  # a slice of one draw: summed alone
@@ -88,6 +98,8 @@ RANKS = textwrap.dedent('''
         if any(got.tobytes() != want.tobytes()
                for got, want in zip(arrays, draw(0, call))):
             failed.append(f'bcast {call}')
+    board = comm._shm is not None and comm._shm.board is not None
+    print(f'rank {rank} on a board: {board}', flush=True)
     print(f'rank {rank} of {size} via {comm.route}:',
           'ok' if not failed else failed, flush=True)
     sys.exit(1 if failed else 0)
@@ -120,6 +132,9 @@ def test_every_path_sums_the_reference_bits(tmp_path, n, shared):
     route = 'shared memory' if shared == '1' else 'links'
     for rank in range(n):
         assert f'rank {rank} of {n} via {route}: ok' in out, out + err
+        # the barriers and small sums meet in shared memory (on x86)
+        on_board = shared == '1' and board.supported()
+        assert f'rank {rank} on a board: {on_board}' in out, out + err
     assert set(glob.glob('/dev/shm/dasktrain-*')) <= before  # unlinked
 
 

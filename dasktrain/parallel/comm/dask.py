@@ -47,7 +47,7 @@ import os
 
 import numpy as np
 
-from dasktrain.parallel.comm import mesh
+from dasktrain.parallel.comm import board, mesh
 from dasktrain.parallel.comm.base import (
     PEER_GONE,
     CollectiveError,
@@ -216,6 +216,8 @@ class DaskComm(Communicator):
                 near = Nearby.connect(group, set(range(len(mine))) -
                                       {group.rank})
                 self._shm.comm = NearGroup(near, group.rank, group.size)
+                if board.supported():  # and its barriers through memory
+                    self._shm.board = board.Board.connect(group, near.gone)
         # A host whose ranks cannot share memory is as many hosts.
         joined = self.allgather(self._shm is not None or len(mine) == 1)
         self.hosts = [g for g in hosts if all(joined[r] for r in g)] + \
@@ -265,6 +267,8 @@ class DaskComm(Communicator):
             self._links.close()
         if self._shm is not None:
             self._shm.close()
+            if self._shm.board is not None:
+                self._shm.board.close()
             if isinstance(self._shm.comm, NearGroup):
                 self._shm.comm.close()
         async def shut():
@@ -402,6 +406,9 @@ class DaskComm(Communicator):
 
     def _allreduce_shared(self, arrays, scale):
         self._staging.next_round()
+        if len(arrays) == 1 and len(self.hosts) == 1 and \
+                self._shm.allreduce_one(arrays[0], scale):
+            return arrays  # small: on the board, in a few calls
         groups, back = {}, []
         for k, (key, members) in enumerate(batches(arrays)):
             if all(isinstance(a, np.ndarray) for a in members):

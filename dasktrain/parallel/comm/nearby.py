@@ -290,6 +290,19 @@ class Nearby:
                 if got is not None:
                     return got[0]
 
+    def gone(self, peer):
+        """Whether rank ``peer`` closed its connection (it exited): its
+        socket reads as ended. Reads nothing: what it sent stays."""
+        sock = self._socks[peer]
+        try:
+            if not select.select([sock], [], [], 0)[0]:
+                return False
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b''
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):  # reset, or closed here
+            return True
+
     def close(self):
         for sock in self._socks.values():
             sock.close()

@@ -64,6 +64,7 @@ import hashlib
 import mmap
 import os
 import uuid
+import zlib
 
 import numpy as np
 
@@ -155,14 +156,21 @@ def disjoint(arrays):
                zip(spans, spans[1:]))
 
 
+def view(raw, dtype, offset, count):
+    """``count`` elements of ``dtype`` at byte ``offset`` of ``raw`` (a
+    uint8 array)."""
+    return raw[offset:offset + count * dtype.itemsize].view(dtype)
+
+
 def places(groups, regions, segment):
     """``(part, array)`` for each array of ``groups`` = {dtype str:
-    [arrays]}: its place in ``segment`` (a :class:`_Segment`), as
-    :func:`layout`'s ``regions`` lay the arrays end to end, shaped like
-    it."""
+    [arrays]}: its place in ``segment`` (a :class:`_Segment`, or a uint8
+    array), as :func:`layout`'s ``regions`` lay the arrays end to end,
+    shaped like it."""
+    raw = getattr(segment, 'bytes', segment)
     found = []
     for key, dtype, offset, count in regions:
-        flat, start = segment.view(dtype, offset, count), 0
+        flat, start = view(raw, dtype, offset, count), 0
         for a in groups[key]:
             found.append((flat[start:start + a.size].reshape(a.shape), a))
             start += a.size
@@ -176,6 +184,21 @@ def _put(source, target, factor):
         target[...] = source
     else:
         np.multiply(source, factor, out=target)
+
+
+def fingerprint(signature):
+    """A signature (:func:`~dasktrain.parallel.comm.base.signature`) as
+    a uint32, the same in every process (not Python's ``hash``, which
+    each process salts).
+
+    Examples
+    --------
+    >>> fingerprint([('<f4', 3)]) == fingerprint([('<f4', 3)])
+    True
+    >>> fingerprint([('<f4', 3)]) == fingerprint([('<f4', 4)])
+    False
+    """
+    return zlib.crc32(repr(signature).encode())
 
 
 def _check(theirs, signature, rank):
@@ -205,7 +228,7 @@ class _Segment:
         self.bytes = np.frombuffer(self.map, dtype=np.uint8)
 
     def view(self, dtype, offset, count):
-        return self.bytes[offset:offset + count * dtype.itemsize].view(dtype)
+        return view(self.bytes, dtype, offset, count)
 
     def close(self):
         del self.bytes  # the mapping cannot close while viewed
@@ -233,6 +256,10 @@ class SharedMemoryReducer:
         self.comm, self._token = comm, token
         self.rank, self.size = comm.rank, comm.size
         self._segments = {}  # (layout, whole) -> (inputs by rank, result)
+        #: A :class:`~dasktrain.parallel.comm.board.Board` of the ranks,
+        #: where they have one: the barriers and small sums meet there.
+        self.board = None
+        self._fingerprints = {}  # (dtype str, size) -> its fingerprint
 
     @classmethod
     def connect(cls, comm):
@@ -343,8 +370,7 @@ class SharedMemoryReducer:
             for i, a_lo, f_lo, n in pieces(sizes, 0, lo) + \
                     pieces(sizes, hi, count):
                 segs[self.rank][f_lo:f_lo + n] = flats[i][a_lo:a_lo + n]
-        theirs = self.comm.allgather(signature)  # 2. inputs written
-        _check([(other, None) for other in theirs], signature, self.rank)
+        self._meet(signature)  # 2. inputs written
         for _, flats, sizes, _, edges, step, segs in plan:
             # 3. my slice, chunk by chunk: summed into my input's own
             # slice (where the others read it); written back meanwhile
@@ -357,7 +383,7 @@ class SharedMemoryReducer:
                            for r, seg in enumerate(segs)], out)
                 if through:
                     _put(out, own, scale)
-        self.comm.barrier()  # 4. every slice summed
+        self._meet()  # 4. every slice summed
         for members, flats, sizes, _, edges, _, segs in plan:
             # 5. the slices from their owners' inputs (through: the others')
             for owner, (lo, hi) in enumerate(edges):
@@ -381,19 +407,18 @@ class SharedMemoryReducer:
         ins, result = self._open(regions, nbytes, whole=True)
         for part, a in places(groups, regions, ins[self.rank]):
             part[...] = a  # 1. pack into my input
-        theirs = self.comm.allgather(signature)  # 2. inputs written
-        _check([(other, None) for other in theirs], signature, self.rank)
+        self._meet(signature)  # 2. inputs written
         for _, dtype, offset, count in regions:  # 3. my slice's sums
             lo, hi = bounds(count, self.size)[self.rank]
             if hi > lo:
                 acc = result.view(dtype, offset, count)[lo:hi]
                 self._sum([peer.view(dtype, offset, count)[lo:hi]
                            for peer in ins], acc)
-        self.comm.barrier()  # 4. every slice summed
+        self._meet()  # 4. every slice summed
         if self.rank == 0:
             between([result.view(dtype, offset, count)
                      for _, dtype, offset, count in regions])
-        self.comm.barrier()  # the other hosts' sums added
+        self._meet()  # the other hosts' sums added
         for part, a in places(groups, regions, result):
             _put(part, a, scale)  # 5. read the result
 
@@ -405,8 +430,7 @@ class SharedMemoryReducer:
         barrier, the others read, a barrier (rank 0's next sum may pack
         again). A model's first broadcast so makes the segments its
         gradients are then summed through."""
-        theirs = self.comm.allgather(signature)
-        _check([(other, None) for other in theirs], signature, self.rank)
+        self._meet(signature)
         counts = {k: sum(a.size for a in arrays)
                   for k, arrays in groups.items()}
         regions, nbytes = layout(counts)
@@ -415,11 +439,41 @@ class SharedMemoryReducer:
         if self.rank == 0:
             for part, a in pairs:
                 part[...] = a
-        self.comm.barrier()  # rank 0's arrays are in its input
+        self._meet()  # rank 0's arrays are in its input
         if self.rank != 0:
             for part, a in pairs:
                 a[...] = part
-        self.comm.barrier()  # every rank has read them
+        self._meet()  # every rank has read them
+
+    def _meet(self, signature=None):
+        """A barrier of the ranks (on the board where they have one);
+        with ``signature``, compared across them: CollectiveError where a
+        rank's differs."""
+        if self.board is None:
+            if signature is None:
+                self.comm.barrier()
+            else:
+                theirs = self.comm.allgather(signature)
+                _check([(other, None) for other in theirs], signature,
+                       self.rank)
+            return
+        if signature is None:
+            self.board.exchange()
+            return
+        mine = fingerprint(signature)
+        self._compare(self.board.exchange(mine, len(signature)), mine,
+                      signature)
+
+    def _compare(self, got, mine, signature):
+        """CollectiveError where a rank's fingerprint in ``got`` (the
+        board's answer) is not ``mine``, that of ``signature``."""
+        for peer, (theirs, count, _) in enumerate(got):
+            if theirs != mine:
+                raise CollectiveError(
+                    f'rank {peer} sums {count} arrays where rank '
+                    f'{self.rank} sums {len(signature)} (or of other '
+                    'sizes): the ranks are out of step (different models '
+                    'or optimizer state)')
 
     @staticmethod
     def _sum(parts, acc):
@@ -437,7 +491,10 @@ class SharedMemoryReducer:
         """A sum of at most :data:`SMALL_BYTES`: every rank's flat copies
         go to every rank with its signature (one exchange, not two
         barriers), each rank adds them in rank order: the same bits as
-        the segments' sum, on every rank."""
+        the segments' sum, on every rank. On a board, each rank's arrays
+        are its payload there, laid as :func:`layout` lays them."""
+        if self.board is not None:
+            return self._allreduce_board(groups, signature, scale)
         flats = {key: np.concatenate([np.asarray(a).reshape(-1)
                                       for a in arrays])
                  for key, arrays in groups.items()}
@@ -448,6 +505,55 @@ class SharedMemoryReducer:
             self._sum([other[key] for _, other in theirs], total)
             start = 0
             for a in arrays:
+                _put(total[start:start + a.size].reshape(a.shape), a, scale)
+                start += a.size
+
+    def allreduce_one(self, a, scale=None):
+        """Sum the one host array ``a`` in place (times ``scale``) on the
+        board, where the ranks have one and ``a`` fits a payload as one
+        C-contiguous, writeable block (a batch normalisation's
+        statistics): the bits of :meth:`allreduce`'s, in a few calls.
+        Returns False, having done nothing, where it does not apply."""
+        if self.board is None or type(a) is not np.ndarray or \
+                a.nbytes > SMALL_BYTES or not a.flags.c_contiguous or \
+                not a.flags.writeable:
+            return False
+        key = (a.dtype.str, a.size)
+        mine = self._fingerprints.get(key)
+        if mine is None:
+            mine = self._fingerprints[key] = fingerprint([key])
+        nbytes = a.nbytes
+
+        def write(payload):
+            payload[:nbytes] = a.reshape(-1).view(np.uint8)
+        got = self.board.exchange(mine, 1, write)
+        self._compare(got, mine, [key])
+        parts = [payload[:nbytes].view(a.dtype).reshape(a.shape)
+                 for _, _, payload in got]
+        self._sum(parts, a)  # its own part is its payload's copy
+        if scale is not None:
+            np.multiply(a, scale, out=a)
+        return True
+
+    def _allreduce_board(self, groups, signature, scale):
+        """:meth:`_allreduce_small` on the board: each rank writes its
+        arrays into its payload, and adds every rank's in rank order."""
+        counts = {k: sum(a.size for a in arrays)
+                  for k, arrays in groups.items()}
+        regions, _ = layout(counts)
+        mine = fingerprint(signature)
+
+        def write(payload):  # read all before any sum is written back
+            for part, a in places(groups, regions, payload):
+                part[...] = a
+        got = self.board.exchange(mine, len(signature), write)
+        self._compare(got, mine, signature)
+        for key, dtype, offset, count in regions:
+            total = np.empty(count, dtype)
+            self._sum([view(payload, dtype, offset, count)
+                       for _, _, payload in got], total)
+            start = 0
+            for a in groups[key]:
                 _put(total[start:start + a.size].reshape(a.shape), a, scale)
                 start += a.size
 
