@@ -73,6 +73,10 @@ _WORD = 1 << 32
 _AHEAD = 1 << 31  # a word (k + d) mod 2**32, d < 2**31, has reached k
 
 
+def _machine(machine=None):
+    return (platform.machine() if machine is None else machine).lower()
+
+
 def supported(machine=None):
     """Whether ranks on this machine (``platform.machine()`` unless given)
     can meet on a board: Linux on x86, whose stores are seen in the order
@@ -83,8 +87,7 @@ def supported(machine=None):
     >>> supported('x86_64'), supported('aarch64'), supported('ppc64le')
     (True, False, False)
     """
-    machine = (platform.machine() if machine is None else machine).lower()
-    return machine in SYS_FUTEX and os.path.isdir(SHM_DIR)
+    return _machine(machine) in SYS_FUTEX and os.path.isdir(SHM_DIR)
 
 
 def spin_seconds(ranks_here, cpus):
@@ -121,10 +124,8 @@ class _Futex:
     class _Timespec(ctypes.Structure):
         _fields_ = [('tv_sec', ctypes.c_long), ('tv_nsec', ctypes.c_long)]
 
-    def __init__(self, machine=None):
-        machine = (platform.machine() if machine is None else
-                   machine).lower()
-        self.number = ctypes.c_long(SYS_FUTEX[machine])
+    def __init__(self):
+        self.number = ctypes.c_long(SYS_FUTEX[_machine()])
         self._call = ctypes.CDLL(None, use_errno=True).syscall
         self._call.restype = ctypes.c_long
 
@@ -248,9 +249,6 @@ class Board:
                         int(self._words[at // 4 + 1]),
                         self._bytes[at + HEADER:at + HALF]))
         return got
-
-    def barrier(self):
-        self.exchange()
 
     def _wait(self, peer, k):
         """Return once ``peer`` has published operation ``k``."""

@@ -201,15 +201,30 @@ def fingerprint(signature):
     return zlib.crc32(repr(signature).encode())
 
 
+def _spread(flat, arrays, factor):
+    """Each of ``arrays`` (laid end to end in ``flat``) its part of
+    ``flat``, in order (times ``factor`` where it is given)."""
+    start = 0
+    for a in arrays:
+        _put(flat[start:start + a.size].reshape(a.shape), a, factor)
+        start += a.size
+
+
+def _out_of_step(peer, theirs, mine, rank):
+    """The CollectiveError of rank ``peer`` summing ``theirs`` arrays
+    where rank ``rank`` sums ``mine`` (or arrays of other sizes)."""
+    return CollectiveError(
+        f'rank {peer} sums {theirs} arrays where rank {rank} sums {mine} '
+        '(or of other sizes): the ranks are out of step (different models '
+        'or optimizer state)')
+
+
 def _check(theirs, signature, rank):
     """CollectiveError where a rank's signature (the first of each of
     ``theirs``, in rank order) is not this one's."""
     for peer, (other, _) in enumerate(theirs):
         if other != signature:
-            raise CollectiveError(
-                f'rank {peer} sums {len(other)} arrays where rank {rank} '
-                f'sums {len(signature)} (or of other sizes): the ranks are '
-                'out of step (different models or optimizer state)')
+            raise _out_of_step(peer, len(other), len(signature), rank)
 
 
 class _Segment:
@@ -393,10 +408,7 @@ class SharedMemoryReducer:
                     _put(segs[owner][f_lo:f_lo + n],
                          flats[i][a_lo:a_lo + n], scale)
             if not through:  # the gathered copy into the arrays, in order
-                start = 0
-                for a in members:
-                    a[...] = flats[0][start:start + a.size].reshape(a.shape)
-                    start += a.size
+                _spread(flats[0], members, None)
 
     def _allreduce_whole(self, groups, signature, regions, nbytes, between,
                          scale):
@@ -469,11 +481,7 @@ class SharedMemoryReducer:
         board's answer) is not ``mine``, that of ``signature``."""
         for peer, (theirs, count, _) in enumerate(got):
             if theirs != mine:
-                raise CollectiveError(
-                    f'rank {peer} sums {count} arrays where rank '
-                    f'{self.rank} sums {len(signature)} (or of other '
-                    'sizes): the ranks are out of step (different models '
-                    'or optimizer state)')
+                raise _out_of_step(peer, count, len(signature), self.rank)
 
     @staticmethod
     def _sum(parts, acc):
@@ -503,10 +511,7 @@ class SharedMemoryReducer:
         for key, arrays in groups.items():
             total = np.empty_like(flats[key])
             self._sum([other[key] for _, other in theirs], total)
-            start = 0
-            for a in arrays:
-                _put(total[start:start + a.size].reshape(a.shape), a, scale)
-                start += a.size
+            _spread(total, arrays, scale)
 
     def allreduce_one(self, a, scale=None):
         """Sum the one host array ``a`` in place (times ``scale``) on the
@@ -552,10 +557,7 @@ class SharedMemoryReducer:
             total = np.empty(count, dtype)
             self._sum([view(payload, dtype, offset, count)
                        for _, _, payload in got], total)
-            start = 0
-            for a in groups[key]:
-                _put(total[start:start + a.size].reshape(a.shape), a, scale)
-                start += a.size
+            _spread(total, groups[key], scale)
 
     def close(self):
         for ins, out in self._segments.values():
