@@ -41,10 +41,8 @@ import time
 import uuid
 from pathlib import Path
 
-from dasktrain.cluster.local import connect, restore_default_scheduler
 from dasktrain.cluster.start_lock import signals_raise
 from dasktrain.cluster.tls import private_copies, throwaway
-from dasktrain.cluster.workers import local_device_workers
 from dasktrain.errors import UserError, argument, plural
 from dasktrain.files import open_for_writing
 from dasktrain.keeper import exit_words
@@ -164,6 +162,10 @@ def launch(argv, n, devices=None, scheduler=None, out=None, timeout=300.0,
             extra = chainermn_environment(stack.enter_context(
                 chainermn_folder()), os.environ) if chainermn else {}
             return _run_here(argv, n, out, timeout, grace, echo, extra)
+        # Dask's modules only here: CPU ranks on this machine never
+        # import them (a launch's start is mostly imports).
+        from dasktrain.cluster.local import connect, restore_default_scheduler
+        from dasktrain.cluster.workers import local_device_workers
         if client is None:
             stack.enter_context(restore_default_scheduler(always=True))
             if scheduler is not None:

@@ -481,7 +481,8 @@ def test_launch_logs_go_to_a_new_folder_under_runs(tmp_path, monkeypatch):
 def test_a_launch_here_never_imports_dask(tmp_path):
     # CPU ranks on this machine meet through rank 0: the launching
     # process starts no Dask and imports none, from start to exit (its
-    # import alone is half a second of every launch's wall time).
+    # import alone is half a second of every launch's wall time), nor
+    # NumPy (a tenth of the time before the ranks begin).
     (tmp_path / 'hi.py').write_text('print("hi", flush=True)\n')
     program = textwrap.dedent(f'''
         import sys
@@ -489,9 +490,10 @@ def test_a_launch_here_never_imports_dask(tmp_path):
         code = main(['launch', '-n', '2', '--out', {str(tmp_path / 'ranks')!r},
                      '--', sys.executable, {str(tmp_path / 'hi.py')!r}])
         print('code', code, 'dask' in sys.modules,
-              'distributed' in sys.modules, flush=True)
+              'distributed' in sys.modules, 'numpy' in sys.modules,
+              flush=True)
     ''')
     with child([sys.executable, '-c', program], cwd=tmp_path) as proc:
         assert proc.wait(120) == 0, proc.stderr()
         out = proc.stdout()
-    assert 'code 0 False False' in out, out
+    assert 'code 0 False False False' in out, out

@@ -136,7 +136,7 @@ def test_float16_buckets_leave_early_over_nccl_one_collective_each(
 def _host_paths(name, rank, size, scheduler, shared):
     import cupy
 
-    from dasktrain.parallel.comm.base import ITSELF_BYTES
+    from dasktrain.parallel.comm.batches import ITSELF_BYTES
     from dasktrain.parallel.comm.rendezvous import (
         SHARED_MEMORY,
         join,

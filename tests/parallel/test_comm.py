@@ -162,7 +162,7 @@ def test_iallreduce_raises_its_error_in_the_waiting_thread():
 # ------------------------------------------- which arrays travel how
 
 def test_a_flat_buffer_travels_as_itself_and_small_arrays_join():
-    from dasktrain.parallel.comm.base import (
+    from dasktrain.parallel.comm.batches import (
         ITSELF_BYTES,
         batches,
         packing,
@@ -184,6 +184,28 @@ def test_a_flat_buffer_travels_as_itself_and_small_arrays_join():
     assert packing([(1, True)]) == 'itself'
     assert packing([(0, True), (1, True)]) == 'each'
     assert packing([(None, True), (0, True)]) == 'each'
+
+
+def test_the_examples_of_the_contract_and_of_the_arrays_hold():
+    import doctest
+
+    from dasktrain.parallel.comm import base, batches
+    for module in (base, batches):
+        result = doctest.testmod(module)
+        assert result.attempted >= 4 and result.failed == 0, module.__name__
+
+
+def test_the_contract_imports_no_numpy():
+    # `dasktrain launch` imports it (its errors, its Solo) before any
+    # rank begins: NumPy there is a twentieth of a second of every start.
+    import subprocess
+    import sys
+    code = ('import sys; import dasktrain.parallel.comm.base, '
+            'dasktrain.parallel.comm.rendezvous, dasktrain.run.launch; '
+            'print("numpy" in sys.modules)')
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.strip() == 'False', done.stderr
 
 
 def test_the_flat_layout_places_each_gradient_once():

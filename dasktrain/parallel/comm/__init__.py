@@ -1,7 +1,8 @@
 """Communicators: how the ranks (processes) of one job sum arrays and hand
 each other Python objects. Every one implements
 :class:`~dasktrain.parallel.comm.base.Communicator` (``base``, with
-``Solo``, the job of one process); ``dask`` has ranks meet through Dask
+``Solo``, the job of one process; ``batches``, how the arrays of one
+collective travel); ``dask`` has ranks meet through Dask
 and talk peer to peer, ``shm`` sums through shared memory on one machine,
 ``nccl`` sums GPU arrays with NCCL.
 
@@ -12,7 +13,8 @@ from dasktrain._lazy import exports
 
 _EXPORTS = {
     **dict.fromkeys(('CollectiveError', 'Communicator', 'Pending', 'Solo',
-                     'poll', 'signature'), 'dasktrain.parallel.comm.base'),
+                     'poll'), 'dasktrain.parallel.comm.base'),
+    'signature': 'dasktrain.parallel.comm.batches',
     **dict.fromkeys(('DaskComm', 'PeerLost'), 'dasktrain.parallel.comm.dask'),
     'SharedMemoryReducer': 'dasktrain.parallel.comm.shm',
     'NcclComm': 'dasktrain.parallel.comm.nccl',

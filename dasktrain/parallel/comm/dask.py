@@ -53,14 +53,12 @@ from dasktrain.parallel.comm.base import (
     CollectiveError,
     Communicator,
     PeerLost,
-    batches,
-    scaled,
-    signature,
 )
+from dasktrain.parallel.comm.batches import batches, scaled, signature
 from dasktrain.parallel.comm.links import STREAMS, plain_asked
 from dasktrain.parallel.comm.links import connect as link
 from dasktrain.parallel.comm.nearby import Nearby, NearGroup
-from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY
+from dasktrain.parallel.comm.rendezvous import SHARED_MEMORY
 from dasktrain.parallel.comm.shm import SharedMemoryReducer
 from dasktrain.parallel.comm.staging import (
     PinnedBuffer,

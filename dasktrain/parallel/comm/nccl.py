@@ -15,13 +15,11 @@ import sys
 import threading
 import time
 
-from dasktrain.parallel.comm.base import (
-    CollectiveError,
-    Communicator,
+from dasktrain.parallel.comm.base import CollectiveError, Communicator, poll
+from dasktrain.parallel.comm.batches import (
     batches,
     packing,
     place,
-    poll,
     scaled,
     signature,
 )

@@ -49,7 +49,6 @@ import time
 
 from dasktrain.files import atomic_write, read_regular
 from dasktrain.parallel.comm.base import CollectiveError, Solo
-from dasktrain.parallel.comm.shm import ENV as SHARED_MEMORY_ENV
 
 RANK = 'DASKTRAIN_RANK'
 SIZE = 'DASKTRAIN_SIZE'
@@ -60,7 +59,8 @@ LISTEN = 'DASKTRAIN_LISTEN'
 TLS_CA, TLS_CERT, TLS_KEY = ('DASKTRAIN_TLS_CA', 'DASKTRAIN_TLS_CERT',
                              'DASKTRAIN_TLS_KEY')
 TIMEOUT = 'DASKTRAIN_TIMEOUT'
-SHARED_MEMORY = SHARED_MEMORY_ENV
+#: ``0``: ranks of one host do not sum through shared memory.
+SHARED_MEMORY = 'DASKTRAIN_SHARED_MEMORY'
 ALL = (RANK, SIZE, RENDEZVOUS, RANK0, JOB, LISTEN, TLS_CA,
        TLS_CERT, TLS_KEY, TIMEOUT)
 

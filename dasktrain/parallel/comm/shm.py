@@ -74,8 +74,6 @@ SHM_DIR = '/dev/shm'
 #: A segment's pages mapped at once (Linux): one call, where faulting
 #: them in one by one at first touch costs a sum of 22 MB about 20 ms.
 POPULATE = getattr(mmap, 'MAP_POPULATE', 0)
-#: ``DASKTRAIN_SHARED_MEMORY=0``: ranks of one host do not sum through it.
-ENV = 'DASKTRAIN_SHARED_MEMORY'
 ALIGN = 64  # bytes: each dtype's region starts on a cache line
 #: Bytes up to which a sum travels as one exchange of copies, each rank
 #: adding them: two barriers cost more than those bytes.
@@ -187,7 +185,7 @@ def _put(source, target, factor):
 
 
 def fingerprint(signature):
-    """A signature (:func:`~dasktrain.parallel.comm.base.signature`) as
+    """A signature (:func:`~dasktrain.parallel.comm.batches.signature`) as
     a uint32, the same in every process (not Python's ``hash``, which
     each process salts).
 

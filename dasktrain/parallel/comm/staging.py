@@ -16,7 +16,7 @@ import contextlib
 
 import numpy as np
 
-from dasktrain.parallel.comm.base import packing, place
+from dasktrain.parallel.comm.batches import packing, place
 
 #: Keys no longer kept whose last use and gap are still remembered, so
 #: that one needed again is kept from then on.
@@ -139,7 +139,7 @@ class Staging:
 
 def to_host(members, staging=None):
     """One flat host buffer holding ``members`` (one dtype) and how it was
-    made (:func:`~dasktrain.parallel.comm.base.packing`, and the GPU
+    made (:func:`~dasktrain.parallel.comm.batches.packing`, and the GPU
     buffer it came from): a flat host array is the buffer itself; GPU
     arrays of one GPU travel in one transfer, not one each, into
     ``staging(dtype, size, device)``'s buffer where given (pinned memory: both
