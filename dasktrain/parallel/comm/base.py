@@ -32,6 +32,9 @@ PEER_GONE = 'its worker died or its training failed'
 PEER_DOWN = 'its peer died or the network is down'
 PEER_SILENT = 'a peer died or hangs'
 ECHO_PHRASES = (PEER_GONE, PEER_DOWN, PEER_SILENT)
+#: ``DASKTRAIN_SHARED_MEMORY=0`` (the user's): ranks of one host do not
+#: sum through shared memory.
+SHARED_MEMORY_ENV = 'DASKTRAIN_SHARED_MEMORY'
 
 
 class CollectiveError(Error, RuntimeError):

@@ -50,6 +50,7 @@ import numpy as np
 from dasktrain.parallel.comm import board, mesh
 from dasktrain.parallel.comm.base import (
     PEER_GONE,
+    SHARED_MEMORY_ENV,
     CollectiveError,
     Communicator,
     PeerLost,
@@ -58,7 +59,6 @@ from dasktrain.parallel.comm.batches import batches, scaled, signature
 from dasktrain.parallel.comm.links import STREAMS, plain_asked
 from dasktrain.parallel.comm.links import connect as link
 from dasktrain.parallel.comm.nearby import Nearby, NearGroup
-from dasktrain.parallel.comm.rendezvous import SHARED_MEMORY
 from dasktrain.parallel.comm.shm import SharedMemoryReducer
 from dasktrain.parallel.comm.staging import (
     PinnedBuffer,
@@ -191,7 +191,7 @@ class DaskComm(Communicator):
         rank asks for ``plain`` links (default: ``DASKTRAIN_LINKS=tcp``).
         A collective: every rank calls it."""
         if shared_memory is None:
-            shared_memory = os.environ.get(SHARED_MEMORY, '1') != '0'
+            shared_memory = os.environ.get(SHARED_MEMORY_ENV, '1') != '0'
         if plain is None:
             plain = plain_asked()
         self.link_options = (plain, streams)

@@ -48,7 +48,11 @@ import tempfile
 import time
 
 from dasktrain.files import atomic_write, read_regular
-from dasktrain.parallel.comm.base import CollectiveError, Solo
+from dasktrain.parallel.comm.base import (
+    SHARED_MEMORY_ENV,
+    CollectiveError,
+    Solo,
+)
 
 RANK = 'DASKTRAIN_RANK'
 SIZE = 'DASKTRAIN_SIZE'
@@ -59,8 +63,7 @@ LISTEN = 'DASKTRAIN_LISTEN'
 TLS_CA, TLS_CERT, TLS_KEY = ('DASKTRAIN_TLS_CA', 'DASKTRAIN_TLS_CERT',
                              'DASKTRAIN_TLS_KEY')
 TIMEOUT = 'DASKTRAIN_TIMEOUT'
-#: ``0``: ranks of one host do not sum through shared memory.
-SHARED_MEMORY = 'DASKTRAIN_SHARED_MEMORY'
+SHARED_MEMORY = SHARED_MEMORY_ENV
 ALL = (RANK, SIZE, RENDEZVOUS, RANK0, JOB, LISTEN, TLS_CA,
        TLS_CERT, TLS_KEY, TIMEOUT)
 
