@@ -482,7 +482,7 @@ def test_a_launch_here_never_imports_dask(tmp_path):
     # CPU ranks on this machine meet through rank 0: the launching
     # process starts no Dask and imports none, from start to exit (its
     # import alone is half a second of every launch's wall time), nor
-    # NumPy (a tenth of the time before the ranks begin).
+    # NumPy (its import, about 0.05 s before the ranks begin).
     (tmp_path / 'hi.py').write_text('print("hi", flush=True)\n')
     program = textwrap.dedent(f'''
         import sys

@@ -195,19 +195,6 @@ def test_the_examples_of_the_contract_and_of_the_arrays_hold():
         assert result.attempted >= 4 and result.failed == 0, module.__name__
 
 
-def test_the_contract_imports_no_numpy():
-    # `dasktrain launch` imports it (its errors, its Solo) before any
-    # rank begins: NumPy there is a twentieth of a second of every start.
-    import subprocess
-    import sys
-    code = ('import sys; import dasktrain.parallel.comm.base, '
-            'dasktrain.parallel.comm.rendezvous, dasktrain.run.launch; '
-            'print("numpy" in sys.modules)')
-    done = subprocess.run([sys.executable, '-c', code], capture_output=True,
-                          text=True, timeout=120)
-    assert done.stdout.strip() == 'False', done.stderr
-
-
 def test_the_flat_layout_places_each_gradient_once():
     from dasktrain.parallel.exchange.flat import layout
     from dasktrain.parallel.exchange.wire import ideal
