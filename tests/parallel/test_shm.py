@@ -158,3 +158,36 @@ def test_the_slices_and_their_pieces():
                     assert start + n <= sizes[index]
             seen.extend(range(lo, hi))
         assert seen == list(range(total))
+
+
+@pytest.mark.parametrize('align', [1, 4, 16])
+def test_each_array_and_slice_starts_on_a_cache_line(align):
+    # the region's layout: each array on a multiple of `align` elements
+    # (a cache line), each rank's slice too, and every piece of a slice
+    # (cut in chunks of a multiple of it) starts on one; the pieces still
+    # cover every element of every array once, in order
+    sizes = [5, 1, 0, 17, 3, 32, 2107]
+    begins, count = shm.starts(sizes, align)
+    assert all(b % align == 0 for b in begins)
+    assert all(b + n <= after for b, n, after in
+               zip(begins, sizes, begins[1:]))
+    assert count == begins[-1] + sizes[-1]
+    for size in (1, 2, 3, 7):
+        edges = shm.bounds(count, size, align)
+        assert edges[0][0] == 0 and edges[-1][1] == count
+        assert all(hi == lo for (_, hi), (lo, _) in zip(edges, edges[1:]))
+        assert all(lo % align == 0 for lo, _ in edges)
+        for step in (None, align, 4 * align):
+            seen = []
+            for lo, hi in edges:
+                for index, start, f_lo, n in shm.pieces(sizes, lo, hi, step,
+                                                        align):
+                    assert f_lo == begins[index] + start
+                    assert f_lo % align == 0  # never mid-line
+                    assert 0 < n <= (step or n)
+                    seen.extend((index, start + j) for j in range(n))
+            assert seen == [(i, j) for i, n in enumerate(sizes)
+                            for j in range(n)]
+    # a dtype's cache line: 16 float32, 8 float64, 1 for odd item sizes
+    assert [shm.unit(d) for d in ('<f4', '<f8', '<f2', 'V3')] == \
+        [16, 8, 32, 1]

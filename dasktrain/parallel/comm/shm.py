@@ -3,8 +3,11 @@
 Between processes on one host, sending 22 MB of gradients through TCP
 sockets (even loopback) costs copies into and out of the kernel and a
 pickle framing per message; MPI and NCCL use shared memory instead. So does
-:class:`SharedMemoryReducer`. Rank r owns the r-th slice of the flat
-buffer (np.array_split's bounds):
+:class:`SharedMemoryReducer`. Each dtype's arrays lie in one region of a
+segment, each array starting on a cache line; rank r owns the r-th slice
+of the region (np.array_split's bounds, each moved up to a cache line:
+NumPy's loops run about half as fast on misaligned operands, and the
+slowest rank's slice is every rank's wait):
 
 1. every rank copies the parts of its arrays *outside* its own slice into
    its own input segment;
@@ -74,7 +77,11 @@ SHM_DIR = '/dev/shm'
 #: A segment's pages mapped at once (Linux): one call, where faulting
 #: them in one by one at first touch costs a sum of 22 MB about 20 ms.
 POPULATE = getattr(mmap, 'MAP_POPULATE', 0)
-ALIGN = 64  # bytes: each dtype's region starts on a cache line
+#: Bytes: each dtype's region, each array in it and each rank's slice of
+#: it start on a cache line. NumPy's loops run about half as fast on
+#: operands that do not (seen: the sum of a 4-byte-misaligned slice of a
+#: 22 MB mean 9 ms where an aligned one took 5.5, on a 2-CPU Xeon VM).
+ALIGN = 64
 #: Bytes up to which a sum travels as one exchange of copies, each rank
 #: adding them: two barriers cost more than those bytes.
 SMALL_BYTES = 1 << 16
@@ -87,6 +94,46 @@ CHUNK_BYTES = 1 << 17
 def available():
     """Whether this machine has POSIX shared memory as files."""
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def unit(dtype):
+    """Elements of ``dtype`` in :data:`ALIGN` bytes (1 where they do not
+    divide it): the step of every start in a region.
+
+    Examples
+    --------
+    >>> unit(np.float32), unit(np.float64), unit(np.dtype('V3'))
+    (16, 8, 1)
+    """
+    itemsize = np.dtype(dtype).itemsize
+    return ALIGN // itemsize if itemsize and ALIGN % itemsize == 0 else 1
+
+
+def starts(sizes, step=1):
+    """Where each array of ``sizes`` starts in its region, each on a
+    multiple of ``step`` elements (:func:`unit`), and the region's count.
+
+    Examples
+    --------
+    >>> starts([3, 16, 2], 16)
+    ([0, 16, 32], 34)
+    >>> starts([3, 4], 1)
+    ([0, 3], 7)
+    """
+    found, start = [], 0
+    for size in sizes:
+        found.append(start)
+        start += -(-size // step) * step if size else 0
+    return found, (found[-1] + sizes[-1]) if sizes else 0
+
+
+def counts(groups, aligned=True):
+    """{dtype str: its region's count} for ``groups`` = {dtype str:
+    [arrays]}, each array on a cache line (:func:`starts`) where
+    ``aligned``, else end to end."""
+    return {key: starts([a.size for a in arrays],
+                        unit(key) if aligned else 1)[1]
+            for key, arrays in groups.items()}
 
 
 def layout(packed):
@@ -102,19 +149,34 @@ def layout(packed):
     return regions, max(offset, ALIGN)
 
 
-def bounds(count, size):
-    """[lo, hi) of each rank's slice: np.array_split's, as DaskComm's."""
+def bounds(count, size, step=1):
+    """[lo, hi) of each rank's slice of a region of ``count`` elements:
+    np.array_split's bounds, each moved up to a multiple of ``step``
+    (:func:`unit`: every slice starts on a cache line). Which rank sums
+    which elements changes no bit: each is summed in rank order.
+
+    Examples
+    --------
+    >>> bounds(7, 3)
+    [(0, 3), (3, 5), (5, 7)]
+    >>> bounds(40, 2, 16), bounds(10, 2, 16)
+    ([(0, 32), (32, 40)], [(0, 10), (10, 10)])
+    """
     edges = [0]
     base, extra = divmod(count, size)
-    for r in range(size):
-        edges.append(edges[-1] + base + (1 if r < extra else 0))
+    for r in range(size - 1):
+        even = edges[-1] + base + (1 if r < extra else 0)
+        edges.append(max(edges[-1], min(count, -(-even // step) * step)))
+    edges.append(count)
     return list(zip(edges[:-1], edges[1:]))
 
 
-def pieces(sizes, lo, hi, step=None):
-    """Where flat elements [lo, hi) of arrays of ``sizes``, laid end to
-    end, lie: ``(array index, start in it, start in the flat buffer,
-    count)``, in order, each at most ``step`` long (None: unbounded).
+def pieces(sizes, lo, hi, step=None, align=1):
+    """Where elements [lo, hi) of a region holding arrays of ``sizes``,
+    each starting on a multiple of ``align`` (:func:`starts`), lie:
+    ``(array index, start in it, start in the region, count)``, in order,
+    each at most ``step`` long (None: unbounded); the gaps between arrays
+    are in no piece.
 
     Examples
     --------
@@ -124,15 +186,17 @@ def pieces(sizes, lo, hi, step=None):
     [(0, 2, 2, 1), (1, 0, 3, 2), (1, 2, 5, 2), (2, 0, 7, 1)]
     >>> pieces([3, 4], 3, 3)
     []
+    >>> pieces([3, 4, 2], 2, 9, align=4)
+    [(0, 2, 2, 1), (1, 0, 4, 4), (2, 0, 8, 1)]
     """
-    found, start = [], 0
-    for index, size in enumerate(sizes):
+    found = []
+    for index, (size, start) in enumerate(zip(sizes,
+                                              starts(sizes, align)[0])):
         a_lo, a_hi = max(lo, start), min(hi, start + size)
         while a_lo < a_hi:
             n = a_hi - a_lo if step is None else min(step, a_hi - a_lo)
             found.append((index, a_lo - start, a_lo, n))
             a_lo += n
-        start += size
     return found
 
 
@@ -160,18 +224,21 @@ def view(raw, dtype, offset, count):
     return raw[offset:offset + count * dtype.itemsize].view(dtype)
 
 
-def places(groups, regions, segment):
+def places(groups, regions, segment, aligned=True):
     """``(part, array)`` for each array of ``groups`` = {dtype str:
     [arrays]}: its place in ``segment`` (a :class:`_Segment`, or a uint8
-    array), as :func:`layout`'s ``regions`` lay the arrays end to end,
+    array), as :func:`layout`'s ``regions`` and :func:`starts` lay the
+    arrays (each on a cache line where ``aligned``, else end to end),
     shaped like it."""
     raw = getattr(segment, 'bytes', segment)
     found = []
     for key, dtype, offset, count in regions:
-        flat, start = view(raw, dtype, offset, count), 0
-        for a in groups[key]:
+        flat = view(raw, dtype, offset, count)
+        arrays = groups[key]
+        step = unit(dtype) if aligned else 1
+        for a, start in zip(arrays, starts([a.size for a in arrays],
+                                           step)[0]):
             found.append((flat[start:start + a.size].reshape(a.shape), a))
-            start += a.size
     return found
 
 
@@ -199,13 +266,13 @@ def fingerprint(signature):
     return zlib.crc32(repr(signature).encode())
 
 
-def _spread(flat, arrays, factor):
-    """Each of ``arrays`` (laid end to end in ``flat``) its part of
-    ``flat``, in order (times ``factor`` where it is given)."""
-    start = 0
-    for a in arrays:
+def _spread(flat, arrays, factor, align=1):
+    """Each of ``arrays`` (laid in ``flat`` as :func:`starts` lays them,
+    each on a multiple of ``align``) its part of ``flat``, in order
+    (times ``factor`` where it is given)."""
+    for a, start in zip(arrays, starts([a.size for a in arrays],
+                                       align)[0]):
         _put(flat[start:start + a.size].reshape(a.shape), a, factor)
-        start += a.size
 
 
 def _out_of_step(peer, theirs, mine, rank):
@@ -351,14 +418,11 @@ class SharedMemoryReducer:
         flat regions (one per dtype, in place: the hierarchical path adds
         the other hosts' sums there) while the others wait, then all read
         the result."""
-        counts = {k: sum(a.size for a in arrays)
-                  for k, arrays in groups.items()}
-        regions, nbytes = layout(counts)
+        regions, nbytes = layout(counts(groups))
         if between is None and nbytes <= SMALL_BYTES:
             return self._allreduce_small(groups, signature, scale)
         if between is not None:
-            return self._allreduce_whole(groups, signature, regions, nbytes,
-                                         between, scale)
+            return self._allreduce_whole(groups, signature, between, scale)
         ins, _ = self._open(regions, nbytes)
         # Each rank's own choice: its arrays written through where each
         # is a C-contiguous block of its own, else gathered into one copy
@@ -369,27 +433,34 @@ class SharedMemoryReducer:
             disjoint(arrays)
         plan = []  # per dtype: its arrays (flat views, or one copy), ...
         for key, dtype, offset, count in regions:
-            members = groups[key]
-            flats = [a.reshape(-1) for a in members] if through else \
-                [np.concatenate([np.asarray(a).reshape(-1)
-                                 for a in members])]
+            members, align = groups[key], unit(dtype)
+            if through:
+                flats = [a.reshape(-1) for a in members]
+            else:  # one copy, laid out as the region
+                flats = [np.zeros(count, dtype)]
+                for part, a in places({key: members},
+                                      [(key, dtype, 0, count)],
+                                      flats[0].view(np.uint8)):
+                    part[...] = a
             plan.append((members, flats, [f.size for f in flats], count,
-                         bounds(count, self.size),
-                         max(1, CHUNK_BYTES // dtype.itemsize),
-                         [peer.view(dtype, offset, count) for peer in ins]))
-        for _, flats, sizes, count, edges, _, segs in plan:
+                         bounds(count, self.size, align),
+                         max(align, CHUNK_BYTES // dtype.itemsize // align
+                             * align),
+                         [peer.view(dtype, offset, count) for peer in ins],
+                         align if through else 1))
+        for _, flats, sizes, count, edges, _, segs, align in plan:
             # 1. all but my slice into my input
             lo, hi = edges[self.rank]
-            for i, a_lo, f_lo, n in pieces(sizes, 0, lo) + \
-                    pieces(sizes, hi, count):
+            for i, a_lo, f_lo, n in pieces(sizes, 0, lo, None, align) + \
+                    pieces(sizes, hi, count, None, align):
                 segs[self.rank][f_lo:f_lo + n] = flats[i][a_lo:a_lo + n]
         self._meet(signature)  # 2. inputs written
-        for _, flats, sizes, _, edges, step, segs in plan:
+        for _, flats, sizes, _, edges, step, segs, align in plan:
             # 3. my slice, chunk by chunk: summed into my input's own
             # slice (where the others read it); written back meanwhile
             # where the arrays are written through
             lo, hi = edges[self.rank]
-            for i, a_lo, f_lo, n in pieces(sizes, lo, hi, step):
+            for i, a_lo, f_lo, n in pieces(sizes, lo, hi, step, align):
                 own, out = flats[i][a_lo:a_lo + n], \
                     segs[self.rank][f_lo:f_lo + n]
                 self._sum([own if r == self.rank else seg[f_lo:f_lo + n]
@@ -397,29 +468,30 @@ class SharedMemoryReducer:
                 if through:
                     _put(out, own, scale)
         self._meet()  # 4. every slice summed
-        for members, flats, sizes, _, edges, _, segs in plan:
+        for members, flats, sizes, _, edges, _, segs, align in plan:
             # 5. the slices from their owners' inputs (through: the others')
             for owner, (lo, hi) in enumerate(edges):
                 if owner == self.rank and through:
                     continue
-                for i, a_lo, f_lo, n in pieces(sizes, lo, hi):
+                for i, a_lo, f_lo, n in pieces(sizes, lo, hi, None, align):
                     _put(segs[owner][f_lo:f_lo + n],
                          flats[i][a_lo:a_lo + n], scale)
             if not through:  # the gathered copy into the arrays, in order
-                _spread(flats[0], members, None)
+                _spread(flats[0], members, None, unit(flats[0].dtype))
 
-    def _allreduce_whole(self, groups, signature, regions, nbytes, between,
-                         scale):
+    def _allreduce_whole(self, groups, signature, between, scale):
         """:meth:`allreduce` where rank 0 adds the other hosts' sums
         (``between``) to the whole result: every rank packs all of its
         arrays, sums its slice into the result segment, and reads all of
-        it."""
+        it. The arrays lie end to end, as a host of one rank packs them
+        for the hosts' sum."""
+        regions, nbytes = layout(counts(groups, aligned=False))
         ins, result = self._open(regions, nbytes, whole=True)
-        for part, a in places(groups, regions, ins[self.rank]):
+        for part, a in places(groups, regions, ins[self.rank], False):
             part[...] = a  # 1. pack into my input
         self._meet(signature)  # 2. inputs written
         for _, dtype, offset, count in regions:  # 3. my slice's sums
-            lo, hi = bounds(count, self.size)[self.rank]
+            lo, hi = bounds(count, self.size, unit(dtype))[self.rank]
             if hi > lo:
                 acc = result.view(dtype, offset, count)[lo:hi]
                 self._sum([peer.view(dtype, offset, count)[lo:hi]
@@ -429,7 +501,7 @@ class SharedMemoryReducer:
             between([result.view(dtype, offset, count)
                      for _, dtype, offset, count in regions])
         self._meet()  # the other hosts' sums added
-        for part, a in places(groups, regions, result):
+        for part, a in places(groups, regions, result, False):
             _put(part, a, scale)  # 5. read the result
 
     def bcast(self, groups, signature):
@@ -441,9 +513,7 @@ class SharedMemoryReducer:
         again). A model's first broadcast so makes the segments its
         gradients are then summed through."""
         self._meet(signature)
-        counts = {k: sum(a.size for a in arrays)
-                  for k, arrays in groups.items()}
-        regions, nbytes = layout(counts)
+        regions, nbytes = layout(counts(groups))
         ins, _ = self._open(regions, nbytes)
         pairs = places(groups, regions, ins[0])
         if self.rank == 0:
@@ -541,9 +611,7 @@ class SharedMemoryReducer:
     def _allreduce_board(self, groups, signature, scale):
         """:meth:`_allreduce_small` on the board: each rank writes its
         arrays into its payload, and adds every rank's in rank order."""
-        counts = {k: sum(a.size for a in arrays)
-                  for k, arrays in groups.items()}
-        regions, _ = layout(counts)
+        regions, _ = layout(counts(groups))
         mine = fingerprint(signature)
 
         def write(payload):  # read all before any sum is written back
@@ -555,7 +623,7 @@ class SharedMemoryReducer:
             total = np.empty(count, dtype)
             self._sum([view(payload, dtype, offset, count)
                        for _, _, payload in got], total)
-            _spread(total, groups[key], scale)
+            _spread(total, groups[key], scale, unit(dtype))
 
     def close(self):
         for ins, out in self._segments.values():
