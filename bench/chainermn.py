@@ -194,12 +194,15 @@ def main():
                       f' s, joined {m["joined_s"]:.2f} s, one collective '
                       f'{m["met_s"]:.2f} s) | {RANKS[kind]} | {name} | | | '
                       f'{m["wall_s"]:.2f} | '
-                      f'{ratio:.2f}x the time ({rounds}) |')
+                      + (f'{ratio:.2f}x the time ({rounds}) |'
+                         if name == launchers[0] else ' |'))
                 continue
             ratio = mine['images_per_s'] / theirs['images_per_s']
             print(f'| {kind} | {RANKS[kind]} | {name} | '
                   f'{m["images_per_s"]:.0f} | {m["train_s"]:.2f} | '
-                  f'{m["wall_s"]:.2f} | {ratio:.2f}x the speed ({rounds}) |')
+                  f'{m["wall_s"]:.2f} | '
+                  + (f'{ratio:.2f}x the speed ({rounds}) |'
+                     if name == launchers[0] else ' |'))
 
 
 if __name__ == '__main__':
