@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from dasktrain.parallel.comm import board, shm
+from dasktrain.parallel.comm import board, regions, shm
 from tests.children import child
 
 # Each rank of the script below sums, over every path, arrays it draws
@@ -139,17 +139,19 @@ def test_every_path_sums_the_reference_bits(tmp_path, n, shared):
 
 
 def test_the_slices_and_their_pieces():
-    assert doctest.testmod(shm).failed == 0
-    assert doctest.testmod(shm).attempted >= 6
+    for module in (shm, regions):
+        assert doctest.testmod(module).failed == 0
+    assert doctest.testmod(shm).attempted >= 2
+    assert doctest.testmod(regions).attempted >= 6
     # every rank's slice, cut into pieces of arrays, covers each element
     # once, in order, whatever the sizes and the chunk
     sizes = [5, 1, 0, 17, 3]
     total = sum(sizes)
     for size in (1, 2, 3, 7):
         seen = []
-        for lo, hi in shm.bounds(total, size):
+        for lo, hi in regions.bounds(total, size):
             for step in (None, 1, 4):
-                got = shm.pieces(sizes, lo, hi, step)
+                got = regions.pieces(sizes, lo, hi, step)
                 flat = [f + j for _, _, f, n in got for j in range(n)]
                 assert flat == list(range(lo, hi))
                 for index, start, f_lo, n in got:
@@ -167,21 +169,21 @@ def test_each_array_and_slice_starts_on_a_cache_line(align):
     # (cut in chunks of a multiple of it) starts on one; the pieces still
     # cover every element of every array once, in order
     sizes = [5, 1, 0, 17, 3, 32, 2107]
-    begins, count = shm.starts(sizes, align)
+    begins, count = regions.starts(sizes, align)
     assert all(b % align == 0 for b in begins)
     assert all(b + n <= after for b, n, after in
                zip(begins, sizes, begins[1:]))
     assert count == begins[-1] + sizes[-1]
     for size in (1, 2, 3, 7):
-        edges = shm.bounds(count, size, align)
+        edges = regions.bounds(count, size, align)
         assert edges[0][0] == 0 and edges[-1][1] == count
         assert all(hi == lo for (_, hi), (lo, _) in zip(edges, edges[1:]))
         assert all(lo % align == 0 for lo, _ in edges)
         for step in (None, align, 4 * align):
             seen = []
             for lo, hi in edges:
-                for index, start, f_lo, n in shm.pieces(sizes, lo, hi, step,
-                                                        align):
+                for index, start, f_lo, n in regions.pieces(
+                        sizes, lo, hi, step, align):
                     assert f_lo == begins[index] + start
                     assert f_lo % align == 0  # never mid-line
                     assert 0 < n <= (step or n)
@@ -189,5 +191,5 @@ def test_each_array_and_slice_starts_on_a_cache_line(align):
             assert seen == [(i, j) for i, n in enumerate(sizes)
                             for j in range(n)]
     # a dtype's cache line: 16 float32, 8 float64, 1 for odd item sizes
-    assert [shm.unit(d) for d in ('<f4', '<f8', '<f2', 'V3')] == \
+    assert [regions.unit(d) for d in ('<f4', '<f8', '<f2', 'V3')] == \
         [16, 8, 32, 1]

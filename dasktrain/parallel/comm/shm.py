@@ -7,7 +7,8 @@ pickle framing per message; MPI and NCCL use shared memory instead. So does
 segment, each array starting on a cache line; rank r owns the r-th slice
 of the region (np.array_split's bounds, each moved up to a cache line:
 NumPy's loops run about half as fast on misaligned operands, and the
-slowest rank's slice is every rank's wait):
+slowest rank's slice is every rank's wait;
+:mod:`~dasktrain.parallel.comm.regions` lays them out):
 
 1. every rank copies the parts of its arrays *outside* its own slice into
    its own input segment;
@@ -72,16 +73,23 @@ import zlib
 import numpy as np
 
 from dasktrain.parallel.comm.base import CollectiveError
+from dasktrain.parallel.comm.regions import (
+    bounds,
+    counts,
+    disjoint,
+    layout,
+    pieces,
+    places,
+    put,
+    spread,
+    unit,
+    view,
+)
 
 SHM_DIR = '/dev/shm'
 #: A segment's pages mapped at once (Linux): one call, where faulting
 #: them in one by one at first touch costs a sum of 22 MB about 20 ms.
 POPULATE = getattr(mmap, 'MAP_POPULATE', 0)
-#: Bytes: each dtype's region, each array in it and each rank's slice of
-#: it start on a cache line. NumPy's loops run about half as fast on
-#: operands that do not (seen: the sum of a 4-byte-misaligned slice of a
-#: 22 MB mean 9 ms where an aligned one took 5.5, on a 2-CPU Xeon VM).
-ALIGN = 64
 #: Bytes up to which a sum travels as one exchange of copies, each rank
 #: adding them: two barriers cost more than those bytes.
 SMALL_BYTES = 1 << 16
@@ -94,161 +102,6 @@ CHUNK_BYTES = 1 << 17
 def available():
     """Whether this machine has POSIX shared memory as files."""
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-
-
-def unit(dtype):
-    """Elements of ``dtype`` in :data:`ALIGN` bytes (1 where they do not
-    divide it): the step of every start in a region.
-
-    Examples
-    --------
-    >>> unit(np.float32), unit(np.float64), unit(np.dtype('V3'))
-    (16, 8, 1)
-    """
-    itemsize = np.dtype(dtype).itemsize
-    return ALIGN // itemsize if itemsize and ALIGN % itemsize == 0 else 1
-
-
-def starts(sizes, step=1):
-    """Where each array of ``sizes`` starts in its region, each on a
-    multiple of ``step`` elements (:func:`unit`), and the region's count.
-
-    Examples
-    --------
-    >>> starts([3, 16, 2], 16)
-    ([0, 16, 32], 34)
-    >>> starts([3, 4], 1)
-    ([0, 3], 7)
-    """
-    found, start = [], 0
-    for size in sizes:
-        found.append(start)
-        start += -(-size // step) * step if size else 0
-    return found, (found[-1] + sizes[-1]) if sizes else 0
-
-
-def counts(groups, aligned=True):
-    """{dtype str: its region's count} for ``groups`` = {dtype str:
-    [arrays]}, each array on a cache line (:func:`starts`) where
-    ``aligned``, else end to end."""
-    return {key: starts([a.size for a in arrays],
-                        unit(key) if aligned else 1)[1]
-            for key, arrays in groups.items()}
-
-
-def layout(packed):
-    """(key, dtype, byte offset, count) of each dtype's region, and the
-    total bytes, for ``packed`` = {dtype str: flat array or count}."""
-    regions, offset = [], 0
-    for key in sorted(packed):
-        count = packed[key] if isinstance(packed[key], int) else \
-            packed[key].size
-        dtype = np.dtype(key)
-        regions.append((key, dtype, offset, count))
-        offset += -(-count * dtype.itemsize // ALIGN) * ALIGN
-    return regions, max(offset, ALIGN)
-
-
-def bounds(count, size, step=1):
-    """[lo, hi) of each rank's slice of a region of ``count`` elements:
-    np.array_split's bounds, each moved up to a multiple of ``step``
-    (:func:`unit`: every slice starts on a cache line). Which rank sums
-    which elements changes no bit: each is summed in rank order.
-
-    Examples
-    --------
-    >>> bounds(7, 3)
-    [(0, 3), (3, 5), (5, 7)]
-    >>> bounds(40, 2, 16), bounds(10, 2, 16)
-    ([(0, 32), (32, 40)], [(0, 10), (10, 10)])
-    """
-    edges = [0]
-    base, extra = divmod(count, size)
-    for r in range(size - 1):
-        even = edges[-1] + base + (1 if r < extra else 0)
-        edges.append(max(edges[-1], min(count, -(-even // step) * step)))
-    edges.append(count)
-    return list(zip(edges[:-1], edges[1:]))
-
-
-def pieces(sizes, lo, hi, step=None, align=1):
-    """Where elements [lo, hi) of a region holding arrays of ``sizes``,
-    each starting on a multiple of ``align`` (:func:`starts`), lie:
-    ``(array index, start in it, start in the region, count)``, in order,
-    each at most ``step`` long (None: unbounded); the gaps between arrays
-    are in no piece.
-
-    Examples
-    --------
-    >>> pieces([3, 4, 2], 2, 8)
-    [(0, 2, 2, 1), (1, 0, 3, 4), (2, 0, 7, 1)]
-    >>> pieces([3, 4, 2], 2, 8, step=2)
-    [(0, 2, 2, 1), (1, 0, 3, 2), (1, 2, 5, 2), (2, 0, 7, 1)]
-    >>> pieces([3, 4], 3, 3)
-    []
-    >>> pieces([3, 4, 2], 2, 9, align=4)
-    [(0, 2, 2, 1), (1, 0, 4, 4), (2, 0, 8, 1)]
-    """
-    found = []
-    for index, (size, start) in enumerate(zip(sizes,
-                                              starts(sizes, align)[0])):
-        a_lo, a_hi = max(lo, start), min(hi, start + size)
-        while a_lo < a_hi:
-            n = a_hi - a_lo if step is None else min(step, a_hi - a_lo)
-            found.append((index, a_lo - start, a_lo, n))
-            a_lo += n
-    return found
-
-
-def disjoint(arrays):
-    """Whether no two of ``arrays`` (host arrays) share a byte: the sums
-    can then be written into each while the others are still read.
-
-    Examples
-    --------
-    >>> a = np.zeros(6)
-    >>> disjoint([a[:3], a[3:], np.ones(2)])
-    True
-    >>> disjoint([a[:4], a[3:]]), disjoint([a, a])
-    (False, False)
-    """
-    spans = sorted((a.__array_interface__['data'][0], a.nbytes)
-                   for a in arrays)
-    return all(start + n <= after for (start, n), (after, _) in
-               zip(spans, spans[1:]))
-
-
-def view(raw, dtype, offset, count):
-    """``count`` elements of ``dtype`` at byte ``offset`` of ``raw`` (a
-    uint8 array)."""
-    return raw[offset:offset + count * dtype.itemsize].view(dtype)
-
-
-def places(groups, regions, segment, aligned=True):
-    """``(part, array)`` for each array of ``groups`` = {dtype str:
-    [arrays]}: its place in ``segment`` (a :class:`_Segment`, or a uint8
-    array), as :func:`layout`'s ``regions`` and :func:`starts` lay the
-    arrays (each on a cache line where ``aligned``, else end to end),
-    shaped like it."""
-    raw = getattr(segment, 'bytes', segment)
-    found = []
-    for key, dtype, offset, count in regions:
-        flat = view(raw, dtype, offset, count)
-        arrays = groups[key]
-        step = unit(dtype) if aligned else 1
-        for a, start in zip(arrays, starts([a.size for a in arrays],
-                                           step)[0]):
-            found.append((flat[start:start + a.size].reshape(a.shape), a))
-    return found
-
-
-def _put(source, target, factor):
-    """``target[...] = source`` (times ``factor`` where it is given: one
-    pass, the product in ``target``'s dtype as ``target *= factor``)."""
-    if factor is None:
-        target[...] = source
-    else:
-        np.multiply(source, factor, out=target)
 
 
 def fingerprint(signature):
@@ -264,15 +117,6 @@ def fingerprint(signature):
     False
     """
     return zlib.crc32(repr(signature).encode())
-
-
-def _spread(flat, arrays, factor, align=1):
-    """Each of ``arrays`` (laid in ``flat`` as :func:`starts` lays them,
-    each on a multiple of ``align``) its part of ``flat``, in order
-    (times ``factor`` where it is given)."""
-    for a, start in zip(arrays, starts([a.size for a in arrays],
-                                       align)[0]):
-        _put(flat[start:start + a.size].reshape(a.shape), a, factor)
 
 
 def _out_of_step(peer, theirs, mine, rank):
@@ -466,7 +310,7 @@ class SharedMemoryReducer:
                 self._sum([own if r == self.rank else seg[f_lo:f_lo + n]
                            for r, seg in enumerate(segs)], out)
                 if through:
-                    _put(out, own, scale)
+                    put(out, own, scale)
         self._meet()  # 4. every slice summed
         for members, flats, sizes, _, edges, _, segs, align in plan:
             # 5. the slices from their owners' inputs (through: the others')
@@ -474,10 +318,10 @@ class SharedMemoryReducer:
                 if owner == self.rank and through:
                     continue
                 for i, a_lo, f_lo, n in pieces(sizes, lo, hi, None, align):
-                    _put(segs[owner][f_lo:f_lo + n],
+                    put(segs[owner][f_lo:f_lo + n],
                          flats[i][a_lo:a_lo + n], scale)
             if not through:  # the gathered copy into the arrays, in order
-                _spread(flats[0], members, None, unit(flats[0].dtype))
+                spread(flats[0], members, None, unit(flats[0].dtype))
 
     def _allreduce_whole(self, groups, signature, between, scale):
         """:meth:`allreduce` where rank 0 adds the other hosts' sums
@@ -502,7 +346,7 @@ class SharedMemoryReducer:
                      for _, dtype, offset, count in regions])
         self._meet()  # the other hosts' sums added
         for part, a in places(groups, regions, result, False):
-            _put(part, a, scale)  # 5. read the result
+            put(part, a, scale)  # 5. read the result
 
     def bcast(self, groups, signature):
         """Rank 0's arrays into every rank's ``groups`` = {dtype str:
@@ -579,7 +423,7 @@ class SharedMemoryReducer:
         for key, arrays in groups.items():
             total = np.empty_like(flats[key])
             self._sum([other[key] for _, other in theirs], total)
-            _spread(total, arrays, scale)
+            spread(total, arrays, scale)
 
     def allreduce_one(self, a, scale=None):
         """Sum the one host array ``a`` in place (times ``scale``) on the
@@ -623,7 +467,7 @@ class SharedMemoryReducer:
             total = np.empty(count, dtype)
             self._sum([view(payload, dtype, offset, count)
                        for _, _, payload in got], total)
-            _spread(total, groups[key], scale, unit(dtype))
+            spread(total, groups[key], scale, unit(dtype))
 
     def close(self):
         for ins, out in self._segments.values():
