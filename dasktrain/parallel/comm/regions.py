@@ -8,9 +8,10 @@ array starting on a cache line (:func:`unit`, :func:`starts`,
 and :func:`pieces` says which parts of which arrays a slice holds. NumPy's
 loops run about half as fast on operands that do not start on a cache
 line, and the slowest rank's slice is every rank's wait at the next
-barrier. :func:`places`, :func:`view`, :func:`put` and :func:`spread` map
-a layout onto bytes and copy through it; :func:`disjoint` tells whether a
-rank's arrays may be written through while others are still read.
+barrier. :func:`parts`, :func:`places`, :func:`view`, :func:`put` and
+:func:`spread` map a layout onto bytes and copy through it;
+:func:`disjoint` tells whether a rank's arrays may be written through
+while others are still read.
 
 No processes, files or barriers here: only NumPy over the buffers it is
 given.
@@ -152,22 +153,23 @@ def view(raw, dtype, offset, count):
     return raw[offset:offset + count * dtype.itemsize].view(dtype)
 
 
+def parts(flat, arrays, step=1):
+    """``(part, array)`` for each of ``arrays``: its place in ``flat``
+    (one dtype's region), as :func:`starts` lays them on multiples of
+    ``step``, shaped like it."""
+    for a, start in zip(arrays, starts([a.size for a in arrays], step)[0]):
+        yield flat[start:start + a.size].reshape(a.shape), a
+
+
 def places(groups, regions, segment, aligned=True):
     """``(part, array)`` for each array of ``groups`` = {dtype str:
     [arrays]}: its place in ``segment`` (a segment with ``.bytes``, or a
-    uint8 array), as :func:`layout`'s ``regions`` and :func:`starts` lay the
-    arrays (each on a cache line where ``aligned``, else end to end),
-    shaped like it."""
+    uint8 array), as :func:`layout`'s ``regions`` and :func:`parts` lay
+    the arrays (each on a cache line where ``aligned``, else end to end)."""
     raw = getattr(segment, 'bytes', segment)
-    found = []
-    for key, dtype, offset, count in regions:
-        flat = view(raw, dtype, offset, count)
-        arrays = groups[key]
-        step = unit(dtype) if aligned else 1
-        for a, start in zip(arrays, starts([a.size for a in arrays],
-                                           step)[0]):
-            found.append((flat[start:start + a.size].reshape(a.shape), a))
-    return found
+    return [pair for key, dtype, offset, count in regions
+            for pair in parts(view(raw, dtype, offset, count), groups[key],
+                              unit(dtype) if aligned else 1)]
 
 
 def put(source, target, factor):
@@ -180,9 +182,8 @@ def put(source, target, factor):
 
 
 def spread(flat, arrays, factor, align=1):
-    """Each of ``arrays`` (laid in ``flat`` as :func:`starts` lays them,
+    """Each of ``arrays`` (laid in ``flat`` as :func:`parts` lays them,
     each on a multiple of ``align``) its part of ``flat``, in order
     (times ``factor`` where it is given)."""
-    for a, start in zip(arrays, starts([a.size for a in arrays],
-                                       align)[0]):
-        put(flat[start:start + a.size].reshape(a.shape), a, factor)
+    for part, a in parts(flat, arrays, align):
+        put(part, a, factor)

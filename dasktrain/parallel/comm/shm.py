@@ -319,7 +319,7 @@ class SharedMemoryReducer:
                     continue
                 for i, a_lo, f_lo, n in pieces(sizes, lo, hi, None, align):
                     put(segs[owner][f_lo:f_lo + n],
-                         flats[i][a_lo:a_lo + n], scale)
+                        flats[i][a_lo:a_lo + n], scale)
             if not through:  # the gathered copy into the arrays, in order
                 spread(flats[0], members, None, unit(flats[0].dtype))
 
