@@ -8,20 +8,20 @@ and worker, and root's notifications, sent as ``nobody`` (:func:`call`:
 a function of dasktrain's as the program). :func:`start` runs ``python
 -I -m dasktrain.keeper`` in a session of its own (dying with the starting
 thread by SIGTERM, unless the program is to outlive its starter, as a
-cluster does), with an empty environment,
-and writes the program to its standard input as JSON: so a job's
-environment (a user's ``LD_PRELOAD``, ``PYTHONPATH``, secrets) never
-reaches the keeper's own process, root's in a shared cluster, nor its
-command line. The keeper:
+cluster does), with an empty environment, and writes the program to its
+standard input as JSON: so a job's environment (a user's ``LD_PRELOAD``,
+``PYTHONPATH``, secrets) never reaches the keeper's own process, root's
+in a shared cluster, nor its command line. The keeper:
 
 * becomes a child subreaper (``PR_SET_CHILD_SUBREAPER``): what the program
   starts and leaves orphaned is re-parented to the keeper, so the
   program's processes stay its descendants, also those that left its
   session (``setsid``, a daemon's double fork);
 * starts the program (as another user where asked:
-  :func:`~dasktrain.as_user.popen_options`)
-  in its own session and process group, dying with the keeper by SIGKILL,
-  with the given standard input, output and error;
+  :func:`~dasktrain.as_user.popen_options`) in its own session and
+  process group, dying with the keeper by SIGKILL, with the given
+  standard input, output and error, and sleeps while it runs, until a
+  child ends or a SIGTERM comes (:class:`~dasktrain.spawn.SignalWaiter`);
 * on SIGTERM (a cancel, a time limit, its starter gone): SIGTERM to every
   descendant, SIGKILL to what is left after the grace (the program then
   reads as killed by SIGKILL: the grace was not enough);
@@ -35,11 +35,11 @@ A program that cannot start is reported through a pipe (one line of JSON)
 and the keeper exits :data:`CANNOT_START`. Who the program runs as is the
 caller's decision; this module only applies it.
 
-Its starter holds the program as a :class:`KeptProgram` and watches it
-with :meth:`KeptProgram.watch`, the one loop that waits for a program and
-stops it when told (a job's cancel or time limit, a driver's stop); how
-it ended is an :class:`Ended`. The module is named for that process: a
-keeper keeps a program, and all the program starts, in hand.
+Its starter holds the program as a :class:`KeptProgram` and watches it with
+:meth:`KeptProgram.watch`, the one loop that waits for a program and stops
+it when told (a job's cancel or time limit, a driver's stop); how it ended
+is an :class:`Ended`. The module is named for that process: a keeper keeps
+a program, and all the program starts, in hand.
 """
 import ctypes
 import dataclasses
@@ -56,16 +56,17 @@ import time
 
 from dasktrain.as_user import become, cannot_start, popen_options
 from dasktrain.containment import Cgroup, own_folder
-from dasktrain.spawn import ExitWaiter, die_with_parent
+from dasktrain.spawn import ExitWaiter, SignalWaiter, die_with_parent
 from dasktrain.sweep import MARK_ENV, PAUSE, SCANS, job_processes, signal_job
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 CANNOT_START = 127
-POLL = 0.05  # s between looks at the program's processes
+POLL = 0.05  # s between looks at the program's processes while it stops
+IDLE = 1.0  # s at most between looks while it runs (an exit wakes it)
 WATCH = 0.1  # s between a starter's looks at its program (KeptProgram.watch)
-# s after the SIGKILL (the grace, at least this) that a keeper goes on
-# killing what it finds of a program that ended before it gives up and
-# reports what outlived it: it never waits without bound.
+# s after the SIGKILL (the grace, at least this) that a keeper goes on killing
+# what it finds of a program that ended before it gives up and reports what
+# outlived it: it never waits without bound.
 GIVE_UP = 5.0
 ARGV = [sys.executable, '-I', '-m', 'dasktrain.keeper']
 
@@ -184,12 +185,13 @@ class KeptProgram:
     def __getattr__(self, name):
         return getattr(self.process, name)
 
-    def watch(self, stop=None, grace=30.0, every=None, poll=WATCH):
+    def watch(self, stop=None, grace=30.0, every=None, poll=WATCH, bell=None):
         """Wait until the program ends; stop it (:meth:`stop`, with
-        ``grace``) once ``stop()`` says so; call ``every()`` at each look
-        (``poll`` seconds apart). How it ended, an :class:`Ended`."""
+        ``grace``) once ``stop()`` says so; look ``poll`` seconds apart,
+        or when ``bell`` (:class:`~dasktrain.spawn.Bell`) rings, calling
+        ``every()``. How it ended, an :class:`Ended`."""
         stopped = None
-        exited = ExitWaiter(self.process.pid)
+        exited = ExitWaiter(self.process.pid, bell)
         try:
             while self.process.poll() is None:
                 if stopped is None and stop is not None and stop():
@@ -466,6 +468,7 @@ def _fork(function, args, env, user, cwd, report=None):
         code = 1
         try:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            SignalWaiter.forget()
             os.environ.clear()
             os.environ.update(env)
             if report is not None:
@@ -510,6 +513,7 @@ def keep(spec):
         PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(time.monotonic()))
+    woken = SignalWaiter(spacing=POLL)  # by a child's end or the SIGTERM
     box = _Processes(spec.get('contain') or {})
     if box.note:
         _report(spec, {'note': box.note})
@@ -558,7 +562,10 @@ def keep(spec):
                         # keeps being found, is reported, not waited for.
                         outlived = sorted(found)
                         break
-        time.sleep(POLL if deadline is None or status is None else PAUSE)
+        if deadline is None:  # it runs: nothing to do until a signal
+            woken(IDLE)
+        else:  # stopping: the grace's end; ended: the sweep
+            time.sleep(POLL if status is None else PAUSE)
     if box.cgroup is not None:
         oom = box.cgroup.oom_kills()
         box.cgroup.remove()

@@ -8,8 +8,9 @@ scheduler, the worker, each job's child) starts with :func:`python` and
 in a folder of its own. And :func:`check_main_guard`: local worker
 processes re-import the user's script, which must keep its calls under
 ``if __name__ == '__main__':``. And how a parent waits for a child it
-started: :class:`ExitWaiter`. Owns those decisions only: it starts
-nothing.
+started, woken by the child's exit or a ring (:class:`ExitWaiter`,
+:class:`Bell`), or by a signal (:class:`SignalWaiter`), never by looking
+every few milliseconds. Owns those decisions only: it starts nothing.
 """
 import ast
 import ctypes
@@ -18,6 +19,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 
 from dasktrain.errors import UserError
@@ -114,26 +116,129 @@ def check_main_guard():
             "calls under `if __name__ == '__main__':` (see docs/training.md)")
 
 
+class Bell:
+    """A wake-up one thread rings for another that waits in ``select``
+    (:class:`ExitWaiter`, ``bell=``): a pipe of its own, so the waiter
+    sleeps until the exit or the ring instead of looking every few
+    milliseconds. :meth:`ring` is safe from any thread, also once closed
+    (it does nothing then); ``close()`` once done."""
+
+    def __init__(self):
+        self.fd, self._write = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write, False)
+        self._lock = threading.Lock()
+
+    def ring(self):
+        with self._lock:
+            if self._write is not None:
+                try:
+                    os.write(self._write, b'!')
+                except BlockingIOError:  # full: it is ringing already
+                    pass
+
+    def drain(self):
+        with self._lock:
+            try:
+                while self._write is not None and os.read(self.fd, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close(self):
+        with self._lock:
+            if self._write is not None:
+                os.close(self._write)
+                os.close(self.fd)
+                self._write = None
+
+
 class ExitWaiter:
     """``waiter(seconds)`` returns once child ``pid`` has exited (it is
-    not reaped: the caller's ``poll()`` does it) or ``seconds`` have
-    passed: through a pidfd where Linux has one (woken by the exit
-    itself, not at the caller's next look), else by sleeping. ``close()``
-    once done."""
+    not reaped: the caller's ``poll()`` does it), ``bell`` (a
+    :class:`Bell`) rang, or ``seconds`` have passed: through a pidfd
+    where Linux has one (woken by the exit itself, not at the caller's
+    next look), else by waiting on the bell alone. ``close()`` once
+    done (the bell is its owner's to close)."""
 
-    def __init__(self, pid):
+    def __init__(self, pid, bell=None):
+        self._bell = bell
         try:
             self._fd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # not Linux 5.3+, or gone
             self._fd = None
 
     def __call__(self, seconds):
-        if self._fd is None:
-            time.sleep(seconds)
+        fds = [self._fd] if self._fd is not None else []
+        if self._bell is not None:
+            fds.append(self._bell.fd)
+        if fds:
+            select.select(fds, [], [], seconds)
         else:
-            select.select([self._fd], [], [], seconds)
+            time.sleep(seconds)
+        if self._bell is not None:
+            self._bell.drain()
 
     def close(self):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class SignalWaiter:
+    """``waiter(seconds)`` returns once one of ``signums`` (default
+    SIGCHLD: a child ended), or any signal that has a Python handler
+    (SIGTERM, where the caller has one), arrived since its last call, or
+    ``seconds`` have passed. A process that waits for its children sleeps
+    until something happens instead of looking every few milliseconds:
+    the signal's byte on Python's wake-up fd (``signal.set_wakeup_fd``)
+    ends the ``select``, also where it arrived just before it. Main
+    thread only; a signal of ``signums`` without a handler gets one that
+    does nothing (:meth:`close` puts back what was). ``spacing``: seconds
+    at least between two returns (a program whose orphans end by the
+    thousand a second wakes it no more often). A child forked without
+    exec calls :meth:`forget`."""
+
+    def __init__(self, signums=(signal.SIGCHLD,), spacing=0.0):
+        self.spacing, self._last = spacing, float('-inf')
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._fd = signal.set_wakeup_fd(self._write,
+                                        warn_on_full_buffer=False)
+        self._handlers = {}  # those it replaced, put back by close()
+        for signum in signums:
+            if signal.getsignal(signum) in (signal.SIG_DFL, None):
+                self._handlers[signum] = signal.signal(signum, _ignore)
+
+    def __call__(self, seconds):
+        early = min(seconds, max(0.0, self._last + self.spacing -
+                                 time.monotonic()))
+        if early > 0:  # a flood of signals: one return per spacing
+            time.sleep(early)
+        select.select([self._read], [], [], seconds - early)
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._last = time.monotonic()
+
+    def close(self):
+        """The wake-up fd and the handlers as they were before."""
+        signal.set_wakeup_fd(self._fd)
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+        os.close(self._read)
+        os.close(self._write)
+
+    @staticmethod
+    def forget():
+        """In a forked child: Python's wake-up fd off, SIGCHLD back to
+        its default (the pipe is the parent's)."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+def _ignore(signum, frame):
+    """A handler that does nothing: the signal only wakes a waiter."""

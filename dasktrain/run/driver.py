@@ -40,10 +40,12 @@ from typing import NamedTuple
 from dasktrain import keeper
 from dasktrain.files import open_for_writing
 from dasktrain.parallel.comm.base import ECHO_PHRASES
+from dasktrain.spawn import Bell
 
 logger = logging.getLogger(__name__)
 
 POLL = 0.1  # s between looks at the ranks' tasks and events
+IDLE = 1.0  # s at most between looks at ranks of this process (they wake us)
 SETTLE = 1.0  # s after a first failure for the root one to show
 PATIENCE = 5.0  # s an echo of a lost peer waits for its cause
 # A failure for a lost peer, by its class in a traceback or its words.
@@ -274,6 +276,7 @@ class Child:
         self._on_end = on_end  # called once it has ended
         self.status, self.ended, self._result = 'pending', None, None
         self.stopping = threading.Event()
+        self._bell = Bell()  # the stop, to its watch at once
         self._file = open_for_writing(log)  # never through a symlink
         try:
             self.kept, self.readers = start_program(
@@ -281,13 +284,18 @@ class Child:
                 relay if rank == 0 else None, cwd=os.getcwd())
         except BaseException:
             self._file.close()
+            self._bell.close()
             raise
         self.thread = threading.Thread(target=self._wait, daemon=True,
                                        name=f'dasktrain-rank{rank}')
         self.thread.start()
 
     def _wait(self):
-        ended = self.kept.watch(self.stopping.is_set, self.grace)
+        try:  # woken by the exit or the stop: no look between
+            ended = self.kept.watch(self.stopping.is_set, self.grace,
+                                    poll=IDLE, bell=self._bell)
+        finally:
+            self._bell.close()
         for reader in self.readers:
             reader.join(5)
         self._file.close()
@@ -303,8 +311,9 @@ class Child:
 
     def stop(self):
         """Its keeper stops every process of the rank (SIGTERM, SIGKILL
-        after its grace), at its next look."""
+        after its grace), at once."""
         self.stopping.set()
+        self._bell.ring()
 
 
 class Driver:
@@ -435,7 +444,11 @@ class Driver:
                         (roots and now - first >= SETTLE):
                     return self._result(RunState.FAILED,
                                         failure=blame(failures.values()))
-            self._woken.wait(POLL)
+            # Ranks of this process wake us as they end or write; Dask
+            # tasks, a failure's settling and interrupt() need looks.
+            here = interrupt is None and not failures and all(
+                isinstance(f, Child) for f in self.futures)
+            self._woken.wait(IDLE if here else POLL)
             self._woken.clear()
 
     def _result(self, state, **more):
