@@ -201,10 +201,8 @@ class SignalWaiter:
 
     def __init__(self, signums=(signal.SIGCHLD,), spacing=0.0):
         self.spacing, self._last = spacing, float('-inf')
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-        self._fd = signal.set_wakeup_fd(self._write,
+        self._bell = Bell()  # rung by the signal's byte, not by ring()
+        self._fd = signal.set_wakeup_fd(self._bell._write,
                                         warn_on_full_buffer=False)
         self._handlers = {}  # those it replaced, put back by close()
         for signum in signums:
@@ -216,12 +214,8 @@ class SignalWaiter:
                                  time.monotonic()))
         if early > 0:  # a flood of signals: one return per spacing
             time.sleep(early)
-        select.select([self._read], [], [], seconds - early)
-        try:
-            while os.read(self._read, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        select.select([self._bell.fd], [], [], seconds - early)
+        self._bell.drain()
         self._last = time.monotonic()
 
     def close(self):
@@ -229,8 +223,7 @@ class SignalWaiter:
         signal.set_wakeup_fd(self._fd)
         for signum, handler in self._handlers.items():
             signal.signal(signum, handler)
-        os.close(self._read)
-        os.close(self._write)
+        self._bell.close()
 
     @staticmethod
     def forget():
