@@ -40,20 +40,21 @@ def sleeper(seconds):
 
 def test_an_exit_waiter_wakes_at_the_exit_or_the_ring():
     child = subprocess.Popen(sleeper(0.3), stdout=subprocess.DEVNULL)
+    late = subprocess.Popen(sleeper(60), stdout=subprocess.DEVNULL)
     bell = Bell()
     waiter = ExitWaiter(child.pid, bell)
     try:
         assert elapsed(waiter, 30) < 15  # the exit, not the 30 s
         child.wait()
         waiter.close()
-        late = subprocess.Popen(sleeper(60), stdout=subprocess.DEVNULL)
         waiter = ExitWaiter(late.pid, bell)
         threading.Timer(0.2, bell.ring).start()
         assert elapsed(waiter, 30) < 15  # the ring
         assert elapsed(waiter, 0.2) >= 0.15  # rung once, drained
-        late.kill()
-        late.wait()
     finally:
+        for process in (child, late):
+            process.kill()
+            process.wait()
         waiter.close()
         bell.close()
     bell.ring()  # closed: nothing, no error
