@@ -107,6 +107,21 @@ def run(argv, env, cwd, logs=None):
     return got
 
 
+def summary(ratios, speed):
+    """Each round's ratio (dasktrain over mpiexec, of one interleaved
+    pair: the machine's drift between rounds cancels in it), their median
+    and how many rounds dasktrain was level or ahead in (a speed at least
+    1, a time at most 1).
+
+    >>> summary([1.1, 0.9, 1.0], True)
+    'median of rounds 1.00, 2 of 3 level or ahead: 1.10, 0.90, 1.00'
+    """
+    ahead = sum(r >= 1.0 if speed else r <= 1.0 for r in ratios)
+    return (f'median of rounds {statistics.median(ratios):.2f}, {ahead} of '
+            f'{len(ratios)} level or ahead: '
+            + ', '.join(f'{r:.2f}' for r in ratios))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--rounds', type=int, default=3)
@@ -183,8 +198,9 @@ def main():
                       for k in got[0]} for name, got in by_launcher.items()}
         mine, theirs = (med[name] for name in launchers)
         key = 'met_s' if kind == 'start' else 'images_per_s'
-        rounds = ', '.join(f'{a[key] / b[key]:.2f}' for a, b in zip(
-            *(by_launcher[name] for name in launchers)))
+        each = [a[key] / b[key] for a, b in zip(
+            *(by_launcher[name] for name in launchers))]
+        rounds = summary(each, 'start' != kind)
         for name in launchers:
             m = med[name]
             if kind == 'start':
