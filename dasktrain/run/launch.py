@@ -53,6 +53,7 @@ from dasktrain.parallel.comm.rendezvous import (
     chainermn_folder,
     rank_environment,
 )
+from dasktrain.parallel.comm.transports import unix_fits
 from dasktrain.parallel.gpus import VISIBLE, GpuPool
 from dasktrain.run.driver import (
     Driver,
@@ -377,22 +378,29 @@ def _send(worker, job, name, text):
 
 def _run_here(argv, n, out, timeout, grace, echo, extra):
     """Run the ranks as the driver's children; the exit status. They
-    meet without a scheduler: rank 0 listens on a port the kernel chose
-    and writes its address to a file in a private folder made here
-    (``DASKTRAIN_RANK0``); the others read it, dial rank 0 first and
-    learn from it where each listens. This process starts no Dask, and
-    no port is named before it is bound (one another user of the
-    machine could take first)."""
+    meet without a scheduler, in a private folder made here (0700):
+    rank 0 listens on a Unix socket there and writes its path to a file
+    there (``DASKTRAIN_RANK0``); the others read it, dial rank 0 first
+    and learn from it where each listens. No rank imports Dask or TLS
+    to meet, this process starts no Dask, and no other user of the
+    machine can enter the folder. Where a long ``TMPDIR`` leaves no room
+    for a socket's path, they listen on 127.0.0.1 with TLS instead, on
+    ports the kernel chose (none named before it is bound)."""
     job = f'dasktrain-launch-{uuid.uuid4().hex[:8]}'
     environ = dict(os.environ, PYTHONUNBUFFERED='1', **extra)
     environ.update({k: environ.get(k, '1') for k in _BLAS})
-    with throwaway() as tls, tempfile.TemporaryDirectory(  # 0700
-            prefix='dasktrain-meet-', ignore_cleanup_errors=True) as meet, \
-            Driver(None, job, _relay(echo, {})) as driver:
+    with contextlib.ExitStack() as stack:
+        meet = stack.enter_context(tempfile.TemporaryDirectory(  # 0700
+            prefix='dasktrain-meet-', ignore_cleanup_errors=True))
+        if unix_fits(meet):
+            listen, tls = f'unix://{meet}', None
+        else:
+            listen, tls = 'tls://127.0.0.1', stack.enter_context(throwaway())
+        driver = stack.enter_context(Driver(None, job, _relay(echo, {})))
         rank0 = os.path.join(meet, 'rank0')
         try:
             driver.start_here(argv, [dict(environ, **rank_environment(
-                rank, n, None, job, 'tls://127.0.0.1', tls, timeout,
+                rank, n, None, job, listen, tls, timeout,
                 rank0=rank0)) for rank in range(n)],
                 [str(out / f'rank{rank}.log') for rank in range(n)], grace)
         except OSError as e:  # a log it may not write (a planted symlink)

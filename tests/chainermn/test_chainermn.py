@@ -497,3 +497,42 @@ def test_a_launch_here_never_imports_dask(tmp_path):
         assert proc.wait(120) == 0, proc.stderr()
         out = proc.stdout()
     assert 'code 0 False False False' in out, out
+
+
+MEETS = textwrap.dedent('''
+    import os, sys
+    import chainermn
+    comm = chainermn.create_communicator('naive')
+    total = comm.allreduce_obj(comm.rank + 1)
+    if comm.rank == 0:
+        print('met', total, os.environ['DASKTRAIN_LISTEN'].split(':')[0],
+              [m for m in ('distributed', 'cryptography')
+               if m in sys.modules], flush=True)
+''')
+
+
+def test_ranks_meet_over_unix_sockets_and_import_no_dask(tmp_path):
+    # A rank's import of distributed and its TLS was most of what a
+    # script's start took beyond mpiexec's.
+    (tmp_path / 'meets.py').write_text(MEETS)
+    code, out, err = launch(tmp_path, 2, [tmp_path / 'meets.py'])
+    assert code == 0, err
+    assert 'met 3 unix []' in out, out
+
+
+def test_a_tmpdir_too_long_for_sockets_meets_over_tls(tmp_path):
+    # sockaddr_un holds 107 bytes: a folder deeper than that has no room
+    # for a socket's path, and the ranks listen on 127.0.0.1 with TLS.
+    deep = tmp_path / ('d' * 100)
+    deep.mkdir()
+    (tmp_path / 'meets.py').write_text(MEETS)
+    argv = [sys.executable, '-m', 'dasktrain.cli', 'launch', '-n', '2',
+            '--out', str(tmp_path / 'ranks'), '--', sys.executable,
+            str(tmp_path / 'meets.py')]
+    with child(argv, cwd=tmp_path, env=dict(os.environ,
+                                            TMPDIR=str(deep))) as proc:
+        code = proc.wait(120)
+        err, out = proc.stderr(), ''.join(proc.lines)
+    assert code == 0, err
+    assert "met 3 tls ['distributed']" in out, out
+    assert os.listdir(deep) == []  # its folders and certificate gone

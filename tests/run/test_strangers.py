@@ -10,8 +10,9 @@ now holds:
    (hers, or one she may write), in one line; the ranks' ``import
    chainermn`` folder is private and outside it; no log is written
    through a symlink;
-4. ``launch``'s rendezvous and a run's throwaway workers serve
-   ``/health`` alone (Dask's pages show a failed task's arguments);
+4. ``launch``'s ranks on one machine meet over Unix sockets eve cannot
+   reach, and a run's throwaway workers serve ``/health`` alone (Dask's
+   pages show a failed task's arguments);
 6. eve holds no lock that hangs a run's answers or ``ctl``, and a
    commands file nested 100,000 deep is said, not fatal.
 
@@ -189,40 +190,68 @@ def tree_listening(pid):
     return found
 
 
+def unix_listening(pids):
+    """The paths of the Unix sockets the processes ``pids`` listen on."""
+    import psutil
+    found = set()
+    for pid in pids:
+        for c in psutil.Process(pid).net_connections(kind='unix'):
+            if c.status == psutil.CONN_LISTEN or (c.laddr and not c.raddr):
+                found.add(c.laddr)
+    return sorted(p for p in found if p and not p.startswith('\0'))
+
+
+def dial_unix(paths):
+    """{path: what connecting to it did} (eve's try)."""
+    import socket
+    said = {}
+    for path in paths:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            said[path] = 'connected'
+        except OSError as e:
+            said[path] = type(e).__name__
+        finally:
+            s.close()
+    return said
+
+
 def test_4_a_launchs_rendezvous_and_a_runs_workers_serve_health_alone(
         lab, tmp_path):
-    """A launch on one machine: its ranks meet through rank 0, which
-    listens on 127.0.0.1 alone, on a port named nowhere before it was
-    bound (no rank's command line or environment holds it: the others
-    read it from a file in the launch's 0700 folder, which eve cannot
-    enter); no web server at all. A run's throwaway workers serve
-    ``/health`` alone."""
+    """A launch on one machine: its ranks meet through rank 0 over Unix
+    sockets in the launch's 0700 folder, which eve cannot enter (nor
+    connect to a socket there, nor read rank 0's address file); nothing
+    listens on any IP port and no web server runs. A run's throwaway
+    workers serve ``/health`` alone."""
     import psutil
 
     from dasktrain.cluster.workers import local_workers
     with child('launch', '-n', '2', '--out', str(tmp_path / 'l'), '--',
                sys.executable, '-c', JOINED, cwd=tmp_path) as c:
-        wait_until(lambda: 'joined\n' in c.lines, 60, 'the ranks to meet')
+        wait_until(lambda: c.lines.count('joined\n') == 1, 60,
+                   'the ranks to meet')
         where = tree_listening(c.proc.pid)
         ranks = [p for p in psutil.Process(c.proc.pid).children(True)
                  if 'DASKTRAIN_RANK0' in p.environ()]
         told = ranks[0].environ()['DASKTRAIN_RANK0']
-        said = [' '.join(p.cmdline()) + repr(p.environ()) for p in ranks]
-        seen = as_user(lab, 'eve', probe, [p for _, p in where])
+        sockets = unix_listening([p.pid for p in ranks])
+        with open(told) as f:
+            address = f.read()
         eve_reads = as_user(lab, 'eve', os.access, told, os.R_OK)
+        eve_dials = as_user(lab, 'eve', dial_unix, sockets)
         folder = os.stat(os.path.dirname(told))
         # a Ctrl-C, not the SIGKILL leaving the block would send: the
         # launch stops its ranks and removes its private folders
         c.signal(signal.SIGINT)
         assert c.wait(60) == 130, c.stderr()
     assert not os.path.exists(os.path.dirname(told))
-    assert len(ranks) == 2 and len(where) >= 2, (ranks, where)
-    assert all(ip == '127.0.0.1' for ip, _ in where), where
-    assert not any(f':{port}' in text for _, port in where
-                   for text in said), 'a port named before it was bound'
+    assert len(ranks) == 2 and where == [], (ranks, where)
+    assert address.startswith('unix://' + os.path.dirname(told) + '/')
+    assert len(sockets) >= 2 and all(
+        os.path.dirname(p) == os.path.dirname(told) for p in sockets), sockets
+    assert set(eve_dials.values()) == {'PermissionError'}, eve_dials
     assert folder.st_mode & 0o777 == 0o700 and not eve_reads
-    assert all(code is None for pages in seen.values()
-               for code in pages.values()), seen
     with local_workers(1) as client:
         ports = [client.cluster.scheduler.http_server.port] + [
             w['services']['dashboard'] for w in
@@ -231,6 +260,59 @@ def test_4_a_launchs_rendezvous_and_a_runs_workers_serve_health_alone(
     for port, pages in seen.items():
         shown = {page: code for page, code in pages.items() if code != 404}
         assert set(shown) <= {'/health'}, (port, shown)
+
+
+def dial_and_hello(path):
+    """eve: connect to ``path``, say a rank's hello, read the answer."""
+    import socket
+
+    from dasktrain.parallel.comm.transports import frame, pack
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    try:
+        s.connect(path)
+        parts = pack({'rank': 1, 'address': 'unix:///tmp/x/m1'})
+        s.sendall(frame(parts) + b''.join(bytes(p) for p in parts))
+        return repr(s.recv(100))
+    except OSError as e:
+        return type(e).__name__
+    finally:
+        s.close()
+
+
+def test_4_a_rank_accepts_no_other_users_connection(lab):
+    """Behind the folder, the second wall: a rank's Unix listener hangs up
+    on a process of another user (``SO_PEERCRED``) before reading a byte,
+    even where the folder and the socket let eve in."""
+    import asyncio
+
+    from dasktrain.parallel.comm.transports import UnixTransport
+    folder = lab.root / f'open-{os.getpid()}'
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    heard, loop = [], asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def handler(comm):
+        heard.append(await comm.read())
+        comm.abort()
+    try:
+        listener = asyncio.run_coroutine_threadsafe(
+            UnixTransport(folder).listen(handler), loop).result(10)
+        path = listener.contact_address.removeprefix('unix://')
+        os.chmod(path, 0o777)
+        said = as_user(lab, 'eve', dial_and_hello, path)
+        mine = dial_and_hello(path)  # and the owner's own is heard
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+        loop.call_soon_threadsafe(listener.stop)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    assert said in ("b''", 'ConnectionResetError', 'BrokenPipeError'), said
+    assert mine in ("b''", 'ConnectionResetError'), mine
+    assert heard == [{'rank': 1, 'address': 'unix:///tmp/x/m1'}], heard
+
 
 
 # ------------------------------------------------------------------- 6

@@ -2,9 +2,11 @@
 
 Ranks find each other through Dask (each publishes its listening address
 in a ``distributed.Variable``) and connect peer to peer over Dask's own
-comm layer (TCP or TLS): nothing funnels through the client or the
-scheduler. Those comms carry the small messages (objects, barriers, the
-set-up); arrays take the fastest path there is:
+comm layer (TCP or TLS), or, launched on one machine, meet through rank 0
+over Unix sockets (:mod:`~dasktrain.parallel.comm.transports`): nothing
+funnels through the client or the scheduler. Those connections carry
+the small messages (objects, barriers, the set-up); arrays take the
+fastest path there is:
 
 * every rank on one host: shared memory
   (:mod:`~dasktrain.parallel.comm.shm`);
@@ -100,8 +102,9 @@ class DaskComm(Communicator):
         self.hosts = [list(range(size))]  # ranks by host, for routes
         # pinned host buffers for GPU sums, by batch, kept while used
         self._staging = Staging(PinnedBuffer, PinnedBuffer.free)
-        #: (listen host, Security) it was connected with: split()'s too
-        self.joined = None
+        #: what its connections are (:mod:`~dasktrain.parallel.comm.
+        #: transports`): split()'s too
+        self.transport = None
         #: (plain, streams) of its links (:meth:`routes`): split()'s too
         self.link_options = (False, STREAMS)
 
@@ -126,6 +129,8 @@ class DaskComm(Communicator):
         """
         from distributed import Variable, get_client, get_worker
         from distributed.comm.addressing import get_address_host, parse_address
+
+        from dasktrain.parallel.comm.transports import DaskTransport
         if client is None:
             client = get_client()
         if listen_host is None or security is None:
@@ -146,23 +151,23 @@ class DaskComm(Communicator):
                 raise CollectiveError(
                     f'rank {peer} of {size} did not start within '
                     f'{timeout:g} s (collective_timeout)') from None
-        return mesh.connect(cls, rank, size, timeout, listen_host, security,
-                            publish, lookup, shared_memory, plain, streams)
+        return mesh.connect(cls, rank, size, timeout,
+                            DaskTransport(listen_host, security), publish,
+                            lookup, shared_memory, plain, streams)
 
     @classmethod
-    def meet(cls, rank, size, tell, find, timeout=300.0, listen_host=None,
-             security=None, shared_memory=None, plain=None,
-             streams=STREAMS):
-        """Meet the other ranks without a scheduler: rank 0 listens on a
-        port the kernel chooses and calls ``tell(address)``; the others
-        get it from ``find(seconds left)``, dial rank 0 first and learn
-        from it where each listens (:func:`~dasktrain.parallel.comm.mesh.
-        connect`'s ``through_rank0``); then as :meth:`rendezvous`. What a
-        launch of ranks on one machine uses (through a file in a private
-        folder: :func:`~dasktrain.parallel.comm.rendezvous.join`): no
-        scheduler to start, import or dial, and no port named before it
-        is bound, so no other user of the machine can take it first."""
-        return mesh.connect(cls, rank, size, timeout, listen_host, security,
+    def meet(cls, rank, size, tell, find, transport, timeout=300.0,
+             shared_memory=None, plain=None, streams=STREAMS):
+        """Meet the other ranks without a scheduler: rank 0 listens
+        through ``transport`` (a Unix socket, or Dask's comms on a port
+        the kernel chooses) and calls ``tell(address)``; the others get
+        it from ``find(seconds left)``, dial rank 0 first and learn from
+        it where each listens (``mesh.connect``'s ``through_rank0``);
+        then as :meth:`rendezvous`. What a launch on one machine uses
+        (:func:`~dasktrain.parallel.comm.rendezvous.join`): no scheduler
+        to start, import or dial, no Dask or TLS imported over Unix
+        sockets, no port named before it is bound."""
+        return mesh.connect(cls, rank, size, timeout, transport,
                             tell if rank == 0 else None,
                             lambda peer, limit: find(limit),
                             shared_memory, plain, streams,
@@ -304,13 +309,12 @@ class DaskComm(Communicator):
     async def _exchange(self, tag, send=None, receive=()):
         """Send ``send[peer]`` to each of its peers while reading one
         message from each peer in ``receive``; returns {peer: message}."""
-        from distributed.comm.core import CommClosedError
-        from distributed.protocol import to_serialize
+        wrap, lost = self.transport.wrap, self.transport.lost
         send = send or {}
 
         async def write(peer):
             await self._comms[peer].write(
-                {'tag': tag, 'data': to_serialize(send[peer])})
+                {'tag': tag, 'data': wrap(send[peer])})
 
         async def read(peer):
             msg = await self._comms[peer].read()
@@ -338,7 +342,7 @@ class DaskComm(Communicator):
         # traceback when the loop drops it (seen on a Ctrl-C).
         errors = [(task, task.exception()) for task in done]
         for task, error in errors:
-            if isinstance(error, (CommClosedError, OSError)):
+            if isinstance(error, lost):
                 raise PeerLost(
                     f'rank {tasks[task]} closed its connection during '
                     f'{collective_name(tag)}: '

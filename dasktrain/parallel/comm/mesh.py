@@ -37,16 +37,17 @@ def group(colors, color):
         (key, rank) for rank, (c, key) in enumerate(colors) if c == color)]
 
 
-def connect(cls, rank, size, timeout, listen_host, security, publish,
-            lookup, shared_memory=None, plain=None, streams=None,
+def connect(cls, rank, size, timeout, transport, publish, lookup,
+            shared_memory=None, plain=None, streams=None,
             through_rank0=False):
     """A ``cls`` (a DaskComm) joining ``size`` ranks as ``rank``: listen
-    on ``listen_host`` (a port the kernel chooses), ``publish(address)``, dial
-    every lower rank at ``lookup(peer, seconds left)`` and wait for the
-    higher ones, all within ``timeout`` seconds (else
-    :class:`CollectiveError`). It runs its connections on an event loop
-    thread of its own. Then the routes of its arrays (``shared_memory``,
-    ``plain``, ``streams``:
+    through ``transport`` (:mod:`~dasktrain.parallel.comm.transports`:
+    Dask's comms on a port the kernel chooses, or a Unix socket),
+    ``publish(address)``, dial every lower rank at ``lookup(peer, seconds
+    left)`` and wait for the higher ones, all within ``timeout`` seconds
+    (else :class:`CollectiveError`). It runs its connections on an event
+    loop thread of its own. Then the routes of its arrays
+    (``shared_memory``, ``plain``, ``streams``:
     :meth:`~dasktrain.parallel.comm.dask.DaskComm.routes`; None: its
     defaults): shared memory among the ranks of a host, links between
     hosts.
@@ -56,11 +57,6 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
     it with ``lookup(0, ...)``; every other rank dials it first, saying
     where it listens itself, and once all have, rank 0 answers each with
     every rank's address, which the later dials use."""
-    from distributed.comm import connect as dial_address
-    from distributed.comm import listen
-    from distributed.comm.addressing import get_address_host, parse_address
-    listen_args = security.get_listen_args('worker')
-    connect_args = security.get_connection_args('worker')
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True,
                               name=f'dasktrain-comm-{rank}')
@@ -78,18 +74,17 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
                     await comms[peer].write({'addresses': heard})
             arrived.set()
 
-    async def start():
-        listener = listen(f'{listen_host}:0', accept, **listen_args)
-        await listener.start()
-        return listener
-
     def run(coro, limit):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(limit)
 
     deadline = time.monotonic() + timeout
-    listener = run(start(), timeout)
+    try:
+        listener = run(transport.listen(accept), timeout)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        raise
     self = cls(rank, size, comms, loop, thread, listener, timeout)
-    self.joined = (listen_host, security)
+    self.transport = transport
     try:
         if not through_rank0 or rank == 0:
             publish(listener.contact_address)
@@ -98,7 +93,7 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
                 lookup(peer, max(0.1, deadline - time.monotonic()))
 
             async def dial(address=address, peer=peer):
-                comm = await dial_address(address, **connect_args)
+                comm = await transport.dial(address)
                 await comm.write({'rank': rank,
                                   'address': listener.contact_address})
                 if through_rank0 and peer == 0:  # every rank's address
@@ -117,9 +112,8 @@ def connect(cls, rank, size, timeout, listen_host, security, publish,
                     f'ranks {missing} did not connect within {timeout:g}'
                     ' s (collective_timeout)') from None
         options = {} if streams is None else {'streams': streams}
-        self.routes(get_address_host(listener.contact_address),
-                    shared_memory, plain,
-                    tls=parse_address(listen_host)[0] == 'tls', **options)
+        self.routes(transport.host(listener.contact_address),
+                    shared_memory, plain, tls=transport.private, **options)
     except BaseException:
         self.close()
         raise
@@ -130,9 +124,9 @@ def split(comm, color, key, shared_memory=None):
     """The communicator of ``comm``'s ranks that give ``color``, ranked
     by ``key`` (ties by rank in ``comm``); every rank of ``comm`` calls it
     (two all-gathers over ``comm``: the colours, then the new listeners'
-    addresses). The group listens where ``comm`` does and sums through
-    shared memory where ``comm`` does (unless ``shared_memory`` says
-    otherwise) and links as ``comm`` does; a group of one is a
+    addresses). The group listens through ``comm``'s transport, sums
+    through shared memory where ``comm`` does (unless ``shared_memory``
+    says otherwise) and links as ``comm`` does; a group of one is a
     :class:`~dasktrain.parallel.comm.base.Solo`."""
     members = group(comm.allgather((color, key)), color)
     if len(members) == 1:
@@ -147,8 +141,7 @@ def split(comm, color, key, shared_memory=None):
 
     def lookup(peer, limit):
         return addresses[members[peer]]
-    listen_host, security = comm.joined
     plain, streams = comm.link_options
     return connect(type(comm), members.index(comm.rank), len(members),
-                   comm.timeout, listen_host, security, publish, lookup,
+                   comm.timeout, comm.transport, publish, lookup,
                    shared_memory, plain, streams)

@@ -50,6 +50,7 @@ from dasktrain.parallel.comm.handover import (
     worth_it,
 )
 from dasktrain.parallel.comm.shm import SHM_DIR
+from dasktrain.parallel.comm.transports import peer_uid
 
 #: A frame's header: its kind, then for a message its pickle's length,
 #: for a credit the ring's size and how far it was read.
@@ -60,15 +61,6 @@ MESSAGE, CREDIT, PICKLE_HANDED = 0, 1, 2
 #: A connection's first bytes: the dialling rank and its token for the
 #: rank it dials.
 HELLO = struct.Struct('<I16s')
-_UCRED = struct.Struct('3i')  # struct ucred: pid, uid, gid
-
-
-def peer_uid(sock):
-    """The user id of the process at the other end of Unix socket
-    ``sock`` (``SO_PEERCRED``)."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                          _UCRED.size)
-    return _UCRED.unpack(raw)[1]
 
 
 def _read_exactly(sock, n, what, source=None):

@@ -15,7 +15,9 @@ starts who it is and where its peers are, and joining them from it.
                            machine
 ``DASKTRAIN_JOB``          the name the ranks of this launch meet under
 ``DASKTRAIN_LISTEN``       where this rank listens for its peers
-                           (``tls://HOST`` or ``tcp://HOST``)
+                           (``tls://HOST`` or ``tcp://HOST``; or
+                           ``unix://FOLDER``, a launch on one machine:
+                           sockets in the launch's private folder)
 ``DASKTRAIN_TLS_CA``,      the TLS files of the cluster (CA, certificate,
 ``DASKTRAIN_TLS_CERT``,    key), private to the user; unset on a cluster
 ``DASKTRAIN_TLS_KEY``      without TLS
@@ -97,11 +99,13 @@ def rank_environment(rank, size, scheduler, job, listen, tls=None,
 # bound (and told to the ranks on their command lines or environment)
 # is one another user of the machine could bind first; this one is the
 # kernel's choice, told through a file in the launch's private folder.
-_ADDRESS = re.compile(r'(tls|tcp)://[0-9A-Za-z.:\[\]-]{1,253}:[0-9]{1,5}')
+_ADDRESS = re.compile(r'(tls|tcp)://[0-9A-Za-z.:\[\]-]{1,253}:[0-9]{1,5}'
+                      r'|unix://(/[0-9A-Za-z._+-]{1,255}){1,64}')
 
 
 def write_rank0_address(path, address):
-    """Write ``address`` (``tls://HOST:PORT``) to the file ``path``,
+    """Write ``address`` (``tls://HOST:PORT``, ``unix://PATH``) to the
+    file ``path``,
     whole or not at all (a rename), 0600."""
     atomic_write(path, lambda f: f.write(address.encode()), mode=0o600)
 
@@ -112,8 +116,8 @@ def read_rank0_address(path, timeout, size=None):
     (:class:`CollectiveError` after). Read only from a regular file of
     this user's, never through a symlink (:func:`~dasktrain.files.
     read_regular`), at most 300 bytes, and only an address
-    (``tls://HOST:PORT`` or ``tcp://...``): a file put there by someone
-    else is refused, not dialled.
+    (``tls://HOST:PORT``, ``tcp://...`` or ``unix://PATH``): a file put
+    there by someone else is refused, not dialled.
 
     Examples
     --------
@@ -296,17 +300,11 @@ def join(environ=None):
     rank, size = position(env)
     if size == 1:
         return Solo()
-    from distributed.security import Security
-
     from dasktrain.parallel.comm.dask import DaskComm
-    if env.get(TLS_CA):
-        ca, cert, key = env[TLS_CA], env[TLS_CERT], env[TLS_KEY]
-        # The same certificate dials the scheduler and listens for peers.
-        security = Security(tls_ca_file=ca, tls_client_cert=cert,
-                            tls_client_key=key, tls_worker_cert=cert,
-                            tls_worker_key=key, require_encryption=True)
-    else:
-        security = Security()
+    from dasktrain.parallel.comm.transports import transport_for
+    transport = transport_for(env[LISTEN], (
+        env[TLS_CA], env[TLS_CERT], env[TLS_KEY]) if env.get(TLS_CA)
+        else None)
     timeout = float(env.get(TIMEOUT) or 300.0)
     shared_memory = env.get(SHARED_MEMORY, '1') != '0'
     if env.get(RANK0):  # no scheduler: rank 0 tells the others
@@ -317,12 +315,11 @@ def join(environ=None):
 
         def find(limit):
             return read_rank0_address(rank0, limit, size)
-        return DaskComm.meet(rank, size, tell, find, timeout,
-                             listen_host=env[LISTEN], security=security,
+        return DaskComm.meet(rank, size, tell, find, transport, timeout,
                              shared_memory=shared_memory)
     from distributed import Client
     try:
-        client = Client(env[RENDEZVOUS], security=security,
+        client = Client(env[RENDEZVOUS], security=transport.security,
                         timeout=min(timeout, 60.0), set_as_default=False)
     except (OSError, TimeoutError) as e:
         raise CollectiveError(f'rank {rank} cannot reach the rendezvous at '
@@ -330,7 +327,7 @@ def join(environ=None):
     try:
         return DaskComm.rendezvous(
             env[JOB], rank, size, timeout, client=client,
-            listen_host=env[LISTEN], security=security,
+            listen_host=env[LISTEN], security=transport.security,
             shared_memory=shared_memory)
     finally:
         client.close()
