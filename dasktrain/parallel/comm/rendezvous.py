@@ -27,9 +27,9 @@ starts who it is and where its peers are, and joining them from it.
 and, set by the user rather than ``launch``, ``DASKTRAIN_SHARED_MEMORY=0``:
 ranks of one machine sum arrays over links
 (:mod:`~dasktrain.parallel.comm.links`) instead of shared memory, and
-send point-to-point messages over the Dask comms instead of
-:mod:`~dasktrain.parallel.comm.nearby`'s sockets (to compare, or where
-``/dev/shm`` is too small); ``DASKTRAIN_LINKS=tcp`` on
+send point-to-point messages over the communicator's connections
+instead of :mod:`~dasktrain.parallel.comm.nearby`'s sockets (to
+compare, or where ``/dev/shm`` is too small); ``DASKTRAIN_LINKS=tcp`` on
 every rank: links between machines unencrypted, for a trusted network.
 
 :func:`join` reads them and returns the rank's
