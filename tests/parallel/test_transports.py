@@ -259,3 +259,34 @@ def test_a_rank_meeting_over_unix_sockets_imports_no_dask(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip() == '[(0, [0, 1]), (1, [0, 1])] []', got.stdout
+
+
+def test_a_hello_that_is_not_a_ranks_is_hung_up_on_quietly(tmp_path,
+                                                           caplog):
+    async def server(comm):
+        hello = await comm.read()
+        return hello['rank']  # a list has no 'rank': TypeError
+
+    async def client(address, transport):
+        comm = await transport.dial(address)
+        await comm.write(['not', 'a', 'hello'])
+        try:
+            return await asyncio.wait_for(comm.read(), 10)
+        except OSError as e:
+            return type(e).__name__
+
+    got = {}
+
+    async def main():
+        transport = UnixTransport(tmp_path)
+        listener = await transport.listen(server)
+        try:
+            got['client'] = await client(listener.contact_address,
+                                         transport)
+        finally:
+            listener.stop()
+    with caplog.at_level('DEBUG', logger='asyncio'):
+        asyncio.run(main())
+    assert got['client'] == 'ConnectionResetError'
+    assert not [r for r in caplog.records if r.levelname == 'ERROR'], \
+        caplog.text

@@ -202,7 +202,9 @@ class UnixTransport:
                     comm.abort()
                     return
                 await handler(comm)
-            except (OSError, EOFError):  # it left before its hello
+            except Exception:  # a hello that is not a rank's
+                # hung up on, not a traceback in the rank's output: a
+                # rank that meant to come and could not times the mesh out
                 comm.abort()
         server = await asyncio.start_unix_server(accepted, path,
                                                  limit=_READ_LIMIT)
