@@ -41,8 +41,8 @@ _COUNT = struct.Struct('<I')
 MAX_PARTS = 1 << 16
 #: StreamReader's buffer: large arrays arrive in fewer, larger reads.
 _READ_LIMIT = 1 << 20
-
-
+#: A pickle shorter than this goes in the frame's write (copied once).
+_JOINED = 1 << 16
 _UCRED = struct.Struct('3i')  # struct ucred: pid, uid, gid
 
 
@@ -117,7 +117,10 @@ class UnixComm:
 
     async def write(self, msg):
         parts = pack(msg)
-        self._writer.write(frame(parts))
+        head = frame(parts)
+        if len(parts[0]) < _JOINED:  # one send, one wake-up for the peer
+            head, parts = head + parts[0], parts[1:]
+        self._writer.write(head)
         for part in parts:
             self._writer.write(part)
         await self._writer.drain()
@@ -140,9 +143,6 @@ class UnixComm:
 
     def abort(self):
         self._writer.transport.abort()
-
-    def closed(self):
-        return self._writer.is_closing()
 
 
 class UnixListener:
