@@ -2,8 +2,10 @@
 the ranks of one machine. Two real processes (a fork) on one shared
 mapping: every operation's payload read is that operation's, a sleeping
 rank is woken by its peer's publish (not by its own check turns), a
-silent peer times out, a peer that exited is told apart; the decisions
-(machine, spin, sequence order) by their doctests. The sums through it,
+polling rank meets its peer without sleeping and lets the other threads
+of its process run meanwhile, a silent peer times out, a peer that
+exited is told apart; the decisions (machine, spin, sequence order) by
+their doctests. The sums through it,
 on ranks that ``dasktrain launch`` starts, are tests/parallel/
 test_shm.py's."""
 import doctest
@@ -13,6 +15,8 @@ import os
 import socket
 import statistics
 import struct
+import sys
+import threading
 import time
 
 import pytest
@@ -111,6 +115,66 @@ def test_a_sleeping_rank_is_woken_by_its_peer():
                         struct.unpack('<d', got[1][2][:8].tobytes())[0])
         assert statistics.median(lags) < 0.05, lags
     finally:
+        _stop(proc)
+
+
+def _sleeps(b):
+    """Count ``b``'s sleeps in the futex (they still sleep)."""
+    count, wait = [0], b._futex.wait
+
+    def counted(*args):
+        count[0] += 1
+        return wait(*args)
+    b._futex.wait = counted
+    return count
+
+
+@pytest.mark.parametrize('spin', [0.0, 5.0])
+def test_a_polling_rank_meets_its_peer_without_sleeping(spin):
+    # rank 1 publishes 0.2 s late: a rank polling for 5 s meets it without
+    # a sleep in the futex, one polling for none sleeps
+    segment = _segment()
+    proc = _in_child(_late, segment, [0.2])
+    try:
+        b = board.Board(segment, 0, 2, timeout=20, spin=spin)
+        sleeps = _sleeps(b)
+        start = time.monotonic()
+        b.exchange()
+        assert time.monotonic() - start < 3
+        assert (sleeps[0] == 0) == (spin > 0), sleeps
+    finally:
+        _stop(proc)
+
+
+def test_a_polling_rank_lets_its_other_threads_run():
+    # While rank 0 polls for its late peer (0.4 s), a thread of its
+    # process that wants the GIL every millisecond gets it: a poll that
+    # held the GIL would let it in once per switch interval (set to
+    # 0.1 s here: about 4 turns).
+    segment = _segment()
+    turns, done = [0], threading.Event()
+
+    def other():
+        while not done.is_set():
+            turns[0] += 1
+            time.sleep(0.001)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.1)
+    proc = _in_child(_late, segment, [0.4])
+    thread = threading.Thread(target=other, daemon=True)
+    try:
+        b = board.Board(segment, 0, 2, timeout=20, spin=5.0)
+        sleeps = _sleeps(b)
+        thread.start()
+        time.sleep(0.01)
+        turns[0] = 0
+        b.exchange()
+        assert sleeps[0] == 0
+        assert turns[0] >= 40, turns
+    finally:
+        done.set()
+        sys.setswitchinterval(interval)
+        thread.join(5)
         _stop(proc)
 
 
