@@ -11,8 +11,10 @@ them (one process or several, sums on the GPU or through the host) is a
 declared attribute, never a probe of the type.
 
 Also here: :class:`CollectiveError` (a fault among the ranks, which is not
-the user's mistake) and :func:`poll` (a wait with a deadline). How the
-arrays of one collective travel is :mod:`~dasktrain.parallel.comm.batches`'s.
+the user's mistake), :func:`poll` (a wait with a deadline) and
+:func:`spin_until` (a short wait for a peer of this machine, by
+polling). How the arrays of one collective travel is
+:mod:`~dasktrain.parallel.comm.batches`'s.
 
 This module knows no devices and no arrays: it imports neither NumPy nor
 CuPy nor Chainer (``dasktrain launch`` imports it, and starts sooner
@@ -20,6 +22,7 @@ without NumPy).
 """
 import abc
 import contextlib
+import os
 import threading
 import time
 
@@ -277,3 +280,52 @@ def poll(check, deadline, what, abort):
             raise CollectiveError(f'{what} did not finish within the '
                                   f'collective_timeout: {PEER_SILENT}')
         time.sleep(pause(now - began))
+
+
+#: Seconds a rank polls for a peer of its machine (a word of the board,
+#: a socket) before it sleeps, where every rank of the machine has a CPU
+#: of its own: a peer that arrives within it is met without a wake-up.
+#: Measured on a 2-CPU VM, ChainerMN's MNIST example on 2 ranks: 99 % of
+#: its waits (the ranks' skew at a batch normalisation's statistics and
+#: a gradient sum) ended within 5 ms; a wake-up took only 0.05 ms, yet
+#: polling for 0.2 ms, a third of those waits slept and the run was 3 %
+#: slower (the sleeper's CPU idles or goes to another task, its caches
+#: cool). Open MPI polls without end; a wait longer than this (a peer
+#: saving a snapshot) sleeps, so it holds a CPU for 10 ms at most.
+SPIN_S = 10e-3
+
+
+def spin_seconds(ranks_here, cpus):
+    """How long a rank polls before it sleeps: :data:`SPIN_S` where the
+    ``ranks_here`` of this machine have a CPU each among ``cpus``, else 0
+    (a polling rank would hold a CPU that the rank it waits for needs).
+
+    Examples
+    --------
+    >>> spin_seconds(2, 2), spin_seconds(4, 2), spin_seconds(1, 8)
+    (0.01, 0.0, 0.01)
+    """
+    return SPIN_S if ranks_here <= cpus else 0.0
+
+
+def spin_until(ready, seconds):
+    """Look at ``ready()`` until it returns True (then return True) or
+    ``seconds`` have passed (False: the caller sleeps on what it waits
+    for). Between two looks the caller's thread yields (``sched_yield``):
+    the GIL to the process's other threads (a loader's, the comm's), the
+    CPU to whatever else is ready; about 1 us where nothing is.
+
+    Examples
+    --------
+    >>> spin_until(lambda: True, 0.0), spin_until(lambda: False, 0.001)
+    (True, False)
+    """
+    if ready():
+        return True
+    clock, pass_on = time.perf_counter, os.sched_yield
+    end = clock() + seconds
+    while clock() < end:
+        pass_on()
+        if ready():
+            return True
+    return False

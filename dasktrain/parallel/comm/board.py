@@ -15,8 +15,8 @@ Operation k (every rank counts its operations alike), half p = k mod 2:
 1. write this operation's header and payload into half p of my slot;
 2. store k in my sequence word, then ``FUTEX_WAKE`` on it;
 3. for each peer, wait until its word reaches k: poll it for up to
-   :func:`spin_seconds` (ranks that have a CPU each), yielding the CPU
-   and the GIL between two looks (``sched_yield``), then sleep in
+   :func:`~dasktrain.parallel.comm.base.spin_seconds` (ranks that have a
+   CPU each: :func:`~dasktrain.parallel.comm.base.spin_until`), then sleep in
    ``FUTEX_WAIT`` on it (which returns at once where the word moved
    meanwhile: no wake-up is missed), in turns of :data:`CHECK_S`, in each
    asking whether the peer's socket was closed (it exited: PeerLost) and
@@ -50,6 +50,8 @@ from dasktrain.parallel.comm.base import (
     PEER_SILENT,
     CollectiveError,
     PeerLost,
+    spin_seconds,
+    spin_until,
 )
 from dasktrain.parallel.comm.shm import POPULATE, SHM_DIR, SMALL_BYTES
 
@@ -61,17 +63,6 @@ HEADER = 64
 HALF = HEADER + PAYLOAD_BYTES
 #: A rank's slot, a whole number of pages (no two ranks share a page).
 SLOT = -(-(HEADER + 2 * HALF) // mmap.PAGESIZE) * mmap.PAGESIZE
-#: Seconds a rank polls a peer's word before it sleeps, where every rank
-#: of the machine has a CPU of its own: a peer that arrives within it is
-#: met without a wake-up. Measured on a 2-CPU VM, ChainerMN's MNIST
-#: example on 2 ranks: 99 % of its waits (the ranks' skew at a batch
-#: normalisation's statistics and a gradient sum) ended within 5 ms; a
-#: wake-up took only 0.05 ms, yet polling for 0.2 ms, a third of those
-#: waits slept and the run was 2 % slower than polling for 20 ms (the
-#: sleeper's CPU idles or goes to another task, its caches cool). Open
-#: MPI polls without end; a wait longer than this (a peer saving a
-#: snapshot) sleeps, so it holds a CPU for 10 ms at most.
-SPIN_S = 10e-3
 #: Seconds of each sleep between the checks for a peer that exited.
 CHECK_S = 0.2
 #: The futex system call's number, by machine (those with TSO only).
@@ -96,19 +87,6 @@ def supported(machine=None):
     (True, False, False)
     """
     return _machine(machine) in SYS_FUTEX and os.path.isdir(SHM_DIR)
-
-
-def spin_seconds(ranks_here, cpus):
-    """How long a rank polls before it sleeps: :data:`SPIN_S` where the
-    ``ranks_here`` of this machine have a CPU each among ``cpus``, else 0
-    (a polling rank would hold a CPU that the rank it waits for needs).
-
-    Examples
-    --------
-    >>> spin_seconds(2, 2), spin_seconds(4, 2), spin_seconds(1, 8)
-    (0.01, 0.0, 0.01)
-    """
-    return SPIN_S if ranks_here <= cpus else 0.0
 
 
 def reached(word, k):
@@ -263,14 +241,8 @@ class Board:
         words, word = self._words, peer * SLOT // 4
         if reached(int(words[word]), k):
             return
-        clock, pass_on = time.perf_counter, os.sched_yield
-        end = clock() + self.spin
-        while clock() < end:
-            if reached(int(words[word]), k):
-                return
-            # the GIL to this rank's other threads (a loader's, the
-            # comm's), the CPU to whatever else is ready: about 1 us
-            pass_on()
+        if spin_until(lambda: reached(int(words[word]), k), self.spin):
+            return
         deadline = time.monotonic() + self.timeout
         address = self._base + peer * SLOT
         while True:

@@ -6,7 +6,11 @@ side (to its event loop and back) and goes through TLS on loopback: each
 crossing is a wake-up, which a busy machine serves late. Between ranks
 that share a machine, :class:`Nearby` sends it down a Unix domain socket
 from the sending thread and the receiving thread reads it there: one
-wake-up, no encryption (the kernel carries it, to no one else).
+wake-up, no encryption (the kernel carries it, to no one else). Where
+the machine's ranks have a CPU each, a receive first polls its socket
+(:func:`~dasktrain.parallel.comm.base.spin_until`, for
+:func:`~dasktrain.parallel.comm.base.spin_seconds`) and so meets a
+message due soon without even that wake-up, as MPI's ranks do.
 
 Only the ranks of the job reach the sockets: each rank listens in a
 folder of its own (mode 0700, in ``/dev/shm``, which the ranks that share
@@ -40,6 +44,8 @@ from dasktrain.parallel.comm.base import (
     PEER_SILENT,
     CollectiveError,
     PeerLost,
+    spin_seconds,
+    spin_until,
 )
 from dasktrain.parallel.comm.handover import (
     INLINE_BYTES,
@@ -87,6 +93,14 @@ def _read_exactly(sock, n, what, source=None):
     return data
 
 
+def _readable(sock):
+    """Whether ``sock`` has bytes to read (or was closed), now."""
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):  # closed here: the read says so
+        return True
+
+
 class Nearby:
     """Unix domain sockets from this rank to its ``peers`` of the same
     machine; made by :meth:`connect`, every rank of ``comm`` calling it.
@@ -108,8 +122,10 @@ class Nearby:
         The names of its shared-memory segments begin so.
     """
 
-    def __init__(self, rank, socks, timeout):
+    def __init__(self, rank, socks, timeout, spin=0.0):
         self.rank, self._socks, self.timeout = rank, socks, timeout
+        #: Seconds a receive polls its socket before it sleeps in a read.
+        self.spin = spin
         self.peers = frozenset(socks)
         self.prefix = f'dasktrain-p2p-{secrets.token_hex(4)}'
         self._out = {p: Outbox(f'{self.prefix}-{p}') for p in socks}
@@ -174,7 +190,9 @@ class Nearby:
                 listener.close()
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
-        return cls(comm.rank, socks, comm.timeout)
+        return cls(comm.rank, socks, comm.timeout,
+                   spin_seconds(len(peers) + 1,
+                                len(os.sched_getaffinity(0))))
 
     def send(self, obj, dest):
         """Send ``obj`` to rank ``dest`` (one of :attr:`peers`); returns
@@ -277,7 +295,10 @@ class Nearby:
         with self._receiving[source]:
             if self._pending[source]:
                 return self._pending[source].popleft()
+            sock = self._socks[source]
             while True:
+                if self.spin:  # a message due soon is met awake
+                    spin_until(lambda: _readable(sock), self.spin)
                 got = self._read_frame(source)
                 if got is not None:
                     return got[0]
