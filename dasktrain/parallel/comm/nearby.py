@@ -307,9 +307,9 @@ class Nearby:
         """Whether rank ``peer`` closed its connection (it exited): its
         socket reads as ended. Reads nothing: what it sent stays."""
         sock = self._socks[peer]
+        if not _readable(sock):
+            return False
         try:
-            if not select.select([sock], [], [], 0)[0]:
-                return False
             return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b''
         except BlockingIOError:
             return False
